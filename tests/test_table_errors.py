@@ -146,7 +146,7 @@ def test_wrong_tensor_shapes_are_refused(tmp_path, built_table):
     table = built_table("llama3", "qwen3")
     short = dataclasses.replace(table, flags=table.flags[:-1])
     save_table(short, str(tmp_path / "t.safetensors"))
-    with pytest.raises(TableError, match="flags and .* offsets for a source vocabulary"):
+    with pytest.raises(TableError, match=r"flags and .* offsets for a source vocabulary"):
         load_table(str(tmp_path / "t.safetensors"))
     backwards = dataclasses.replace(table, offsets=table.offsets[::-1].copy())
     save_table(backwards, str(tmp_path / "b.safetensors"))

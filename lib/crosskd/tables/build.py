@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -38,36 +39,38 @@ def build_table(
     """
     v_src = src.vocab_size
     flags = np.full(v_src, Flag.PADDING, dtype=np.uint8)
-    chain_of: list[list[int]] = [[] for _ in range(v_src)]
-
     normal = np.flatnonzero(src.bytes.kind == KIND_NORMAL)
     strings = src.token_strings
+    encoded: list[list[int]] = []
     bar = tqdm(
         total=len(normal), desc=f"chains {_short(src.name)} -> {_short(dst.name)}",
         unit="tok", disable=not progress, leave=False,
     )  # fmt: skip
     with bar:
         for start in range(0, len(normal), batch_size):
-            ids = normal[start : start + batch_size]
-            words = [strings[i] for i in ids.tolist()]
-            for token_id, chain in zip(ids.tolist(), dst.encode_byte_level(words), strict=True):
-                chain_of[token_id] = chain
+            ids = normal[start : start + batch_size].tolist()
+            encoded += dst.encode_byte_level([strings[i] for i in ids])
             bar.update(len(ids))
-    offsets, chains = _to_csr([chain_of[i] for i in normal.tolist()])
-    exact = chains_match_bytes(src.bytes, normal, dst.bytes, offsets, chains)
+    normal_offsets, normal_chains = _to_csr(encoded)
+    exact = chains_match_bytes(src.bytes, normal, dst.bytes, normal_offsets, normal_chains)
     flags[normal] = np.where(exact, Flag.NORMAL, Flag.UNREPRESENTABLE)
-    for token_id in normal[~exact].tolist():
-        chain_of[token_id] = []
 
-    for token_id in np.flatnonzero(src.bytes.kind == KIND_SPECIAL).tolist():
-        dst_id = dst.role_ids.get(src.roles.get(token_id, ""))
-        if dst_id is None:
-            flags[token_id] = Flag.SPECIAL_UNMAPPED
-        else:
-            flags[token_id] = Flag.SPECIAL_MAPPED
-            chain_of[token_id] = [dst_id]
+    specials = np.flatnonzero(src.bytes.kind == KIND_SPECIAL)
+    special_dst = np.array(
+        [dst.role_ids.get(src.roles.get(i, ""), -1) for i in specials.tolist()], dtype=np.int64
+    )
+    flags[specials] = np.where(special_dst >= 0, Flag.SPECIAL_MAPPED, Flag.SPECIAL_UNMAPPED)
 
-    offsets, chains = _to_csr(chain_of)
+    lengths = np.zeros(v_src, dtype=np.int64)
+    lengths[normal[exact]] = np.diff(normal_offsets)[exact]
+    lengths[specials[special_dst >= 0]] = 1
+    offsets = np.zeros(v_src + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    chains = np.empty(int(offsets[-1]), dtype=np.int32)
+    kept = np.flatnonzero(exact)
+    chains[_csr_select(offsets, normal[kept])] = normal_chains[_csr_select(normal_offsets, kept)]
+    mapped = special_dst >= 0
+    chains[offsets[specials[mapped]]] = special_dst[mapped]
     meta = TableMeta(
         src_name=src.name,
         dst_name=dst.name,
@@ -125,10 +128,10 @@ def _csr_select(offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def _to_csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Row pointers (int64 ``[n + 1]``) and flat values (int32) of a list of lists."""
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter((x for r in rows for x in r), dtype=np.int32, count=int(offsets[-1]))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
     return offsets, flat
 
 

@@ -118,7 +118,7 @@ class LoadedTokenizer:
 
     def encode_byte_level(self, words: list[str]) -> list[list[int]]:
         """Like :meth:`encode_words` for words already in the ByteLevel alphabet."""
-        encodings = self.word_model.encode_batch(words, add_special_tokens=False)
+        encodings = self.word_model.encode_batch_fast(words, add_special_tokens=False)
         return [e.ids for e in encodings]
 
 

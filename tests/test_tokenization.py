@@ -1,0 +1,217 @@
+"""Loading tokenizers, the byte view of ids, roles, fingerprints and refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from crosskd.errors import TokenizerError
+from crosskd.tokenization import KIND_NONE, KIND_NORMAL, KIND_SPECIAL, load_tokenizer
+from crosskd.tokenization.byte_level import byte_level_to_bytes, bytes_to_byte_level
+
+CORPUS = ["Hello world, héllo wörld! 123 4567", "Ünïcödé text\twith\nnewlines  ", "日本語 ✓"] * 20
+
+
+def _tiny(folder: Path, *, model="bpe", pre="bytelevel", normalizer=None, specials=(), config=None):
+    """Train a tiny tokenizer with the given components into ``folder``; returns the folder."""
+    if model == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", *specials])
+    else:
+        tok = Tokenizer(models.BPE())
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=list(specials),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )  # fmt: skip
+    if pre == "bytelevel":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.train_from_iterator(CORPUS, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **(config or {})})
+    )
+    return folder
+
+
+def test_llama3_byte_view_matches_tiktoken_for_every_id(zoo, tiktoken_encoding):
+    llama, reference = zoo("llama3"), tiktoken_encoding("llama3")
+    assert llama.hf("Hello world")["input_ids"] == [128000, 9906, 1917]
+    assert llama.bytes.token_bytes(9906) == b"Hello"
+    assert llama.bytes.token_bytes(1917) == b" world"
+    normal = np.flatnonzero(llama.bytes.kind == KIND_NORMAL)
+    assert len(normal) == 128000
+    mismatched = [
+        i for i in normal.tolist()
+        if llama.bytes.token_bytes(i) != reference.decode_single_token_bytes(i)
+    ]  # fmt: skip
+    assert mismatched == []
+    not_utf8 = 0
+    for i in normal.tolist():
+        try:
+            llama.bytes.token_bytes(i).decode("utf-8")
+        except UnicodeDecodeError:
+            not_utf8 += 1
+    assert not_utf8 > 500
+
+
+def test_specials_have_their_content_as_bytes_and_a_kind(zoo):
+    qwen = zoo("qwen3")
+    im_end, think = 151645, 151667
+    assert qwen.bytes.token_bytes(im_end) == b"<|im_end|>"
+    assert qwen.bytes.kind[im_end] == KIND_SPECIAL
+    assert qwen.is_special(think)
+    assert len(qwen.special_ids) == 151669 - 151643
+    assert np.all(qwen.bytes.kind[151669:] == KIND_NONE)
+    assert qwen.vocab_size == 151936 and qwen.length == 151669
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("llama3", {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "eot": "<|eot_id|>",
+                    "turn_start": "<|start_header_id|>", "header_end": "<|end_header_id|>"}),
+        ("qwen3", {"eos": "<|endoftext|>", "eot": "<|im_end|>", "turn_start": "<|im_start|>",
+                   "think_open": "<think>", "think_close": "</think>"}),
+        ("deepseek-v3", {"bos": "<｜begin▁of▁sentence｜>", "eot": "<｜end▁of▁sentence｜>",
+                         "user": "<｜User｜>", "assistant": "<｜Assistant｜>"}),
+        ("smollm2", {"eos": "<|endoftext|>", "eot": "<|im_end|>", "turn_start": "<|im_start|>"}),
+    ],
+)  # fmt: skip
+def test_roles_of_the_zoo(zoo, name, expected):
+    tok = zoo(name)
+    found = {role: tok.bytes.token_bytes(i).decode() for role, i in tok.role_ids.items()}
+    for role, content in expected.items():
+        assert found[role] == content
+    assert "pad" not in found or name == "deepseek-v3"
+
+
+def test_roles_from_the_special_map_and_overrides(tmp_path):
+    folder = _tiny(
+        tmp_path / "t", specials=("[EOS]", "[PAD]", "[X]"),
+        config={"eos_token": "[EOS]", "pad_token": "[EOS]"},
+    )  # fmt: skip
+    tok = load_tokenizer(folder)
+    eos = tok.hf.convert_tokens_to_ids("[EOS]")
+    assert tok.roles == {eos: "eos"}
+    tok = load_tokenizer(folder, role_overrides={"[PAD]": "pad", "[X]": "eot", "[EOS]": None})
+    assert tok.role_ids == {"pad": tok.hf.convert_tokens_to_ids("[PAD]"),
+                            "eot": tok.hf.convert_tokens_to_ids("[X]")}  # fmt: skip
+    with pytest.raises(TokenizerError, match="no added token with that content"):
+        load_tokenizer(folder, role_overrides={"hello": "eos"})
+    with pytest.raises(TokenizerError, match="is not a role"):
+        load_tokenizer(folder, role_overrides={"[X]": "boss"})
+
+
+def test_fingerprint_is_stable_and_sensitive(tmp_path):
+    base = _tiny(tmp_path / "base", specials=("<|im_end|>",), config={"chat_template": "A"})
+    first = load_tokenizer(base).fingerprint
+    assert load_tokenizer(base).fingerprint == first
+    data = json.loads((base / "tokenizer.json").read_text())
+    reformatted = tmp_path / "reformatted"
+    reformatted.mkdir()
+    (reformatted / "tokenizer.json").write_text(json.dumps(data, indent=3))
+    (reformatted / "tokenizer_config.json").write_text((base / "tokenizer_config.json").read_text())
+    assert load_tokenizer(reformatted).fingerprint == first
+
+    def variant(name: str, edit) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        tok_json, config = json.loads(json.dumps(data)), {"chat_template": "A"}
+        edit(tok_json, config)
+        (folder / "tokenizer.json").write_text(json.dumps(tok_json))
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        return load_tokenizer(folder).fingerprint
+
+    changed = {
+        "template": variant("t", lambda t, c: c.update(chat_template="B")),
+        "merges": variant("m", lambda t, c: t["model"].update(merges=t["model"]["merges"][:-1])),
+        "normalizer": variant("n", lambda t, c: t.update(normalizer={"type": "NFC"})),
+        "eos": variant("e", lambda t, c: c.update(eos_token="<|im_end|>")),
+    }
+    assert len(set(changed.values()) | {first}) == len(changed) + 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "found"),
+    [
+        ({"pre": "metaspace"}, "Metaspace pre-tokenizer"),
+        ({"model": "wordpiece"}, "WordPiece model"),
+        ({"normalizer": normalizers.NFKC()}, "NFKC normalizer"),
+        ({"normalizer": normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])},
+         "NFC, Lowercase normalizer"),
+    ],
+)  # fmt: skip
+def test_unsupported_tokenizers_are_refused(tmp_path, kwargs, found):
+    folder = _tiny(tmp_path / "x", **kwargs)
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(folder)
+    message = str(info.value)
+    assert str(folder) in message and found in message
+    assert "supported" in message
+
+
+def test_nfc_and_empty_sequence_normalizers_are_accepted(tmp_path):
+    load_tokenizer(_tiny(tmp_path / "a", normalizer=normalizers.NFC()))
+    load_tokenizer(_tiny(tmp_path / "b", normalizer=normalizers.Sequence([])))
+
+
+def test_sources_file_folder_uri_and_missing_hub_id(tmp_path):
+    folder = _tiny(tmp_path / "t", specials=("<|endoftext|>",))
+    from_folder = load_tokenizer(folder)
+    from_file = load_tokenizer(folder / "tokenizer.json")
+    assert from_file.bytes.token_bytes(300) == from_folder.bytes.token_bytes(300)
+    fs = fsspec.filesystem("memory")
+    for child in folder.iterdir():
+        fs.pipe(f"/tok/{child.name}", child.read_bytes())
+    from_uri = load_tokenizer("memory://tok", cache_dir=tmp_path / "cache")
+    assert from_uri.fingerprint == from_folder.fingerprint
+    assert load_tokenizer(f"file://{folder}").fingerprint == from_folder.fingerprint
+    with pytest.raises(TokenizerError, match="local cache"):
+        load_tokenizer("crosskd-no-such-org/no-such-model")
+    with pytest.raises(TokenizerError, match="does not exist"):
+        load_tokenizer("memory://nothing-here", cache_dir=tmp_path / "cache")
+    (tmp_path / "vocab.txt").write_text("a")
+    with pytest.raises(TokenizerError, match=r"not a tokenizer\.json"):
+        load_tokenizer(tmp_path / "vocab.txt")
+
+
+def test_vocab_size_smaller_than_the_tokenizer_is_refused(tmp_path):
+    folder = _tiny(tmp_path / "t")
+    with pytest.raises(TokenizerError, match="output size was given as 10"):
+        load_tokenizer(folder, vocab_size=10)
+    assert load_tokenizer(folder, vocab_size=512).bytes.kind[400:].tolist() == [KIND_NONE] * 112
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_byte_level_round_trip(data):
+    text = bytes_to_byte_level(data)
+    assert len(text) == len(data)
+    assert byte_level_to_bytes(text) == data
+
+
+@pytest.mark.parametrize("text", ["a b", "\x00", "caf\u00e9\u0301", "日"])
+def test_strings_outside_the_alphabet_have_no_byte_view(text):
+    assert byte_level_to_bytes(text) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=151935), max_size=40))
+def test_concat_equals_joined_token_bytes(zoo, ids):
+    qwen = zoo("qwen3")
+    expected = b"".join(qwen.bytes.token_bytes(i) for i in ids)
+    assert qwen.bytes.concat(np.asarray(ids, dtype=np.int64)).tobytes() == expected
