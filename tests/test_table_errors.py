@@ -17,6 +17,7 @@ from crosskd.cli import main
 from crosskd.errors import TableError
 from crosskd.tables import Flag, TablePair, load_table, save_table, validate_pair, validate_table
 from crosskd.tokenization import load_tokenizer
+from crosskd.zoo import zoo_tokenizer_dir
 
 
 def _with_row(table, row: int, chain: list[int], flag: Flag):
@@ -41,7 +42,7 @@ def test_swapped_tables_are_named(zoo, built_table):
 
 def test_changed_tokenizer_fingerprint_is_named(tmp_path, zoo, zoo_cache, built_table):
     folder = tmp_path / "llama3-edited"
-    shutil.copytree(zoo_cache / "zoo" / "llama3-v1", folder)
+    shutil.copytree(zoo_tokenizer_dir("llama3", zoo_cache), folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = "{{ messages[0]['content'] }}"
