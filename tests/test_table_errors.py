@@ -188,3 +188,13 @@ def test_cli_bad_input_exits_2_with_one_clear_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("crosskd: error: table ")
     assert "no such file" in result.stderr
+
+
+def test_pair_consumer_refuses_other_tokenizers(zoo, built_table):
+    pair = TablePair(built_table("llama3", "qwen3"), built_table("qwen3", "llama3"))
+    pair.check_tokenizers(zoo("llama3"), zoo("qwen3"))
+    with pytest.raises(TableError) as info:
+        pair.check_tokenizers(zoo("smollm2"), zoo("qwen3"))
+    message = str(info.value)
+    assert "student tokenizer" in message
+    assert zoo("llama3").fingerprint in message and zoo("smollm2").fingerprint in message

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import fsspec
@@ -193,7 +196,10 @@ def test_vocab_size_smaller_than_the_tokenizer_is_refused(tmp_path):
     folder = _tiny(tmp_path / "t")
     with pytest.raises(TokenizerError, match="output size was given as 10"):
         load_tokenizer(folder, vocab_size=10)
-    assert load_tokenizer(folder, vocab_size=512).bytes.kind[400:].tolist() == [KIND_NONE] * 112
+    tok = load_tokenizer(folder, vocab_size=512)
+    assert tok.length < 400
+    assert tok.bytes.kind[tok.length :].tolist() == [KIND_NONE] * (512 - tok.length)
+    assert (tok.bytes.kind[: tok.length] != KIND_NONE).all()
 
 
 @settings(max_examples=200, deadline=None)
@@ -215,3 +221,24 @@ def test_concat_equals_joined_token_bytes(zoo, ids):
     qwen = zoo("qwen3")
     expected = b"".join(qwen.bytes.token_bytes(i) for i in ids)
     assert qwen.bytes.concat(np.asarray(ids, dtype=np.int64)).tobytes() == expected
+
+
+def test_hub_id_is_read_from_the_local_hf_cache_only(tmp_path):
+    """A hub id resolves from a Hugging Face cache laid out as huggingface_hub writes it."""
+    snapshot = tmp_path / "hub" / "models--crosskd-test--tiny" / "snapshots" / ("0" * 40)
+    _tiny(snapshot, specials=("<|endoftext|>",))
+    (snapshot / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    refs = tmp_path / "hub" / "models--crosskd-test--tiny" / "refs"
+    refs.mkdir()
+    (refs / "main").write_text("0" * 40)
+    script = (
+        "from crosskd.tokenization import load_tokenizer\n"
+        "tok = load_tokenizer('crosskd-test/tiny')\n"
+        "print(tok.length, tok.vocab_size)\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(load_tokenizer(snapshot).length), "512"]

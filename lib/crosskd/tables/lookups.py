@@ -16,6 +16,7 @@ import numpy as np
 
 from crosskd.errors import TableError
 from crosskd.tables.format import Flag, SubTokenTable, load_table
+from crosskd.tokenization import LoadedTokenizer
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,6 +41,21 @@ class TablePair:
         )
         object.__setattr__(self, "prefix_s2t", prefix_index(self.student_to_teacher))
         object.__setattr__(self, "prefix_t2s", prefix_index(self.teacher_to_student))
+
+    def check_tokenizers(self, student: LoadedTokenizer, teacher: LoadedTokenizer) -> None:
+        """Refuse (with :class:`TableError`) tokenizers other than those the pair was built for,
+        naming the table, the side and both fingerprints."""
+        meta = self.student_to_teacher.meta
+        for side, tok, recorded in (
+            ("student", student, meta.src_fingerprint),
+            ("teacher", teacher, meta.dst_fingerprint),
+        ):
+            if tok.fingerprint != recorded:
+                raise TableError(
+                    f"table {self.student_to_teacher.source} was built for a {side} tokenizer "
+                    f"with fingerprint {recorded}, but {tok.name} has {tok.fingerprint}; rebuild "
+                    f"the tables with `crosskd tables build` for these tokenizers."
+                )
 
 
 def load_table_pair(student_to_teacher: str, teacher_to_student: str) -> TablePair:
