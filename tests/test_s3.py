@@ -67,3 +67,16 @@ def test_tables_round_trip_through_s3_and_validate_from_the_cli(s3, built_table,
         "--student-to-teacher", s2t_uri, "--teacher-to-student", t2s_uri,
     ])  # fmt: skip
     assert status == 0
+
+
+def test_changed_remote_tokenizer_is_copied_again(s3, tmp_path):
+    first = train_tiny_bpe(["abc abd abe"] * 30, 270, tmp_path / "first")
+    second = train_tiny_bpe(["xyz xyw xyv"] * 30, 270, tmp_path / "second")
+    s3.put(str(first) + "/", "crosskd-test/tokenizers/moving/", recursive=True)
+    cache = tmp_path / "cache"
+    before = load_tokenizer("s3://crosskd-test/tokenizers/moving/", cache_dir=cache)
+    s3.put(str(second) + "/", "crosskd-test/tokenizers/moving/", recursive=True)
+    after = load_tokenizer("s3://crosskd-test/tokenizers/moving/", cache_dir=cache)
+    assert before.fingerprint == load_tokenizer(first).fingerprint
+    assert after.fingerprint == load_tokenizer(second).fingerprint != before.fingerprint
+    assert len(list((cache / "uris").iterdir())) == 2

@@ -6,9 +6,11 @@ downloaded from a hub.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from crosskd.errors import TokenizerError
@@ -72,30 +74,46 @@ def _hub_folder(repo_id: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
+_VERSION_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "md5Hash")
+
+
 def _fetch_uri(uri: str, cache_dir: Path) -> Path:
-    """Copy a tokenizer folder or tokenizer.json at an fsspec URI into the cache (atomically)."""
+    """Copy a tokenizer folder or tokenizer.json at an fsspec URI into the cache (atomically).
+
+    The copy is keyed by the URI and each file's name, size and version stamp (ETag, mtime...),
+    so a changed remote tokenizer is copied again instead of read stale from the cache.
+    """
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(uri)
-    digest = hashlib.sha256(uri.encode("utf-8")).hexdigest()[:16]
-    target = cache_dir / "uris" / digest
-    if target.is_dir():
-        return target / "tokenizer.json" if uri.endswith(".json") else target
     if not fs.exists(path):
         raise TokenizerError(f"tokenizer {uri!r} does not exist; check the URI and credentials.")
-    tmp = target.with_name(f"{digest}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    if fs.isdir(path):
-        for child in fs.ls(path, detail=False):
-            if fs.isfile(child):
-                fs.get(child, str(tmp / Path(child).name))
-    else:
-        fs.get(path, str(tmp / "tokenizer.json"))
-    log.info("copied tokenizer %s to %s", uri, target)
-    try:
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not target.is_dir():
-            raise
-    return target / "tokenizer.json" if not fs.isdir(path) else target
+    is_dir = fs.isdir(path)
+    entries = (
+        [e for e in fs.ls(path, detail=True) if e.get("type") == "file"]
+        if is_dir
+        else [fs.info(path)]
+    )
+    names = {Path(e["name"]).name for e in entries}
+    if is_dir and not names & {"tokenizer.json", "tokenizer_config.json"}:
+        raise TokenizerError(
+            f"tokenizer folder {uri!r} has no tokenizer.json or tokenizer_config.json."
+        )
+    stamp = [[Path(e["name"]).name, {k: e[k] for k in _VERSION_KEYS if k in e}] for e in entries]
+    key = json.dumps([uri, sorted(stamp)], sort_keys=True, default=str)
+    target = cache_dir / "uris" / hashlib.sha256(key.encode("utf-8")).hexdigest()[:20]
+    if not target.is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            for entry in entries:
+                name = Path(entry["name"]).name if is_dir else "tokenizer.json"
+                fs.get(entry["name"], str(tmp / name))
+            os.replace(tmp, target)
+            log.info("copied tokenizer %s to %s", uri, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target if is_dir else target / "tokenizer.json"
