@@ -11,8 +11,13 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from crosskd.errors import CrosskdError
+
+if TYPE_CHECKING:
+    from crosskd.tables import SubTokenTable
+    from crosskd.tokenization import LoadedTokenizer
 
 log = logging.getLogger("crosskd")
 
@@ -108,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, side: str):
+def _load(args: argparse.Namespace, side: str) -> LoadedTokenizer:
     from crosskd.tokenization import load_tokenizer
 
     return load_tokenizer(
@@ -116,7 +121,7 @@ def _load(args: argparse.Namespace, side: str):
     )
 
 
-def _summary_dict(table) -> dict:
+def _summary_dict(table: SubTokenTable) -> dict:
     meta = table.meta
     return {
         "source": f"{meta.src_name} (len {meta.src_len}, V {meta.src_vocab_size})",
@@ -126,7 +131,7 @@ def _summary_dict(table) -> dict:
     }
 
 
-def _summary(table) -> str:
+def _summary(table: SubTokenTable) -> str:
     return _format({table.source: _summary_dict(table)})
 
 

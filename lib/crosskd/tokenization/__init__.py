@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,6 +42,10 @@ from crosskd.tokenization.byte_level import (
 )
 from crosskd.tokenization.roles import ROLES, assign_roles
 from crosskd.tokenization.sources import default_cache_dir, load_hf
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "KIND_NONE", "KIND_NORMAL", "KIND_SPECIAL", "ROLES", "SUPPORTED", "ByteVocab",
@@ -60,7 +65,7 @@ class LoadedTokenizer:
     """
 
     name: str
-    hf: object
+    hf: PreTrainedTokenizerBase
     fingerprint: str
     length: int
     vocab_size: int
@@ -87,7 +92,7 @@ class LoadedTokenizer:
         return bool(self.bytes.kind[token_id] == KIND_SPECIAL)
 
     @cached_property
-    def word_model(self) -> object:
+    def word_model(self) -> Tokenizer:
         """A ``tokenizers.Tokenizer`` around this tokenizer's own BPE model (its merges and
         ``ignore_merges``; dropout off), with no normalizer, pre-tokenizer, added tokens or
         post-processor, so a ByteLevel string is encoded as one word."""
@@ -213,7 +218,7 @@ def _components(node: dict | None, list_key: str) -> list[str]:
     return [node["type"]]
 
 
-def fingerprint(hf: object, backend: dict | None = None) -> str:
+def fingerprint(hf: PreTrainedTokenizerBase, backend: dict | None = None) -> str:
     """sha256 (hex) of the canonical JSON of what decides ids and rendering.
 
     Covers the backend's model, normalizer, pre-tokenizer, post-processor, decoder and added

@@ -10,7 +10,12 @@ has no ``eos``). If two specials end up with one role, lookups by role use the l
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from crosskd.errors import TokenizerError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = (
     "bos", "eos", "eot", "eom", "pad", "unk", "turn_start", "header_end",
@@ -54,7 +59,7 @@ KNOWN_MARKERS: dict[str, str] = {
 
 
 def assign_roles(
-    name: str, hf: object, added: dict[int, str], overrides: dict[str, str | None]
+    name: str, hf: PreTrainedTokenizerBase, added: dict[int, str], overrides: dict[str, str | None]
 ) -> dict[int, str]:
     roles = {i: KNOWN_MARKERS[c] for i, c in added.items() if c in KNOWN_MARKERS}
     for attr, role in (("bos", "bos"), ("eos", "eos"), ("unk", "unk"), ("pad", "pad")):

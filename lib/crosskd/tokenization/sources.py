@@ -12,8 +12,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from crosskd.errors import TokenizerError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +29,7 @@ def default_cache_dir() -> Path:
 
 def load_hf(
     ref: str, *, trust_remote_code: bool, cache_dir: str | os.PathLike | None
-) -> tuple[object, Path | None]:
+) -> tuple[PreTrainedTokenizerBase, Path | None]:
     """Returns the transformers tokenizer and the local folder it came from (if any)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
