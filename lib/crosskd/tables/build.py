@@ -17,6 +17,7 @@ import logging
 import numpy as np
 from tqdm.auto import tqdm
 
+from crosskd import ragged
 from crosskd.tables.format import Flag, SubTokenTable, TableMeta
 from crosskd.tokenization import KIND_NORMAL, KIND_SPECIAL, ByteVocab, LoadedTokenizer
 
@@ -64,11 +65,11 @@ def build_table(
     lengths = np.zeros(v_src, dtype=np.int64)
     lengths[normal[exact]] = np.diff(normal_offsets)[exact]
     lengths[specials[special_dst >= 0]] = 1
-    offsets = np.zeros(v_src + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = ragged.offsets_from_lengths(lengths)
     chains = np.empty(int(offsets[-1]), dtype=np.int32)
     kept = np.flatnonzero(exact)
-    chains[_csr_select(offsets, normal[kept])] = normal_chains[_csr_select(normal_offsets, kept)]
+    kept_values = normal_chains[ragged.select(normal_offsets, kept)]
+    chains[ragged.select(offsets, normal[kept])] = kept_values
     mapped = special_dst >= 0
     chains[offsets[specials[mapped]]] = special_dst[mapped]
     meta = TableMeta(
@@ -100,37 +101,16 @@ def chains_match_bytes(
     order. Returns bool ``[n]``.
     """
     rows = np.asarray(rows, dtype=np.int64)
-    src_len = src.lengths[rows]
-    cum = np.zeros(len(chains) + 1, dtype=np.int64)
-    np.cumsum(dst.lengths[chains], out=cum[1:])
-    dst_len = cum[offsets[1:]] - cum[offsets[:-1]]
-    same_len = src_len == dst_len
-    if not same_len.any():
-        return same_len
-    keep = np.flatnonzero(same_len)
-    elem = _csr_select(offsets, keep)
-    left = src.concat(rows[keep])
-    right = dst.concat(chains[elem])
-    differ = np.flatnonzero(left != right)
-    ok = same_len.copy()
-    if differ.size:
-        ends = np.cumsum(src_len[keep])
-        ok[keep[np.unique(np.searchsorted(ends, differ, side="right"))]] = False
-    return ok
-
-
-def _csr_select(offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Element indices of the CSR ``rows`` (in order), int64."""
-    lengths = offsets[rows + 1] - offsets[rows]
-    shift = offsets[rows] - np.cumsum(lengths) + lengths
-    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(shift, lengths)
+    src_offsets = ragged.offsets_from_lengths(src.lengths[rows])
+    chain_byte_ends = ragged.offsets_from_lengths(dst.lengths[chains])
+    return ragged.segments_equal(
+        src.concat(rows), src_offsets, dst.concat(chains), chain_byte_ends[offsets]
+    )
 
 
 def _to_csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Row pointers (int64 ``[n + 1]``) and flat values (int32) of a list of lists."""
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = ragged.offsets_from_lengths(np.fromiter(map(len, rows), np.int64, count=len(rows)))
     flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
     return offsets, flat
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from crosskd import ragged
 from crosskd.tables.build import chains_match_bytes
 from crosskd.tables.format import Flag, SubTokenTable
 from crosskd.tokenization import KIND_NONE, KIND_NORMAL, KIND_SPECIAL, LoadedTokenizer
@@ -123,12 +124,8 @@ def _check_rows(
 
     normal = np.flatnonzero((flags == Flag.NORMAL) & (kind == KIND_NORMAL) & (lengths > 0))
     normal = normal[~bad_row[normal]]
-    starts, ends = offsets[normal], offsets[normal + 1]
-    row_offsets = np.zeros(len(normal) + 1, dtype=np.int64)
-    np.cumsum(ends - starts, out=row_offsets[1:])
-    elems = np.arange(int(row_offsets[-1]), dtype=np.int64) + np.repeat(
-        starts - row_offsets[:-1], ends - starts
-    )
+    row_offsets = ragged.offsets_from_lengths(lengths[normal])
+    elems = ragged.select(offsets, normal)
     normal_chains = chains[elems]
     not_normal_dst = dst.bytes.kind[normal_chains] != KIND_NORMAL
     has_special = np.zeros(len(flags), dtype=bool)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from crosskd import ragged
 from crosskd.errors import TokenizerError
 from crosskd.tokenization.byte_level import (
     KIND_NONE,
@@ -256,8 +257,7 @@ def _byte_vocab(name: str, vocab: dict[str, int], added: dict[int, str], size: i
             f"(first ids: {sorted(bad)[:5]}); supported: {SUPPORTED}."
         )
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
-    offsets = np.zeros(size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = ragged.offsets_from_lengths(lengths)
     data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
     return ByteVocab(data=data, offsets=offsets, kind=kind)
 

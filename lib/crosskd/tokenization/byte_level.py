@@ -13,6 +13,8 @@ from functools import cached_property
 
 import numpy as np
 
+from crosskd import ragged
+
 KIND_NONE, KIND_NORMAL, KIND_SPECIAL = 0, 1, 2
 """Values of :attr:`ByteVocab.kind`: no token (a padding row), a normal token, a special."""
 
@@ -78,7 +80,4 @@ class ByteVocab:
 
     def concat(self, ids: np.ndarray) -> np.ndarray:
         """The bytes of ``ids`` (int ``[n]``) one after another, uint8 ``[sum of lengths]``."""
-        ids = np.asarray(ids, dtype=np.int64)
-        lengths = self.lengths[ids]
-        shift = self.offsets[ids] - np.cumsum(lengths) + lengths
-        return self.data[np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(shift, lengths)]
+        return self.data[ragged.select(self.offsets, ids)]
