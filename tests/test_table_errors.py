@@ -51,7 +51,7 @@ def test_changed_tokenizer_fingerprint_is_named(tmp_path, zoo, zoo_cache, built_
     original = zoo("llama3")
     assert edited.fingerprint != original.fingerprint
     table = save_table(built_table("llama3", "qwen3"), str(tmp_path / "s2t.safetensors"))
-    report = validate_table(table, edited, zoo("qwen3"), direction="student->teacher")
+    report = validate_table(table, edited, zoo("qwen3"), src_side="student")
     assert not report.ok
     message = report.violations[0]
     assert "student tokenizer fingerprint mismatch" in message
@@ -61,9 +61,56 @@ def test_changed_tokenizer_fingerprint_is_named(tmp_path, zoo, zoo_cache, built_
 
 def test_chain_id_out_of_range_is_named(zoo, built_table):
     table = built_table("llama3", "qwen3")
-    broken = _with_row(table, 1234, [151936 + 5], Flag.NORMAL)
-    report = validate_table(broken, zoo("llama3"), zoo("qwen3"))
-    assert any("outside [0, 151936)" in v and "[1234]" in v for v in report.violations)
+    for bad_id in (151936 + 5, -7):
+        broken = _with_row(table, 1234, [bad_id], Flag.NORMAL)
+        report = validate_table(broken, zoo("llama3"), zoo("qwen3"))
+        assert "1 rows have chain ids outside [0, 151936) (first rows: [1234])" in (
+            report.violations[0]
+        )
+
+
+@pytest.mark.parametrize("bad_id", [151936 + 5, -7])
+def test_chain_id_out_of_range_is_refused_on_load(tmp_path, built_table, bad_id, capsys):
+    """Before anything indexes with it: the loader, TablePair and `tables inspect`."""
+    table = _with_row(built_table("llama3", "qwen3"), 1234, [bad_id], Flag.NORMAL)
+    path = str(tmp_path / "bad.safetensors")
+    save_table(table, path)
+    expected = r"chain ids outside \[0, 151936\) \(first rows: \[1234\]\)"
+    with pytest.raises(TableError, match=expected):
+        load_table(path)
+    assert main(["tables", "inspect", path]) == 2
+    assert "chain ids outside" in capsys.readouterr().err
+
+
+def test_bad_metadata_is_a_table_error(tmp_path, built_table):
+    table = built_table("llama3", "qwen3")
+    for field, value in (("src_vocab_size", "abc"), ("format_version", "1.0")):
+        meta = dataclasses.replace(table.meta)
+        path = tmp_path / f"{field}.safetensors"
+        save_table(table, str(path))
+        _rewrite_metadata(path, {**meta.to_metadata(), field: value})
+        with pytest.raises(TableError, match=f"metadata field {field!r} is {value!r}"):
+            load_table(str(path))
+
+
+def _rewrite_metadata(path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+
+
+def test_valid_table_whose_header_starts_like_a_pickle_loads(tmp_path, built_table):
+    """A safetensors header length of 0x80 mod 256 must not be mistaken for a pickle."""
+    table = built_table("llama3", "qwen3")
+    for pad in range(256):
+        meta = dataclasses.replace(table.meta, src_name="s" * pad)
+        path = tmp_path / "t.safetensors"
+        save_table(dataclasses.replace(table, meta=meta), str(path))
+        if path.read_bytes()[0] == 0x80:
+            break
+    else:
+        pytest.fail("no padding gave a header length of 0x80 mod 256")
+    assert load_table(str(path)).meta.src_name == "s" * pad
 
 
 def test_chain_with_other_bytes_is_named(zoo, built_table):
@@ -73,7 +120,22 @@ def test_chain_with_other_bytes_is_named(zoo, built_table):
     broken = _with_row(table, hello, [world], Flag.NORMAL)
     report = validate_table(broken, zoo("llama3"), zoo("qwen3"))
     assert report.violations == [
-        f"1 rows have chains whose bytes differ from the token's bytes (first ids: [{hello}])"
+        f"1 rows have chains whose bytes differ from the token's bytes (first ids: [{hello}]); "
+        "rebuild the table with `crosskd tables build`"
+    ]
+
+
+def test_byte_equal_chain_that_is_not_the_bpe_split_is_named(zoo, built_table):
+    """Right bytes, wrong split: the common tokens and prefix index would silently change."""
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    table = built_table("llama3", "qwen3")
+    hello = llama.hf.convert_tokens_to_ids("ĠHello")
+    letters = [qwen.hf.convert_tokens_to_ids(t) for t in ("Ġ", "H", "e", "l", "l", "o")]
+    assert qwen.bytes.concat(np.array(letters)).tobytes() == b" Hello"
+    broken = _with_row(table, hello, letters, Flag.NORMAL)
+    assert validate_table(broken, llama, qwen).violations == [
+        f"1 rows have chains with the right bytes that are not the destination BPE's split "
+        f"(first ids: [{hello}]); rebuild the table with `crosskd tables build`"
     ]
 
 
@@ -95,8 +157,21 @@ def test_false_unrepresentable_flag_is_named(zoo, built_table):
     violations = validate_table(broken, zoo("llama3"), zoo("qwen3")).violations
     assert violations == [
         "1 rows are flagged unrepresentable but the destination encodes them exactly "
-        "(first ids: [500])"
+        "(first ids: [500]); rebuild the table with `crosskd tables build`"
     ]
+
+
+def test_false_normal_flag_is_named(zoo, built_table):
+    """A Qwen token holding byte 0x04, which SmolLM2 cannot spell, flagged normal anyway."""
+    qwen, smol = zoo("qwen3"), zoo("smollm2")
+    table = built_table("qwen3", "smollm2")
+    row = int(np.flatnonzero(table.flags == Flag.UNREPRESENTABLE)[0])
+    broken = _with_row(table, row, [0], Flag.NORMAL)
+    violations = validate_table(broken, qwen, smol).violations
+    assert violations[0].startswith(
+        f"1 rows are flagged normal but the destination cannot spell their bytes exactly "
+        f"(first ids: [{row}])"
+    )
 
 
 def test_truncated_file_is_refused(tmp_path, built_table):
@@ -107,7 +182,7 @@ def test_truncated_file_is_refused(tmp_path, built_table):
     with pytest.raises(TableError, match="not a readable safetensors file"):
         load_table(str(path))
     path.write_bytes(data[:5])
-    with pytest.raises(TableError, match="truncated"):
+    with pytest.raises(TableError, match="shorter than the 8-byte header length"):
         load_table(str(path))
 
 
@@ -151,8 +226,13 @@ def test_wrong_tensor_shapes_are_refused(tmp_path, built_table):
         load_table(str(tmp_path / "t.safetensors"))
     backwards = dataclasses.replace(table, offsets=table.offsets[::-1].copy())
     save_table(backwards, str(tmp_path / "b.safetensors"))
-    with pytest.raises(TableError, match="offsets are not monotone"):
+    with pytest.raises(TableError, match="offsets run from 155047 to 0"):
         load_table(str(tmp_path / "b.safetensors"))
+    dip = table.offsets.copy()
+    dip[10] = dip[12]
+    save_table(dataclasses.replace(table, offsets=dip), str(tmp_path / "d.safetensors"))
+    with pytest.raises(TableError, match=r"offsets decrease at rows \[10\]"):
+        load_table(str(tmp_path / "d.safetensors"))
 
 
 def test_pair_of_unrelated_tables_is_refused(built_table):

@@ -139,6 +139,11 @@ def test_common_tokens_and_prefix_index(zoo, built_table):
             assert chain == [*prefix, last]
     total = sum(len(rows) for rows in pair.prefix_s2t.values())
     assert total == int((pair.student_to_teacher.flags == Flag.NORMAL).sum())
+    hello_chain = tuple(pair.student_to_teacher.chain(hello_l).tolist())
+    assert hello_chain == (hello_q,) and pair.chain_s2t[hello_chain] == hello_l
+    for chain, src_id in list(pair.chain_t2s.items())[:500]:
+        assert pair.teacher_to_student.chain(src_id).tolist() == list(chain)
+    assert len(pair.chain_t2s) == int((pair.teacher_to_student.flags == Flag.NORMAL).sum())
 
 
 def test_save_and_load_round_trip(tmp_path, built_table):

@@ -22,16 +22,18 @@ from crosskd.tokenization.byte_level import byte_level_to_bytes, bytes_to_byte_l
 CORPUS = ["Hello world, héllo wörld! 123 4567", "Ünïcödé text\twith\nnewlines  ", "日本語 ✓"] * 20
 
 
-def _tiny(folder: Path, *, model="bpe", pre="bytelevel", normalizer=None, specials=(), config=None):
-    """Train a tiny tokenizer with the given components into ``folder``; returns the folder."""
+def _tiny(folder: Path, *, model="bpe", pre="bytelevel", normalizer=None, specials=(), config=None,
+          bpe=None):  # fmt: skip
+    """Train a tiny tokenizer with the given components into ``folder``; returns the folder.
+    ``bpe``: options for both the BPE model and its trainer (affixes)."""
     if model == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", *specials])
     else:
-        tok = Tokenizer(models.BPE())
+        tok = Tokenizer(models.BPE(**(bpe or {})))
         trainer = trainers.BpeTrainer(
             vocab_size=400, special_tokens=list(specials),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), **(bpe or {}),
         )  # fmt: skip
     if pre == "bytelevel":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -140,6 +142,11 @@ def test_fingerprint_is_stable_and_sensitive(tmp_path):
         return load_tokenizer(folder).fingerprint
 
     changed = {
+        "split_special_tokens": variant("s", lambda t, c: c.update(split_special_tokens=True)),
+        "clean_up": variant("c", lambda t, c: c.update(clean_up_tokenization_spaces=True)),
+        "extra_special": variant(
+            "x", lambda t, c: c.update(additional_special_tokens=["<|im_end|>"])
+        ),
         "template": variant("t", lambda t, c: c.update(chat_template="B")),
         "merges": variant("m", lambda t, c: t["model"].update(merges=t["model"]["merges"][:-1])),
         "normalizer": variant("n", lambda t, c: t.update(normalizer={"type": "NFC"})),
@@ -165,6 +172,56 @@ def test_unsupported_tokenizers_are_refused(tmp_path, kwargs, found):
     message = str(info.value)
     assert str(folder) in message and found in message
     assert "supported" in message
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("continuing_subword_prefix", "##"), ("end_of_word_suffix", "</w>"), ("byte_fallback", True)],
+)
+def test_bpe_options_that_change_token_bytes_are_refused(tmp_path, option, value):
+    if option == "byte_fallback":
+        folder = _tiny(tmp_path / "x")
+        data = json.loads((folder / "tokenizer.json").read_text())
+        data["model"][option] = value
+        (folder / "tokenizer.json").write_text(json.dumps(data))
+    else:
+        folder = _tiny(tmp_path / "x", bpe={option: value})
+    with pytest.raises(TokenizerError, match=f"BPE model with {option}="):
+        load_tokenizer(folder)
+
+
+def test_non_byte_level_decoder_and_strings_are_refused(tmp_path):
+    folder = _tiny(tmp_path / "d")
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["decoder"] = {"type": "Fuse"}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match="has a Fuse decoder, not ByteLevel"):
+        load_tokenizer(folder)
+    folder = _tiny(tmp_path / "s")
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"]["vocab"]["a b"] = len(data["model"]["vocab"])
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match="1 vocabulary entries are not ByteLevel strings"):
+        load_tokenizer(folder)
+
+
+def test_folder_without_tokenizer_json_is_refused(tmp_path):
+    folder = _tiny(tmp_path / "t")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match=r"has no tokenizer\.json; crosskd reads fast"):
+        load_tokenizer(folder)
+
+
+def test_guessed_output_size_is_logged(tmp_path, caplog):
+    folder = _tiny(tmp_path / "t")
+    with caplog.at_level("WARNING", logger="crosskd.tokenization"):
+        tok = load_tokenizer(folder)
+    assert tok.vocab_size == tok.length
+    assert f"assuming the output layer has {tok.length} rows" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="crosskd.tokenization"):
+        load_tokenizer(folder, vocab_size=tok.length + 3)
+    assert caplog.text == ""
 
 
 def test_nfc_and_empty_sequence_normalizers_are_accepted(tmp_path):

@@ -447,3 +447,13 @@ def test_tiny_bpe_is_deterministic_and_validates_size(tmp_path, documents):
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     with pytest.raises(ValueError, match="vocab_size"):
         zoo.train_tiny_bpe(documents[:5], 100, tmp_path / "c")
+
+
+def test_unexpected_package_data_is_a_clear_error(tmp_path, monkeypatch):
+    def broken(name: str, dest: Path) -> None:
+        raise zoo.ZooBuildError("qwen.tiktoken has 5 tokens, expected 151643")
+
+    monkeypatch.setattr(zoo, "_build", broken)
+    with pytest.raises(zoo.ZooBuildError, match=r"zoo tokenizer 'qwen3': qwen\.tiktoken has 5"):
+        zoo.zoo_tokenizer_dir("qwen3", tmp_path)
+    assert list((tmp_path / "zoo").iterdir()) == []

@@ -15,3 +15,7 @@ class TokenizerError(CrosskdError):
 
 class TableError(CrosskdError):
     """A sub-token table file is missing, malformed, or does not belong to the tokenizers given."""
+
+
+class DataError(CrosskdError):
+    """A dataset row is malformed, or a sample cannot be clipped or packed as asked."""

@@ -5,11 +5,11 @@ read with :func:`load_table`, check with :func:`validate_pair`, and derive the C
 
 from crosskd.tables.build import build_table
 from crosskd.tables.format import Flag, SubTokenTable, TableMeta, load_table, save_table
-from crosskd.tables.lookups import TablePair, common_tokens, load_table_pair, prefix_index
+from crosskd.tables.lookups import TablePair, chain_indices, common_tokens, load_table_pair
 from crosskd.tables.validate import ValidationReport, validate_pair, validate_table
 
 __all__ = [
     "Flag", "SubTokenTable", "TableMeta", "TablePair", "ValidationReport", "build_table",
-    "common_tokens", "load_table", "load_table_pair", "prefix_index", "save_table",
+    "chain_indices", "common_tokens", "load_table", "load_table_pair", "save_table",
     "validate_pair", "validate_table",
 ]  # fmt: skip

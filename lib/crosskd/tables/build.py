@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from crosskd import ragged
-from crosskd.tables.format import Flag, SubTokenTable, TableMeta
+from crosskd.tables.format import Flag, SubTokenTable, TableMeta, roles_json
 from crosskd.tokenization import KIND_NORMAL, KIND_SPECIAL, ByteVocab, LoadedTokenizer
 
 log = logging.getLogger(__name__)
@@ -28,31 +26,18 @@ def build_table(
     src: LoadedTokenizer,
     dst: LoadedTokenizer,
     *,
-    batch_size: int = 8192,
     progress: bool = True,
 ) -> SubTokenTable:
     """Build the table ``src -> dst`` for every src id in ``[0, V_src)``.
 
     Args:
         src, dst: the two tokenizers (``V`` of each is its ``vocab_size``).
-        batch_size: src tokens per ``encode_batch`` call (one progress-bar step).
         progress: show a tqdm bar over the src vocabulary.
     """
     v_src = src.vocab_size
     flags = np.full(v_src, Flag.PADDING, dtype=np.uint8)
     normal = np.flatnonzero(src.bytes.kind == KIND_NORMAL)
-    strings = src.token_strings
-    encoded: list[list[int]] = []
-    bar = tqdm(
-        total=len(normal), desc=f"chains {_short(src.name)} -> {_short(dst.name)}",
-        unit="tok", disable=not progress, leave=False,
-    )  # fmt: skip
-    with bar:
-        for start in range(0, len(normal), batch_size):
-            ids = normal[start : start + batch_size].tolist()
-            encoded += dst.encode_byte_level([strings[i] for i in ids])
-            bar.update(len(ids))
-    normal_offsets, normal_chains = _to_csr(encoded)
+    normal_offsets, normal_chains = dst_chains(src, dst, normal, progress=progress)
     exact = chains_match_bytes(src.bytes, normal, dst.bytes, normal_offsets, normal_chains)
     flags[normal] = np.where(exact, Flag.NORMAL, Flag.UNREPRESENTABLE)
 
@@ -81,10 +66,22 @@ def build_table(
         dst_len=dst.length,
         src_vocab_size=v_src,
         dst_vocab_size=dst.vocab_size,
+        src_roles=roles_json(src),
+        dst_roles=roles_json(dst),
     )
     table = SubTokenTable(offsets=offsets, chains=chains, flags=flags, meta=meta)
     log.info("built %s -> %s: %s", src.name, dst.name, table.flag_counts())
     return table
+
+
+def dst_chains(
+    src: LoadedTokenizer, dst: LoadedTokenizer, rows: np.ndarray, *, progress: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """The dst BPE of the normal src tokens ``rows`` (int ``[n]``), each as one word: CSR
+    ``(offsets int64 [n + 1], dst ids int32)``, before any exactness check."""
+    strings = src.token_strings
+    desc = f"chains {_short(src.name)} -> {_short(dst.name)}" if progress else None
+    return dst.encode_byte_level([strings[i] for i in rows.tolist()], desc=desc)
 
 
 def chains_match_bytes(
@@ -106,13 +103,6 @@ def chains_match_bytes(
     return ragged.segments_equal(
         src.concat(rows), src_offsets, dst.concat(chains), chain_byte_ends[offsets]
     )
-
-
-def _to_csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Row pointers (int64 ``[n + 1]``) and flat values (int32) of a list of lists."""
-    offsets = ragged.offsets_from_lengths(np.fromiter(map(len, rows), np.int64, count=len(rows)))
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
-    return offsets, flat
 
 
 def _short(name: str) -> str:

@@ -4,7 +4,7 @@ Tensors: ``offsets`` int64 ``[V_src + 1]`` (CSR row pointers), ``chains`` int32
 ``[sum of chain lengths]`` (dst ids), ``flags`` uint8 ``[V_src]`` (:class:`Flag`). The chain of
 src id ``i`` is ``chains[offsets[i]:offsets[i + 1]]``: the dst ids whose concatenated bytes are
 bytes(i). Metadata (:class:`TableMeta`): format and builder versions, both names, fingerprints,
-``len(tokenizer)`` and ``V`` of both sides.
+``len(tokenizer)``, ``V`` and the special-token roles of both sides.
 
 Files are never pickled and never unpickled: a file that is not safetensors is refused before
 anything is parsed. Writes go to a temporary name and are published by rename, so a killed
@@ -21,11 +21,15 @@ import struct
 import uuid
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
 
 from crosskd.errors import TableError
+
+if TYPE_CHECKING:
+    from crosskd.tokenization import LoadedTokenizer
 
 FORMAT_VERSION = 1
 BUILDER_VERSION = "crosskd-tables-1"
@@ -55,6 +59,8 @@ class TableMeta:
     dst_len: int
     src_vocab_size: int
     dst_vocab_size: int
+    src_roles: str
+    dst_roles: str
     format_version: int = FORMAT_VERSION
     builder_version: str = BUILDER_VERSION
 
@@ -75,7 +81,16 @@ class TableMeta:
         values: dict[str, object] = {}
         for f in fields(cls):
             raw = metadata[f.name]
-            values[f.name] = int(raw) if f.type in ("int", int) else raw
+            if f.type in ("int", int):
+                try:
+                    values[f.name] = int(raw)
+                except ValueError:
+                    raise TableError(
+                        f"table {where}: metadata field {f.name!r} is {raw!r}, not an integer; "
+                        f"the file is damaged. Rebuild it with `crosskd tables build`."
+                    ) from None
+            else:
+                values[f.name] = raw
         meta = cls(**values)
         if meta.format_version != FORMAT_VERSION:
             raise TableError(
@@ -83,6 +98,12 @@ class TableMeta:
                 f"version {FORMAT_VERSION}. Rebuild it with `crosskd tables build`."
             )
         return meta
+
+
+def roles_json(tok: LoadedTokenizer) -> str:
+    """The role of every special of ``tok`` as canonical JSON (``{"id": "role"}``), recorded
+    in tables so that a validator with other role choices (overrides) notices."""
+    return json.dumps({str(i): r for i, r in sorted(tok.roles.items())}, separators=(",", ":"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,15 +176,16 @@ def load_table(uri: str) -> SubTokenTable:
         raise TableError(f"table {uri}: no such file; build it with `crosskd tables build`.")
     with fs.open(path, "rb") as fh:
         payload = fh.read()
-    if payload.startswith(_PICKLE_MAGIC):
-        raise TableError(
-            f"table {uri}: this is a pickle or torch.save file; crosskd never unpickles (it can "
-            f"run arbitrary code). Tables are safetensors: rebuild with `crosskd tables build`."
-        )
     try:
-        tensors = load(payload)
         metadata = _read_metadata(payload)
+        tensors = load(payload)
     except (SafetensorError, ValueError) as exc:
+        if payload.startswith(_PICKLE_MAGIC):
+            raise TableError(
+                f"table {uri}: this is a pickle or torch.save file; crosskd never unpickles (it "
+                f"can run arbitrary code). Tables are safetensors: rebuild with `crosskd tables "
+                f"build`."
+            ) from None
         raise TableError(
             f"table {uri}: not a readable safetensors file ({exc}); it may be truncated or "
             f"another format. Rebuild it with `crosskd tables build`."
@@ -185,7 +207,11 @@ def _read_metadata(payload: bytes) -> dict[str, str] | None:
     if len(payload) < 8:
         raise ValueError("file shorter than the 8-byte header length")
     (header_len,) = struct.unpack("<Q", payload[:8])
+    if header_len > len(payload) - 8:
+        raise ValueError(f"header of {header_len} bytes in a file of {len(payload)} bytes")
     header = json.loads(payload[8 : 8 + header_len])
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
     return header.get("__metadata__")
 
 
@@ -209,11 +235,23 @@ def check_structure(table: SubTokenTable) -> None:
             f"vocabulary of {v_src} rows (expected {v_src} and {v_src + 1}). Rebuild the table."
         )
     offsets = table.offsets
-    if offsets[0] != 0 or offsets[-1] != len(table.chains) or np.any(np.diff(offsets) < 0):
+    if offsets[0] != 0 or offsets[-1] != len(table.chains):
+        raise TableError(
+            f"{where}: offsets run from {offsets[0]} to {offsets[-1]}, expected 0 to the "
+            f"{len(table.chains)} chain entries. Rebuild the table."
+        )
+    if np.any(np.diff(offsets) < 0):
         bad = np.flatnonzero(np.diff(offsets) < 0)[:5].tolist()
         raise TableError(
-            f"{where}: offsets are not monotone from 0 to {len(table.chains)} "
-            f"(first bad rows: {bad}). Rebuild the table."
+            f"{where}: offsets decrease at rows {bad} (they must not). Rebuild the table."
+        )
+    v_dst = table.meta.dst_vocab_size
+    outside = (table.chains < 0) | (table.chains >= v_dst)
+    if outside.any():
+        rows = np.unique(np.searchsorted(offsets, np.flatnonzero(outside), side="right") - 1)
+        raise TableError(
+            f"{where}: {rows.size} rows have chain ids outside [0, {v_dst}) (first rows: "
+            f"{rows[:5].tolist()}). Rebuild the table."
         )
     if table.flags.size and int(table.flags.max()) >= len(Flag):
         bad = np.flatnonzero(table.flags >= len(Flag))[:5].tolist()

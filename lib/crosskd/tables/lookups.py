@@ -5,6 +5,8 @@
 * per direction, a **prefix index** ``chain[:-1] -> [(src id, chain[-1])]`` over normal tokens
   only (specials are never alternatives). Rows are sorted by src id, so when two src ids share
   their bytes the lowest id comes first.
+* per direction, a **chain index** ``chain -> src id`` over normal tokens; when two src ids have
+  the same chain (the same bytes) it holds the lowest id.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class TablePair:
 
     ``common`` int64 ``[n, 2]``: columns (student id, teacher id), sorted by student id.
     ``prefix_s2t`` / ``prefix_t2s``: chain prefix (tuple of dst ids) -> int64 ``[k, 2]`` rows of
-    (src id, last chain id).
+    (src id, last chain id). ``chain_s2t`` / ``chain_t2s``: whole chain -> lowest src id.
     """
 
     student_to_teacher: SubTokenTable
@@ -33,14 +35,19 @@ class TablePair:
     common: np.ndarray = field(init=False)
     prefix_s2t: dict[tuple[int, ...], np.ndarray] = field(init=False, repr=False)
     prefix_t2s: dict[tuple[int, ...], np.ndarray] = field(init=False, repr=False)
+    chain_s2t: dict[tuple[int, ...], int] = field(init=False, repr=False)
+    chain_t2s: dict[tuple[int, ...], int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_directions(self.student_to_teacher, self.teacher_to_student)
         object.__setattr__(
             self, "common", common_tokens(self.student_to_teacher, self.teacher_to_student)
         )
-        object.__setattr__(self, "prefix_s2t", prefix_index(self.student_to_teacher))
-        object.__setattr__(self, "prefix_t2s", prefix_index(self.teacher_to_student))
+        directions = (("s2t", self.student_to_teacher), ("t2s", self.teacher_to_student))
+        for direction, table in directions:
+            prefixes, chains = chain_indices(table)
+            object.__setattr__(self, f"prefix_{direction}", prefixes)
+            object.__setattr__(self, f"chain_{direction}", chains)
 
     def check_tokenizers(self, student: LoadedTokenizer, teacher: LoadedTokenizer) -> None:
         """Refuse (with :class:`TableError`) tokenizers other than those the pair was built for,
@@ -99,11 +106,17 @@ def common_tokens(s2t: SubTokenTable, t2s: SubTokenTable) -> np.ndarray:
     return np.stack([students[keep], teachers[keep]], axis=1)
 
 
-def prefix_index(table: SubTokenTable) -> dict[tuple[int, ...], np.ndarray]:
-    """``chain[:-1] -> rows of (src id, chain[-1])`` over NORMAL rows (empty prefix included)."""
+def chain_indices(
+    table: SubTokenTable,
+) -> tuple[dict[tuple[int, ...], np.ndarray], dict[tuple[int, ...], int]]:
+    """The prefix index ``chain[:-1] -> rows of (src id, chain[-1])`` (empty prefix included)
+    and the chain index ``chain -> lowest src id``, over NORMAL rows."""
     grouped: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
+    whole: dict[tuple[int, ...], int] = {}
     chains, offsets = table.chains.tolist(), table.offsets.tolist()
     for src_id in np.flatnonzero(table.flags == Flag.NORMAL).tolist():
-        chain = chains[offsets[src_id] : offsets[src_id + 1]]
-        grouped[tuple(chain[:-1])].append((src_id, chain[-1]))
-    return {key: np.asarray(rows, dtype=np.int64) for key, rows in grouped.items()}
+        chain = tuple(chains[offsets[src_id] : offsets[src_id + 1]])
+        grouped[chain[:-1]].append((src_id, chain[-1]))
+        whole.setdefault(chain, src_id)
+    prefixes = {key: np.asarray(rows, dtype=np.int64) for key, rows in grouped.items()}
+    return prefixes, whole

@@ -1,12 +1,14 @@
 """Validating a sub-token table against the tokenizers it claims to map (spec section 3).
 
-The validator recomputes both fingerprints from the tokenizers given (a table built for other
-tokenizers, or passed in the wrong direction, is named as such), checks every id range, and
-re-derives every mapped event: the concatenated bytes of each chain equal bytes(i), every role
-mapping points to a dst token with that role, every ``SPECIAL_UNMAPPED`` row really has no
-counterpart, and every ``UNREPRESENTABLE`` row really cannot be encoded exactly by the dst BPE.
-It reports counts by flag and a chain-length histogram, and lists each kind of violation with
-the first few offending ids.
+The validator compares the fingerprints, sizes and special-token roles recorded in the table
+with those of the tokenizers given (a table built for other tokenizers, or passed in the wrong
+direction, is named as such), checks the file's structure and every id range, and re-derives
+every row: it re-runs the dst BPE on every normal src token, so each chain must be exactly the
+dst BPE's (its concatenated bytes equal bytes(i), and it is the canonical split the common
+tokens and prefix index rely on), each ``UNREPRESENTABLE`` row must really be one, every role
+mapping must point to a dst token with that role, and every ``SPECIAL_UNMAPPED`` row must really
+have no counterpart. It reports counts by flag and a chain-length histogram, and lists each
+kind of violation with the first few offending ids.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from crosskd import ragged
-from crosskd.tables.build import chains_match_bytes
-from crosskd.tables.format import Flag, SubTokenTable
+from crosskd.errors import TableError
+from crosskd.tables.build import chains_match_bytes, dst_chains
+from crosskd.tables.format import Flag, SubTokenTable, check_structure, roles_json
 from crosskd.tokenization import KIND_NONE, KIND_NORMAL, KIND_SPECIAL, LoadedTokenizer
 
 SHOW_IDS = 5
+FIX = "rebuild the table with `crosskd tables build`"
 
 
 @dataclass
@@ -44,9 +48,14 @@ def validate_table(
     src: LoadedTokenizer,
     dst: LoadedTokenizer,
     *,
-    direction: str = "source->destination",
+    src_side: str = "source",
+    dst_side: str = "destination",
 ) -> ValidationReport:
-    """Check ``table`` as the map ``src -> dst``; never raises for a bad table, reports instead."""
+    """Check ``table`` as the map ``src -> dst``; never raises for a bad table, reports instead.
+
+    ``src_side`` / ``dst_side`` name the two sides in messages (``student``, ``teacher``).
+    """
+    direction = f"{src_side}->{dst_side}"
     report = ValidationReport(
         direction=direction,
         source=table.source,
@@ -55,7 +64,6 @@ def validate_table(
     )
     problems = report.violations
     meta = table.meta
-    src_side, dst_side = direction.split("->") if "->" in direction else ("source", "destination")
     distinct = src.fingerprint != dst.fingerprint
     if distinct and (meta.src_fingerprint, meta.dst_fingerprint) == (
         dst.fingerprint,
@@ -78,20 +86,28 @@ def validate_table(
                 f"Rebuild the table with `crosskd tables build`."
             )
     for label, have, want in (
-        ("source vocab size V", meta.src_vocab_size, src.vocab_size),
-        ("destination vocab size V", meta.dst_vocab_size, dst.vocab_size),
-        ("source len(tokenizer)", meta.src_len, src.length),
-        ("destination len(tokenizer)", meta.dst_len, dst.length),
+        (f"{src_side} vocab size V", meta.src_vocab_size, src.vocab_size),
+        (f"{dst_side} vocab size V", meta.dst_vocab_size, dst.vocab_size),
+        (f"{src_side} len(tokenizer)", meta.src_len, src.length),
+        (f"{dst_side} len(tokenizer)", meta.dst_len, dst.length),
+        (f"{src_side} special-token roles", meta.src_roles, roles_json(src)),
+        (f"{dst_side} special-token roles", meta.dst_roles, roles_json(dst)),
     ):
         if have != want:
             problems.append(
                 f"{label}: {table.source} records {have}, the tokenizer gives {want}; pass the "
-                f"same vocab sizes as when building, or rebuild the table."
+                f"same vocab sizes and role overrides as when building, or {FIX}."
             )
+    if not problems:
+        try:
+            check_structure(table)
+        except TableError as exc:
+            problems.append(str(exc))
     if problems:
         problems.append("semantic checks skipped: the table does not belong to these tokenizers.")
         return report
     _check_rows(table, src, dst, problems)
+    _check_specials(table, src, dst, problems)
     return report
 
 
@@ -103,13 +119,9 @@ def _check_rows(
     def report(mask: np.ndarray, what: str) -> None:
         rows = np.flatnonzero(mask)
         if rows.size:
-            problems.append(f"{rows.size} rows {what} (first ids: {rows[:SHOW_IDS].tolist()})")
-
-    out_of_range = (chains < 0) | (chains >= dst.vocab_size)
-    bad_row = np.zeros(len(flags), dtype=bool)
-    if out_of_range.any():
-        bad_row[np.searchsorted(offsets, np.flatnonzero(out_of_range), side="right") - 1] = True
-        report(bad_row, f"have chain ids outside [0, {dst.vocab_size})")
+            problems.append(
+                f"{rows.size} rows {what} (first ids: {rows[:SHOW_IDS].tolist()}); {FIX}"
+            )
 
     kind = src.bytes.kind
     normal_flags = (flags == Flag.NORMAL) | (flags == Flag.UNREPRESENTABLE)
@@ -120,26 +132,35 @@ def _check_rows(
     empty_flags = (flags == Flag.PADDING) | (flags == Flag.SPECIAL_UNMAPPED)
     report((empty_flags | (flags == Flag.UNREPRESENTABLE)) & (lengths > 0), "should be empty")
     report((flags == Flag.SPECIAL_MAPPED) & (lengths != 1), "map a special to other than 1 id")
-    report((flags == Flag.NORMAL) & (lengths == 0), "are normal tokens with an empty chain")
 
-    normal = np.flatnonzero((flags == Flag.NORMAL) & (kind == KIND_NORMAL) & (lengths > 0))
-    normal = normal[~bad_row[normal]]
-    row_offsets = ragged.offsets_from_lengths(lengths[normal])
-    elems = ragged.select(offsets, normal)
-    normal_chains = chains[elems]
-    not_normal_dst = dst.bytes.kind[normal_chains] != KIND_NORMAL
-    has_special = np.zeros(len(flags), dtype=bool)
-    if not_normal_dst.any():
-        owner = np.searchsorted(row_offsets, np.flatnonzero(not_normal_dst), side="right") - 1
-        has_special[normal[owner]] = True
-        report(has_special, "are normal tokens whose chain holds a dst special or padding id")
-    exact = chains_match_bytes(src.bytes, normal, dst.bytes, row_offsets, normal_chains)
-    mismatch = np.zeros(len(flags), dtype=bool)
-    mismatch[normal[~exact]] = True
-    report(mismatch & ~has_special, "have chains whose bytes differ from the token's bytes")
+    rows = np.flatnonzero(kind == KIND_NORMAL)
+    ref_offsets, ref_chains = dst_chains(src, dst, rows)
+    ref_exact = chains_match_bytes(src.bytes, rows, dst.bytes, ref_offsets, ref_chains)
+    mark = np.zeros(len(flags), dtype=bool)
+    mark[rows[ref_exact & (flags[rows] == Flag.UNREPRESENTABLE)]] = True
+    report(mark, "are flagged unrepresentable but the destination encodes them exactly")
+    mark[:] = False
+    mark[rows[~ref_exact & (flags[rows] == Flag.NORMAL)]] = True
+    report(mark, "are flagged normal but the destination cannot spell their bytes exactly")
 
-    _check_specials(table, src, dst, problems)
-    _check_unrepresentable(table, src, dst, problems)
+    picked = ref_exact & (flags[rows] == Flag.NORMAL)
+    checked = rows[picked]
+    table_offsets = ragged.offsets_from_lengths(lengths[checked])
+    table_chains = chains[ragged.select(offsets, checked)]
+    same_bytes = chains_match_bytes(src.bytes, checked, dst.bytes, table_offsets, table_chains)
+    mark[:] = False
+    mark[checked[~same_bytes]] = True
+    report(mark, "have chains whose bytes differ from the token's bytes")
+    ref_picked = ref_chains[ragged.select(ref_offsets, np.flatnonzero(picked))]
+    canonical = ragged.segments_equal(
+        table_chains,
+        table_offsets,
+        ref_picked,
+        ragged.offsets_from_lengths(np.diff(ref_offsets)[picked]),
+    )
+    mark[:] = False
+    mark[checked[same_bytes & ~canonical]] = True
+    report(mark, "have chains with the right bytes that are not the destination BPE's split")
 
 
 def _check_specials(
@@ -149,7 +170,7 @@ def _check_specials(
     for token_id in np.flatnonzero(table.flags == Flag.SPECIAL_MAPPED).tolist():
         chain = table.chain(token_id)
         role = src.roles.get(token_id)
-        if len(chain) != 1 or not 0 <= chain[0] < dst.vocab_size:
+        if len(chain) != 1:
             continue
         if role is None or dst.roles.get(int(chain[0])) != role:
             wrong_role.append(token_id)
@@ -159,31 +180,12 @@ def _check_specials(
     if wrong_role:
         problems.append(
             f"{len(wrong_role)} specials map to a dst token without their role "
-            f"(first ids: {wrong_role[:SHOW_IDS]})"
+            f"(first ids: {wrong_role[:SHOW_IDS]}); {FIX}"
         )
     if missed:
         problems.append(
             f"{len(missed)} specials are flagged unmapped but the destination has their role "
-            f"(first ids: {missed[:SHOW_IDS]})"
-        )
-
-
-def _check_unrepresentable(
-    table: SubTokenTable, src: LoadedTokenizer, dst: LoadedTokenizer, problems: list[str]
-) -> None:
-    rows = np.flatnonzero((table.flags == Flag.UNREPRESENTABLE) & (src.bytes.kind == KIND_NORMAL))
-    if not rows.size:
-        return
-    encoded = dst.encode_words([src.bytes.token_bytes(i) for i in rows.tolist()])
-    exact = [
-        dst.bytes.concat(np.asarray(ids, dtype=np.int64)).tobytes() == src.bytes.token_bytes(i)
-        for i, ids in zip(rows.tolist(), encoded, strict=True)
-    ]
-    wrong = rows[np.asarray(exact, dtype=bool)]
-    if wrong.size:
-        problems.append(
-            f"{wrong.size} rows are flagged unrepresentable but the destination encodes them "
-            f"exactly (first ids: {wrong[:SHOW_IDS].tolist()})"
+            f"(first ids: {missed[:SHOW_IDS]}); {FIX}"
         )
 
 
@@ -195,6 +197,10 @@ def validate_pair(
 ) -> list[ValidationReport]:
     """Validate both directions of a table pair; the pair is good when both reports are ok."""
     return [
-        validate_table(student_to_teacher, student, teacher, direction="student->teacher"),
-        validate_table(teacher_to_student, teacher, student, direction="teacher->student"),
+        validate_table(
+            student_to_teacher, student, teacher, src_side="student", dst_side="teacher"
+        ),
+        validate_table(
+            teacher_to_student, teacher, student, src_side="teacher", dst_side="student"
+        ),
     ]

@@ -22,7 +22,9 @@ Ids and sizes:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from crosskd import ragged
 from crosskd.errors import TokenizerError
@@ -47,6 +50,8 @@ from crosskd.tokenization.sources import default_cache_dir, load_hf
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "KIND_NONE", "KIND_NORMAL", "KIND_SPECIAL", "ROLES", "SUPPORTED", "ByteVocab",
@@ -114,18 +119,42 @@ class LoadedTokenizer:
                 out[token_id] = token
         return out
 
-    def encode_words(self, words: list[bytes]) -> list[list[int]]:
+    def encode_words(self, words: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """The BPE model applied to each byte string as one word (bytes need not be UTF-8).
 
-        Bytes the vocabulary cannot represent are dropped by the BPE model (it has no byte
-        fallback), so callers compare the result's bytes with the input.
+        Returns CSR ``(offsets int64 [n + 1], ids int32)``. Bytes the vocabulary cannot
+        represent are dropped by the BPE model (it has no byte fallback), so callers compare
+        the result's bytes with the input.
         """
         return self.encode_byte_level([bytes_to_byte_level(w) for w in words])
 
-    def encode_byte_level(self, words: list[str]) -> list[list[int]]:
-        """Like :meth:`encode_words` for words already in the ByteLevel alphabet."""
-        encodings = self.word_model.encode_batch_fast(words, add_special_tokens=False)
-        return [e.ids for e in encodings]
+    def encode_byte_level(
+        self, words: list[str], *, block: int = 32768, parts: int = 4, desc: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`encode_words` for words already in the ByteLevel alphabet.
+
+        Words go to the BPE as pre-tokenized sequences (``parts`` per ``encode_batch`` call, so
+        they run in parallel), ``block`` words per progress-bar step; ``desc`` shows a bar.
+        """
+        ids: list[np.ndarray] = []
+        owners: list[np.ndarray] = []
+        bar = tqdm(total=len(words), desc=desc, unit="tok", disable=desc is None, leave=False)
+        with bar:
+            for start in range(0, len(words), block):
+                stop = min(start + block, len(words))
+                cuts = np.linspace(start, stop, parts + 1).astype(np.int64)
+                batch = [words[a:b] for a, b in itertools.pairwise(cuts)]
+                encodings = self.word_model.encode_batch(
+                    batch, is_pretokenized=True, add_special_tokens=False
+                )
+                for first, encoding in zip(cuts[:-1], encodings, strict=True):
+                    ids.append(np.asarray(encoding.ids, dtype=np.int32))
+                    owners.append(np.asarray(encoding.word_ids, dtype=np.int64) + first)
+                bar.update(stop - start)
+        flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
+        owner = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
+        counts = np.bincount(owner, minlength=len(words)).astype(np.int64)
+        return ragged.offsets_from_lengths(counts), flat
 
 
 def load_tokenizer(
@@ -161,7 +190,16 @@ def load_tokenizer(
     added = {tok["id"]: tok["content"] for tok in backend.get("added_tokens", [])}
     max_id = max(max(vocab.values(), default=-1), max(added, default=-1))
     if vocab_size is None:
-        vocab_size = _config_vocab_size(folder) or max_id + 1
+        vocab_size = _config_vocab_size(folder)
+    if vocab_size is None:
+        vocab_size = max_id + 1
+        log.warning(
+            "tokenizer %s: no config.json with the model's vocab_size next to it; assuming the "
+            "output layer has %d rows (largest id + 1). Pass the real size (--*-vocab-size) if "
+            "the model pads its vocabulary, or padding rows will be missing.",
+            name,
+            vocab_size,
+        )
     if vocab_size <= max_id:
         raise TokenizerError(
             f"tokenizer {name!r} has token id {max_id} but the model's output size was given as "
@@ -184,11 +222,18 @@ def load_tokenizer(
 
 def check_supported(name: str, backend: dict) -> None:
     """Refuse a backend tokenizer (its JSON form) that CSD cannot take the byte view of."""
-    model_type = backend["model"].get("type")
-    if model_type != "BPE":
+    model = backend["model"]
+    if model.get("type") != "BPE":
         raise TokenizerError(
-            f"tokenizer {name!r} has a {model_type} model; supported: {SUPPORTED}."
+            f"tokenizer {name!r} has a {model.get('type')} model; supported: {SUPPORTED}."
         )
+    for option in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"):
+        if model.get(option):
+            raise TokenizerError(
+                f"tokenizer {name!r} has a BPE model with {option}={model[option]!r}, which "
+                f"changes what a token's bytes are; supported: {SUPPORTED}, with none of "
+                f"continuing_subword_prefix, end_of_word_suffix or byte_fallback."
+            )
     pre = _components(backend.get("pre_tokenizer"), "pretokenizers")
     if "ByteLevel" not in pre:
         found = ", ".join(pre) or "no"
@@ -223,7 +268,8 @@ def fingerprint(hf: PreTrainedTokenizerBase, backend: dict | None = None) -> str
     """sha256 (hex) of the canonical JSON of what decides ids and rendering.
 
     Covers the backend's model, normalizer, pre-tokenizer, post-processor, decoder and added
-    tokens, the special-token map and the chat template.
+    tokens, the special-token map and the list of all specials, ``split_special_tokens``,
+    ``clean_up_tokenization_spaces`` and the chat template.
     """
     if backend is None:
         backend = json.loads(hf.backend_tokenizer.to_str())
@@ -231,6 +277,11 @@ def fingerprint(hf: PreTrainedTokenizerBase, backend: dict | None = None) -> str
     payload = {key: backend.get(key) for key in keys}
     special_attrs = ("bos_token", "eos_token", "unk_token", "pad_token")
     payload["special_tokens"] = {attr: getattr(hf, attr, None) for attr in special_attrs}
+    payload["all_special_tokens"] = sorted(getattr(hf, "all_special_tokens", []))
+    payload["split_special_tokens"] = bool(getattr(hf, "split_special_tokens", False))
+    payload["clean_up_tokenization_spaces"] = bool(
+        getattr(hf, "clean_up_tokenization_spaces", False)
+    )
     payload["chat_template"] = getattr(hf, "chat_template", None)
     canonical = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

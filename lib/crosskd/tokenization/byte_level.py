@@ -8,8 +8,10 @@ Keeping this behind one module lets a SentencePiece byte-fallback view be added 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 
 import numpy as np
 
@@ -31,12 +33,13 @@ def _byte_level_alphabet() -> dict[int, str]:
     return chars
 
 
-BYTE_TO_CHAR: dict[int, str] = _byte_level_alphabet()
-_CHAR_TO_BYTE_TABLE = {ord(c): b for b, c in BYTE_TO_CHAR.items()}
-# Characters below 256 that are not in the alphabet map to U+0100.. outside latin-1 so that a
-# string containing them fails to encode instead of yielding wrong bytes.
-_CHAR_TO_BYTE_TABLE.update({b: 0x100 for b in range(256) if b not in _CHAR_TO_BYTE_TABLE})
-_BYTE_TO_CHAR_TABLE = {b: c for b, c in BYTE_TO_CHAR.items()}
+BYTE_TO_CHAR: Mapping[int, str] = MappingProxyType(_byte_level_alphabet())
+# str.translate table from alphabet characters to byte values. Characters below 256 that are not
+# in the alphabet map to U+0100, outside latin-1, so a string holding them fails to encode
+# instead of yielding wrong bytes.
+_CHAR_TO_BYTE_TABLE: Mapping[int, int] = MappingProxyType(
+    {b: 0x100 for b in range(256)} | {ord(c): b for b, c in BYTE_TO_CHAR.items()}
+)
 
 
 def byte_level_to_bytes(token: str) -> bytes | None:
@@ -50,7 +53,7 @@ def byte_level_to_bytes(token: str) -> bytes | None:
 
 def bytes_to_byte_level(data: bytes) -> str:
     """The ByteLevel string of ``data`` (one alphabet character per byte)."""
-    return data.decode("latin-1").translate(_BYTE_TO_CHAR_TABLE)
+    return data.decode("latin-1").translate(BYTE_TO_CHAR)
 
 
 @dataclass(frozen=True, eq=False)

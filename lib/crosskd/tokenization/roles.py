@@ -10,6 +10,8 @@ has no ``eos``). If two specials end up with one role, lookups by role use the l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from crosskd.errors import TokenizerError
@@ -22,7 +24,7 @@ ROLES = (
     "system", "user", "assistant", "think_open", "think_close",
 )  # fmt: skip
 
-KNOWN_MARKERS: dict[str, str] = {
+KNOWN_MARKERS: Mapping[str, str] = MappingProxyType({
     # Llama-3
     "<|begin_of_text|>": "bos",
     "<|end_of_text|>": "eos",
@@ -55,12 +57,16 @@ KNOWN_MARKERS: dict[str, str] = {
     "<unk>": "unk",
     "<pad>": "pad",
     "<|pad|>": "pad",
-}
+})
 
 
 def assign_roles(
     name: str, hf: PreTrainedTokenizerBase, added: dict[int, str], overrides: dict[str, str | None]
 ) -> dict[int, str]:
+    """Role of each special (added token id -> role) by the rules in the module docstring.
+
+    ``added``: added-token id -> content; ``overrides``: content -> role (None clears it).
+    """
     roles = {i: KNOWN_MARKERS[c] for i, c in added.items() if c in KNOWN_MARKERS}
     for attr, role in (("bos", "bos"), ("eos", "eos"), ("unk", "unk"), ("pad", "pad")):
         token_id = getattr(hf, f"{attr}_token_id", None)

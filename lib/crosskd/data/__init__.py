@@ -1,0 +1,12 @@
+"""Data preparation: reading rows with durable sample ids (:mod:`~crosskd.data.records`),
+clipping over-long texts for every model at once (:mod:`~crosskd.data.clipping`) and lockstep
+packing (:mod:`~crosskd.data.packing`)."""
+
+from crosskd.data.clipping import ClipResult, clip_text
+from crosskd.data.packing import pack_lockstep, packed_positions, packing_efficiency, segment_ids
+from crosskd.data.records import Record, read_records
+
+__all__ = [
+    "ClipResult", "Record", "clip_text", "pack_lockstep", "packed_positions",
+    "packing_efficiency", "read_records", "segment_ids",
+]  # fmt: skip
