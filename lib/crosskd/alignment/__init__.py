@@ -1,5 +1,8 @@
-"""Aligning two tokenizations of the same text into chunks (spec section 2)."""
+"""Aligning two tokenizations of the same text into chunks (spec section 2): the walker
+(:mod:`~crosskd.alignment.core`), plain-text and chat samples (:mod:`~crosskd.alignment.sample`,
+:mod:`~crosskd.alignment.chat`)."""
 
+from crosskd.alignment.chat import CHATML_FALLBACK, ChatOptions, align_chat, render, split_reasoning
 from crosskd.alignment.core import (
     SHAPE_1_1,
     SHAPE_1_N,
@@ -12,8 +15,11 @@ from crosskd.alignment.core import (
     align,
     tokenize,
 )
+from crosskd.alignment.sample import REGIONS, AlignedSample, Rendered, align_text, render_text
 
 __all__ = [
-    "SHAPE_1_1", "SHAPE_1_N", "SHAPE_NAMES", "SHAPE_N_1", "SHAPE_N_M", "SHAPE_SPECIAL", "Chunks",
-    "Tokenized", "align", "tokenize",
+    "CHATML_FALLBACK", "REGIONS", "SHAPE_1_1", "SHAPE_1_N", "SHAPE_NAMES", "SHAPE_N_1",
+    "SHAPE_N_M", "SHAPE_SPECIAL", "AlignedSample", "ChatOptions", "Chunks", "Rendered",
+    "Tokenized", "align", "align_chat", "align_text", "render", "render_text", "split_reasoning",
+    "tokenize",
 ]  # fmt: skip

@@ -41,10 +41,12 @@ SHAPE_NAMES = ("1:1", "1:n", "n:1", "n:m", "special")
 @dataclass(frozen=True, eq=False)
 class Tokenized:
     """One model's tokenization of one text: ``ids`` int64 ``[n]`` and the character ``ends``
-    int64 ``[n]`` of every token (exclusive end offsets into the text)."""
+    int64 ``[n]`` of every token (exclusive end offsets into the text); ``starts`` (int64
+    ``[n]``) when asked for (the walker never uses them)."""
 
     ids: np.ndarray
     ends: np.ndarray
+    starts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -101,7 +103,11 @@ _FIELDS = ("student", "teacher", "shape", "is_correct", "has_prediction")
 
 
 def tokenize(
-    tok: LoadedTokenizer, texts: list[str], *, add_special_tokens: bool = False
+    tok: LoadedTokenizer,
+    texts: list[str],
+    *,
+    add_special_tokens: bool = False,
+    with_starts: bool = False,
 ) -> list[Tokenized]:
     """Tokenize user text with character offsets; specials in the text stay text
     (``split_special_tokens=True``), except added tokens the tokenizer matches anyway."""
@@ -113,8 +119,9 @@ def tokenize(
     )
     out = []
     for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
-        ends = np.fromiter((end for _, end in offsets), dtype=np.int64, count=len(offsets))
-        out.append(Tokenized(np.asarray(ids, dtype=np.int64), ends))
+        spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        starts = spans[:, 0].copy() if with_starts else None
+        out.append(Tokenized(np.asarray(ids, dtype=np.int64), spans[:, 1].copy(), starts))
     return out
 
 

@@ -1,0 +1,298 @@
+"""Chat mode: render a conversation with each model's own chat template, locate every assistant
+message's content in each rendering, and align message by message (spec section 2).
+
+* **Rendering**: each model renders with its own template (a tokenizer without one gets
+  :data:`CHATML_FALLBACK`, and :attr:`Rendered.fallback_template` says so). Content is located
+  robustly: the conversation is rendered once with every content replaced by a unique sentinel,
+  the sentinels are found (each exactly once), and the real content is put back verbatim. (A
+  template that transforms content, such as Llama-3's ``| trim``, is applied to the sentinel
+  only: the content goes in as the data has it.)
+* **Tokenizing**: segment by segment: template text with its specials recognised, message
+  content with ``split_special_tokens=True`` (a user who types ``<|im_end|>`` does not end the
+  turn); no tokenizer-added BOS (templates write their own).
+* **Reasoning**: an assistant message's ``reasoning_content``, or a leading
+  ``<think>...</think>`` in its content, becomes the ``reasoning`` region; the template text
+  between it and the answer (the closing marker) is the ``close`` region; the content is the
+  ``answer`` region. A template that does not render ``reasoning_content`` gets it written
+  into the content as ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}``.
+* **Regions** are aligned one by one: the tokens whose end offset lies in ``(start, end]`` on
+  each side are sliced, their offsets rebased to the region start, and the walker runs; if on
+  either side the first such token begins before the region start, the region's first chunk is
+  not correct. The **end-of-turn pair** is the first ``eot``-role special after the answer on
+  each side.
+* **Masks**: the student's CE loss mask is its tokens in the included regions of every
+  assistant message plus its end-of-turn token; a chunk counts for KD (``kd_mask``) when its
+  region is included, all its student tokens are in the loss mask, and it is not the first chunk
+  of its message under ``drop_first_chunk``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from crosskd.alignment.core import SHAPE_SPECIAL, Chunks, Tokenized, align
+from crosskd.alignment.sample import (
+    REGION_ANSWER,
+    REGION_CLOSE,
+    REGION_EOT,
+    REGION_REASONING,
+    REGIONS,
+    AlignedSample,
+    Rendered,
+    chunks_in_mask,
+)
+from crosskd.errors import DataError
+from crosskd.tokenization import LoadedTokenizer
+
+CHATML_FALLBACK = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message.get('reasoning_content') %}"
+    "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+)
+"""The template for tokenizers without one: ChatML, reasoning in ``<think>`` blocks."""
+
+_THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*(.*)\Z", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """Which parts of assistant messages count.
+
+    ``included_regions``: of ``reasoning``, ``close``, ``answer`` (``eot`` pairs always count
+    with the answer). ``drop_first_chunk``: leave the first chunk of each assistant message out
+    of KD (its prediction depends on template tokens that differ between models).
+    """
+
+    included_regions: tuple[str, ...] = ("reasoning", "close", "answer")
+    drop_first_chunk: bool = False
+
+
+def split_reasoning(messages: list[dict]) -> list[dict]:
+    """Messages with a leading ``<think>...</think>`` in assistant content moved to
+    ``reasoning_content`` (messages that already have one are left alone)."""
+    out = []
+    for message in messages:
+        match = _THINK.match(message.get("content") or "")
+        if message.get("role") == "assistant" and match and not message.get("reasoning_content"):
+            message = {**message, "reasoning_content": match[1].strip("\n"), "content": match[2]}
+        out.append(message)
+    return out
+
+
+def render(tok: LoadedTokenizer, messages: list[dict], *, sample_id: str) -> Rendered:
+    """Render and tokenize ``messages`` (after :func:`split_reasoning`) with ``tok``'s template.
+
+    Raises :class:`DataError` naming the sample and message when content cannot be located.
+    """
+    template = tok.hf.chat_template or CHATML_FALLBACK
+    marks = {}
+    stand_in = []
+    for index, message in enumerate(messages):
+        copy = dict(message)
+        copy["content"] = marks.setdefault((index, REGION_ANSWER), _sentinel(index, "a"))
+        if message.get("reasoning_content"):
+            copy["reasoning_content"] = marks.setdefault(
+                (index, REGION_REASONING), _sentinel(index, "r")
+            )
+        stand_in.append(copy)
+    rendered = tok.hf.apply_chat_template(stand_in, tokenize=False, chat_template=template)
+    ignored = [i for (i, region), mark in marks.items()
+               if region == REGION_REASONING and mark not in rendered]  # fmt: skip
+    if ignored:
+        for index in ignored:
+            reasoning = stand_in[index].pop("reasoning_content")
+            stand_in[index]["content"] = (
+                f"<think>\n{reasoning}\n</think>\n\n{marks[index, REGION_ANSWER]}"
+            )
+        rendered = tok.hf.apply_chat_template(stand_in, tokenize=False, chat_template=template)
+    return _tokenize_pieces(tok, rendered, messages, marks, sample_id, template)
+
+
+def _sentinel(index: int, kind: str) -> str:
+    return f"\ue000{kind}{index}\ue001"
+
+
+def _tokenize_pieces(
+    tok: LoadedTokenizer,
+    rendered: str,
+    messages: list[dict],
+    marks: dict[tuple[int, int], str],
+    sample_id: str,
+    template: str,
+) -> Rendered:
+    located = []
+    for (index, region), mark in marks.items():
+        where = rendered.find(mark)
+        if where < 0 or rendered.find(mark, where + 1) >= 0:
+            raise DataError(
+                f"sample {sample_id}: message {index} ({messages[index].get('role')}) cannot be "
+                f"located in the rendering by {tok.name}'s chat template (it "
+                f"{'drops' if where < 0 else 'repeats'} the message's "
+                f"{REGIONS[region]}); use a template that renders every message once."
+            )
+        located.append((where, index, region, mark))
+    located.sort()
+    template_pieces, content_pieces, layout = [], [], []
+    text_parts: list[str] = []
+    cursor = length = 0
+    for where, index, region, mark in located:
+        template_pieces.append(rendered[cursor:where])
+        text_parts.append(template_pieces[-1])
+        length += len(template_pieces[-1])
+        content = messages[index]["reasoning_content" if region == REGION_REASONING else "content"]
+        content_pieces.append(content)
+        layout.append((index, region, length, length + len(content)))
+        text_parts.append(content)
+        length += len(content)
+        cursor = where + len(mark)
+    template_pieces.append(rendered[cursor:])
+    text_parts.append(template_pieces[-1])
+    common = {"add_special_tokens": False, "return_offsets_mapping": True}
+    tpl = tok.hf(template_pieces, split_special_tokens=False, **common)
+    cnt = tok.hf(content_pieces, split_special_tokens=True, **common) if content_pieces else None
+    ids, starts, ends = [], [], []
+    base = 0
+    for k, piece in enumerate(template_pieces):
+        _extend(ids, starts, ends, tpl, k, base)
+        base += len(piece)
+        if k < len(content_pieces):
+            _extend(ids, starts, ends, cnt, k, base)
+            base += len(content_pieces[k])
+    starts_array = np.asarray(starts, dtype=np.int64)
+    tokens = Tokenized(
+        np.asarray(ids, dtype=np.int64), np.asarray(ends, dtype=np.int64), starts_array
+    )
+    return Rendered(
+        text="".join(text_parts),
+        tokens=tokens,
+        starts=starts_array,
+        regions=_with_close_regions(layout),
+        fallback_template=template is CHATML_FALLBACK,
+    )
+
+
+def _extend(ids: list, starts: list, ends: list, encoded, k: int, base: int) -> None:
+    ids.extend(encoded["input_ids"][k])
+    for start, end in encoded["offset_mapping"][k]:
+        starts.append(base + start)
+        ends.append(base + end)
+
+
+def _with_close_regions(layout: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Add the ``close`` region between each message's reasoning and its answer."""
+    out = []
+    reasoning_end: dict[int, int] = {}
+    for index, region, start, end in layout:
+        if region == REGION_REASONING:
+            reasoning_end[index] = end
+        elif index in reasoning_end:
+            out.append((index, REGION_CLOSE, reasoning_end.pop(index), start))
+        out.append((index, region, start, end))
+    return sorted(out, key=lambda r: (r[2], r[3]))
+
+
+def align_chat(
+    student_tok: LoadedTokenizer,
+    teacher_tok: LoadedTokenizer,
+    messages: list[dict],
+    *,
+    sample_id: str,
+    options: ChatOptions | None = None,
+    student: Rendered | None = None,
+) -> AlignedSample:
+    """Align the assistant messages of a conversation (module docstring for the rules).
+
+    ``student``: the student's rendering when already made (shared across teachers).
+    """
+    options = options or ChatOptions()
+    messages = split_reasoning(messages)
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise DataError(
+            f"sample {sample_id}: the conversation has no assistant message, so nothing would be "
+            f"distilled; drop the sample or add the assistant's answer."
+        )
+    s = student or render(student_tok, messages, sample_id=sample_id)
+    t = render(teacher_tok, messages, sample_id=sample_id)
+    t_regions = {(m, r): (a, b) for m, r, a, b in t.regions}
+    included = {REGIONS.index(name) for name in options.included_regions}
+    parts, regions, owners = [], [], []
+    loss_mask = np.zeros(len(s.tokens), dtype=bool)
+    for message, region, a, b in s.regions:
+        if messages[message].get("role") != "assistant":
+            continue
+        s_rows = _rows(s, a, b)
+        t_rows = _rows(t, *t_regions[message, region])
+        if region in included:
+            loss_mask[s_rows] = True
+        if not len(s_rows) or not len(t_rows):
+            continue
+        t_start = t_regions[message, region][0]
+        chunks = align(
+            _rebased(s.tokens, s_rows, a), _rebased(t.tokens, t_rows, t_start),
+            student_tok, teacher_tok, student_start=int(s_rows[0]), teacher_start=int(t_rows[0]),
+        )  # fmt: skip
+        if len(chunks) and (s.starts[s_rows[0]] < a or t.starts[t_rows[0]] < t_start):
+            chunks.is_correct[0] = False
+        parts.append(chunks)
+        regions.append(np.full(len(chunks), region, dtype=np.uint8))
+        owners.append(np.full(len(chunks), message, dtype=np.int32))
+        if region == REGION_ANSWER:
+            pair = _eot_pair(s, t, student_tok, teacher_tok, int(s_rows[-1]), int(t_rows[-1]))
+            if pair is not None:
+                parts.append(pair)
+                regions.append(np.full(1, REGION_EOT, dtype=np.uint8))
+                owners.append(np.full(1, message, dtype=np.int32))
+                if REGION_ANSWER in included:
+                    loss_mask[pair.student[0, 0]] = True
+    chunks = Chunks.concatenate(parts)
+    chunk_region = np.concatenate(regions) if regions else np.zeros(0, dtype=np.uint8)
+    chunk_message = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int32)
+    in_region = np.isin(chunk_region, [*included, REGION_EOT] if REGION_ANSWER in included
+                        else list(included))  # fmt: skip
+    kd_mask = in_region & chunks_in_mask(chunks, loss_mask)
+    if options.drop_first_chunk and len(chunks):
+        first = np.ones(len(chunks), dtype=bool)
+        first[1:] = chunk_message[1:] != chunk_message[:-1]
+        kd_mask &= ~first
+    return AlignedSample(s, t, chunks, chunk_region, chunk_message, kd_mask, loss_mask)
+
+
+def _rows(rendered: Rendered, start: int, end: int) -> np.ndarray:
+    """Token indices whose end offset lies in ``(start, end]``."""
+    ends = rendered.tokens.ends
+    return np.flatnonzero((ends > start) & (ends <= end))
+
+
+def _rebased(tokens: Tokenized, rows: np.ndarray, start: int) -> Tokenized:
+    return Tokenized(tokens.ids[rows], tokens.ends[rows] - start)
+
+
+def _eot_pair(
+    s: Rendered,
+    t: Rendered,
+    student_tok: LoadedTokenizer,
+    teacher_tok: LoadedTokenizer,
+    s_last: int,
+    t_last: int,
+) -> Chunks | None:
+    """The first eot-role special after the answer on each side, as one special chunk."""
+    s_eot = _first_with_role(s.tokens.ids, student_tok, "eot", s_last + 1)
+    t_eot = _first_with_role(t.tokens.ids, teacher_tok, "eot", t_last + 1)
+    if s_eot is None or t_eot is None:
+        return None
+    return Chunks(
+        np.array([[s_eot, s_eot + 1]]), np.array([[t_eot, t_eot + 1]]),
+        np.array([SHAPE_SPECIAL], dtype=np.uint8), np.ones(1, dtype=bool), np.ones(1, dtype=bool),
+    )  # fmt: skip
+
+
+def _first_with_role(ids: np.ndarray, tok: LoadedTokenizer, role: str, start: int) -> int | None:
+    target = tok.role_ids.get(role)
+    if target is None:
+        return None
+    hits = np.flatnonzero(ids[start:] == target)
+    return int(start + hits[0]) if hits.size else None

@@ -1,0 +1,64 @@
+"""Dataclass configs from YAML files and ``key=value`` overrides.
+
+``load_config(PrepareConfig, "prepare.yaml", ["max_length=4096", "pack=false"])``: the file's
+mapping first, then each override (its value parsed as YAML, so ``4096`` is an int, ``false`` a
+bool and ``[a, b]`` a list). Unknown keys are refused with the list of known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import fsspec
+import yaml
+
+from crosskd.errors import CrosskdError
+
+T = TypeVar("T")
+
+
+def load_config(
+    cls: type[T],
+    path: str | None = None,
+    overrides: Sequence[str] = (),
+    base: Mapping[str, Any] | None = None,
+) -> T:
+    """Build ``cls`` from ``base`` values, then the YAML file at ``path`` (any fsspec URI), then
+    ``key=value`` overrides, later sources winning."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = dict(base or {})
+    if path is not None:
+        with fsspec.open(path, "r", encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh) or {}
+        if not isinstance(loaded, dict):
+            raise CrosskdError(f"config {path}: expected a mapping of keys to values at the top.")
+        values.update(_checked(loaded, known, f"config {path}"))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise CrosskdError(f"override {item!r}: write it as key=value.")
+        values.update(_checked({key.strip(): yaml.safe_load(raw)}, known, f"override {item!r}"))
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise CrosskdError(
+            f"{cls.__name__}: {', '.join(missing)} not set; give it in the config file, as a "
+            f"flag, or as key=value."
+        )
+    return cls(**values)
+
+
+def _checked(values: Mapping[str, Any], known: set[str], where: str) -> dict[str, Any]:
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise CrosskdError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
+        )
+    return dict(values)

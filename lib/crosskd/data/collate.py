@@ -1,0 +1,187 @@
+"""Reading prepared data back and turning packed rows into model batches.
+
+:func:`load_prepared` checks the manifest (kind, format version, the fingerprints the caller
+expects) and each shard's sha256 before use. :func:`collate` turns a list of packed rows (each a
+list of samples, as prepared) into per-model ``input_ids`` / ``position_ids`` / ``segment_ids``
+(padded to the longest row of the batch), the student's CE ``loss_mask``, and per teacher the
+chunk tensors the loss needs, flat over the batch: each chunk carries its packed row index and
+its token ranges *within that packed row* on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+import torch
+
+from crosskd.data.prepare import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION, KIND, MANIFEST
+from crosskd.errors import DataError
+
+FORMAT_VERSIONS = (1,)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """A prepared-data folder: ``uri`` and its parsed ``manifest``."""
+
+    uri: str
+    manifest: dict
+
+    @property
+    def model_names(self) -> list[str]:
+        """``["student", "teacher0", ...]``."""
+        return [m["name"] for m in self.manifest["models"]]
+
+    def packed_rows(self) -> Iterator[list[dict]]:
+        """Every packed row in order, as its list of samples (column name -> value)."""
+        import pyarrow.parquet as pq
+
+        fs, root = fsspec.core.url_to_fs(self.uri)
+        for shard in self.manifest["shards"]:
+            payload = fs.cat_file(f"{root}/{shard['path']}")
+            digest = hashlib.sha256(payload).hexdigest()
+            if digest != shard["sha256"]:
+                raise DataError(
+                    f"prepared data {self.uri}: shard {shard['path']} has sha256 {digest}, the "
+                    f"manifest says {shard['sha256']}; the file changed or is damaged. Run "
+                    f"`crosskd prepare` again."
+                )
+            rows = pq.read_table(io.BytesIO(payload)).to_pylist()
+            start = 0
+            while start < len(rows):
+                stop = start
+                while stop < len(rows) and rows[stop]["bin"] == rows[start]["bin"]:
+                    stop += 1
+                yield rows[start:stop]
+                start = stop
+
+
+def load_prepared(uri: str, *, fingerprints: dict[str, str] | None = None) -> PreparedData:
+    """Open prepared data, refusing a missing or foreign manifest, an unknown format version,
+    or a model whose fingerprint differs from ``fingerprints`` (model name -> fingerprint)."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    path = f"{root}/{MANIFEST}"
+    if not fs.exists(path):
+        raise DataError(
+            f"prepared data {uri}: no {MANIFEST} (missing, or a preparation that did not "
+            f"finish); run `crosskd prepare`."
+        )
+    manifest = json.loads(fs.cat_file(path))
+    if manifest.get("kind") != KIND or manifest.get("format_version") not in FORMAT_VERSIONS:
+        raise DataError(
+            f"prepared data {uri}: manifest kind {manifest.get('kind')!r} version "
+            f"{manifest.get('format_version')!r}, expected {KIND!r} version in "
+            f"{FORMAT_VERSIONS}; prepare the data again with this crosskd."
+        )
+    recorded = {m["name"]: m["fingerprint"] for m in manifest["models"]}
+    for name, want in (fingerprints or {}).items():
+        if recorded.get(name) != want:
+            raise DataError(
+                f"prepared data {uri}: {name} tokenizer fingerprint is {recorded.get(name)}, "
+                f"expected {want}; the data was prepared for another tokenizer. Prepare it "
+                f"again."
+            )
+    return PreparedData(uri, manifest)
+
+
+@dataclass(frozen=True)
+class ModelBatch:
+    """One model's side of a batch, all int64 ``[B, L]`` (L = longest packed row of the batch):
+    ``input_ids`` (0 in padding), ``position_ids`` (restarting at 0 per sample) and
+    ``segment_ids`` (sample index within the row, -1 in padding; attention stays within a
+    segment)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segment_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkBatch:
+    """One teacher's chunks over the batch, flat: ``row`` int64 ``[C]`` (packed row), ``student``
+    and ``teacher`` int64 ``[C, 2]`` (token ranges within the packed row), ``shape`` / ``region``
+    uint8 ``[C]``, ``valid`` bool ``[C]`` (correct, has a prediction, and in the KD mask)."""
+
+    row: torch.Tensor
+    student: torch.Tensor
+    teacher: torch.Tensor
+    shape: torch.Tensor
+    region: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Batch:
+    """``models``: model name -> :class:`ModelBatch`; ``loss_mask`` bool ``[B, L_student]``
+    (CE targets); ``chunks``: one :class:`ChunkBatch` per teacher; ``sample_ids`` per row."""
+
+    models: dict[str, ModelBatch]
+    loss_mask: torch.Tensor
+    chunks: list[ChunkBatch]
+    sample_ids: list[list[str]]
+
+
+def collate(rows: list[list[dict]], n_teachers: int) -> Batch:
+    """Batch packed rows (each a list of prepared samples) for the student and every teacher."""
+    names = ["student", *(f"teacher{k}" for k in range(n_teachers))]
+    models = {name: _model_batch([[s[f"{name}_ids"] for s in row] for row in rows])
+              for name in names}  # fmt: skip
+    width = models["student"].input_ids.shape[1]
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        mask = np.concatenate([np.asarray(s["student_loss_mask"], dtype=bool) for s in row])
+        loss_mask[r, : len(mask)] = torch.from_numpy(mask)
+    chunks = [_chunk_batch(rows, f"teacher{k}") for k in range(n_teachers)]
+    return Batch(models, loss_mask, chunks, [[s["sample_id"] for s in row] for row in rows])
+
+
+def _model_batch(rows: list[list[list[int]]]) -> ModelBatch:
+    width = max(sum(len(ids) for ids in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = np.zeros(shape, dtype=np.int64)
+    positions = np.zeros(shape, dtype=np.int64)
+    segments = np.full(shape, -1, dtype=np.int64)
+    for r, row in enumerate(rows):
+        cursor = 0
+        for k, ids in enumerate(row):
+            n = len(ids)
+            input_ids[r, cursor : cursor + n] = ids
+            positions[r, cursor : cursor + n] = np.arange(n)
+            segments[r, cursor : cursor + n] = k
+            cursor += n
+    return ModelBatch(*(torch.from_numpy(a) for a in (input_ids, positions, segments)))
+
+
+def _chunk_batch(rows: list[list[dict]], name: str) -> ChunkBatch:
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("row", "s", "t", "shape", "region", "ok")}
+    for r, row in enumerate(rows):
+        s_base = t_base = 0
+        for sample in row:
+            s0 = np.asarray(sample[f"{name}_chunk_s0"], dtype=np.int64) + s_base
+            s1 = np.asarray(sample[f"{name}_chunk_s1"], dtype=np.int64) + s_base
+            t0 = np.asarray(sample[f"{name}_chunk_t0"], dtype=np.int64) + t_base
+            t1 = np.asarray(sample[f"{name}_chunk_t1"], dtype=np.int64) + t_base
+            flags = np.asarray(sample[f"{name}_chunk_flags"], dtype=np.uint8)
+            parts["row"].append(np.full(len(s0), r, dtype=np.int64))
+            parts["s"].append(np.stack([s0, s1], axis=1))
+            parts["t"].append(np.stack([t0, t1], axis=1))
+            parts["shape"].append(np.asarray(sample[f"{name}_chunk_shape"], dtype=np.uint8))
+            parts["region"].append(np.asarray(sample[f"{name}_chunk_region"], dtype=np.uint8))
+            need = FLAG_CORRECT | FLAG_PREDICTION | FLAG_KD
+            parts["ok"].append((flags & need) == need)
+            s_base += len(sample["student_ids"])
+            t_base += len(sample[f"{name}_ids"])
+    def cat(key: str, empty_shape: tuple[int, ...], dtype) -> torch.Tensor:
+        arrays = parts[key]
+        return torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(empty_shape, dtype))
+
+    return ChunkBatch(
+        cat("row", (0,), np.int64), cat("s", (0, 2), np.int64), cat("t", (0, 2), np.int64),
+        cat("shape", (0,), np.uint8), cat("region", (0,), np.uint8), cat("ok", (0,), bool),
+    )  # fmt: skip
