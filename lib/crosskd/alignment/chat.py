@@ -84,10 +84,12 @@ def split_reasoning(messages: list[dict]) -> list[dict]:
 
 
 def render(tok: LoadedTokenizer, messages: list[dict], *, sample_id: str) -> Rendered:
-    """Render and tokenize ``messages`` (after :func:`split_reasoning`) with ``tok``'s template.
+    """Render and tokenize ``messages`` with ``tok``'s template (reasoning split off first with
+    :func:`split_reasoning`).
 
     Raises :class:`DataError` naming the sample and message when content cannot be located.
     """
+    messages = split_reasoning(messages)
     template = tok.hf.chat_template or CHATML_FALLBACK
     marks = {}
     stand_in = []

@@ -401,11 +401,11 @@ def _format(r: PairReport) -> str:
         f"(a document's first chunk)",
         "",
         "Common vocabulary (one-to-one common tokens)",
-        f"  common tokens  {r.common_vocabulary:,}",
-        f"  of the vocabularies  {r.common_student_share:.2%} of the student's "
+        f"  common tokens   {r.common_vocabulary:,}",
+        f"  of vocabularies {r.common_student_share:.2%} of the student's "
         f"{r.student_vocabulary:,}, {r.common_teacher_share:.2%} of the teacher's "
         f"{r.teacher_vocabulary:,}",
-        f"  in this text   {_ratio(r.student_tokens_common, r.student_tokens):.2%} of student "
+        f"  in this text    {_ratio(r.student_tokens_common, r.student_tokens):.2%} of student "
         f"tokens, {_ratio(r.teacher_tokens_common, r.teacher_tokens):.2%} of teacher tokens",
         "",
         "What this means",
@@ -423,7 +423,9 @@ def _format(r: PairReport) -> str:
         f"data; below {WORKABLE_SHARE:.0%} token-to-token, most of what the teacher knows "
         f"reaches the student only as chunk-level probabilities."
     )
-    lines += textwrap.wrap(meaning, width=78, initial_indent="  ", subsequent_indent="  ")
+    lines += textwrap.wrap(
+        meaning, 78, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False
+    )
     return "\n".join(lines)
 
 

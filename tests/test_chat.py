@@ -1,0 +1,128 @@
+"""Chat mode with real chat templates (SmolLM2's from its GGUF, DeepSeek's, Llama-3's, Qwen3's)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from crosskd.alignment import REGIONS, SHAPE_NAMES, ChatOptions, align_chat, render
+from crosskd.errors import DataError
+from crosskd.tokenization import load_tokenizer
+from crosskd.zoo import train_tiny_bpe
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Say hello. <|im_end|> Hello!"},
+    {"role": "assistant", "content": "<think>A greeting.</think>Hello!"},
+    {"role": "user", "content": "Thanks"},
+    {"role": "assistant", "content": "You are welcome."},
+]
+
+
+def _view(tok, rendered, rng) -> bytes:
+    return b"".join(tok.bytes.token_bytes(i) for i in rendered.tokens.ids[slice(*rng)])
+
+
+@pytest.mark.parametrize(("student", "teacher"), [("smollm2", "deepseek-v3"), ("llama3", "qwen3")])
+def test_assistant_content_reasoning_and_end_of_turn(zoo, student, teacher):
+    s_tok, t_tok = zoo(student), zoo(teacher)
+    aligned = align_chat(s_tok, t_tok, CONVERSATION, sample_id="conv-1")
+    regions = [REGIONS[r] for r in aligned.chunk_region]
+    assert set(regions) == {"reasoning", "close", "answer", "eot"}
+    assert set(aligned.chunk_message.tolist()) == {2, 4}
+    # Reasoning and answers align exactly; each assistant turn ends with an eot role pair.
+    texts = {
+        REGIONS[r]: b"".join(
+            _view(s_tok, aligned.student, aligned.chunks.student[k])
+            for k in np.flatnonzero((aligned.chunk_region == r) & (aligned.chunk_message == 2))
+        )
+        for r in (1, 3)
+    }
+    assert texts == {"reasoning": b"A greeting.", "answer": b"Hello!"}
+    eot = np.flatnonzero(aligned.chunk_region == 4)
+    assert len(eot) == 2 and (aligned.chunks.shape[eot] == SHAPE_NAMES.index("special")).all()
+    for k in eot:
+        s_id = aligned.student.tokens.ids[aligned.chunks.student[k, 0]]
+        t_id = aligned.teacher.tokens.ids[aligned.chunks.teacher[k, 0]]
+        assert s_tok.roles[int(s_id)] == t_tok.roles[int(t_id)] == "eot"
+    answer = aligned.chunk_region == 3
+    assert aligned.chunks.is_correct[answer].all() and aligned.kd_mask[answer].all()
+    # The loss mask is exactly the assistant content (reasoning, close, answer) plus eot tokens.
+    masked = b"".join(s_tok.bytes.token_bytes(i) for i in aligned.student.tokens.ids[
+        aligned.loss_mask])  # fmt: skip
+    assert masked.startswith(b"A greeting.") and b"Hello!" in masked
+    assert b"Say hello" not in masked and b"Be brief" not in masked and b"Thanks" not in masked
+    assert masked.endswith(b"You are welcome." + s_tok.bytes.token_bytes(s_tok.role_ids["eot"]))
+
+
+def test_user_typed_control_string_does_not_end_the_turn(zoo):
+    smol = zoo("smollm2")
+    rendered = render(smol, CONVERSATION, sample_id="conv-1")
+    eot = smol.role_ids["eot"]
+    user_start, user_end = next((a, b) for m, r, a, b in rendered.regions if m == 1)
+    inside = (rendered.tokens.ends > user_start) & (rendered.tokens.ends <= user_end)
+    assert eot not in rendered.tokens.ids[inside]
+    assert "<|im_end|> Hello!" in rendered.text[user_start:user_end]
+
+
+def test_content_repeated_elsewhere_is_located_by_message(zoo):
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    messages = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello!"}]
+    aligned = align_chat(llama, qwen, messages, sample_id="echo")
+    _, _, a, b = next(r for r in aligned.student.regions if r[0] == 1)
+    assert aligned.student.text[a:b] == "Hello!" and a > aligned.student.text.index("Hello!")
+    assert set(aligned.chunk_message.tolist()) == {1}
+
+
+def test_included_regions_and_drop_first_chunk(zoo):
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    full = align_chat(llama, qwen, CONVERSATION, sample_id="c")
+    answer_only = align_chat(llama, qwen, CONVERSATION, sample_id="c",
+                             options=ChatOptions(included_regions=("answer",)))  # fmt: skip
+    reasoning = answer_only.chunk_region == 1
+    assert reasoning.any() and not answer_only.kd_mask[reasoning].any()
+    assert answer_only.loss_mask.sum() < full.loss_mask.sum()
+    dropped = align_chat(llama, qwen, CONVERSATION, sample_id="c",
+                         options=ChatOptions(drop_first_chunk=True))  # fmt: skip
+    first = [int(np.flatnonzero(dropped.chunk_message == m)[0]) for m in (2, 4)]
+    assert not dropped.kd_mask[first].any()
+    assert (dropped.kd_mask | np.isin(np.arange(len(dropped.kd_mask)), first)
+            == full.kd_mask).all()  # fmt: skip
+
+
+def _custom_template(tmp_path, template: str | None):
+    folder = train_tiny_bpe(["hello world, how are you?"] * 50, 300, tmp_path / "tiny")
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if template is None:
+        config.pop("chat_template", None)
+    else:
+        config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return load_tokenizer(folder)
+
+
+def test_message_that_cannot_be_located_names_sample_and_message(tmp_path, zoo):
+    drops_users = (
+        "{% for m in messages %}{% if m['role'] != 'user' %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}"
+    )
+    tok = _custom_template(tmp_path, drops_users)
+    with pytest.raises(DataError, match=r"sample s-7: message 1 \(user\) cannot be located"):
+        align_chat(zoo("llama3"), tok, CONVERSATION, sample_id="s-7")
+
+
+def test_tokenizer_without_template_gets_the_chatml_fallback(tmp_path, zoo):
+    tok = _custom_template(tmp_path, None)
+    rendered = render(tok, CONVERSATION[1:3], sample_id="s")
+    assert rendered.fallback_template
+    assert rendered.text.startswith("<|im_start|>user\nSay hello.")
+    assert "<think>\nA greeting.\n</think>\n\nHello!<|im_end|>" in rendered.text
+
+
+def test_conversation_without_assistant_is_refused(zoo):
+    with pytest.raises(DataError, match="sample q: the conversation has no assistant message"):
+        align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION[:2], sample_id="q")

@@ -1,0 +1,146 @@
+"""`crosskd prepare` end to end: shards + manifest, the collator's indices into packed rows,
+clipping, unpacked mode, fsspec output, and bad input that leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from crosskd.cli import main
+from crosskd.data.collate import collate, load_prepared
+from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.errors import DataError
+
+ROWS = [
+    {"id": "t1", "text": "Hello world. crosskd aligns 12345 tokens 👍🏽 across café e\u0301."},
+    {"id": "c1", "messages": [
+        {"role": "user", "content": "Name a colour. <|im_end|>"},
+        {"role": "assistant", "content": "<think>Pick one.</think>Blue."},
+    ]},
+    {"id": "t2", "text": "Short."},
+    {"id": "t3", "text": "def f(x):\n    return x  # 日本語\r\n"},
+]  # fmt: skip
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
+    return str(path)
+
+
+def _config(tmp_path: Path, rows=ROWS, **kwargs) -> PrepareConfig:
+    data = _write_jsonl(tmp_path / "data.jsonl", rows)
+    settings = {"output": str(tmp_path / "out"), "max_length": 96, **kwargs}
+    return PrepareConfig(
+        data=data, student_tokenizer="zoo:llama3",
+        teacher_tokenizers=["zoo:qwen3", "zoo:smollm2"], **settings,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def zoo_env(zoo_cache, monkeypatch):
+    monkeypatch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
+
+
+def test_prepare_and_collate_round_trip(tmp_path, zoo_env, zoo):
+    manifest = prepare(_config(tmp_path), progress=False)
+    assert manifest["rows"] == 4 and manifest["clipped_rows"] == 0
+    assert manifest["nfc_normalized"] is True
+    assert [m["name"] for m in manifest["models"]] == ["student", "teacher0", "teacher1"]
+    assert manifest["models"][1]["fingerprint"] == zoo("qwen3").fingerprint
+    prepared = load_prepared(str(tmp_path / "out"), fingerprints={
+        "student": zoo("llama3").fingerprint, "teacher0": zoo("qwen3").fingerprint})  # fmt: skip
+    rows = list(prepared.packed_rows())
+    assert sorted(s["sample_id"] for row in rows for s in row) == ["c1", "t1", "t2", "t3"]
+    assert len(rows) == manifest["packing"]["bins"]
+    text = {s["sample_id"]: s["text"] for row in rows for s in row}
+    assert text["t1"].endswith("café é.")  # NFC once, before any tokenizer
+
+    batch = collate(rows, n_teachers=2)
+    student = batch.models["student"]
+    for r, row in enumerate(rows):
+        ids = np.concatenate([s["student_ids"] for s in row])
+        assert student.input_ids[r, : len(ids)].tolist() == ids.tolist()
+        assert (student.segment_ids[r, len(ids):] == -1).all()
+        starts = np.flatnonzero(student.position_ids[r, : len(ids)].numpy() == 0)
+        lengths = [len(s["student_ids"]) for s in row]
+        assert starts.tolist() == np.cumsum([0, *lengths])[:-1].tolist()
+    for k, name in enumerate(("llama3", "qwen3", "smollm2")[1:]):
+        chunks, teacher = batch.chunks[k], batch.models[f"teacher{k}"]
+        s_tok, t_tok = zoo("llama3"), zoo(name)
+        assert chunks.valid.any()
+        for c in np.flatnonzero(chunks.valid.numpy()):
+            r = int(chunks.row[c])
+            (s0, s1), (t0, t1) = chunks.student[c].tolist(), chunks.teacher[c].tolist()
+            s_bytes = s_tok.bytes.concat(student.input_ids[r, s0:s1].numpy()).tobytes()
+            t_bytes = t_tok.bytes.concat(teacher.input_ids[r, t0:t1].numpy()).tobytes()
+            assert s_bytes == t_bytes or chunks.shape[c] == 4
+            assert batch.loss_mask[r, s0:s1].all()
+            assert student.segment_ids[r, s0] == student.segment_ids[r, s1 - 1]
+
+
+def test_clipping_unpacked_mode_and_memory_output(tmp_path, zoo_env):
+    long = {"id": "long", "text": "word " * 400}
+    config = _config(tmp_path, rows=[*ROWS, long], pack=False, output="memory://prep-test/out")
+    manifest = prepare(config, progress=False)
+    assert manifest["clipped_rows"] == 1 and manifest["packing"]["bins"] == 5
+    rows = list(load_prepared("memory://prep-test/out").packed_rows())
+    assert all(len(row) == 1 for row in rows)
+    clipped = next(row[0] for row in rows if row[0]["sample_id"] == "long")
+    assert clipped["clipped"] and clipped["original_lengths"][0] > 96
+    assert len(clipped["student_ids"]) <= 96 and len(clipped["teacher0_ids"]) <= 96
+
+
+def test_cli_prepare_with_config_file_and_overrides(tmp_path, zoo_env, capsys):
+    config = _config(tmp_path)
+    (tmp_path / "prepare.yaml").write_text(
+        f"data: {config.data}\nstudent_tokenizer: zoo:llama3\nteacher_tokenizers: [zoo:qwen3]\n"
+    )
+    status = main(["prepare", "--config", str(tmp_path / "prepare.yaml"),
+                   "--output", str(tmp_path / "cli"), "max_length=64", "pack=false"])  # fmt: skip
+    assert status == 0
+    out = capsys.readouterr().out
+    assert out.startswith("prepared 4 rows (0 clipped) into 4 packed rows")
+    manifest = json.loads((tmp_path / "cli" / "manifest.json").read_text())
+    assert manifest["config"]["max_length"] == 64 and manifest["config"]["pack"] is False
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"id": "x", "body": "no text column"}], r"data\.jsonl line 2"),
+        ([{"id": "x", "text": ""}], r"data\.jsonl line 2"),
+        ([{"id": "x", "messages": [{"role": "user", "content": "hi"}]}], "assistant"),
+    ],
+)
+def test_bad_input_writes_nothing(tmp_path, zoo_env, rows, message):
+    config = _config(tmp_path, rows=[ROWS[0], *rows])
+    with pytest.raises(DataError, match=message):
+        prepare(config, progress=False)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_invalid_utf8_line_is_named(tmp_path, zoo_env):
+    config = _config(tmp_path)
+    with open(config.data, "ab") as fh:
+        fh.write(b'{"id": "bad", "text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"line 5"):
+        prepare(config, progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_consumers_refuse_foreign_or_damaged_data(tmp_path, zoo_env, zoo):
+    prepare(_config(tmp_path), progress=False)
+    out = str(tmp_path / "out")
+    with pytest.raises(DataError, match="teacher0 tokenizer fingerprint is"):
+        load_prepared(out, fingerprints={"teacher0": zoo("deepseek-v3").fingerprint})
+    shard = next((tmp_path / "out").glob("part-*.parquet"))
+    shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(DataError, match="has sha256"):
+        list(load_prepared(out).packed_rows())
+    with pytest.raises(DataError, match="already holds prepared data"):
+        prepare(_config(tmp_path), progress=False)
+    with pytest.raises(DataError, match=r"no manifest\.json"):
+        load_prepared(str(tmp_path / "nothing"))
