@@ -13,6 +13,7 @@ from crosskd.alignment import (
     SHAPE_SPECIAL,
     Tokenized,
     align,
+    align_many,
     tokenize,
 )
 from crosskd.tokenization import KIND_SPECIAL
@@ -192,3 +193,20 @@ def test_invariants_over_generated_text(zoo, student, teacher, text, bos):
     assert (np.diff(chunks.student[:, 0]) > 0).all()
     first = (chunks.student[:, 0] == 0) | (chunks.teacher[:, 0] == 0)
     assert (chunks.has_prediction == ~first).all()
+
+
+@pytest.mark.parametrize(("student", "teacher"), PAIRS[:3])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(texts=st.lists(TEXTS, min_size=0, max_size=6), bos=st.booleans())
+def test_align_many_equals_align_per_document(zoo, student, teacher, texts, bos):
+    s_tok, t_tok = zoo(student), zoo(teacher)
+    students = tokenize(s_tok, texts, add_special_tokens=bos) if texts else []
+    teachers = tokenize(t_tok, texts, add_special_tokens=bos) if texts else []
+    batched = align_many(students, teachers, s_tok, t_tok)
+    assert len(batched) == len(texts)
+    for s, t, got in zip(students, teachers, batched, strict=True):
+        one = align(s, t, s_tok, t_tok)
+        for field in ("student", "teacher", "shape", "is_correct", "has_prediction"):
+            assert getattr(got, field).tolist() == getattr(one, field).tolist()

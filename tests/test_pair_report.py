@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from crosskd.alignment import SHAPE_NAMES, align, tokenize
-from crosskd.alignment.corpus import benchmark_corpus
+from crosskd.alignment.corpus import _po_messages, benchmark_corpus
 from crosskd.alignment.report import PairReport, ShapeStats, pair_report
 from crosskd.tables import TablePair
 
@@ -113,37 +113,49 @@ def _recompute(student, teacher, texts: list[str]) -> dict:
     )  # fmt: skip
     for text in texts:
         s, t = tokenize(student, [text])[0], tokenize(teacher, [text])[0]
+        special_s = {i for i, x in enumerate(s.ids.tolist()) if student.is_special(x)}
+        special_t = {i for i, x in enumerate(t.ids.tolist()) if teacher.is_special(x)}
         chunks = align(s, t, student, teacher)
-        covered_s, covered_t = set(), set()
+        paired_s, paired_t = set(), set()
         for k in range(len(chunks)):
-            (s0, s1), (t0, t1) = chunks.student[k].tolist(), chunks.teacher[k].tolist()
+            # A content chunk's tokens are its content tokens; a special pair is its specials.
+            pair = SHAPE_NAMES[chunks.shape[k]] == "special"
+            in_s = [i for i in range(*chunks.student[k]) if (i in special_s) == pair]
+            in_t = [i for i in range(*chunks.teacher[k]) if (i in special_t) == pair]
             st = shapes[SHAPE_NAMES[chunks.shape[k]]]
             st["chunks"] += 1
-            st["student_tokens"] += s1 - s0
-            st["teacher_tokens"] += t1 - t0
-            st["max_student_tokens"] = max(st["max_student_tokens"], s1 - s0)
-            st["max_teacher_tokens"] = max(st["max_teacher_tokens"], t1 - t0)
+            st["student_tokens"] += len(in_s)
+            st["teacher_tokens"] += len(in_t)
+            st["max_student_tokens"] = max(st["max_student_tokens"], len(in_s))
+            st["max_teacher_tokens"] = max(st["max_teacher_tokens"], len(in_t))
             if chunks.is_correct[k]:
                 st["correct_chunks"] += 1
-                st["correct_student_tokens"] += s1 - s0
+                st["correct_student_tokens"] += len(in_s)
             out["chunks_without_prediction"] += not chunks.has_prediction[k]
-            covered_s.update(range(s0, s1))
-            covered_t.update(range(t0, t1))
+            assert paired_s.isdisjoint(in_s) and paired_t.isdisjoint(in_t)
+            paired_s.update(in_s)
+            paired_t.update(in_t)
         out["documents"] += 1
         out["characters"] += len(text)
         out["student_tokens"] += len(s)
         out["teacher_tokens"] += len(t)
-        out["unpaired_student_tokens"] += len(s) - len(covered_s)
-        out["unpaired_teacher_tokens"] += len(t) - len(covered_t)
-        out["documents_with_unpaired"] += len(covered_s) < len(s) or len(covered_t) < len(t)
+        out["unpaired_student_tokens"] += len(s) - len(paired_s)
+        out["unpaired_teacher_tokens"] += len(t) - len(paired_t)
+        out["documents_with_unpaired"] += len(paired_s) < len(s) or len(paired_t) < len(t)
     out["shapes"] = shapes
     return out
 
 
 @pytest.fixture(scope="module")
-def mixed_documents() -> list[str]:
-    """Generated edge-case documents plus about 100 KB of real text."""
-    return _generated_documents(300) + benchmark_corpus(100_000)
+def real_documents() -> list[str]:
+    """About 100 KB of the benchmark corpus (stdlib sources, docstrings, translations)."""
+    return benchmark_corpus(100_000)
+
+
+@pytest.fixture(scope="module")
+def mixed_documents(real_documents) -> list[str]:
+    """Generated edge-case documents plus the real ones."""
+    return _generated_documents(300) + real_documents
 
 
 @pytest.mark.parametrize(("student", "teacher"), PAIRS)
@@ -175,9 +187,9 @@ def test_batching_and_table_building_do_not_change_the_report(zoo, table_pair):
     assert by_one == by_many == built_here
 
 
-def test_llama3_vs_qwen3_on_real_text_is_mostly_one_to_one(zoo, table_pair):
-    r = _report(zoo, table_pair, "llama3", "qwen3", benchmark_corpus(100_000))
-    assert 0.75 < r.one_to_one_student_share < 0.95
+def test_llama3_vs_qwen3_on_real_text_is_mostly_one_to_one(zoo, table_pair, real_documents):
+    r = _report(zoo, table_pair, "llama3", "qwen3", real_documents)
+    assert 0.75 < r.one_to_one_student_share < 0.99
     assert r.correct_rate > 0.999 and r.unpaired_student_tokens == 0
     assert r.verdict.startswith("GOOD")
 
@@ -210,3 +222,54 @@ def test_format_shows_the_headline_numbers(zoo, table_pair):
     rows = {line.split()[0]: line.split() for line in table}
     assert rows["1:n"][:2] == ["1:n", "2"] and rows["n:1"][3] == "3"
     assert rows["all"][1] == "6"
+
+
+def test_benchmark_corpus_is_deterministic_and_mixed(real_documents):
+    again = benchmark_corpus(100_000)
+    assert again == real_documents
+    size = sum(len(d.encode("utf-8")) for d in again)
+    assert 100_000 <= size < 100_000 + 3 * 4096
+    assert any("def " in d for d in again)  # code
+    if any(ord(c) > 0x3000 for d in again for c in d):  # CJK from the catalogues, if present
+        assert sum(len(d) for d in again) < size
+
+
+def test_po_messages_hand_checked():
+    po = (
+        'msgid ""\nmsgstr ""\n"Content-Type: text/plain; charset=UTF-8\\n"\n\n'
+        '#: a.c:1\nmsgid "Hello"\nmsgstr "Hallo"\n\n'
+        'msgid "two\\nlines"\nmsgstr ""\n"zwei\\n"\n"Zeilen \\"gut\\""\n\n'
+        'msgid "file"\nmsgid_plural "files"\nmsgstr[0] "Datei"\nmsgstr[1] "Dateien"\n\n'
+        'msgid "untranslated"\nmsgstr ""\n\n'
+        'msgctxt "menu"\nmsgid ""\n"a long id"\nmsgstr ""\n"ein langer Text, 中文"\n'
+    )
+    assert _po_messages(po) == [
+        "Hallo", 'zwei\nZeilen "gut"', "Datei", "Dateien", "ein langer Text, 中文"
+    ]  # fmt: skip
+
+
+def test_cli_inspect_pair_matches_the_aligners_own_chunks(tmp_path, zoo, zoo_cache, monkeypatch,
+                                                          capsys):  # fmt: skip
+    """`crosskd inspect pair --json` over rows: the 1:1 share is the aligner's own count."""
+    from crosskd.alignment import SHAPE_1_1, align_many
+    from crosskd.cli import main
+
+    monkeypatch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
+    texts = ["Hello world, 12345!", "def f(x):\n    return x * 2  # 日本語", "Ünïcödé 👍🏽 text."]
+    rows = [{"text": t} for t in texts[:2]] + [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": texts[2]}]}
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    status = main(["inspect", "pair", "--student-tokenizer", "zoo:llama3",
+                   "--teacher-tokenizer", "zoo:qwen3", "--data", str(tmp_path / "rows.jsonl"),
+                   "--json"])  # fmt: skip
+    assert status == 0
+    derived = json.loads(capsys.readouterr().out)["derived"]
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    plain = ["Hello world, 12345!", texts[1], "q\n" + texts[2]]
+    students, teachers = tokenize(llama, plain), tokenize(qwen, plain)
+    chunks = align_many(students, teachers, llama, qwen)
+    one_to_one = sum(int((c.shape == SHAPE_1_1).sum()) for c in chunks)
+    assert derived["one_to_one_student_share"] == pytest.approx(
+        one_to_one / sum(len(s) for s in students)
+    )

@@ -60,6 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("tables", nargs="+", metavar="URI", help="one table, or S->T and T->S")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
 
+    inspect_cmd = commands.add_parser("inspect", help="reports").add_subparsers(
+        dest="action", required=True
+    )
+    pair = inspect_cmd.add_parser(
+        "pair", help="how well a student and a teacher tokenizer can be compared (CSD)"
+    )
+    _tokenizer_args(pair, "student", "teacher")
+    pair.add_argument(
+        "--data",
+        help="JSONL/Parquet/datasets rows (default: the built-in ~1 MB benchmark corpus of this "
+        "machine's Python sources and translations)",
+    )
+    pair.add_argument("--text-column", default="text")
+    pair.add_argument("--messages-column", default="messages")
+    pair.add_argument("--limit", type=int, default=None, help="use at most this many rows")
+    pair.add_argument("--json", action="store_true", help="print the report as JSON")
+
     prep = commands.add_parser(
         "prepare", help="clip, align and lockstep-pack data into Parquet shards + manifest"
     )
@@ -95,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "prepare":
         return _prepare(args)
+    if args.command == "inspect":
+        return _inspect_pair(args)
     from crosskd import tables
 
     if args.action == "build":
@@ -151,6 +170,30 @@ def _prepare(args: argparse.Namespace) -> int:
           for name, counts in shapes.items()),
     ]  # fmt: skip
     _write("\n".join(lines))
+    return 0
+
+
+def _inspect_pair(args: argparse.Namespace) -> int:
+    from itertools import islice
+
+    from crosskd.alignment.corpus import benchmark_corpus
+    from crosskd.alignment.report import pair_report
+    from crosskd.data.records import read_records
+
+    student, teacher = _load(args, "student"), _load(args, "teacher")
+    if args.data is None:
+        texts = benchmark_corpus()
+    else:
+        records = read_records(args.data, text_column=args.text_column,
+                               messages_column=args.messages_column, id_column=None)  # fmt: skip
+        texts = [
+            r.text if r.text is not None else "\n".join(
+                m.get("reasoning_content", "") + m["content"] for m in r.messages)
+            for r in records
+        ]  # fmt: skip
+    texts = list(islice(texts, args.limit))
+    report = pair_report(student, teacher, texts)
+    _write(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0
 
 

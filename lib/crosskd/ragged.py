@@ -32,6 +32,10 @@ def segments_equal(
     same number of rows on both sides; bool ``[n]``."""
     a_len, b_len = np.diff(a_offsets), np.diff(b_offsets)
     same = a_len == b_len
+    if same.all():  # the common case: compare the two flat arrays as they are
+        differ = np.flatnonzero(a != b)
+        same[np.unique(np.searchsorted(a_offsets[1:], differ, side="right"))] = False
+        return same
     keep = np.flatnonzero(same)
     if keep.size == 0:
         return same

@@ -13,6 +13,7 @@ from crosskd.alignment.core import (
     Chunks,
     Tokenized,
     align,
+    align_many,
     tokenize,
 )
 from crosskd.alignment.sample import REGIONS, AlignedSample, Rendered, align_text, render_text
@@ -20,6 +21,6 @@ from crosskd.alignment.sample import REGIONS, AlignedSample, Rendered, align_tex
 __all__ = [
     "CHATML_FALLBACK", "REGIONS", "SHAPE_1_1", "SHAPE_1_N", "SHAPE_NAMES", "SHAPE_N_1",
     "SHAPE_N_M", "SHAPE_SPECIAL", "AlignedSample", "ChatOptions", "Chunks", "Rendered",
-    "Tokenized", "align", "align_chat", "align_text", "render", "render_text", "split_reasoning",
-    "tokenize",
+    "Tokenized", "align", "align_chat", "align_many", "align_text", "render", "render_text",
+    "split_reasoning", "tokenize",
 ]  # fmt: skip

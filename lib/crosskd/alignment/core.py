@@ -139,46 +139,98 @@ def align(
     ``student_start`` / ``teacher_start``: index of these tokens' first token in the whole
     sequence, for ``has_prediction`` and the returned ranges (chat mode aligns a slice).
     """
-    s_special = student_tok.bytes.kind[student.ids] == KIND_SPECIAL
-    t_special = teacher_tok.bytes.kind[teacher.ids] == KIND_SPECIAL
-    s_pos, t_pos = np.flatnonzero(~s_special), np.flatnonzero(~t_special)
-    s_starts, s_cuts = _cuts(student.ends[s_pos])
-    t_starts, t_cuts = _cuts(teacher.ends[t_pos])
-    shared, s_k, t_k = np.intersect1d(s_cuts, t_cuts, assume_unique=True, return_indices=True)
-    s_end = _cluster_stop(s_starts, s_k, len(s_pos))
-    t_end = _cluster_stop(t_starts, t_k, len(t_pos))
-    s_begin = np.concatenate([[0], s_end[:-1]]).astype(np.int64)
-    t_begin = np.concatenate([[0], t_end[:-1]]).astype(np.int64)
-    n = len(shared)
-
-    student_ranges = np.stack([s_pos[s_begin], s_pos[s_end - 1] + 1], axis=1) if n else _NONE
-    teacher_ranges = np.stack([t_pos[t_begin], t_pos[t_end - 1] + 1], axis=1) if n else _NONE
-    clean = (np.diff(student_ranges, axis=1)[:, 0] == s_end - s_begin) & (
-        np.diff(teacher_ranges, axis=1)[:, 0] == t_end - t_begin
-    )
-    same = ragged.segments_equal(
-        *_chunk_bytes(student_tok, student.ids[s_pos], s_end),
-        *_chunk_bytes(teacher_tok, teacher.ids[t_pos], t_end),
-    )
-    content = Chunks(
-        student_ranges,
-        teacher_ranges,
-        _shapes(s_end - s_begin, t_end - t_begin),
-        same & clean,
-        np.ones(n, dtype=bool),
-    )
-    pairs = _pair_specials(
-        student, teacher, student_tok, teacher_tok, s_special, t_special,
-        student_ranges[:, 1], teacher_ranges[:, 1],
-    )  # fmt: skip
-    chunks = _merge(content, pairs)
+    chunks = align_many([student], [teacher], student_tok, teacher_tok)[0]
     chunks = chunks.shifted(student_start, teacher_start)
     first = (chunks.student[:, 0] == 0) | (chunks.teacher[:, 0] == 0)
     return Chunks(chunks.student, chunks.teacher, chunks.shape, chunks.is_correct, ~first)
 
 
+def align_many(
+    students: list[Tokenized],
+    teachers: list[Tokenized],
+    student_tok: LoadedTokenizer,
+    teacher_tok: LoadedTokenizer,
+) -> list[Chunks]:
+    """:func:`align` for many documents at once, in one vectorised pass.
+
+    Each document's character offsets are shifted past the previous document's (on both sides
+    alike), so clusters never span documents; a cut belongs to the document its end lies in and
+    a chunk starts at the previous cut of the same document (or the document's first content
+    token), so tails after a document's last shared end stay unpaired, as in :func:`align`.
+    """
+    s_doc, t_doc = _doc_offsets(students), _doc_offsets(teachers)
+    widths = [
+        max(int(s.ends.max(initial=0)), int(t.ends.max(initial=0))) + 1
+        for s, t in zip(students, teachers, strict=True)
+    ]
+    char_base = ragged.offsets_from_lengths(np.asarray(widths, dtype=np.int64))
+    s = _joined(students, char_base)
+    t = _joined(teachers, char_base)
+    s_special = student_tok.bytes.kind[s.ids] == KIND_SPECIAL
+    t_special = teacher_tok.bytes.kind[t.ids] == KIND_SPECIAL
+    s_pos, t_pos = np.flatnonzero(~s_special), np.flatnonzero(~t_special)
+    s_starts, s_cuts = _cuts(s.ends[s_pos])
+    t_starts, t_cuts = _cuts(t.ends[t_pos])
+    at = np.minimum(np.searchsorted(t_cuts, s_cuts), max(len(t_cuts) - 1, 0))
+    s_k = np.flatnonzero(t_cuts[at] == s_cuts) if len(t_cuts) else _EMPTY
+    t_k = at[s_k]
+    doc = np.searchsorted(char_base, s_cuts[s_k], side="right") - 1
+    s_end = _cluster_stop(s_starts, s_k, len(s_pos))
+    t_end = _cluster_stop(t_starts, t_k, len(t_pos))
+    s_begin = _chunk_begin(s_end, doc, np.searchsorted(s_pos, s_doc[:-1]))
+    t_begin = _chunk_begin(t_end, doc, np.searchsorted(t_pos, t_doc[:-1]))
+
+    student_ranges = np.stack([s_pos[s_begin], s_pos[s_end - 1] + 1], axis=1) if len(doc) else _NONE
+    teacher_ranges = np.stack([t_pos[t_begin], t_pos[t_end - 1] + 1], axis=1) if len(doc) else _NONE
+    s_count, t_count = s_end - s_begin, t_end - t_begin
+    clean = (student_ranges[:, 1] - student_ranges[:, 0] == s_count) & (
+        teacher_ranges[:, 1] - teacher_ranges[:, 0] == t_count
+    )
+    same = ragged.segments_equal(
+        *_chunk_bytes(student_tok, s.ids[s_pos], s_begin, s_end),
+        *_chunk_bytes(teacher_tok, t.ids[t_pos], t_begin, t_end),
+    )
+    shape = ((s_count > 1).astype(np.uint8) << 1) | (t_count > 1).astype(np.uint8)
+    content = Chunks(
+        student_ranges, teacher_ranges, _SHAPE_OF_CODE[shape], same & clean,
+        np.ones(len(doc), dtype=bool),
+    )  # fmt: skip
+    pairs = _pair_specials(
+        s, t, student_tok, teacher_tok, s_special, t_special, student_ranges[:, 1],
+        teacher_ranges[:, 1], s_doc, t_doc,
+    )  # fmt: skip
+    merged, merged_doc = _merge(content, doc, pairs)
+    return _split(merged, merged_doc, s_doc, t_doc)
+
+
 _NONE = np.zeros((0, 2), dtype=np.int64)
 _EMPTY = np.zeros(0, dtype=np.int64)
+_SHAPE_OF_CODE = np.array([SHAPE_1_1, SHAPE_1_N, SHAPE_N_1, SHAPE_N_M], dtype=np.uint8)
+"""Shape by code ``2 * (student tokens > 1) + (teacher tokens > 1)``."""
+
+
+def _doc_offsets(docs: list[Tokenized]) -> np.ndarray:
+    """Token offsets of each document in the joined sequence, int64 ``[D + 1]``."""
+    return ragged.offsets_from_lengths(np.fromiter(map(len, docs), np.int64, count=len(docs)))
+
+
+def _joined(docs: list[Tokenized], char_base: np.ndarray) -> Tokenized:
+    """All documents one after another, ends shifted by each document's character base."""
+    if not docs:
+        return Tokenized(_EMPTY, _EMPTY)
+    ends = np.concatenate([d.ends + base for d, base in zip(docs, char_base[:-1].tolist(),
+                                                              strict=True)])  # fmt: skip
+    return Tokenized(np.concatenate([d.ids for d in docs]).astype(np.int64), ends)
+
+
+def _chunk_begin(stops: np.ndarray, doc: np.ndarray, doc_first: np.ndarray) -> np.ndarray:
+    """Start position of each chunk: the previous chunk's stop in the same document, else the
+    document's first content position."""
+    begin = doc_first[doc] if len(doc) else _EMPTY
+    if len(doc) > 1:
+        same_doc = doc[1:] == doc[:-1]
+        begin[1:][same_doc] = stops[:-1][same_doc]
+    return begin
 
 
 def _cuts(ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -195,12 +247,16 @@ def _cuts(ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _chunk_bytes(
-    tok: LoadedTokenizer, content_ids: np.ndarray, stops: np.ndarray
+    tok: LoadedTokenizer, content_ids: np.ndarray, begins: np.ndarray, stops: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes of the content tokens up to the last chunk, and byte offsets of each chunk."""
-    ids = content_ids[: stops[-1]] if len(stops) else _EMPTY
+    """Bytes of the chunks' content tokens, chunk after chunk, and each chunk's byte offsets."""
+    ranges = ragged.offsets_from_lengths(stops - begins)
+    positions = np.arange(int(ranges[-1]), dtype=np.int64) + np.repeat(
+        begins - ranges[:-1], stops - begins
+    )
+    ids = content_ids[positions]
     token_offsets = ragged.offsets_from_lengths(tok.bytes.lengths[ids])
-    return tok.bytes.concat(ids), token_offsets[np.concatenate([[0], stops])]
+    return tok.bytes.concat(ids), token_offsets[ranges]
 
 
 def _cluster_stop(starts: np.ndarray, clusters: np.ndarray, count: int) -> np.ndarray:
@@ -212,13 +268,6 @@ def _cluster_stop(starts: np.ndarray, clusters: np.ndarray, count: int) -> np.nd
     return stop
 
 
-def _shapes(n_student: np.ndarray, n_teacher: np.ndarray) -> np.ndarray:
-    one_s, one_t = n_student == 1, n_teacher == 1
-    return np.select(
-        [one_s & one_t, one_s, one_t], [SHAPE_1_1, SHAPE_1_N, SHAPE_N_1], SHAPE_N_M
-    ).astype(np.uint8)
-
-
 def _pair_specials(
     student: Tokenized,
     teacher: Tokenized,
@@ -228,33 +277,40 @@ def _pair_specials(
     t_special: np.ndarray,
     s_chunk_ends: np.ndarray,
     t_chunk_ends: np.ndarray,
-) -> list[tuple[int, int, int]]:
-    """Role pairs as (gap, student index, teacher index), in order."""
-    queues: dict[tuple[int, str], list[int]] = defaultdict(list)
+    s_doc: np.ndarray,
+    t_doc: np.ndarray,
+) -> list[tuple[int, int, int, int]]:
+    """Role pairs as (document, gap, student index, teacher index), in order; the k-th special
+    of a role on one side pairs with the k-th on the other within one document and gap."""
+    queues: dict[tuple[int, int, str], list[int]] = defaultdict(list)
     for index in np.flatnonzero(t_special).tolist():
         role = teacher_tok.roles.get(int(teacher.ids[index]))
         if role is not None and role != "pad":
+            doc = int(np.searchsorted(t_doc, index, side="right")) - 1
             gap = int(np.searchsorted(t_chunk_ends, index, side="right"))
-            queues[gap, role].append(index)
+            queues[doc, gap, role].append(index)
     pairs = []
-    taken: dict[tuple[int, str], int] = defaultdict(int)
+    taken: dict[tuple[int, int, str], int] = defaultdict(int)
     for index in np.flatnonzero(s_special).tolist():
         role = student_tok.roles.get(int(student.ids[index]))
         if role is None or role == "pad":
             continue
-        gap = int(np.searchsorted(s_chunk_ends, index, side="right"))
-        key = (gap, role)
+        doc = int(np.searchsorted(s_doc, index, side="right")) - 1
+        key = (doc, int(np.searchsorted(s_chunk_ends, index, side="right")), role)
         if taken[key] < len(queues[key]):
-            pairs.append((gap, index, queues[key][taken[key]]))
+            pairs.append((key[0], key[1], index, queues[key][taken[key]]))
             taken[key] += 1
     return pairs
 
 
-def _merge(content: Chunks, pairs: list[tuple[int, int, int]]) -> Chunks:
-    """Content chunks and role pairs in one list: a pair in gap g follows content chunk g - 1."""
+def _merge(
+    content: Chunks, doc: np.ndarray, pairs: list[tuple[int, int, int, int]]
+) -> tuple[Chunks, np.ndarray]:
+    """Content chunks and role pairs in one list (a pair in gap g follows content chunk g - 1),
+    and the document of each."""
     if not pairs:
-        return content
-    gaps, s_index, t_index = np.array(pairs, dtype=np.int64).T
+        return content, doc
+    pair_doc, gaps, s_index, t_index = np.array(pairs, dtype=np.int64).T
     k = len(pairs)
     special = Chunks(
         np.stack([s_index, s_index + 1], axis=1),
@@ -266,4 +322,23 @@ def _merge(content: Chunks, pairs: list[tuple[int, int, int]]) -> Chunks:
     keys = np.concatenate([2 * np.arange(len(content)) + 1, 2 * gaps])
     order = np.lexsort((np.concatenate([content.student[:, 0], s_index]), keys))
     both = Chunks.concatenate([content, special])
-    return Chunks(*(getattr(both, f)[order] for f in _FIELDS))
+    return Chunks(*(getattr(both, f)[order] for f in _FIELDS)), np.concatenate([doc, pair_doc])[
+        order
+    ]
+
+
+def _split(
+    chunks: Chunks, doc: np.ndarray, s_doc: np.ndarray, t_doc: np.ndarray
+) -> list[Chunks]:
+    """Per-document chunks with document-local token indices and ``has_prediction``."""
+    n_docs = len(s_doc) - 1
+    student = chunks.student - s_doc[doc][:, None]
+    teacher = chunks.teacher - t_doc[doc][:, None]
+    has_prediction = (student[:, 0] > 0) & (teacher[:, 0] > 0)
+    bounds = ragged.offsets_from_lengths(np.bincount(doc, minlength=n_docs))
+    out = []
+    for d in range(n_docs):
+        part = slice(int(bounds[d]), int(bounds[d + 1]))
+        out.append(Chunks(student[part], teacher[part], chunks.shape[part],
+                          chunks.is_correct[part], has_prediction[part]))  # fmt: skip
+    return out

@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 CATALOGUE_ROOTS = ("/usr/share/locale", "/usr/local/share/locale", "/usr/share/i18n")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-_PO_STRING = re.compile(r'^(?:msgstr(?:\[\d+\])?\s+)?"(.*)"\s*$')
 
 
 def benchmark_corpus(target_bytes: int = 1_000_000, *, document_bytes: int = 4096) -> list[str]:
@@ -186,22 +185,29 @@ def _catalogue_messages(path: Path) -> list[str]:
 
 
 def _po_messages(text: str) -> list[str]:
-    """The ``msgstr`` strings of a ``.po`` file (continuation lines joined, escapes undone)."""
-    messages: list[str] = []
-    current: list[str] | None = None
-    for line in text.splitlines():
-        if line.startswith("msgstr"):
-            current = []
-            messages.append("")
+    """The translated strings of a ``.po`` file: every ``msgstr`` / ``msgstr[k]`` of an entry
+    with a non-empty ``msgid`` (the header's is empty), continuation lines joined and escapes
+    undone."""
+    entries: list[tuple[list[str], list[str]]] = []  # (msgid pieces, msgstr strings)
+    field = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("msgid "):
+            entries.append(([], []))
+            field, line = "id", line[len("msgid ") :]
+        elif line.startswith("msgstr") and entries:
+            entries[-1][1].append("")
+            field, line = "str", line.partition(" ")[2]
         elif not line.startswith('"'):
-            current = None
-        if current is None:
+            field = None
+        if field is None or not (line.startswith('"') and line.endswith('"') and len(line) > 1):
             continue
-        match = _PO_STRING.match(line)
-        if match:
-            piece = match.group(1).encode("latin-1", "backslashreplace").decode("unicode_escape")
-            messages[-1] += piece
-    return [m for m in messages[1:] if m.strip()]  # the first msgstr is the header
+        value = line[1:-1].encode("latin-1", "backslashreplace").decode("unicode_escape")
+        if field == "id":
+            entries[-1][0].append(value)
+        else:
+            entries[-1][1][-1] += value
+    return [m for msgid, strs in entries if "".join(msgid) for m in strs if m.strip()]
 
 
 def _catalogue_documents(document_bytes: int) -> Iterator[str]:

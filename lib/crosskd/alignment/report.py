@@ -2,7 +2,8 @@
 
 :func:`pair_report` tokenizes every text with both tokenizers (plain text:
 ``add_special_tokens=False``, specials in the text stay text as in :func:`tokenize`), aligns
-them with the aligner's own :func:`align`, and counts what the KD loss will get (spec section 5):
+them with the aligner's own :func:`align_many`, and counts what the KD loss will get (spec
+section 5):
 
 * in a correct ``1:1`` chunk it compares the two next-token distributions over the common
   tokens (plus the realized token): **token-to-token**;
@@ -13,6 +14,10 @@ them with the aligner's own :func:`align`, and counts what the KD loss will get 
 * an incorrect chunk (bytes differ, or a literal added token inside) or an unpaired token
   (after the last character end both sides share, or a special with no counterpart) gives
   **no signal**.
+
+A chunk's token counts are its *content* tokens (a literal added token inside a content chunk's
+range, which makes the chunk incorrect, is counted with its own special pair or as unpaired), so
+the chunks and the unpaired tokens partition each side's tokens.
 
 Units: counts are tokens, chunks, documents or characters (Python ``str`` length); every
 ``*_share`` / ``*_rate`` is a fraction in ``[0, 1]`` (printed as a percentage). The common
@@ -34,11 +39,19 @@ from itertools import islice
 import numpy as np
 from tqdm.auto import tqdm
 
-from crosskd.alignment.core import SHAPE_NAMES, Chunks, Tokenized, align, tokenize
+from crosskd.alignment.core import (
+    SHAPE_NAMES,
+    SHAPE_SPECIAL,
+    Chunks,
+    Tokenized,
+    align_many,
+    tokenize,
+)
 from crosskd.tables import TablePair
-from crosskd.tokenization import KIND_NORMAL, LoadedTokenizer
+from crosskd.tokenization import KIND_NORMAL, KIND_SPECIAL, LoadedTokenizer
 
 log = logging.getLogger(__name__)
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 #: Verdict thresholds on the token-to-token share of student tokens.
 GOOD_SHARE, WORKABLE_SHARE = 0.80, 0.50
@@ -232,7 +245,7 @@ def pair_report(
         for batch in _batches(texts, batch_size):
             s_tokens, t_tokens = tokenize(student, batch), tokenize(teacher, batch)
             pairs = list(zip(s_tokens, t_tokens, strict=True))
-            totals.add(batch, pairs, [align(s, t, student, teacher) for s, t in pairs])
+            totals.add(batch, pairs, align_many(s_tokens, t_tokens, student, teacher))
             bar.update(len(batch))
     report = totals.report()
     log.info("pair report %s vs %s: %s", student.name, teacher.name, report.verdict)
@@ -288,8 +301,10 @@ class _Totals:
         """Add a batch: the texts, each text's (student, teacher) tokens, and its chunks."""
         n = len(SHAPE_NAMES)
         every = Chunks.concatenate(chunks)
-        s_len = np.diff(every.student, axis=1)[:, 0]
-        t_len = np.diff(every.teacher, axis=1)[:, 0]
+        lengths = [self._chunk_sizes(s, t, c) for (s, t), c in zip(pairs, chunks, strict=True)]
+        s_sizes = [s for s, _ in lengths]
+        t_sizes = [t for _, t in lengths]
+        s_len, t_len = np.concatenate([_EMPTY, *s_sizes]), np.concatenate([_EMPTY, *t_sizes])
         shape, ok = every.shape, every.is_correct
         self.by_shape[:5] += np.stack(
             [
@@ -304,8 +319,8 @@ class _Totals:
         np.maximum.at(self.by_shape[6], shape, t_len)
         n_s = np.array([len(s) for s, _ in pairs], dtype=np.int64)
         n_t = np.array([len(t) for _, t in pairs], dtype=np.int64)
-        unpaired_s = n_s - [int(np.diff(c.student, axis=1).sum()) for c in chunks]
-        unpaired_t = n_t - [int(np.diff(c.teacher, axis=1).sum()) for c in chunks]
+        unpaired_s = n_s - np.array([int(x.sum()) for x in s_sizes], dtype=np.int64)
+        unpaired_t = n_t - np.array([int(x.sum()) for x in t_sizes], dtype=np.int64)
         self.counts.update(
             documents=len(texts),
             characters=sum(len(text) for text in texts),
@@ -318,6 +333,23 @@ class _Totals:
             student_tokens_common=sum(int(self.is_common_s[s.ids].sum()) for s, _ in pairs),
             teacher_tokens_common=sum(int(self.is_common_t[t.ids].sum()) for _, t in pairs),
         )
+
+    def _chunk_sizes(
+        self, s: Tokenized, t: Tokenized, chunks: Chunks
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens of each chunk, student and teacher: a content chunk counts its content
+        tokens only (a literal added token inside its range is counted with its own special
+        pair, or as unpaired), so the chunks partition the paired tokens."""
+        content = chunks.shape != SHAPE_SPECIAL
+        sizes = []
+        for ids, ranges, kind in (
+            (s.ids, chunks.student, self.student.bytes.kind),
+            (t.ids, chunks.teacher, self.teacher.bytes.kind),
+        ):
+            specials = np.concatenate([[0], np.cumsum(kind[ids] == KIND_SPECIAL)])
+            inside = specials[ranges[:, 1]] - specials[ranges[:, 0]]
+            sizes.append(ranges[:, 1] - ranges[:, 0] - np.where(content, inside, 0))
+        return sizes[0], sizes[1]
 
     def report(self) -> PairReport:
         """The report of everything added."""
