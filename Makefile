@@ -36,6 +36,7 @@ test: venv
 
 bench: venv
 	$(PY) benchmarks/tables.py
+	$(PY) benchmarks/alignment.py
 
 lint: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines
