@@ -144,3 +144,30 @@ def test_consumers_refuse_foreign_or_damaged_data(tmp_path, zoo_env, zoo):
         prepare(_config(tmp_path), progress=False)
     with pytest.raises(DataError, match=r"no manifest\.json"):
         load_prepared(str(tmp_path / "nothing"))
+
+
+def test_long_conversations_keep_whole_turns_then_clip_the_answer(tmp_path, zoo_env):
+    turn = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "Sure. " * 6}]
+    long_tail = {"id": "turns", "messages": [*turn, {"role": "user", "content": "More?"},
+                                             {"role": "assistant", "content": "word " * 200}]}
+    huge = {"id": "huge", "messages": [{"role": "user", "content": "Go."},
+                                       {"role": "assistant", "content": "go " * 300}]}
+    config = _config(tmp_path, rows=[long_tail, huge], max_length=80, pack=False)
+    config.teacher_tokenizers = ["zoo:qwen3"]
+    manifest = prepare(config, progress=False)
+    assert manifest["clipped_rows"] == 2
+    rows = {r[0]["sample_id"]: r[0] for r in load_prepared(config.output).packed_rows()}
+    assert json.loads(rows["turns"]["messages"]) == turn
+    answer = json.loads(rows["huge"]["messages"])[-1]["content"]
+    assert 0 < len(answer) < len("go " * 300) and ("go " * 300).startswith(answer)
+    for row in rows.values():
+        assert len(row["student_ids"]) <= 80 and len(row["teacher0_ids"]) <= 80
+        assert row["clipped"] and row["original_lengths"][0] > 80
+    grown = json.loads(rows["huge"]["messages"])
+    grown[-1]["content"] = ("go " * 300)[: len(answer) + 1]
+    from crosskd.alignment import render
+    from crosskd.tokenization import load_tokenizer
+
+    lengths = [len(render(load_tokenizer(t), grown, sample_id="huge").tokens)
+               for t in ("zoo:llama3", "zoo:qwen3")]  # fmt: skip
+    assert max(lengths) > 80  # one more character would not fit: the clip is maximal

@@ -204,7 +204,7 @@ def _fit_chat(
     if all(n <= c for n, c in zip(original, capacities, strict=True)):
         return messages, False, original
     ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for end in reversed(ends[1:]):
+    for end in reversed(ends):
         if _fits(messages[:end], models, capacities, sid):
             return messages[:end], True, original
     first = messages[: ends[0]]
