@@ -156,8 +156,11 @@ def test_long_conversations_keep_whole_turns_then_clip_the_answer(tmp_path, zoo_
     config.teacher_tokenizers = ["zoo:qwen3"]
     manifest = prepare(config, progress=False)
     assert manifest["clipped_rows"] == 2
+    assert manifest["content_stripped"] is True  # Llama-3's template trims message content
     rows = {r[0]["sample_id"]: r[0] for r in load_prepared(config.output).packed_rows()}
-    assert json.loads(rows["turns"]["messages"]) == turn
+    assert json.loads(rows["turns"]["messages"]) == [
+        turn[0], {**turn[1], "content": turn[1]["content"].strip()}
+    ]
     answer = json.loads(rows["huge"]["messages"])[-1]["content"]
     assert 0 < len(answer) < len("go " * 300) and ("go " * 300).startswith(answer)
     for row in rows.values():

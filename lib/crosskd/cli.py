@@ -158,7 +158,7 @@ def _prepare(args: argparse.Namespace) -> int:
     flags = ("data", "student_tokenizer", "teacher_tokenizers", "output", "max_length",
              "teacher_max_length", "pack")  # fmt: skip
     given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
-    config = load_config(PrepareConfig, args.config, args.overrides, base=given)
+    config = load_config(PrepareConfig, args.config, args.overrides, flags=given)
     manifest = prepare(config)
     shapes = manifest["chunk_shapes"]
     lines = [
@@ -174,6 +174,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _inspect_pair(args: argparse.Namespace) -> int:
+    import unicodedata
     from itertools import islice
 
     from crosskd.alignment.corpus import benchmark_corpus
@@ -192,6 +193,8 @@ def _inspect_pair(args: argparse.Namespace) -> int:
             for r in records
         ]  # fmt: skip
     texts = list(islice(texts, args.limit))
+    if student.normalizes_nfc or teacher.normalizes_nfc:  # as `crosskd prepare` does
+        texts = [unicodedata.normalize("NFC", text) for text in texts]
     report = pair_report(student, teacher, texts)
     _write(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0

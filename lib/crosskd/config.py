@@ -23,18 +23,20 @@ def load_config(
     cls: type[T],
     path: str | None = None,
     overrides: Sequence[str] = (),
-    base: Mapping[str, Any] | None = None,
+    flags: Mapping[str, Any] | None = None,
 ) -> T:
-    """Build ``cls`` from ``base`` values, then the YAML file at ``path`` (any fsspec URI), then
-    ``key=value`` overrides, later sources winning."""
+    """Build ``cls`` from the YAML file at ``path`` (any fsspec URI), then explicit ``flags``
+    (command-line options), then ``key=value`` overrides, later sources winning. A field typed
+    as a list refuses a single value."""
     known = {f.name for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = dict(base or {})
+    values: dict[str, Any] = {}
     if path is not None:
         with fsspec.open(path, "r", encoding="utf-8") as fh:
             loaded = yaml.safe_load(fh) or {}
         if not isinstance(loaded, dict):
             raise CrosskdError(f"config {path}: expected a mapping of keys to values at the top.")
         values.update(_checked(loaded, known, f"config {path}"))
+    values.update(flags or {})
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -52,6 +54,13 @@ def load_config(
             f"{cls.__name__}: {', '.join(missing)} not set; give it in the config file, as a "
             f"flag, or as key=value."
         )
+    for f in dataclasses.fields(cls):
+        is_list = str(f.type).startswith("list")
+        if is_list and f.name in values and not isinstance(values[f.name], list):
+            raise CrosskdError(
+                f"{cls.__name__}.{f.name} takes a list, got {values[f.name]!r}; write "
+                f"{f.name}=[a, b] (or a YAML list)."
+            )
     return cls(**values)
 
 

@@ -2,7 +2,14 @@
 (:mod:`~crosskd.alignment.core`), plain-text and chat samples (:mod:`~crosskd.alignment.sample`,
 :mod:`~crosskd.alignment.chat`)."""
 
-from crosskd.alignment.chat import CHATML_FALLBACK, ChatOptions, align_chat, render, split_reasoning
+from crosskd.alignment.chat import (
+    CHATML_FALLBACK,
+    ChatOptions,
+    align_chat,
+    harmonize_reasoning,
+    render,
+    split_reasoning,
+)
 from crosskd.alignment.core import (
     SHAPE_1_1,
     SHAPE_1_N,
@@ -21,6 +28,7 @@ from crosskd.alignment.sample import REGIONS, AlignedSample, Rendered, align_tex
 __all__ = [
     "CHATML_FALLBACK", "REGIONS", "SHAPE_1_1", "SHAPE_1_N", "SHAPE_NAMES", "SHAPE_N_1",
     "SHAPE_N_M", "SHAPE_SPECIAL", "AlignedSample", "ChatOptions", "Chunks", "Rendered",
-    "Tokenized", "align", "align_chat", "align_many", "align_text", "render", "render_text",
+    "Tokenized", "align", "align_chat", "align_many", "align_text", "harmonize_reasoning",
+    "render", "render_text",
     "split_reasoning", "tokenize",
 ]  # fmt: skip

@@ -14,12 +14,15 @@ message's content in each rendering, and align message by message (spec section 
   ``<think>...</think>`` in its content, becomes the ``reasoning`` region; the template text
   between it and the answer (the closing marker) is the ``close`` region; the content is the
   ``answer`` region. A template that does not render ``reasoning_content`` gets it written
-  into the content as ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}``.
+  into the content as ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}``; reasoning that a
+  template drops even then (Qwen3 drops it for turns before the last user message) is left
+  out for *every* model (:func:`harmonize_reasoning`), so all models read the same text.
 * **Regions** are aligned one by one: the tokens whose end offset lies in ``(start, end]`` on
-  each side are sliced, their offsets rebased to the region start, and the walker runs; if on
-  either side the first such token begins before the region start, the region's first chunk is
-  not correct. The **end-of-turn pair** is the first ``eot``-role special after the answer on
-  each side.
+  each side are sliced, their offsets rebased to the region start, and the walker runs.
+  Content is tokenized as its own segment, so no token begins before its region. The
+  **end-of-turn pair** is the first ``eot``-role special after the answer and before the next
+  message's content on each side (none when a template writes none there, and none for an
+  answer that clipping cut short).
 * **Masks**: the student's CE loss mask is its tokens in the included regions of every
   assistant message plus its end-of-turn token; a chunk counts for KD (``kd_mask``) when its
   region is included, all its student tokens are in the loss mask, and it is not the first chunk
@@ -88,8 +91,47 @@ def render(tok: LoadedTokenizer, messages: list[dict], *, sample_id: str) -> Ren
     :func:`split_reasoning`).
 
     Raises :class:`DataError` naming the sample and message when content cannot be located.
+    Reasoning the template drops even when written into the content (Qwen3's template drops it
+    for turns before the last user message) is left out; :func:`harmonize_reasoning` leaves it
+    out for every model first so that all models see the same text.
     """
     messages = split_reasoning(messages)
+    dropped = _dropped_reasoning(tok, messages)
+    if dropped:
+        messages = _without_reasoning(messages, dropped)
+    rendered, marks, template = _sentinel_rendering(tok, messages)
+    return _tokenize_pieces(tok, rendered, messages, marks, sample_id, template)
+
+
+def harmonize_reasoning(toks: list[LoadedTokenizer], messages: list[dict]) -> list[dict]:
+    """``messages`` (reasoning split off) without the reasoning any of ``toks``' templates drops,
+    so that every model renders the same reasoning."""
+    messages = split_reasoning(messages)
+    dropped = set().union(*(_dropped_reasoning(tok, messages) for tok in toks))
+    return _without_reasoning(messages, dropped) if dropped else messages
+
+
+def _without_reasoning(messages: list[dict], indices: set[int]) -> list[dict]:
+    return [
+        {k: v for k, v in m.items() if k != "reasoning_content"} if i in indices else m
+        for i, m in enumerate(messages)
+    ]
+
+
+def _dropped_reasoning(tok: LoadedTokenizer, messages: list[dict]) -> set[int]:
+    """Indices of messages whose reasoning ``tok``'s template does not render at all."""
+    if not any(m.get("reasoning_content") for m in messages):
+        return set()
+    rendered, marks, _ = _sentinel_rendering(tok, messages)
+    return {i for (i, region), mark in marks.items()
+            if region == REGION_REASONING and mark not in rendered}  # fmt: skip
+
+
+def _sentinel_rendering(
+    tok: LoadedTokenizer, messages: list[dict]
+) -> tuple[str, dict[tuple[int, int], str], str]:
+    """The rendering with every content (and reasoning) replaced by a unique sentinel; a
+    template that ignores ``reasoning_content`` gets it written into the content."""
     template = tok.hf.chat_template or CHATML_FALLBACK
     marks = {}
     stand_in = []
@@ -111,7 +153,7 @@ def render(tok: LoadedTokenizer, messages: list[dict], *, sample_id: str) -> Ren
                 f"<think>\n{reasoning}\n</think>\n\n{marks[index, REGION_ANSWER]}"
             )
         rendered = tok.hf.apply_chat_template(stand_in, tokenize=False, chat_template=template)
-    return _tokenize_pieces(tok, rendered, messages, marks, sample_id, template)
+    return rendered, marks, template
 
 
 def _sentinel(index: int, kind: str) -> str:
@@ -205,13 +247,23 @@ def align_chat(
     sample_id: str,
     options: ChatOptions | None = None,
     student: Rendered | None = None,
+    clipped_message: int | None = None,
 ) -> AlignedSample:
     """Align the assistant messages of a conversation (module docstring for the rules).
 
-    ``student``: the student's rendering when already made (shared across teachers).
+    ``student``: the student's rendering when already made (shared across teachers; render it
+    from :func:`harmonize_reasoning` output). ``clipped_message``: the index of an assistant
+    message whose answer was cut by clipping: its end-of-turn pair is left out (the model must
+    not learn to stop there).
     """
     options = options or ChatOptions()
-    messages = split_reasoning(messages)
+    unknown = set(options.included_regions) - {"reasoning", "close", "answer"}
+    if unknown:
+        raise DataError(
+            f"included_regions: {sorted(unknown)} are not regions; choose from reasoning, close, "
+            f"answer."
+        )
+    messages = harmonize_reasoning([student_tok, teacher_tok], messages)
     if not any(m.get("role") == "assistant" for m in messages):
         raise DataError(
             f"sample {sample_id}: the conversation has no assistant message, so nothing would be "
@@ -226,41 +278,49 @@ def align_chat(
     for message, region, a, b in s.regions:
         if messages[message].get("role") != "assistant":
             continue
-        s_rows = _rows(s, a, b)
-        t_rows = _rows(t, *t_regions[message, region])
+        t_start, t_end = t_regions[message, region]
+        s_rows, t_rows = _rows(s, a, b), _rows(t, t_start, t_end)
         if region in included:
             loss_mask[s_rows] = True
-        if not len(s_rows) or not len(t_rows):
-            continue
-        t_start = t_regions[message, region][0]
-        chunks = align(
-            _rebased(s.tokens, s_rows, a), _rebased(t.tokens, t_rows, t_start),
-            student_tok, teacher_tok, student_start=int(s_rows[0]), teacher_start=int(t_rows[0]),
-        )  # fmt: skip
-        if len(chunks) and (s.starts[s_rows[0]] < a or t.starts[t_rows[0]] < t_start):
-            chunks.is_correct[0] = False
-        parts.append(chunks)
-        regions.append(np.full(len(chunks), region, dtype=np.uint8))
-        owners.append(np.full(len(chunks), message, dtype=np.int32))
-        if region == REGION_ANSWER:
-            pair = _eot_pair(s, t, student_tok, teacher_tok, int(s_rows[-1]), int(t_rows[-1]))
+        if len(s_rows) and len(t_rows):
+            chunks = align(
+                _rebased(s.tokens, s_rows, a), _rebased(t.tokens, t_rows, t_start),
+                student_tok, teacher_tok,
+                student_start=int(s_rows[0]), teacher_start=int(t_rows[0]),
+            )  # fmt: skip
+            _add(parts, regions, owners, chunks, region, message)
+        if region == REGION_ANSWER and message != clipped_message:
+            pair = _eot_pair(s, t, student_tok, teacher_tok, b, t_end)
             if pair is not None:
-                parts.append(pair)
-                regions.append(np.full(1, REGION_EOT, dtype=np.uint8))
-                owners.append(np.full(1, message, dtype=np.int32))
+                _add(parts, regions, owners, pair, REGION_EOT, message)
                 if REGION_ANSWER in included:
                     loss_mask[pair.student[0, 0]] = True
     chunks = Chunks.concatenate(parts)
     chunk_region = np.concatenate(regions) if regions else np.zeros(0, dtype=np.uint8)
     chunk_message = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int32)
-    in_region = np.isin(chunk_region, [*included, REGION_EOT] if REGION_ANSWER in included
-                        else list(included))  # fmt: skip
-    kd_mask = in_region & chunks_in_mask(chunks, loss_mask)
-    if options.drop_first_chunk and len(chunks):
-        first = np.ones(len(chunks), dtype=bool)
-        first[1:] = chunk_message[1:] != chunk_message[:-1]
-        kd_mask &= ~first
+    counted = included | ({REGION_EOT} if REGION_ANSWER in included else set())
+    kd_mask = np.isin(chunk_region, list(counted)) & chunks_in_mask(chunks, loss_mask)
+    if options.drop_first_chunk:
+        kd_mask &= ~_first_per_message(chunk_message, kd_mask)
     return AlignedSample(s, t, chunks, chunk_region, chunk_message, kd_mask, loss_mask)
+
+
+def _add(parts: list, regions: list, owners: list, chunks: Chunks, region: int, message: int):
+    parts.append(chunks)
+    regions.append(np.full(len(chunks), region, dtype=np.uint8))
+    owners.append(np.full(len(chunks), message, dtype=np.int32))
+
+
+def _first_per_message(chunk_message: np.ndarray, counted: np.ndarray) -> np.ndarray:
+    """The first counted chunk of each message, bool ``[c]``."""
+    first = np.zeros(len(chunk_message), dtype=bool)
+    candidates = np.flatnonzero(counted)
+    if candidates.size:
+        owners = chunk_message[candidates]
+        leading = np.ones(candidates.size, dtype=bool)
+        leading[1:] = owners[1:] != owners[:-1]
+        first[candidates[leading]] = True
+    return first
 
 
 def _rows(rendered: Rendered, start: int, end: int) -> np.ndarray:
@@ -278,12 +338,13 @@ def _eot_pair(
     t: Rendered,
     student_tok: LoadedTokenizer,
     teacher_tok: LoadedTokenizer,
-    s_last: int,
-    t_last: int,
+    s_answer_end: int,
+    t_answer_end: int,
 ) -> Chunks | None:
-    """The first eot-role special after the answer on each side, as one special chunk."""
-    s_eot = _first_with_role(s.tokens.ids, student_tok, "eot", s_last + 1)
-    t_eot = _first_with_role(t.tokens.ids, teacher_tok, "eot", t_last + 1)
+    """The first eot-role special after the answer (which ends at these characters) and before
+    the next located region on each side, as one special chunk; None if either side has none."""
+    s_eot = _first_with_role(s, student_tok, "eot", s_answer_end)
+    t_eot = _first_with_role(t, teacher_tok, "eot", t_answer_end)
     if s_eot is None or t_eot is None:
         return None
     return Chunks(
@@ -292,9 +353,19 @@ def _eot_pair(
     )  # fmt: skip
 
 
-def _first_with_role(ids: np.ndarray, tok: LoadedTokenizer, role: str, start: int) -> int | None:
+def _first_with_role(
+    rendered: Rendered, tok: LoadedTokenizer, role: str, after: int
+) -> int | None:
+    """Index of the first ``role`` token that ends after character ``after`` and before the
+    next located region begins."""
     target = tok.role_ids.get(role)
     if target is None:
         return None
-    hits = np.flatnonzero(ids[start:] == target)
-    return int(start + hits[0]) if hits.size else None
+    ends = rendered.tokens.ends
+    later = [a for _, _, a, _ in rendered.regions if a >= after]
+    limit = min(later) if later else None
+    window = ends > after
+    if limit is not None:
+        window &= ends <= limit
+    hits = np.flatnonzero(window & (rendered.tokens.ids == target))
+    return int(hits[0]) if hits.size else None

@@ -20,7 +20,8 @@ import fsspec
 import numpy as np
 import torch
 
-from crosskd.data.prepare import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION, KIND, MANIFEST
+from crosskd.data.prepare import KIND
+from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION, MANIFEST
 from crosskd.errors import DataError
 
 FORMAT_VERSIONS = (1,)
@@ -72,7 +73,13 @@ def load_prepared(uri: str, *, fingerprints: dict[str, str] | None = None) -> Pr
             f"prepared data {uri}: no {MANIFEST} (missing, or a preparation that did not "
             f"finish); run `crosskd prepare`."
         )
-    manifest = json.loads(fs.cat_file(path))
+    try:
+        manifest = json.loads(fs.cat_file(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(
+            f"prepared data {uri}: {MANIFEST} is not valid JSON ({exc}); it is damaged. Run "
+            f"`crosskd prepare` again."
+        ) from exc
     if manifest.get("kind") != KIND or manifest.get("format_version") not in FORMAT_VERSIONS:
         raise DataError(
             f"prepared data {uri}: manifest kind {manifest.get('kind')!r} version "

@@ -17,11 +17,9 @@ looks complete.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import unicodedata
-import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -32,27 +30,24 @@ from tqdm.auto import tqdm
 from crosskd import __version__
 from crosskd.alignment import (
     SHAPE_NAMES,
-    AlignedSample,
     ChatOptions,
     align_chat,
     align_text,
+    harmonize_reasoning,
     render,
     render_text,
-    split_reasoning,
 )
 from crosskd.data.clipping import clip_text
 from crosskd.data.packing import pack_lockstep, packing_efficiency
 from crosskd.data.records import Record, read_records
+from crosskd.data.shards import MANIFEST, write_shards
 from crosskd.errors import DataError
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 KIND = "crosskd.prepared-data"
 FORMAT_VERSION = 1
-FLAG_CORRECT, FLAG_PREDICTION, FLAG_KD = 1, 2, 4
-"""Bits of the ``chunk_flags`` column."""
 
 
 @dataclass
@@ -106,7 +101,13 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     capacities = [config.max_length] + [config.teacher_max_length or config.max_length] * len(
         teachers
     )
-    nfc = any(_normalizes_nfc(t) for t in models)
+    nfc = any(t.normalizes_nfc for t in models)
+    strip = any(_template_strips(t) for t in models)
+    unknown = sorted(set(config.included_regions) - {"reasoning", "close", "answer"})
+    if unknown:
+        raise DataError(
+            f"included_regions: {unknown} are not regions; choose from reasoning, close, answer."
+        )
     options = ChatOptions(tuple(config.included_regions), config.drop_first_chunk)
     records = list(
         read_records(
@@ -120,7 +121,7 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         raise DataError(f"data {config.data} has no rows; nothing to prepare.")
     rows = []
     for record in tqdm(records, desc="align", unit="row", disable=not progress):
-        rows.append(_prepare_row(record, models, capacities, nfc, options))
+        rows.append(_prepare_row(record, models, capacities, nfc, strip, options))
     lengths = np.array([row["lengths"] for row in rows], dtype=np.int64)
     bins = (
         pack_lockstep(lengths, capacities)
@@ -128,14 +129,37 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         else [np.array([i]) for i in range(len(rows))]
     )
     manifest = _manifest(config, models, capacities, nfc, rows, lengths, bins)
-    _write(fs, root, config, rows, bins, manifest)
+    manifest["content_stripped"] = strip
+    manifest["data_fingerprint"] = _data_fingerprint(rows)
+    write_shards(fs, root, config.shard_rows, rows, bins, manifest)
     log.info("prepared %d rows into %d packed rows at %s", len(rows), len(bins), config.output)
     return manifest
 
 
-def _normalizes_nfc(tok: LoadedTokenizer) -> bool:
-    node = tok.backend_json.get("normalizer") or {}
-    return "NFC" in json.dumps(node)
+def _data_fingerprint(rows: list[dict]) -> str:
+    """sha256 of the canonical JSON of every prepared sample's id and text or messages."""
+    payload = [[r["record"].sample_id, r["text"], r["messages"]] for r in rows]
+    canonical = json.dumps(payload, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _template_strips(tok: LoadedTokenizer) -> bool:
+    """Whether ``tok``'s chat template strips whitespace around message content (Llama-3's
+    ``| trim``): then content is stripped once for every model, so all read what their own
+    template would show."""
+    if not tok.hf.chat_template:
+        return False
+    probe = [{"role": "user", "content": " \uE002 "}, {"role": "assistant", "content": " \uE003 "}]
+    rendered = tok.hf.apply_chat_template(probe, tokenize=False)
+    return " \uE003 " not in rendered
+
+
+def _stripped(record: Record) -> Record:
+    messages = [
+        {**m, **{k: m[k].strip() for k in ("content", "reasoning_content") if m.get(k)}}
+        for m in record.messages
+    ]
+    return Record(record.sample_id, record.text, messages, record.source, record.row)
 
 
 def _nfc(record: Record) -> Record:
@@ -156,10 +180,13 @@ def _prepare_row(
     models: list[LoadedTokenizer],
     capacities: list[int],
     nfc: bool,
+    strip: bool,
     options: ChatOptions,
 ) -> dict:
     if nfc:
         record = _nfc(record)
+    if strip and record.messages is not None:
+        record = _stripped(record)
     student, teachers = models[0], models[1:]
     if record.text is not None:
         clip = clip_text(record.text, models, capacities)
@@ -168,11 +195,11 @@ def _prepare_row(
         aligned = [align_text(student, t, text, student=s_view) for t in teachers]
         messages = None
     else:
-        messages, clipped, original = _fit_chat(record, models, capacities)
+        messages, clipped, original, cut = _fit_chat(record, models, capacities)
         s_view = render(student, messages, sample_id=record.sample_id)
         aligned = [
             align_chat(student, t, messages, sample_id=record.sample_id, options=options,
-                       student=s_view)
+                       student=s_view, clipped_message=cut)
             for t in teachers
         ]  # fmt: skip
         text = None
@@ -195,36 +222,52 @@ def _chat_lengths(messages: list[dict], models: list[LoadedTokenizer], sample_id
 
 def _fit_chat(
     record: Record, models: list[LoadedTokenizer], capacities: list[int]
-) -> tuple[list[dict], bool, list[int]]:
-    """The longest conversation prefix (ending with an assistant message) every model holds;
-    if even the first assistant turn is too long, its content is clipped by bisection."""
-    messages = split_reasoning(record.messages)
+) -> tuple[list[dict], bool, list[int], int | None]:
+    """The longest conversation prefix (ending with an assistant message) every model holds.
+    If even the first assistant turn is too long, its answer is clipped by bisection, and if an
+    empty answer is still too long, its reasoning is. Returns the messages, whether they were
+    clipped, the original lengths, and the index of a message whose text was cut (or None)."""
+    messages = harmonize_reasoning(models, record.messages)
     sid = record.sample_id
     original = _chat_lengths(messages, models, sid)
     if all(n <= c for n, c in zip(original, capacities, strict=True)):
-        return messages, False, original
+        return messages, False, original, None
     ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
     for end in reversed(ends):
         if _fits(messages[:end], models, capacities, sid):
-            return messages[:end], True, original
+            return messages[:end], True, original, None
     first = messages[: ends[0]]
-    answer = first[-1]["content"]
-    lo, hi = -1, len(answer)
+    last = len(first) - 1
+    for key in ("content", "reasoning_content"):
+        if not first[last].get(key):
+            continue
+        cut = _longest_prefix(first, key, models, capacities, sid)
+        if cut is not None:
+            return cut, True, original, last
+        first = [*first[:last], {**first[last], key: ""}]
+    raise DataError(
+        f"sample {sid} ({record.source}, row {record.row}): even with an empty first answer the "
+        f"conversation needs {_chat_lengths(first, models, sid)} tokens, over the capacities "
+        f"{capacities}; raise --max-length or drop the sample."
+    )
+
+
+def _longest_prefix(
+    messages: list[dict], key: str, models: list, capacities: list[int], sid: str
+) -> list[dict] | None:
+    """``messages`` with the last message's ``key`` cut to its longest fitting prefix (at
+    least one character), or None."""
+    text = messages[-1][key]
+    lo, hi = 0, len(text)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        trial = [*first[:-1], {**first[-1], "content": answer[:mid]}]
-        if _fits(trial, models, capacities, sid):
+        if _fits([*messages[:-1], {**messages[-1], key: text[:mid]}], models, capacities, sid):
             lo = mid
         else:
             hi = mid
-    if lo < 0:
-        prompt_only = [*first[:-1], {**first[-1], "content": ""}]
-        raise DataError(
-            f"sample {sid} ({record.source}, row {record.row}): even with an empty answer the "
-            f"conversation needs {_chat_lengths(prompt_only, models, sid)} tokens, over the "
-            f"capacities {capacities}; raise --max-length or drop the sample."
-        )
-    return [*first[:-1], {**first[-1], "content": answer[:lo]}], True, original
+    if lo == 0:
+        return None
+    return [*messages[:-1], {**messages[-1], key: text[:lo]}]
 
 
 def _fits(messages: list[dict], models: list, capacities: list[int], sample_id: str) -> bool:
@@ -284,95 +327,3 @@ def _manifest(
         },
         "shards": [],
     }
-
-
-def _columns(rows: list[dict], order: np.ndarray, bin_of: np.ndarray, n_teachers: int) -> dict:
-    """Column name -> list of values for the rows in ``order``."""
-    names = ["sample_id", "source", "row", "text", "messages", "clipped", "original_lengths"]
-    names += ["bin", "student_ids", "student_loss_mask"]
-    cols: dict[str, list] = {name: [] for name in names}
-    for k in range(n_teachers):
-        for suffix in ("ids", "chunk_s0", "chunk_s1", "chunk_t0", "chunk_t1", "chunk_shape",
-                       "chunk_flags", "chunk_region", "chunk_message"):  # fmt: skip
-            cols[f"teacher{k}_{suffix}"] = []
-    for i in order.tolist():
-        row = rows[i]
-        record = row["record"]
-        cols["sample_id"].append(record.sample_id)
-        cols["source"].append(record.source)
-        cols["row"].append(record.row)
-        cols["text"].append(row["text"])
-        cols["messages"].append(None if row["messages"] is None else json.dumps(row["messages"]))
-        cols["clipped"].append(bool(row["clipped"]))
-        cols["original_lengths"].append(row["original_lengths"])
-        cols["bin"].append(int(bin_of[i]))
-        cols["student_ids"].append(row["student"].tokens.ids.astype(np.int32))
-        cols["student_loss_mask"].append(row["aligned"][0].loss_mask)
-        for k, aligned in enumerate(row["aligned"]):
-            _teacher_columns(cols, f"teacher{k}", aligned)
-    return cols
-
-
-def _teacher_columns(cols: dict, name: str, aligned: AlignedSample) -> None:
-    chunks = aligned.chunks
-    flags = (
-        chunks.is_correct * FLAG_CORRECT
-        + chunks.has_prediction * FLAG_PREDICTION
-        + aligned.kd_mask * FLAG_KD
-    ).astype(np.uint8)
-    cols[f"{name}_ids"].append(aligned.teacher.tokens.ids.astype(np.int32))
-    cols[f"{name}_chunk_s0"].append(chunks.student[:, 0].astype(np.int32))
-    cols[f"{name}_chunk_s1"].append(chunks.student[:, 1].astype(np.int32))
-    cols[f"{name}_chunk_t0"].append(chunks.teacher[:, 0].astype(np.int32))
-    cols[f"{name}_chunk_t1"].append(chunks.teacher[:, 1].astype(np.int32))
-    cols[f"{name}_chunk_shape"].append(chunks.shape)
-    cols[f"{name}_chunk_flags"].append(flags)
-    cols[f"{name}_chunk_region"].append(aligned.chunk_region)
-    cols[f"{name}_chunk_message"].append(aligned.chunk_message)
-
-
-def _write(
-    fs: fsspec.AbstractFileSystem,
-    root: str,
-    config: PrepareConfig,
-    rows: list[dict],
-    bins: list[np.ndarray],
-    manifest: dict,
-) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    bin_of = np.empty(len(rows), dtype=np.int64)
-    for b, members in enumerate(bins):
-        bin_of[members] = b
-    staging = f"{root}/.staging-{uuid.uuid4().hex[:8]}"
-    fs.makedirs(staging, exist_ok=True)
-    shards, start = [], 0
-    try:
-        while start < len(bins):
-            stop, count = start, 0
-            while stop < len(bins) and (count == 0 or count + len(bins[stop]) <= config.shard_rows):
-                count += len(bins[stop])
-                stop += 1
-            order = np.concatenate(bins[start:stop])
-            table = pa.table(_columns(rows, order, bin_of, len(rows[0]["aligned"])))
-            buffer = io.BytesIO()
-            pq.write_table(table, buffer)
-            name = f"part-{len(shards):05d}.parquet"
-            payload = buffer.getvalue()
-            fs.pipe_file(f"{staging}/{name}", payload)
-            shards.append({"path": name, "rows": len(order), "bins": [start, stop],
-                           "sha256": hashlib.sha256(payload).hexdigest()})  # fmt: skip
-            start = stop
-        for shard in shards:
-            fs.mv(f"{staging}/{shard['path']}", f"{root}/{shard['path']}")
-        manifest["shards"] = shards
-        fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=2).encode("utf-8"))
-    except BaseException:
-        for shard in shards:
-            if fs.exists(f"{root}/{shard['path']}"):
-                fs.rm(f"{root}/{shard['path']}")
-        raise
-    finally:
-        if fs.exists(staging):
-            fs.rm(staging, recursive=True)

@@ -93,6 +93,12 @@ class LoadedTokenizer:
         """Sorted ids of all specials (every added token), int64."""
         return np.flatnonzero(self.bytes.kind == KIND_SPECIAL)
 
+    @property
+    def normalizes_nfc(self) -> bool:
+        """Whether the tokenizer NFC-normalises text (Qwen): data preparation then NFC-normalises
+        once, before any tokenizer sees the text, so no tokenizer changes bytes under offsets."""
+        return "NFC" in _components(self.backend_json.get("normalizer"), "normalizers")
+
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is an added/special token."""
         return bool(self.bytes.kind[token_id] == KIND_SPECIAL)

@@ -1,0 +1,134 @@
+"""Writing prepared rows as Parquet shards (fixed schema, whole packed rows per shard) into a
+staging folder, then publishing them and, last, the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import uuid
+
+import fsspec
+import numpy as np
+
+from crosskd.alignment import AlignedSample
+
+MANIFEST = "manifest.json"
+FLAG_CORRECT, FLAG_PREDICTION, FLAG_KD = 1, 2, 4
+"""Bits of the ``chunk_flags`` column."""
+
+
+def schema(n_teachers: int):
+    """The Parquet schema of prepared shards (fixed, so shards read together as one dataset)."""
+    import pyarrow as pa
+
+    ints, small = pa.list_(pa.int32()), pa.list_(pa.uint8())
+    fields = [
+        ("sample_id", pa.string()), ("source", pa.string()), ("row", pa.int64()),
+        ("text", pa.string()), ("messages", pa.string()), ("clipped", pa.bool_()),
+        ("original_lengths", pa.list_(pa.int64())), ("bin", pa.int64()),
+        ("student_ids", ints), ("student_loss_mask", pa.list_(pa.bool_())),
+    ]  # fmt: skip
+    for k in range(n_teachers):
+        fields += [(f"teacher{k}_ids", ints)]
+        fields += [(f"teacher{k}_chunk_{x}", ints) for x in ("s0", "s1", "t0", "t1")]
+        fields += [(f"teacher{k}_chunk_{x}", small) for x in ("shape", "flags", "region")]
+        fields += [(f"teacher{k}_chunk_message", ints)]
+    return pa.schema(fields)
+
+
+def _columns(rows: list[dict], order: np.ndarray, bin_of: np.ndarray, n_teachers: int) -> dict:
+    """Column name -> list of values for the rows in ``order``."""
+    names = ["sample_id", "source", "row", "text", "messages", "clipped", "original_lengths"]
+    names += ["bin", "student_ids", "student_loss_mask"]
+    cols: dict[str, list] = {name: [] for name in names}
+    for k in range(n_teachers):
+        for suffix in ("ids", "chunk_s0", "chunk_s1", "chunk_t0", "chunk_t1", "chunk_shape",
+                       "chunk_flags", "chunk_region", "chunk_message"):  # fmt: skip
+            cols[f"teacher{k}_{suffix}"] = []
+    for i in order.tolist():
+        row = rows[i]
+        record = row["record"]
+        cols["sample_id"].append(record.sample_id)
+        cols["source"].append(record.source)
+        cols["row"].append(record.row)
+        cols["text"].append(row["text"])
+        cols["messages"].append(None if row["messages"] is None else json.dumps(row["messages"]))
+        cols["clipped"].append(bool(row["clipped"]))
+        cols["original_lengths"].append(row["original_lengths"])
+        cols["bin"].append(int(bin_of[i]))
+        cols["student_ids"].append(row["student"].tokens.ids.astype(np.int32))
+        cols["student_loss_mask"].append(row["aligned"][0].loss_mask)
+        for k, aligned in enumerate(row["aligned"]):
+            _teacher_columns(cols, f"teacher{k}", aligned)
+    return cols
+
+
+def _teacher_columns(cols: dict, name: str, aligned: AlignedSample) -> None:
+    chunks = aligned.chunks
+    flags = (
+        chunks.is_correct * FLAG_CORRECT
+        + chunks.has_prediction * FLAG_PREDICTION
+        + aligned.kd_mask * FLAG_KD
+    ).astype(np.uint8)
+    cols[f"{name}_ids"].append(aligned.teacher.tokens.ids.astype(np.int32))
+    cols[f"{name}_chunk_s0"].append(chunks.student[:, 0].astype(np.int32))
+    cols[f"{name}_chunk_s1"].append(chunks.student[:, 1].astype(np.int32))
+    cols[f"{name}_chunk_t0"].append(chunks.teacher[:, 0].astype(np.int32))
+    cols[f"{name}_chunk_t1"].append(chunks.teacher[:, 1].astype(np.int32))
+    cols[f"{name}_chunk_shape"].append(chunks.shape)
+    cols[f"{name}_chunk_flags"].append(flags)
+    cols[f"{name}_chunk_region"].append(aligned.chunk_region)
+    cols[f"{name}_chunk_message"].append(aligned.chunk_message)
+
+
+def write_shards(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    shard_rows: int,
+    rows: list[dict],
+    bins: list[np.ndarray],
+    manifest: dict,
+) -> None:
+    """Write ``rows`` (prepared samples) grouped by ``bins`` as shards of about ``shard_rows``
+    samples under ``root``, then ``manifest`` (completed with the shard list) last. On any
+    failure nothing stays behind: staging is removed and published shards are deleted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bin_of = np.empty(len(rows), dtype=np.int64)
+    for b, members in enumerate(bins):
+        bin_of[members] = b
+    staging = f"{root}/.staging-{uuid.uuid4().hex[:8]}"
+    fs.makedirs(staging, exist_ok=True)
+    shards, start = [], 0
+    try:
+        while start < len(bins):
+            stop, count = start, 0
+            while stop < len(bins) and (count == 0 or count + len(bins[stop]) <= shard_rows):
+                count += len(bins[stop])
+                stop += 1
+            order = np.concatenate(bins[start:stop])
+            n_teachers = len(rows[0]["aligned"])
+            table = pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
+            buffer = io.BytesIO()
+            pq.write_table(table, buffer)
+            name = f"part-{len(shards):05d}.parquet"
+            payload = buffer.getvalue()
+            fs.pipe_file(f"{staging}/{name}", payload)
+            shards.append({"path": name, "rows": len(order), "bins": [start, stop],
+                           "sha256": hashlib.sha256(payload).hexdigest()})  # fmt: skip
+            start = stop
+        for shard in shards:
+            fs.mv(f"{staging}/{shard['path']}", f"{root}/{shard['path']}")
+        manifest["shards"] = shards
+        fs.pipe_file(f"{staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode("utf-8"))
+        fs.mv(f"{staging}/{MANIFEST}", f"{root}/{MANIFEST}")
+    except BaseException:
+        for shard in shards:
+            if fs.exists(f"{root}/{shard['path']}"):
+                fs.rm(f"{root}/{shard['path']}")
+        raise
+    finally:
+        if fs.exists(staging):
+            fs.rm(staging, recursive=True)
