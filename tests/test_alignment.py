@@ -210,3 +210,13 @@ def test_align_many_equals_align_per_document(zoo, student, teacher, texts, bos)
         one = align(s, t, s_tok, t_tok)
         for field in ("student", "teacher", "shape", "is_correct", "has_prediction"):
             assert getattr(got, field).tolist() == getattr(one, field).tolist()
+
+
+def test_pad_specials_never_pair(zoo):
+    deepseek = zoo("deepseek-v3")
+    pad, eot = deepseek.role_ids["pad"], deepseek.role_ids["eot"]
+    hello = deepseek.hf.convert_tokens_to_ids("Hello")
+    seq = Tokenized(np.array([hello, pad, eot, pad]), np.array([5, 5, 5, 5]))
+    chunks = align(seq, seq, deepseek, deepseek)
+    special = chunks.shape == SHAPE_SPECIAL
+    assert chunks.student[special].tolist() == [[2, 3]]  # the eot pair only

@@ -126,3 +126,86 @@ def test_tokenizer_without_template_gets_the_chatml_fallback(tmp_path, zoo):
 def test_conversation_without_assistant_is_refused(zoo):
     with pytest.raises(DataError, match="sample q: the conversation has no assistant message"):
         align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION[:2], sample_id="q")
+
+
+def _qwen_with_template(tmp_path, zoo_cache, template: str):
+    """The zoo's Qwen3 tokenizer with another chat template (a copy in ``tmp_path``)."""
+    import shutil
+
+    from crosskd.zoo import zoo_tokenizer_dir
+
+    folder = tmp_path / "qwen-custom"
+    shutil.copytree(zoo_tokenizer_dir("qwen3", zoo_cache), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_tokenizer(folder)
+
+
+# Like the real Qwen3 template: reasoning only for assistant turns after the last user message,
+# and a `</think>` written into the content is parsed out of it.
+QWEN3_LIKE = (
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set content = m.content %}{% set reasoning = '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0]"
+    ".split('<think>')[-1] %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{% if m.reasoning_content %}{% set reasoning = m.reasoning_content %}{% endif %}"
+    "{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last_user and reasoning %}"
+    "{{ '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{ content + '<|im_end|>\\n' }}{% endfor %}"
+)
+
+
+def test_reasoning_a_template_drops_is_left_out_for_every_model(tmp_path, zoo, zoo_cache):
+    teacher = _qwen_with_template(tmp_path, zoo_cache, QWEN3_LIKE)
+    messages = [
+        {"role": "user", "content": "One?"},
+        {"role": "assistant", "content": "<think>Old thought.</think>One."},
+        {"role": "user", "content": "Two?"},
+        {"role": "assistant", "content": "<think>New thought.</think>Two."},
+    ]
+    aligned = align_chat(zoo("llama3"), teacher, messages, sample_id="multi")
+    assert "Old thought" not in aligned.student.text and "Old thought" not in aligned.teacher.text
+    assert "New thought" in aligned.student.text and "New thought" in aligned.teacher.text
+    reasoning = aligned.chunk_message[aligned.chunk_region == REGIONS.index("reasoning")]
+    assert set(reasoning.tolist()) == {3}
+
+
+def test_eot_pairs_stay_within_their_turn_and_empty_answers_keep_theirs(tmp_path, zoo, zoo_cache):
+    no_eot = _qwen_with_template(tmp_path, zoo_cache, (
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}"
+        "{% if m.role != 'assistant' %}{{ '<|im_end|>\\n' }}{% else %}{{ '\\n' }}{% endif %}"
+        "{% endfor %}"
+    ))  # fmt: skip
+    roles = ["user", "assistant"] * 2
+    messages = [{"role": r, "content": c} for r, c in zip(roles, "abcd", strict=True)]
+    aligned = align_chat(zoo("llama3"), no_eot, messages, sample_id="no-eot")
+    assert REGIONS.index("eot") not in aligned.chunk_region
+    empty = [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]
+    aligned = align_chat(zoo("llama3"), zoo("qwen3"), empty, sample_id="empty")
+    assert aligned.chunk_region.tolist() == [REGIONS.index("eot")]
+    assert aligned.loss_mask.sum() == 1 and aligned.kd_mask.all()
+    clipped = align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c",
+                         clipped_message=4)  # fmt: skip
+    eot_owners = clipped.chunk_message[clipped.chunk_region == REGIONS.index("eot")]
+    assert eot_owners.tolist() == [2]
+    last_eot = int(np.flatnonzero(clipped.student.tokens.ids == 128009)[-1])
+    assert not clipped.loss_mask[last_eot]
+
+
+def test_drop_first_chunk_drops_the_first_counted_chunk(zoo):
+    options = ChatOptions(included_regions=("answer",), drop_first_chunk=True)
+    aligned = align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c",
+                         options=options)  # fmt: skip
+    for message in (2, 4):
+        answer = np.flatnonzero((aligned.chunk_message == message)
+                                & (aligned.chunk_region == REGIONS.index("answer")))  # fmt: skip
+        assert not aligned.kd_mask[answer[0]] and aligned.kd_mask[answer[1:]].all()
+
+
+def test_unknown_region_is_refused(zoo):
+    with pytest.raises(DataError, match=r"\['answers'\] are not regions"):
+        align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c",
+                   options=ChatOptions(included_regions=("answers",)))  # fmt: skip

@@ -174,3 +174,49 @@ def test_long_conversations_keep_whole_turns_then_clip_the_answer(tmp_path, zoo_
     lengths = [len(render(load_tokenizer(t), grown, sample_id="huge").tokens)
                for t in ("zoo:llama3", "zoo:qwen3")]  # fmt: skip
     assert max(lengths) > 80  # one more character would not fit: the clip is maximal
+
+
+def test_shards_read_together_as_one_dataset(tmp_path, zoo_env):
+    """A fixed schema: a chat-only shard and a text-only shard still read as one dataset."""
+    import pyarrow.dataset as ds
+
+    config = _config(tmp_path, pack=False, shard_rows=1)
+    config.teacher_tokenizers = ["zoo:qwen3"]
+    manifest = prepare(config, progress=False)
+    assert len(manifest["shards"]) == 4
+    shards = sorted(str(p) for p in (tmp_path / "out").glob("part-*.parquet"))
+    table = ds.dataset(shards, format="parquet").to_table()
+    assert sorted(table.column("sample_id").to_pylist()) == ["c1", "t1", "t2", "t3"]
+
+
+def test_long_reasoning_is_clipped_after_the_answer(tmp_path, zoo_env):
+    row = {"id": "r", "messages": [
+        {"role": "user", "content": "Think."},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "step " * 300},
+    ]}  # fmt: skip
+    config = _config(tmp_path, rows=[row], max_length=96)
+    config.teacher_tokenizers = ["zoo:qwen3"]
+    prepare(config, progress=False)
+    (sample,) = next(load_prepared(config.output).packed_rows())
+    kept = json.loads(sample["messages"])[-1]
+    assert kept["content"] == ""
+    assert 0 < len(kept["reasoning_content"]) < len(("step " * 300).strip())
+    assert len(sample["student_ids"]) <= 96 and len(sample["teacher0_ids"]) <= 96
+    eot = 128009
+    assert eot not in [i for i, m in zip(sample["student_ids"], sample["student_loss_mask"],
+                                         strict=True) if m]  # fmt: skip
+
+
+def test_flags_win_over_the_config_file(tmp_path, zoo_env):
+    config = _config(tmp_path)
+    (tmp_path / "c.yaml").write_text(
+        f"data: {config.data}\nstudent_tokenizer: zoo:llama3\nteacher_tokenizers: [zoo:qwen3]\n"
+        f"output: {tmp_path / 'from-file'}\nmax_length: 4096\n"
+    )
+    assert main(["prepare", "--config", str(tmp_path / "c.yaml"), "--output",
+                 str(tmp_path / "from-flag"), "--max-length", "100"]) == 0  # fmt: skip
+    manifest = json.loads((tmp_path / "from-flag" / "manifest.json").read_text())
+    assert manifest["config"]["max_length"] == 100
+    assert not (tmp_path / "from-file").exists()
+    assert main(["prepare", "--config", str(tmp_path / "c.yaml"),
+                 "teacher_tokenizers=zoo:qwen3"]) == 2  # fmt: skip

@@ -362,7 +362,7 @@ def _first_with_role(
     if target is None:
         return None
     ends = rendered.tokens.ends
-    later = [a for _, _, a, _ in rendered.regions if a >= after]
+    later = [a for _, _, a, _ in rendered.regions if a > after]
     limit = min(later) if later else None
     window = ends > after
     if limit is not None:
