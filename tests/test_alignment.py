@@ -220,3 +220,16 @@ def test_pad_specials_never_pair(zoo):
     chunks = align(seq, seq, deepseek, deepseek)
     special = chunks.shape == SHAPE_SPECIAL
     assert chunks.student[special].tolist() == [[2, 3]]  # the eot pair only
+
+
+def test_special_inside_a_content_chunk_does_not_pair(zoo):
+    """Found by hypothesis: DeepSeek's `<think>` matched right after `é` sits inside the
+    (incorrect) content chunk on one side; pairing it too would put a token in two chunks."""
+    deepseek, qwen = zoo("deepseek-v3"), zoo("qwen3")
+    s, t = tokenize(deepseek, ["é<think>hello"])[0], tokenize(qwen, ["é<think>hello"])[0]
+    chunks = align(s, t, deepseek, qwen)
+    assert (np.diff(chunks.student[:, 0]) > 0).all() and (np.diff(chunks.teacher[:, 0]) > 0).all()
+    covered = np.zeros(len(s), dtype=int)
+    for s0, s1 in chunks.student:
+        covered[s0:s1] += 1
+    assert covered.max() == 1

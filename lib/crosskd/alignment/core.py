@@ -196,8 +196,8 @@ def align_many(
         np.ones(len(doc), dtype=bool),
     )  # fmt: skip
     pairs = _pair_specials(
-        s, t, student_tok, teacher_tok, s_special, t_special, student_ranges[:, 1],
-        teacher_ranges[:, 1], s_doc, t_doc,
+        s, t, student_tok, teacher_tok, s_special, t_special, student_ranges, teacher_ranges,
+        s_doc, t_doc,
     )  # fmt: skip
     merged, merged_doc = _merge(content, doc, pairs)
     return _split(merged, merged_doc, s_doc, t_doc)
@@ -275,30 +275,33 @@ def _pair_specials(
     teacher_tok: LoadedTokenizer,
     s_special: np.ndarray,
     t_special: np.ndarray,
-    s_chunk_ends: np.ndarray,
-    t_chunk_ends: np.ndarray,
+    s_ranges: np.ndarray,
+    t_ranges: np.ndarray,
     s_doc: np.ndarray,
     t_doc: np.ndarray,
 ) -> list[tuple[int, int, int, int]]:
     """Role pairs as (document, gap, student index, teacher index), in order; the k-th special
-    of a role on one side pairs with the k-th on the other within one document and gap."""
+    of a role on one side pairs with the k-th on the other within one document and gap. A
+    special inside a content chunk's token range (an added token matched in the middle of
+    text) takes part in no pair: that chunk is already incorrect."""
+
+    def pairable(seq: Tokenized, tok: LoadedTokenizer, special: np.ndarray, ranges, docs):
+        for index in np.flatnonzero(special).tolist():
+            role = tok.roles.get(int(seq.ids[index]))
+            gap = int(np.searchsorted(ranges[:, 1], index, side="right"))
+            inside = gap < len(ranges) and ranges[gap, 0] < index
+            if role is not None and role != "pad" and not inside:
+                yield int(np.searchsorted(docs, index, side="right")) - 1, gap, role, index
+
     queues: dict[tuple[int, int, str], list[int]] = defaultdict(list)
-    for index in np.flatnonzero(t_special).tolist():
-        role = teacher_tok.roles.get(int(teacher.ids[index]))
-        if role is not None and role != "pad":
-            doc = int(np.searchsorted(t_doc, index, side="right")) - 1
-            gap = int(np.searchsorted(t_chunk_ends, index, side="right"))
-            queues[doc, gap, role].append(index)
+    for doc, gap, role, index in pairable(teacher, teacher_tok, t_special, t_ranges, t_doc):
+        queues[doc, gap, role].append(index)
     pairs = []
     taken: dict[tuple[int, int, str], int] = defaultdict(int)
-    for index in np.flatnonzero(s_special).tolist():
-        role = student_tok.roles.get(int(student.ids[index]))
-        if role is None or role == "pad":
-            continue
-        doc = int(np.searchsorted(s_doc, index, side="right")) - 1
-        key = (doc, int(np.searchsorted(s_chunk_ends, index, side="right")), role)
+    for doc, gap, role, index in pairable(student, student_tok, s_special, s_ranges, s_doc):
+        key = (doc, gap, role)
         if taken[key] < len(queues[key]):
-            pairs.append((key[0], key[1], index, queues[key][taken[key]]))
+            pairs.append((doc, gap, index, queues[key][taken[key]]))
             taken[key] += 1
     return pairs
 
