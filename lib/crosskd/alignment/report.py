@@ -30,7 +30,6 @@ vocabulary is over that tokenizer's *normal* tokens (specials and padding rows e
 from __future__ import annotations
 
 import logging
-import textwrap
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
@@ -75,7 +74,7 @@ class ShapeStats:
     @property
     def correct_rate(self) -> float:
         """Correct chunks / chunks (0 when there are none)."""
-        return _ratio(self.correct_chunks, self.chunks)
+        return ratio(self.correct_chunks, self.chunks)
 
 
 @dataclass(frozen=True)
@@ -114,43 +113,43 @@ class PairReport:
     @property
     def correct_rate(self) -> float:
         """Correct chunks / chunks."""
-        return _ratio(sum(s.correct_chunks for s in self.shapes.values()), self.chunks)
+        return ratio(sum(s.correct_chunks for s in self.shapes.values()), self.chunks)
 
     @property
     def student_tokens_per_char(self) -> float:
         """Student tokens per character."""
-        return _ratio(self.student_tokens, self.characters)
+        return ratio(self.student_tokens, self.characters)
 
     @property
     def teacher_tokens_per_char(self) -> float:
         """Teacher tokens per character."""
-        return _ratio(self.teacher_tokens, self.characters)
+        return ratio(self.teacher_tokens, self.characters)
 
     @property
     def one_to_one_student_share(self) -> float:
         """Share of student tokens in ``1:1`` chunks (correct or not)."""
-        return _ratio(self.shapes["1:1"].student_tokens, self.student_tokens)
+        return ratio(self.shapes["1:1"].student_tokens, self.student_tokens)
 
     @property
     def one_to_one_teacher_share(self) -> float:
         """Share of teacher tokens in ``1:1`` chunks (correct or not)."""
-        return _ratio(self.shapes["1:1"].teacher_tokens, self.teacher_tokens)
+        return ratio(self.shapes["1:1"].teacher_tokens, self.teacher_tokens)
 
     @property
     def incorrect_student_share(self) -> float:
         """Share of student tokens in chunks that are not correct."""
         wrong = sum(s.student_tokens - s.correct_student_tokens for s in self.shapes.values())
-        return _ratio(wrong, self.student_tokens)
+        return ratio(wrong, self.student_tokens)
 
     @property
     def signal_shares(self) -> dict[str, float]:
         """Share of student tokens by the KD signal they get: ``token``, ``chunk``,
         ``realized``, ``none`` (module docstring); the four sum to 1."""
         correct = {name: s.correct_student_tokens for name, s in self.shapes.items()}
-        token = _ratio(correct["1:1"], self.student_tokens)
-        chunk = _ratio(correct["1:n"] + correct["n:1"], self.student_tokens)
-        realized = _ratio(correct["n:m"] + correct["special"], self.student_tokens)
-        none = self.incorrect_student_share + _ratio(
+        token = ratio(correct["1:1"], self.student_tokens)
+        chunk = ratio(correct["1:n"] + correct["n:1"], self.student_tokens)
+        realized = ratio(correct["n:m"] + correct["special"], self.student_tokens)
+        none = self.incorrect_student_share + ratio(
             self.unpaired_student_tokens, self.student_tokens
         )
         return {"token": token, "chunk": chunk, "realized": realized, "none": none}
@@ -158,12 +157,12 @@ class PairReport:
     @property
     def common_student_share(self) -> float:
         """Common tokens / the student's normal tokens."""
-        return _ratio(self.common_vocabulary, self.student_vocabulary)
+        return ratio(self.common_vocabulary, self.student_vocabulary)
 
     @property
     def common_teacher_share(self) -> float:
         """Common tokens / the teacher's normal tokens."""
-        return _ratio(self.common_vocabulary, self.teacher_vocabulary)
+        return ratio(self.common_vocabulary, self.teacher_vocabulary)
 
     @property
     def verdict(self) -> str:
@@ -186,7 +185,7 @@ class PairReport:
         )
         if self.incorrect_student_share > WARN_INCORRECT:
             line += " Check text normalisation (NFC): many chunks differ in bytes."
-        elif _ratio(self.unpaired_student_tokens, self.student_tokens) > WARN_UNPAIRED:
+        elif ratio(self.unpaired_student_tokens, self.student_tokens) > WARN_UNPAIRED:
             line += " Check the text: a tokenizer drops characters (unpaired tokens)."
         return line
 
@@ -219,7 +218,9 @@ class PairReport:
 
     def format(self) -> str:
         """A readable text report: headings, counts, percentages, and what they mean."""
-        return _format(self)
+        from crosskd.alignment.report_text import format_report
+
+        return format_report(self)
 
 
 def pair_report(
@@ -371,94 +372,9 @@ class _Totals:
         )
 
 
-def _ratio(numerator: float, denominator: float) -> float:
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, 0 when the denominator is 0."""
     return float(numerator) / denominator if denominator else 0.0
-
-
-def _format(r: PairReport) -> str:
-    shares = r.signal_shares
-    one_n, n_one, n_m = r.shapes["1:n"], r.shapes["n:1"], r.shapes["n:m"]
-    lines = [
-        f"Tokenizer pair report: student {r.student}  vs  teacher {r.teacher}",
-        "=" * 78,
-        f"Verdict: {r.verdict}",
-        "",
-        "Corpus",
-        f"  documents        {r.documents:>12,}",
-        f"  characters       {r.characters:>12,}",
-        f"  student tokens   {r.student_tokens:>12,}   {r.student_tokens_per_char:.3f} per char",
-        f"  teacher tokens   {r.teacher_tokens:>12,}   {r.teacher_tokens_per_char:.3f} per char",
-        "",
-        "KD signal (share of student tokens)",
-        f"  token-to-token        (correct 1:1)          {shares['token']:>7.2%}",
-        f"  chunk + alternatives  (correct 1:n, n:1)     {shares['chunk']:>7.2%}",
-        f"  realized text only    (correct n:m, special) {shares['realized']:>7.2%}",
-        f"  none                  (incorrect, unpaired)  {shares['none']:>7.2%}",
-        f"  in 1:1 chunks: {r.one_to_one_student_share:.2%} of student tokens, "
-        f"{r.one_to_one_teacher_share:.2%} of teacher tokens",
-        "",
-        "Chunk shapes",
-        f"  {'shape':<8}{'chunks':>10}{'%':>8}{'student tok':>13}{'%':>8}{'teacher tok':>13}"
-        f"{'%':>8}{'correct':>9}",
-    ]
-    for name, st in [*r.shapes.items(), ("all", None)]:
-        chunks, s_tok, t_tok, correct = (
-            (st.chunks, st.student_tokens, st.teacher_tokens, st.correct_rate)
-            if st is not None
-            else (r.chunks, r.student_tokens - r.unpaired_student_tokens,
-                  r.teacher_tokens - r.unpaired_teacher_tokens, r.correct_rate)
-        )  # fmt: skip
-        lines.append(
-            f"  {name:<8}{chunks:>10,}{_ratio(chunks, r.chunks):>8.1%}"
-            f"{s_tok:>13,}{_ratio(s_tok, r.student_tokens):>8.1%}"
-            f"{t_tok:>13,}{_ratio(t_tok, r.teacher_tokens):>8.1%}"
-            + (f"{correct:>9.2%}" if chunks else f"{'-':>9}")
-        )
-    lines += [
-        "",
-        "Chunk sizes (tokens per chunk: mean, max)",
-        f"  1:n  teacher  {_ratio(one_n.teacher_tokens, one_n.chunks):.2f}, "
-        f"{one_n.max_teacher_tokens}",
-        f"  n:1  student  {_ratio(n_one.student_tokens, n_one.chunks):.2f}, "
-        f"{n_one.max_student_tokens}",
-        f"  n:m  student  {_ratio(n_m.student_tokens, n_m.chunks):.2f}, {n_m.max_student_tokens}"
-        f";  teacher {_ratio(n_m.teacher_tokens, n_m.chunks):.2f}, {n_m.max_teacher_tokens}",
-        "",
-        "Correctness",
-        f"  correct chunks                      {r.correct_rate:.2%}",
-        f"  student tokens in incorrect chunks  {r.incorrect_student_share:.2%}",
-        f"  unpaired tokens                     student {r.unpaired_student_tokens:,}, "
-        f"teacher {r.unpaired_teacher_tokens:,} (in {r.documents_with_unpaired:,} documents)",
-        f"  chunks without a prediction         {r.chunks_without_prediction:,} "
-        f"(a document's first chunk)",
-        "",
-        "Common vocabulary (one-to-one common tokens)",
-        f"  common tokens   {r.common_vocabulary:,}",
-        f"  of vocabularies {r.common_student_share:.2%} of the student's "
-        f"{r.student_vocabulary:,}, {r.common_teacher_share:.2%} of the teacher's "
-        f"{r.teacher_vocabulary:,}",
-        f"  in this text    {_ratio(r.student_tokens_common, r.student_tokens):.2%} of student "
-        f"tokens, {_ratio(r.teacher_tokens_common, r.teacher_tokens):.2%} of teacher tokens",
-        "",
-        "What this means",
-    ]
-    meaning = (
-        f"In 1:1 chunks ({shares['token']:.1%} of student tokens) the KD loss compares the two "
-        f"next-token distributions over the {r.common_vocabulary:,} common tokens (those in "
-        f"the teacher's top K) plus the realized token: the richest signal. In 1:n and n:1 "
-        f"chunks ({shares['chunk']:.1%}) it compares the realized text with alternatives that "
-        f"leave the realized path at one token; in n:m chunks and special pairs "
-        f"({shares['realized']:.1%}) only the realized text against everything else, one "
-        f"binary comparison. Incorrect chunks and unpaired tokens ({shares['none']:.1%}) get "
-        f"no KD signal. Between teachers of similar quality, prefer the one with the higher "
-        f"token-to-token share and the larger common vocabulary on text like your training "
-        f"data; below {WORKABLE_SHARE:.0%} token-to-token, most of what the teacher knows "
-        f"reaches the student only as chunk-level probabilities."
-    )
-    lines += textwrap.wrap(
-        meaning, 78, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False
-    )
-    return "\n".join(lines)
 
 
 __all__ = ["PairReport", "ShapeStats", "pair_report"]
