@@ -82,3 +82,26 @@ def test_no_counted_chunk_is_zero_with_zero_gradient():
     kd, n = kd_from_events(_events([]), LocalLogProbs(logits), tau=1.0)
     kd.backward()
     assert n == 0 and kd.item() == 0.0 and torch.equal(logits.grad, torch.zeros(2, 5))
+
+
+def test_signal_of_another_tau_or_vocabulary_is_refused(zoo, built_table):
+    """csd_kd checks the signal against the loss tau and the tables' teacher V."""
+    from types import SimpleNamespace
+
+    from crosskd.loss import csd_kd
+    from crosskd.tables import TablePair
+    from crosskd.teacher import SignalError, signal_from_logits
+
+    pair = TablePair(built_table("llama3", "qwen3"), built_table("qwen3", "llama3"))
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    chunks = SimpleNamespace(row=np.zeros(0, int), student=np.zeros((0, 2), int),
+                             teacher=np.zeros((0, 2), int), shape=np.zeros(0, np.uint8),
+                             valid=np.zeros(0, bool))  # fmt: skip
+    logits = torch.zeros(1, 4, 128256)
+    good = signal_from_logits(torch.zeros(1, 4, 151936), ids, k=4, tau=2.0)
+    with pytest.raises(SignalError, match=r"tau is 2\.0, the config asks for 1\.0"):
+        csd_kd(logits, ids, ids, good, chunks, pair, tau=1.0)
+    small = signal_from_logits(torch.zeros(1, 4, 1000), ids, k=4, tau=1.0)
+    with pytest.raises(SignalError, match="vocab_size is 1000, the config asks for 151936"):
+        csd_kd(logits, ids, ids, small, chunks, pair, tau=1.0)
+    assert csd_kd(logits, ids, ids, good, chunks, pair, tau=2.0)[1] == 0

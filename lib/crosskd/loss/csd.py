@@ -42,7 +42,10 @@ def csd_kd(
     ``[B, L_t]``; ``signal`` for the teacher rows ``[B, L_t]``; ``chunks`` with ``row``,
     ``student``, ``teacher``, ``shape``, ``valid`` (a :class:`crosskd.data.collate.ChunkBatch`).
     """
-    signal.require(tau=tau, vocab_size=signal.vocab_size, where="passed to csd_kd")
+    signal.require(
+        tau=tau, vocab_size=pair.teacher_to_student.meta.src_vocab_size,
+        where="passed to csd_kd (checked against the teacher V of the tables)",
+    )  # fmt: skip
     events = build_events(
         student_ids.cpu().numpy(), teacher_ids.cpu().numpy(), signal,
         _np(chunks.row), _np(chunks.student), _np(chunks.teacher), _np(chunks.shape),
