@@ -232,16 +232,16 @@ def reference_chunks(
                 events.append(Event("prefix", chain, (j,), terms, b_j))
         info.events = events
 
-        # Validity.
-        if drop_unrealized_topk and shape != SHAPE_SPECIAL and not last_in_top:
-            info.reason = "dropped-unrealized"
-            continue
+        # Validity; a chunk skipped for both reasons reports the first in the spec's order.
         if shape in (SHAPE_1_N, SHAPE_N_1) and not only_realized:
             need = 1 if keep_realized else min_mismatch_support
         else:
             need = 1
         if len(events) < need:
             info.reason = "unsupported"
+            continue
+        if drop_unrealized_topk and shape != SHAPE_SPECIAL and not last_in_top:
+            info.reason = "dropped-unrealized"
             continue
         info.counts = True
         info.weight = mismatch_weight if shape in MISMATCH_SHAPES else 1.0

@@ -1,155 +1,30 @@
 """The CSD KD term (spec section 5) on real tokenizer pairs: properties of the slow reference
 (``tests/loss_reference.py``) and parity of the vectorised ``crosskd.loss.csd.csd_kd`` with it.
 
-Batches are real texts aligned by the real tokenizers (real ids, chunks and tables) with random
-logits over the full vocabularies, biased so that realized tokens and candidate alternatives
-(common tokens, chain prefixes) land in the teacher's top K.
+Batches: ``tests/loss_cases.py``.
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from loss_cases import DIVERGENCES, PAIR_IDS, PAIRS, TAU, CsdCase, make_case
 from loss_reference import (
-    SHAPE_1_1,
     SHAPE_1_N,
     SHAPE_N_1,
-    SHAPE_N_M,
-    SHAPE_SPECIAL,
     lookups,
     reference_chunks,
     reference_kd,
 )
 
-from crosskd.alignment import align_text
 from crosskd.data.collate import ChunkBatch
-from crosskd.tables import TablePair
+from crosskd.loss import CsdOptions, csd_kd
 from crosskd.teacher import signal_from_logits
-
-TEXTS = [
-    "In 2024, 東京 had 13,960,000 people 🎉 and 3.14159 pies.",
-    "Hello world!\n\nNaïve café: 42 ñandúes 😀 über 7x7=49 ★",
-    "The 1234th emoji 👩\u200d💻 wrote: 数据 + données = 99%",
-]
-# (student, teacher, texts): two rows each, at most 32 student tokens per row.
-PAIRS = [("llama3", "qwen3", (0, 2)), ("smollm2", "qwen3", (1, 2))]
-PAIR_IDS = [f"{s}-{t}" for s, t, _ in PAIRS]
-TAU = 2.0
-BIAS = 20.0  # added to teacher logits of realized tokens and candidate alternatives
-DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
-
-
-@dataclass
-class CsdCase:
-    """One batch: ids, chunks, tables and raw (biased) logits of both sides."""
-
-    name: str
-    student_ids: torch.Tensor  # [B, Ls]
-    teacher_ids: torch.Tensor  # [B, Lt]
-    chunks: ChunkBatch
-    pair: TablePair
-    student_logits: torch.Tensor  # float32 [B, Ls, V_S]
-    teacher_logits: torch.Tensor  # float32 [B, Lt, V_T]
-
-    def signal(self, k: int, tau: float = TAU):
-        return signal_from_logits(self.teacher_logits, self.teacher_ids, k=k, tau=tau)
-
-    def logits(self, dtype=torch.float64) -> torch.Tensor:
-        return self.student_logits.to(dtype).clone().requires_grad_(True)
-
-    def with_valid(self, valid: torch.Tensor) -> CsdCase:
-        return replace(self, chunks=replace(self.chunks, valid=valid))
-
-
-def _pad(rows: list[np.ndarray]) -> torch.Tensor:
-    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
-    for b, r in enumerate(rows):
-        out[b, : len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
-    return out
-
-
-def make_case(zoo, built_table, student: str, teacher: str, texts, seed: int = 0) -> CsdCase:
-    s_tok, t_tok = zoo(student), zoo(teacher)
-    pair = TablePair(built_table(student, teacher), built_table(teacher, student))
-    samples = [align_text(s_tok, t_tok, TEXTS[i]) for i in texts]
-    student_ids = _pad([a.student.tokens.ids for a in samples])
-    teacher_ids = _pad([a.teacher.tokens.ids for a in samples])
-    parts = {k: [] for k in ("row", "s", "t", "shape", "valid")}
-    for b, a in enumerate(samples):
-        ch = a.chunks
-        parts["row"].append(np.full(len(ch), b, dtype=np.int64))
-        parts["s"].append(ch.student)
-        parts["t"].append(ch.teacher)
-        parts["shape"].append(ch.shape)
-        parts["valid"].append(ch.is_correct & ch.has_prediction & a.kd_mask)
-    cat = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items()}
-    shape = cat["shape"].to(torch.uint8).clone()
-    valid = cat["valid"].to(torch.bool)
-    # The plain-text zoo batches have no role pair; relabel one valid 1:1 chunk as a special
-    # pair so the special path (realized only, always in E) is exercised too.
-    one_to_one = torch.nonzero(valid & (shape == SHAPE_1_1)).flatten()
-    shape[one_to_one[len(one_to_one) // 2]] = SHAPE_SPECIAL
-    chunks = ChunkBatch(
-        row=cat["row"].long(), student=cat["s"].long(), teacher=cat["t"].long(), shape=shape,
-        region=torch.zeros(len(shape), dtype=torch.uint8), valid=valid,
-    )  # fmt: skip
-
-    gen = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    n_b, l_s = student_ids.shape
-    l_t = teacher_ids.shape[1]
-    student_logits = 2.0 * torch.randn(n_b, l_s, s_tok.vocab_size, generator=gen)
-    teacher_logits = torch.randn(n_b, l_t, t_tok.vocab_size, generator=gen)
-    # Realized next tokens in the top K, except at the last row of every fourth chunk, every
-    # other n:m chunk and the special pair (so keep_realized, drop_unrealized_topk and the
-    # "no event" case all occur).
-    for b in range(n_b):
-        for r in range(l_t - 1):
-            teacher_logits[b, r, teacher_ids[b, r + 1]] += BIAS
-        for r in range(l_s - 1):
-            student_logits[b, r, student_ids[b, r + 1]] += 4.0
-    n_m_seen = 0
-    for v, c in enumerate(torch.nonzero(valid).flatten().tolist()):
-        b, t1 = int(chunks.row[c]), int(chunks.teacher[c, 1])
-        n_m = int(shape[c]) == SHAPE_N_M
-        n_m_seen += n_m
-        if v % 4 == 3 or (n_m and n_m_seen % 2 == 1) or int(shape[c]) == SHAPE_SPECIAL:
-            teacher_logits[b, t1 - 2, teacher_ids[b, t1 - 1]] -= BIAS
-
-    def boost(b: int, row: int, candidates: np.ndarray, n: int) -> None:
-        if len(candidates):
-            pick = rng.choice(candidates, size=min(n, len(candidates)), replace=False)
-            teacher_logits[b, row, torch.from_numpy(pick)] += BIAS * rng.uniform(0.8, 1.0)
-
-    common_t = pair.common[:, 1]
-    s_list, t_list = student_ids.tolist(), teacher_ids.tolist()
-    for c in torch.nonzero(valid).flatten().tolist():
-        b = int(chunks.row[c])
-        s0, s1 = chunks.student[c].tolist()
-        t0, t1 = chunks.teacher[c].tolist()
-        s_path, t_path = s_list[b][s0:s1], t_list[b][t0:t1]
-        if int(shape[c]) == SHAPE_1_1:
-            boost(b, t0 - 1, common_t, 4)
-        elif int(shape[c]) == SHAPE_1_N:
-            for k in range(1, len(t_path) + 1):
-                rows = pair.prefix_s2t.get(tuple(t_path[: k - 1]))
-                if rows is not None:
-                    boost(b, t0 + k - 2, rows[rows[:, 1] != t_path[k - 1], 1], 3)
-        elif int(shape[c]) == SHAPE_N_1:
-            for k in range(1, len(s_path) + 1):
-                rows = pair.prefix_t2s.get(tuple(s_path[: k - 1]))
-                if rows is not None:
-                    boost(b, t0 - 1, rows[rows[:, 1] != s_path[k - 1], 0], 2)
-    return CsdCase(
-        f"{student}-{teacher}", student_ids, teacher_ids, chunks, pair, student_logits,
-        teacher_logits,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=PAIR_IDS)
@@ -163,22 +38,12 @@ def case(request, zoo, built_table) -> CsdCase:
 
 def implementation_kd(logits, case: CsdCase, signal, *, tau=TAU, divergence="jsd", beta=0.5,
                       **options):  # fmt: skip
-    """``(KD, N)`` from ``crosskd.loss.csd.csd_kd`` (skips the test until it exists)."""
-    csd = pytest.importorskip("crosskd.loss.csd")
-    params = inspect.signature(csd.csd_kd).parameters
-    kwargs = {"tau": tau, "beta": beta}
-    kwargs["kind" if "kind" in params else "divergence"] = divergence
-    if "options" in params:
-        from crosskd.loss.events import CsdOptions
-
-        kwargs["options"] = CsdOptions(**options)
-    else:
-        kwargs.update(options)
-    result = csd.csd_kd(
-        logits, case.student_ids, case.teacher_ids, signal, case.chunks, case.pair, **kwargs
-    )
-    kd, n = result if isinstance(result, tuple) else (result.kd, result.n_valid)
-    return kd, int(n)
+    """``(KD, N)`` from ``crosskd.loss.csd.csd_kd``, called like the reference."""
+    term = csd_kd(
+        logits, case.student_ids, case.teacher_ids, signal, case.chunks, case.pair, tau=tau,
+        kind=divergence, beta=beta, options=CsdOptions(**options),
+    )  # fmt: skip
+    return term.value, term.n_chunks
 
 
 def grad_of(kd: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -316,6 +181,7 @@ def test_no_valid_chunk_gives_zero_and_zero_gradient(case):
         torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64),
         torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, dtype=torch.uint8),
         torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.bool),
+        torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64),
     ))  # fmt: skip
     for sub in (none_valid, empty):
         logits = sub.logits()
@@ -345,7 +211,6 @@ PARITY = [("jsd", name) for name in OPTION_SETS] + [
 
 @pytest.mark.parametrize(("divergence", "option_set"), PARITY)
 def test_csd_kd_matches_the_reference(case, divergence, option_set):
-    pytest.importorskip("crosskd.loss.csd")
     k, options = OPTION_SETS[option_set]
     signal = case.signal(k)
     ref_logits, impl_logits = case.logits(), case.logits()
@@ -365,7 +230,6 @@ def test_csd_kd_matches_the_reference(case, divergence, option_set):
 
 
 def test_csd_kd_matches_the_reference_dense(case):
-    pytest.importorskip("crosskd.loss.csd")
     sub = _subset(case)
     signal = sub.signal(0)
     for keep in (False,):
@@ -384,7 +248,6 @@ def test_csd_kd_matches_the_reference_dense(case):
 
 
 def test_csd_kd_float32_logits_close_to_the_reference(case):
-    pytest.importorskip("crosskd.loss.csd")
     signal = case.signal(64)
     ref, _ = reference_kd(
         case.logits(), case.student_ids, case.teacher_ids, signal, case.chunks, case.pair, tau=TAU
@@ -395,9 +258,127 @@ def test_csd_kd_float32_logits_close_to_the_reference(case):
 
 
 def test_csd_kd_no_valid_chunk_gives_zero_and_zero_gradient(case):
-    pytest.importorskip("crosskd.loss.csd")
     sub = case.with_valid(torch.zeros_like(case.chunks.valid))
     logits = sub.logits()
     kd, n = implementation_kd(logits, sub, sub.signal(8))
     assert n == 0 and kd.item() == 0
     assert torch.count_nonzero(grad_of(kd, logits)) == 0
+
+
+# --- the whole loss on real pairs: micro-batches, metrics, event mass -----------------------
+
+
+def _plan(case: CsdCase, signal, config, rows: slice = slice(None)):
+    from crosskd.loss import TeacherBatch, plan_loss
+
+    keep = (case.chunks.row >= (rows.start or 0)) & (case.chunks.row < (rows.stop or 1 << 30))
+    shift = rows.start or 0
+    chunks = ChunkBatch(
+        case.chunks.row[keep] - shift, case.chunks.student[keep], case.chunks.teacher[keep],
+        case.chunks.shape[keep], case.chunks.region[keep], case.chunks.valid[keep],
+        case.chunks.flags[keep], case.chunks.sample[keep] - shift,
+    )  # fmt: skip
+    sig = signal if rows == slice(None) else _signal_rows(signal, rows)
+    batch = TeacherBatch(case.teacher_ids[rows], chunks, sig)
+    return plan_loss(
+        config, case.student_ids[rows], case.loss_mask[rows], [batch], [case.pair],
+        student_vocab=case.student_logits.shape[-1],
+    )  # fmt: skip
+
+
+def _signal_rows(signal, rows: slice):
+    return replace(
+        signal, ids=None if signal.ids is None else signal.ids[rows],
+        log_probs=signal.log_probs[rows], realized=signal.realized[rows],
+        realized_t1=signal.realized_t1[rows],
+    )  # fmt: skip
+
+
+def _config(k: int, **kw):
+    from crosskd.loss import LossConfig, TeacherLossConfig
+
+    tables = {"student_to_teacher": "s2t", "teacher_to_student": "t2s"}
+    return LossConfig(tau=TAU, teachers=[TeacherLossConfig(k=k, **tables)], **kw)
+
+
+def test_micro_batches_with_step_counts_sum_to_the_whole_batch(case):
+    """Summing the micro-batch losses (each normalised by the step's counts) gives the loss and
+    gradient of the whole batch."""
+    from crosskd.loss import compute_loss
+
+    config = _config(64)
+    signal = case.signal(64)
+    whole = _plan(case, signal, config)
+    parts = [_plan(case, signal, config, slice(0, 1)), _plan(case, signal, config, slice(1, 2))]
+    counts = parts[0].counts + parts[1].counts
+    assert counts == whole.counts and counts.chunks[0] > 0
+    logits = case.logits()
+    full = compute_loss(logits, whole, config)
+    (g_full,) = torch.autograd.grad(full.loss, logits)
+    split_logits = case.logits()
+    total = sum(
+        compute_loss(split_logits[i : i + 1], part, config, counts).loss
+        for i, part in enumerate(parts)
+    )
+    (g_split,) = torch.autograd.grad(total, split_logits)
+    assert total.item() == pytest.approx(full.loss.item(), rel=1e-12)
+    torch.testing.assert_close(g_split, g_full, rtol=1e-10, atol=1e-12)
+
+
+def test_metrics_match_the_reference_per_shape(case):
+    from crosskd.loss import compute_loss
+    from crosskd.loss.metrics import SHAPES, SKIP_REASONS
+
+    config = _config(8, drop_unrealized_topk=True, min_mismatch_support=3)
+    signal = case.signal(8)
+    out = compute_loss(case.logits(), _plan(case, signal, config), config)
+    metrics = out.metrics
+    infos = reference_chunks(
+        case.logits(), case.student_ids, case.teacher_ids, signal, case.chunks, case.pair,
+        tau=TAU, drop_unrealized_topk=True, min_mismatch_support=3,
+    )  # fmt: skip
+    reasons = {"dropped-unrealized": "dropped_unrealized", "unsupported": "unsupported"}
+    shares = 0.0
+    for code, name in enumerate(SHAPES[:5]):
+        here = [i for i in infos if i.shape == code]
+        counted = [i for i in here if i.counts]
+        key = f"teacher0/{name}"
+        assert metrics.get(f"{key}/chunks", 0) == len(here)
+        assert metrics.get(f"{key}/valid", 0) == len(counted)
+        skipped = sum(metrics.get(f"{key}/skipped_{r}", 0) for r in SKIP_REASONS)
+        assert skipped + len(counted) == len(here)
+        for ref_reason, reason in reasons.items():
+            want = sum(i.reason == ref_reason for i in here)
+            assert metrics.get(f"{key}/skipped_{reason}", 0) == want
+        if not counted:
+            continue
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        assert metrics[f"{key}/mean_divergence"] == pytest.approx(
+            mean([i.d.item() for i in counted]), rel=1e-6
+        )
+        assert metrics[f"{key}/mean_events"] == mean([len(i.events) for i in counted])
+        assert metrics[f"{key}/mean_rest_student"] == pytest.approx(
+            mean([math.exp(i.log_rest_s.item()) for i in counted]), rel=1e-6, abs=1e-12
+        )
+        assert metrics[f"{key}/mean_rest_teacher"] == pytest.approx(
+            mean([math.exp(i.log_rest_t) for i in counted]), rel=1e-6, abs=1e-12
+        )
+        shares += metrics[f"{key}/kd_share"]
+    assert shares == pytest.approx(1.0)
+    assert any(i.reason == "dropped-unrealized" for i in infos)
+    assert any(i.reason == "unsupported" for i in infos)
+
+
+def test_teacher_mass_of_mismatch_events_is_at_most_one(case):
+    """For 1:n and n:1 the events are disjoint, so their teacher probabilities sum to at most 1
+    (REST completes them), with a dense signal where every alternative exists."""
+    from crosskd.loss import build_events
+
+    sub = _subset(case, 2, (SHAPE_1_N, SHAPE_N_1))
+    events = build_events(
+        sub.student_ids.numpy(), sub.teacher_ids.numpy(), sub.signal(0), sub.chunks, sub.pair,
+        CsdOptions(),
+    )  # fmt: skip
+    assert events.n_chunks > 0
+    mass = np.bincount(events.event_chunk, weights=np.exp(events.teacher_lp))
+    assert (mass <= 1 + 1e-6).all() and (mass > 0).all()

@@ -37,8 +37,13 @@ def test_worked_forward_kl():
     #          = .1115718 + .1216395 - .1386294 = .0945819 (nats).
     logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]], dtype=torch.float64))
     events = _events([[(math.log(0.5), [(0, 1)]), (math.log(0.3), [(0, 2)])]])
-    kd, n = kd_from_events(events, LocalLogProbs(logits), tau=1.0, kind="forward_kl")
-    assert n == 1
+    term = kd_from_events(events, LocalLogProbs(logits), tau=1.0, kind="forward_kl")
+    kd = term.value
+    assert term.n_chunks == 1
+    assert term.n_events.tolist() == [2]
+    assert term.log_rest_student.exp().item() == pytest.approx(0.4)
+    assert term.log_rest_teacher.exp().item() == pytest.approx(0.2)
+    assert term.divergence.item() == pytest.approx(0.0945819, abs=1e-7)
     assert kd.item() == pytest.approx(0.0945819, abs=1e-7)
 
 
@@ -50,7 +55,7 @@ def test_multi_term_event_weight_and_normalisation():
     logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.2, 0.1, 0.2, 0.5]],
                                     dtype=torch.float64))  # fmt: skip
     events = _events([[(math.log(0.25), [(0, 1), (1, 3)])]], weights=[5.0])
-    kd, _ = kd_from_events(events, LocalLogProbs(logits), tau=1.0, kind="reverse_kl", n_total=2)
+    kd = kd_from_events(events, LocalLogProbs(logits), tau=1.0, kind="reverse_kl", n_total=2).value
     assert kd.item() == pytest.approx(5 * 0.0070021 / 2, abs=1e-7)
 
 
@@ -59,7 +64,7 @@ def test_temperature_scales_logits_and_the_result():
     # the result is tau^2 = 4 times the tau = 1 value of the first worked example.
     logits = 2 * torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]], dtype=torch.float64))
     events = _events([[(math.log(0.5), [(0, 1)]), (math.log(0.3), [(0, 2)])]])
-    kd, _ = kd_from_events(events, LocalLogProbs(logits, tau=2.0), tau=2.0, kind="forward_kl")
+    kd = kd_from_events(events, LocalLogProbs(logits, tau=2.0), tau=2.0, kind="forward_kl").value
     assert kd.item() == pytest.approx(4 * 0.0945819, abs=1e-6)
 
 
@@ -72,14 +77,15 @@ def test_gradcheck(kind):
         [(math.log(0.6), [(2, 3)])],
     ], weights=[1.0, 5.0])  # fmt: skip
     assert torch.autograd.gradcheck(
-        lambda x: kd_from_events(events, LocalLogProbs(x, tau=1.5), tau=1.5, kind=kind)[0],
+        lambda x: kd_from_events(events, LocalLogProbs(x, tau=1.5), tau=1.5, kind=kind).value,
         (logits,),
     )
 
 
 def test_no_counted_chunk_is_zero_with_zero_gradient():
     logits = torch.randn(2, 5, requires_grad=True)
-    kd, n = kd_from_events(_events([]), LocalLogProbs(logits), tau=1.0)
+    term = kd_from_events(_events([]), LocalLogProbs(logits), tau=1.0)
+    kd, n = term.value, term.n_chunks
     kd.backward()
     assert n == 0 and kd.item() == 0.0 and torch.equal(logits.grad, torch.zeros(2, 5))
 
@@ -104,4 +110,4 @@ def test_signal_of_another_tau_or_vocabulary_is_refused(zoo, built_table):
     small = signal_from_logits(torch.zeros(1, 4, 1000), ids, k=4, tau=1.0)
     with pytest.raises(SignalError, match="vocab_size is 1000, the config asks for 151936"):
         csd_kd(logits, ids, ids, small, chunks, pair, tau=1.0)
-    assert csd_kd(logits, ids, ids, good, chunks, pair, tau=2.0)[1] == 0
+    assert csd_kd(logits, ids, ids, good, chunks, pair, tau=2.0).n_chunks == 0

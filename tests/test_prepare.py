@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from crosskd.cli import main
 from crosskd.data.collate import collate, load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
 from crosskd.errors import DataError
 
 ROWS = [
@@ -79,6 +81,12 @@ def test_prepare_and_collate_round_trip(tmp_path, zoo_env, zoo):
             assert s_bytes == t_bytes or chunks.shape[c] == 4
             assert batch.loss_mask[r, s0:s1].all()
             assert student.segment_ids[r, s0] == student.segment_ids[r, s1 - 1]
+        # The chunk's sample: its segment in the row, counted over the batch in row order.
+        first_sample = np.cumsum([0, *(len(row) for row in rows)])
+        segment = student.segment_ids[chunks.row, chunks.student[:, 0]]
+        assert (chunks.sample == torch.from_numpy(first_sample[chunks.row.numpy()]) + segment).all()
+        need = FLAG_CORRECT | FLAG_PREDICTION | FLAG_KD
+        assert ((chunks.flags & need) == need).tolist() == chunks.valid.tolist()
 
 
 def test_clipping_unpacked_mode_and_memory_output(tmp_path, zoo_env):

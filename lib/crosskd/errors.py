@@ -19,3 +19,7 @@ class TableError(CrosskdError):
 
 class DataError(CrosskdError):
     """A dataset row is malformed, or a sample cannot be clipped or packed as asked."""
+
+
+class ConfigError(CrosskdError):
+    """A configuration value is missing, out of range, or inconsistent with the inputs given."""

@@ -113,7 +113,9 @@ class ModelBatch:
 class ChunkBatch:
     """One teacher's chunks over the batch, flat: ``row`` int64 ``[C]`` (packed row), ``student``
     and ``teacher`` int64 ``[C, 2]`` (token ranges within the packed row), ``shape`` / ``region``
-    uint8 ``[C]``, ``valid`` bool ``[C]`` (correct, has a prediction, and in the KD mask)."""
+    uint8 ``[C]``, ``valid`` bool ``[C]`` (correct, has a prediction, and in the KD mask),
+    ``flags`` uint8 ``[C]`` (``FLAG_*`` of :mod:`crosskd.data.shards`, for the skip reasons) and
+    ``sample`` int64 ``[C]`` (the chunk's sample, numbered over the batch in row order)."""
 
     row: torch.Tensor
     student: torch.Tensor
@@ -121,6 +123,8 @@ class ChunkBatch:
     shape: torch.Tensor
     region: torch.Tensor
     valid: torch.Tensor
+    flags: torch.Tensor
+    sample: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,9 @@ def _model_batch(rows: list[list[list[int]]]) -> ModelBatch:
 
 
 def _chunk_batch(rows: list[list[dict]], name: str) -> ChunkBatch:
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("row", "s", "t", "shape", "region", "ok")}
+    keys = ("row", "s", "t", "shape", "region", "ok", "flags", "sample")
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    n_samples = 0
     for r, row in enumerate(rows):
         s_base = t_base = 0
         for sample in row:
@@ -182,6 +188,9 @@ def _chunk_batch(rows: list[list[dict]], name: str) -> ChunkBatch:
             parts["region"].append(np.asarray(sample[f"{name}_chunk_region"], dtype=np.uint8))
             need = FLAG_CORRECT | FLAG_PREDICTION | FLAG_KD
             parts["ok"].append((flags & need) == need)
+            parts["flags"].append(flags)
+            parts["sample"].append(np.full(len(s0), n_samples, dtype=np.int64))
+            n_samples += 1
             s_base += len(sample["student_ids"])
             t_base += len(sample[f"{name}_ids"])
     def cat(key: str, empty_shape: tuple[int, ...], dtype) -> torch.Tensor:
@@ -191,4 +200,5 @@ def _chunk_batch(rows: list[list[dict]], name: str) -> ChunkBatch:
     return ChunkBatch(
         cat("row", (0,), np.int64), cat("s", (0, 2), np.int64), cat("t", (0, 2), np.int64),
         cat("shape", (0,), np.uint8), cat("region", (0,), np.uint8), cat("ok", (0,), bool),
+        cat("flags", (0,), np.uint8), cat("sample", (0,), np.int64),
     )  # fmt: skip

@@ -11,15 +11,53 @@ All arithmetic is float32 (float64 for float64 logits, for gradcheck).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
 
+from crosskd.data.collate import ChunkBatch
 from crosskd.loss.divergence import divergence, with_rest
-from crosskd.loss.events import CsdOptions, Events, build_events
+from crosskd.loss.events import CsdOptions, Events, build_events, to_numpy
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs, segment_sum
 from crosskd.tables import TablePair
 from crosskd.teacher import TeacherSignal
+
+
+@dataclass(frozen=True)
+class KdTerm:
+    """A KD term and what the metrics need of it.
+
+    ``value``: the differentiable scalar ``tau^2 * sum_c w_c D_c / N``; ``n_chunks``: chunks
+    (or positions) counted here; per counted chunk, detached float ``[C]``: ``divergence`` (D,
+    before weight and tau^2), ``log_rest_student`` / ``log_rest_teacher`` (log REST mass) and
+    ``n_events`` (``|E|``, int64).
+    """
+
+    value: Tensor
+    n_chunks: int
+    divergence: Tensor
+    log_rest_student: Tensor
+    log_rest_teacher: Tensor
+    n_events: Tensor
+
+
+def kd_from_grids(
+    student: Tensor, teacher: Tensor, mask: Tensor, weight: Tensor, *, tau: float, kind: str,
+    beta: float, n: int,
+) -> KdTerm:  # fmt: skip
+    """KD of chunks laid out as grids: event log probs ``student`` (differentiable) and
+    ``teacher`` ``[C, E]`` with ``mask`` bool ``[C, E]`` marking real events, chunk weights
+    ``weight`` ``[C]``; ``N = n``."""
+    full_mask = torch.nn.functional.pad(mask, (0, 1), value=True)
+    log_s, log_t = with_rest(student, mask), with_rest(teacher, mask)
+    per_chunk = divergence(log_s, log_t, full_mask, kind=kind, beta=beta)
+    value = tau**2 * (weight.to(per_chunk.dtype) * per_chunk).sum() / max(n, 1)
+    return KdTerm(
+        value, int(mask.shape[0]), per_chunk.detach(), log_s[:, -1].detach(),
+        log_t[:, -1].detach(), mask.sum(-1),
+    )  # fmt: skip
 
 
 def csd_kd(
@@ -27,7 +65,7 @@ def csd_kd(
     student_ids: Tensor,
     teacher_ids: Tensor,
     signal: TeacherSignal,
-    chunks: object,
+    chunks: ChunkBatch,
     pair: TablePair,
     *,
     tau: float,
@@ -35,8 +73,8 @@ def csd_kd(
     beta: float = 0.5,
     options: CsdOptions | None = None,
     n_total: int | None = None,
-) -> tuple[Tensor, int]:
-    """KD term and the number of counted chunks of a batch.
+) -> KdTerm:
+    """The KD term of a batch.
 
     ``student_logits`` ``[B, L_s, V_S]``; ``student_ids`` ``[B, L_s]``; ``teacher_ids``
     ``[B, L_t]``; ``signal`` for the teacher rows ``[B, L_t]``; ``chunks`` with ``row``,
@@ -47,10 +85,9 @@ def csd_kd(
         where="passed to csd_kd (checked against the teacher V of the tables)",
     )  # fmt: skip
     events = build_events(
-        student_ids.cpu().numpy(), teacher_ids.cpu().numpy(), signal,
-        _np(chunks.row), _np(chunks.student), _np(chunks.teacher), _np(chunks.shape),
-        _np(chunks.valid), pair, options or CsdOptions(),
-    )  # fmt: skip
+        to_numpy(student_ids), to_numpy(teacher_ids), signal, chunks, pair,
+        options or CsdOptions(),
+    )
     logprobs = LocalLogProbs(student_logits.reshape(-1, student_logits.shape[-1]), tau=tau)
     return kd_from_events(
         events, logprobs, tau=tau, kind=kind, beta=beta, n_total=n_total,
@@ -67,7 +104,7 @@ def kd_from_events(
     beta: float = 0.5,
     n_total: int | None = None,
     device: torch.device | str = "cpu",
-) -> tuple[Tensor, int]:
+) -> KdTerm:
     """``tau^2 * sum_c w_c D_c / N`` over the events' chunks (``N = n_total`` or the chunks
     here); a zero that keeps the graph when nothing counts. Index tensors go to ``device``."""
     n = events.n_chunks if n_total is None else n_total
@@ -77,7 +114,11 @@ def kd_from_events(
 
     term_lp = logprobs.log_prob(tensor(events.term_row), tensor(events.term_id))
     if events.n_chunks == 0 or n == 0:
-        return term_lp.sum() * 0.0, events.n_chunks
+        empty = term_lp.new_zeros(0).detach()
+        return KdTerm(
+            term_lp.sum() * 0.0, events.n_chunks, empty, empty, empty,
+            torch.zeros(0, dtype=torch.int64, device=term_lp.device),
+        )  # fmt: skip
     dtype = term_lp.dtype
     n_events = len(events.teacher_lp)
     student = segment_sum(term_lp, tensor(events.term_event), n_events)
@@ -90,13 +131,7 @@ def kd_from_events(
     mask[chunk, slot] = True
     s_grid = student.new_zeros(events.n_chunks, width).index_put((chunk, slot), student)
     t_grid = teacher.new_zeros(events.n_chunks, width).index_put((chunk, slot), teacher)
-    full_mask = torch.nn.functional.pad(mask, (0, 1), value=True)
-    per_chunk = divergence(
-        with_rest(s_grid, mask), with_rest(t_grid, mask), full_mask, kind=kind, beta=beta
+    return kd_from_grids(
+        s_grid, t_grid, mask, tensor(events.weight), tau=tau, kind=kind, beta=beta, n=n
     )
-    weights = tensor(events.weight).to(per_chunk.dtype)
-    return tau**2 * (weights * per_chunk).sum() / n, events.n_chunks
 
-
-def _np(value: Tensor | np.ndarray) -> np.ndarray:
-    return value.cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)

@@ -16,11 +16,15 @@ For each candidate chunk (correct, has a prediction, in the KD mask) the events 
 A chunk counts when it has at least 1 event (``1:1``, ``n:m``, special, realized-only) or at
 least ``min_mismatch_support`` (``1:n``, ``n:1``; 1 with ``keep_realized``);
 ``drop_unrealized_topk`` also drops chunks (other than special pairs) whose last realized
-teacher token is outside the top K. Every source token is in E at most once.
+teacher token is outside the top K. A chunk that is both short of events and unrealized is
+reported as unsupported (the first reason in the spec's order). Every source token is in E at
+most once.
 
-The result is flat index arrays: each event's teacher log probability, and the student
-"terms" (flat student row, id) whose log probabilities sum to the event's student value, so the
-loss is gathers and segment sums with no Python loop.
+The realized events and the ``1:1`` alternatives (most of a batch) are built with whole-array
+operations; ``1:n`` / ``n:1`` chunks walk their chains one chunk at a time. The result is flat
+index arrays: each event's teacher log probability, and the student "terms" (flat student row,
+id) whose log probabilities sum to the event's student value, so the loss is gathers and
+segment sums with no Python loop.
 """
 
 from __future__ import annotations
@@ -28,12 +32,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from torch import Tensor
 
+from crosskd.data.collate import ChunkBatch
+from crosskd.ragged import offsets_from_lengths
 from crosskd.tables import TablePair
 from crosskd.teacher import TeacherSignal
 
 SHAPE_1_1, SHAPE_1_N, SHAPE_N_1, SHAPE_N_M, SHAPE_SPECIAL = range(5)
+SHAPE_NAMES = ("1:1", "1:n", "n:1", "n:m", "special")
 _MISMATCH = (SHAPE_1_N, SHAPE_N_1, SHAPE_N_M)
+STATUS_COUNTED, STATUS_INVALID, STATUS_UNSUPPORTED, STATUS_DROPPED = range(4)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,12 @@ class Events:
     (student log prob of ``term_id`` at flat row ``term_row`` = ``b * L_s + position - 1``,
     summed into event ``term_event``), ``weight`` float64 ``[C]`` and ``chunk_index`` int64
     ``[C]`` (index of each counted chunk in the batch's chunk list).
+
+    For the metrics: ``status`` int8 over **all** chunks of the batch (``STATUS_COUNTED``,
+    ``STATUS_INVALID`` = not a candidate, ``STATUS_UNSUPPORTED``, ``STATUS_DROPPED``), and per
+    counted chunk its ``shape``, ``top1`` (the teacher's most likely token at the chunk's first
+    teacher row is the realized one) and ``in_topk`` (its last realized teacher token is in the
+    top K at its row). Default-constructed metric arrays are empty.
     """
 
     event_chunk: np.ndarray
@@ -69,6 +84,10 @@ class Events:
     term_id: np.ndarray
     weight: np.ndarray
     chunk_index: np.ndarray
+    status: np.ndarray | None = None
+    shape: np.ndarray | None = None
+    top1: np.ndarray | None = None
+    in_topk: np.ndarray | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -76,120 +95,212 @@ class Events:
         return len(self.weight)
 
 
+@dataclass
+class _Flat:
+    """Events under construction, keyed by batch chunk index: per event its chunk and teacher
+    log prob, per term its event (index into this list of events), row and id."""
+
+    chunk: list[np.ndarray]
+    teacher_lp: list[np.ndarray]
+    term_event: list[np.ndarray]
+    term_row: list[np.ndarray]
+    term_id: list[np.ndarray]
+    count: int = 0
+
+    def add(self, chunk, teacher_lp, term_event, term_row, term_id) -> None:
+        """Add events (``term_event`` local to this call: 0 = its first event)."""
+        self.chunk.append(np.asarray(chunk, dtype=np.int64))
+        self.teacher_lp.append(np.asarray(teacher_lp, dtype=np.float64))
+        self.term_event.append(np.asarray(term_event, dtype=np.int64) + self.count)
+        self.term_row.append(np.asarray(term_row, dtype=np.int64))
+        self.term_id.append(np.asarray(term_id, dtype=np.int64))
+        self.count += len(self.chunk[-1])
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+        return (
+            cat(self.chunk, np.int64), cat(self.teacher_lp, np.float64),
+            cat(self.term_event, np.int64), cat(self.term_row, np.int64),
+            cat(self.term_id, np.int64),
+        )  # fmt: skip
+
+
 def build_events(
     student_ids: np.ndarray,
     teacher_ids: np.ndarray,
     signal: TeacherSignal,
-    chunk_row: np.ndarray,
-    chunk_student: np.ndarray,
-    chunk_teacher: np.ndarray,
-    chunk_shape: np.ndarray,
-    chunk_valid: np.ndarray,
+    chunks: ChunkBatch,
     pair: TablePair,
     options: CsdOptions,
+    valid: np.ndarray | None = None,
 ) -> Events:
     """Events of every chunk of a batch (see the module docstring).
 
-    ``student_ids`` ``[B, L_s]`` and ``teacher_ids`` ``[B, L_t]`` (int); chunks as in
-    :class:`crosskd.data.collate.ChunkBatch` (``row`` ``[C]``, ranges ``[C, 2]``, ``shape``,
-    ``valid``) as numpy arrays.
+    ``student_ids`` ``[B, L_s]`` and ``teacher_ids`` ``[B, L_t]`` (int); ``chunks``: the
+    teacher's :class:`~crosskd.data.collate.ChunkBatch` (tensors or numpy arrays); ``valid``:
+    bool ``[C]`` candidates (default ``chunks.valid``).
     """
     width = student_ids.shape[1]
+    chunk_row, chunk_student, chunk_teacher, chunk_shape = (
+        to_numpy(x) for x in (chunks.row, chunks.student, chunks.teacher, chunks.shape)
+    )
+    chunk_valid = to_numpy(chunks.valid if valid is None else valid).astype(bool)
     realized = signal.realized.detach().cpu().double().numpy()
     top_ids = None if signal.ids is None else signal.ids.cpu().numpy()
     top_lps = signal.log_probs.detach().cpu().double().numpy()
-    common = np.full(signal.vocab_size, -1, dtype=np.int64)
-    common[pair.common[:, 1]] = pair.common[:, 0]
-    out = _Collector()
-    for c in np.flatnonzero(chunk_valid).tolist():
-        b = int(chunk_row[c])
-        s0, s1 = (int(x) for x in chunk_student[c])
-        t0, t1 = (int(x) for x in chunk_teacher[c])
-        shape = int(chunk_shape[c])
-        s_tok, t_tok = student_ids[b, s0:s1], teacher_ids[b, t0:t1]
-        s_rows = b * width + np.arange(s0, s1) - 1
-        t_real = realized[b, t0 - 1 : t1 - 1]
+    shape_all = np.asarray(chunk_shape, dtype=np.int64)
+    status = np.full(len(shape_all), STATUS_INVALID, dtype=np.int8)
+    cand = np.flatnonzero(chunk_valid)
+    b = np.asarray(chunk_row, dtype=np.int64)[cand]
+    s0, s1 = (np.asarray(chunk_student, dtype=np.int64)[cand, i] for i in (0, 1))
+    t0, t1 = (np.asarray(chunk_teacher, dtype=np.int64)[cand, i] for i in (0, 1))
+    shape = shape_all[cand]
+    effective = shape.copy()
+    if options.realized_only_mismatch:
+        effective[(shape == SHAPE_1_N) | (shape == SHAPE_N_1)] = SHAPE_N_M
 
-        def teacher_lp(q: int, ids: np.ndarray, b: int = b) -> np.ndarray:
-            """Teacher log probs of ``ids`` at teacher row ``q``; NaN where not in the top K."""
-            if top_ids is None:
-                return top_lps[b, q, ids]
-            at = np.searchsorted(top_ids[b, q], ids).clip(max=top_ids.shape[-1] - 1)
-            found = top_ids[b, q, at] == ids
-            return np.where(found, top_lps[b, q, at], np.nan)
+    t_last = teacher_ids[b, t1 - 1]
+    in_topk = _in_top(top_ids, b, t1 - 2, t_last)
+    top1 = _top1(top_ids, top_lps, b, t0 - 1) == teacher_ids[b, t0]
+    flat = _Flat([], [], [], [], [])
 
-        in_topk = not np.isnan(teacher_lp(t1 - 2, t_tok[-1:]))[0]
-        if options.drop_unrealized_topk and shape != SHAPE_SPECIAL and not in_topk:
-            continue
-        events: list[tuple[float, np.ndarray, np.ndarray]] = []
-        if shape == SHAPE_SPECIAL or in_topk or options.keep_realized:
-            events.append((float(t_real.sum()), s_rows, s_tok))
-        effective = shape
-        if options.realized_only_mismatch and shape in (SHAPE_1_N, SHAPE_N_1):
-            effective = SHAPE_N_M
-        if effective == SHAPE_1_1:
-            ids = np.arange(signal.vocab_size) if top_ids is None else top_ids[b, t0 - 1]
+    # The realized events, all at once: student terms are the chunk's tokens at the rows before
+    # them; the teacher value is the sum of the stored realized log probs.
+    has_real = (shape == SHAPE_SPECIAL) | in_topk | options.keep_realized
+    real = np.flatnonzero(has_real)
+    csum = np.concatenate([np.zeros((len(realized), 1)), np.cumsum(realized, axis=1)], axis=1)
+    n_terms = s1[real] - s0[real]
+    offsets = offsets_from_lengths(n_terms)
+    term_pos = np.arange(offsets[-1]) - np.repeat(offsets[:-1] - s0[real], n_terms)
+    term_b = np.repeat(b[real], n_terms)
+    flat.add(
+        cand[real], csum[b[real], t1[real] - 1] - csum[b[real], t0[real] - 1],
+        np.repeat(np.arange(len(real)), n_terms), term_b * width + term_pos - 1,
+        student_ids[term_b, term_pos],
+    )  # fmt: skip
+
+    # 1:1 alternatives, all at once: common tokens (i, j) with j in the teacher's top K.
+    one = np.flatnonzero(effective == SHAPE_1_1)
+    if len(one):
+        q = t0[one] - 1
+        if top_ids is None:
+            ids = np.broadcast_to(pair.common[:, 1], (len(one), len(pair.common)))
+            students = np.broadcast_to(pair.common[:, 0], ids.shape)
+            lps = top_lps[b[one][:, None], q[:, None], ids]
+        else:
+            common = np.full(signal.vocab_size, -1, dtype=np.int64)
+            common[pair.common[:, 1]] = pair.common[:, 0]
+            ids = top_ids[b[one], q]
             students = common[ids]
-            keep = (students >= 0) & (ids != t_tok[0]) & (students != s_tok[0])
-            for i, lp in zip(students[keep], teacher_lp(t0 - 1, ids[keep]), strict=True):
-                events.append((float(lp), s_rows[:1], np.array([i])))
-        elif effective == SHAPE_1_N:
-            for k in range(len(t_tok)):
-                rows = pair.prefix_s2t.get(tuple(t_tok[:k].tolist()))
-                if rows is None:
-                    continue
-                lps = teacher_lp(t0 - 1 + k, rows[:, 1])
-                keep = ~np.isnan(lps) & (rows[:, 1] != t_tok[k]) & (rows[:, 0] != s_tok[0])
-                for (i, _), lp in zip(rows[keep], lps[keep], strict=True):
-                    events.append((float(t_real[:k].sum() + lp), s_rows[:1], np.array([i])))
-        elif effective == SHAPE_N_1:
-            for k in range(len(s_tok)):
-                rows = pair.prefix_t2s.get(tuple(s_tok[:k].tolist()))
-                if rows is None:
-                    continue
-                lps = teacher_lp(t0 - 1, rows[:, 0])
-                keep = ~np.isnan(lps) & (rows[:, 0] != t_tok[0]) & (rows[:, 1] != s_tok[k])
-                for (_, last), lp in zip(rows[keep], lps[keep], strict=True):
-                    ids = np.append(s_tok[:k], last)
-                    events.append((float(lp), s_rows[: k + 1], ids))
-        need = 1
-        if effective in (SHAPE_1_N, SHAPE_N_1) and not options.keep_realized:
-            need = options.min_mismatch_support
-        if len(events) >= need:
-            weight = options.mismatch_weight if shape in _MISMATCH else 1.0
-            out.add(c, weight, events)
-    return out.result()
+            lps = top_lps[b[one], q]
+        keep = (
+            (students >= 0)
+            & (ids != teacher_ids[b[one], t0[one]][:, None])
+            & (students != student_ids[b[one], s0[one]][:, None])
+        )
+        owner, _ = np.nonzero(keep)
+        flat.add(
+            cand[one[owner]], lps[keep], np.arange(len(owner)),
+            b[one[owner]] * width + s0[one[owner]] - 1, students[keep],
+        )  # fmt: skip
+
+    for c in np.flatnonzero((effective == SHAPE_1_N) | (effective == SHAPE_N_1)).tolist():
+        _mismatch_events(
+            flat, int(cand[c]), int(effective[c]), int(b[c]), int(s0[c]), int(s1[c]),
+            int(t0[c]), int(t1[c]), student_ids, teacher_ids, realized, top_ids, top_lps, pair,
+            width,
+        )  # fmt: skip
+
+    event_chunk, teacher_lp, term_event, term_row, term_id = flat.arrays()
+    n_events = np.bincount(np.searchsorted(cand, event_chunk), minlength=len(cand))
+    need = np.ones(len(cand), dtype=np.int64)
+    if not options.keep_realized:
+        need[(effective == SHAPE_1_N) | (effective == SHAPE_N_1)] = options.min_mismatch_support
+    unsupported = n_events < need
+    dropped = ~unsupported & options.drop_unrealized_topk & (shape != SHAPE_SPECIAL) & ~in_topk
+    counted = ~unsupported & ~dropped
+    status[cand] = np.select(
+        [unsupported, dropped], [STATUS_UNSUPPORTED, STATUS_DROPPED], STATUS_COUNTED
+    )
+
+    # Keep the events of counted chunks, grouped by chunk (stable, so order within a chunk is
+    # the order of construction), and renumber the terms' events.
+    chunk_index = cand[counted]
+    keep = np.flatnonzero(status[event_chunk] == STATUS_COUNTED)
+    order = keep[np.argsort(event_chunk[keep], kind="stable")]
+    new_event = np.full(len(event_chunk), -1, dtype=np.int64)
+    new_event[order] = np.arange(len(order))
+    term_event = new_event[term_event]
+    term_keep = term_event >= 0
+    weight = np.where(np.isin(shape[counted], _MISMATCH), options.mismatch_weight, 1.0)
+    return Events(
+        np.searchsorted(chunk_index, event_chunk[order]), teacher_lp[order],
+        term_event[term_keep], term_row[term_keep], term_id[term_keep],
+        weight.astype(np.float64), chunk_index, status, shape[counted].astype(np.uint8),
+        top1[counted], in_topk[counted],
+    )  # fmt: skip
 
 
-class _Collector:
-    """Accumulates counted chunks and their events into flat arrays."""
+def to_numpy(value: Tensor | np.ndarray) -> np.ndarray:
+    """A tensor (on any device) or array as a numpy array."""
+    return value.cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
 
-    def __init__(self) -> None:
-        self.chunks: list[int] = []
-        self.weights: list[float] = []
-        self.event_chunk: list[int] = []
-        self.teacher_lp: list[float] = []
-        self.terms: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def add(self, chunk: int, weight: float, events: list) -> None:
-        index = len(self.chunks)
-        self.chunks.append(chunk)
-        self.weights.append(weight)
-        for lp, rows, ids in events:
-            event = len(self.teacher_lp)
-            self.event_chunk.append(index)
-            self.teacher_lp.append(lp)
-            self.terms.append((np.full(len(rows), event), rows, ids))
+def _in_top(top_ids: np.ndarray | None, b: np.ndarray, q: np.ndarray, ids: np.ndarray):
+    """Whether ``ids[c]`` is in the top K at teacher row ``(b[c], q[c])``; bool ``[C]``."""
+    if top_ids is None:
+        return np.ones(len(ids), dtype=bool)
+    return (top_ids[b, q] == ids[:, None]).any(axis=1)
 
-    def result(self) -> Events:
-        def cat(k: int) -> np.ndarray:
-            parts = [t[k].astype(np.int64) for t in self.terms]
-            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-        return Events(
-            np.asarray(self.event_chunk, dtype=np.int64),
-            np.asarray(self.teacher_lp, dtype=np.float64),
-            cat(0), cat(1), cat(2),
-            np.asarray(self.weights, dtype=np.float64),
-            np.asarray(self.chunks, dtype=np.int64),
+def _top1(top_ids: np.ndarray | None, top_lps: np.ndarray, b: np.ndarray, q: np.ndarray):
+    """The teacher's most likely id at rows ``(b[c], q[c])`` (lowest id on ties); ``[C]``."""
+    best = top_lps[b, q].argmax(axis=1)
+    return best if top_ids is None else top_ids[b, q, best]
+
+
+def _mismatch_events(
+    flat: _Flat, chunk: int, shape: int, b: int, s0: int, s1: int, t0: int, t1: int,
+    student_ids: np.ndarray, teacher_ids: np.ndarray, realized: np.ndarray,
+    top_ids: np.ndarray | None, top_lps: np.ndarray, pair: TablePair, width: int,
+) -> None:  # fmt: skip
+    """The prefix alternatives of one ``1:n`` or ``n:1`` chunk."""
+    s_tok, t_tok = student_ids[b, s0:s1], teacher_ids[b, t0:t1]
+
+    def teacher_lp(q: int, ids: np.ndarray) -> np.ndarray:
+        """Teacher log probs of ``ids`` at teacher row ``q``; NaN where not in the top K."""
+        if top_ids is None:
+            return top_lps[b, q, ids]
+        at = np.searchsorted(top_ids[b, q], ids).clip(max=top_ids.shape[-1] - 1)
+        found = top_ids[b, q, at] == ids
+        return np.where(found, top_lps[b, q, at], np.nan)
+
+    if shape == SHAPE_1_N:
+        t_real = realized[b, t0 - 1 : t1 - 1]
+        for k in range(len(t_tok)):
+            rows = pair.prefix_s2t.get(tuple(t_tok[:k].tolist()))
+            if rows is None:
+                continue
+            lps = teacher_lp(t0 - 1 + k, rows[:, 1])
+            keep = ~np.isnan(lps) & (rows[:, 1] != t_tok[k]) & (rows[:, 0] != s_tok[0])
+            n = int(keep.sum())
+            flat.add(
+                np.full(n, chunk), t_real[:k].sum() + lps[keep], np.arange(n),
+                np.full(n, b * width + s0 - 1), rows[keep, 0],
+            )  # fmt: skip
+        return
+    for k in range(len(s_tok)):
+        rows = pair.prefix_t2s.get(tuple(s_tok[:k].tolist()))
+        if rows is None:
+            continue
+        lps = teacher_lp(t0 - 1, rows[:, 0])
+        keep = ~np.isnan(lps) & (rows[:, 0] != t_tok[0]) & (rows[:, 1] != s_tok[k])
+        n = int(keep.sum())
+        # Student terms per event: s_1..s_k-1 at their rows, then the event's last id.
+        ids = np.concatenate([np.tile(s_tok[:k], (n, 1)), rows[keep, 1:2]], axis=1)
+        flat.add(
+            np.full(n, chunk), lps[keep], np.repeat(np.arange(n), k + 1),
+            np.tile(b * width + np.arange(s0, s0 + k + 1) - 1, n), ids.reshape(-1),
         )  # fmt: skip

@@ -45,9 +45,11 @@ class TeacherSignal:
     vocab_size: int
     k: int
 
-    def require(self, *, tau: float, vocab_size: int, k: int | None = None, where: str) -> None:
+    def require(
+        self, *, tau: float, vocab_size: int | None, k: int | None = None, where: str
+    ) -> None:
         """Refuse a signal made at another temperature, vocabulary size or K (``where`` names
-        the signal in the message, e.g. its cache URI)."""
+        the signal in the message, e.g. its cache URI); None: not checked."""
         expected = {"tau": tau, "vocab_size": vocab_size, "k": k}
         for field, want in expected.items():
             have = getattr(self, field)

@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "KIND_NONE", "KIND_NORMAL", "KIND_SPECIAL", "ROLES", "SUPPORTED", "ByteVocab",
-    "LoadedTokenizer", "check_supported", "default_cache_dir", "fingerprint", "load_tokenizer",
+    "LoadedTokenizer", "check_supported", "default_cache_dir", "fingerprint", "fingerprint_fields",
+    "fingerprint_payload", "load_tokenizer",
 ]  # fmt: skip
 
 SUPPORTED = (
@@ -275,8 +276,19 @@ def fingerprint(hf: PreTrainedTokenizerBase, backend: dict | None = None) -> str
 
     Covers the backend's model, normalizer, pre-tokenizer, post-processor, decoder and added
     tokens, the special-token map and the list of all specials, ``split_special_tokens``,
-    ``clean_up_tokenization_spaces`` and the chat template.
+    ``clean_up_tokenization_spaces`` and the chat template (:func:`fingerprint_payload`).
     """
+    return _sha256(fingerprint_payload(hf, backend))
+
+
+def fingerprint_fields(hf: PreTrainedTokenizerBase, backend: dict | None = None) -> dict[str, str]:
+    """sha256 (hex) of each field of the fingerprint, to say *which* fields two tokenizers
+    differ in."""
+    return {key: _sha256(value) for key, value in fingerprint_payload(hf, backend).items()}
+
+
+def fingerprint_payload(hf: PreTrainedTokenizerBase, backend: dict | None = None) -> dict:
+    """The fields the fingerprint covers, field name -> JSON value."""
     if backend is None:
         backend = json.loads(hf.backend_tokenizer.to_str())
     keys = ("model", "normalizer", "pre_tokenizer", "post_processor", "decoder", "added_tokens")
@@ -289,7 +301,11 @@ def fingerprint(hf: PreTrainedTokenizerBase, backend: dict | None = None) -> str
         getattr(hf, "clean_up_tokenization_spaces", False)
     )
     payload["chat_template"] = getattr(hf, "chat_template", None)
-    canonical = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return payload
+
+
+def _sha256(value: object) -> str:
+    canonical = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 

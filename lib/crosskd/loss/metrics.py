@@ -1,0 +1,144 @@
+"""Loss metrics per teacher and chunk shape (spec section 5, "Metrics").
+
+Metrics are kept as **sums** (counts and sums of per-chunk values) so that micro-batches and
+ranks combine by addition; :func:`summarize` turns the sums into the reported means. Keys are
+``"{teacher}/{shape}/{name}"`` with ``shape`` one of ``1:1 1:n n:1 n:m special token`` (``token``
+for same-tokenizer positions). Sums:
+
+* ``chunks``: all chunks of that shape; ``valid``: the counted ones;
+* ``skipped_{reason}``: a skipped chunk counts once, under its first reason in the order
+  ``incorrect``, ``masked`` (outside the KD mask), ``no_prediction``, ``not_selected`` (its sample
+  chose another teacher, ``select`` mode), ``unsupported`` (too few events),
+  ``dropped_unrealized``;
+* over counted chunks: ``sum_divergence`` (D), ``sum_weighted`` (``w * D``, for each shape's KD
+  share), ``sum_events`` (``|E|``), ``sum_rest_student`` / ``sum_rest_teacher`` (REST mass),
+  ``top1`` (the teacher's most likely token at the chunk's first row is the realized one),
+  ``realized_in_topk``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
+from crosskd.loss.csd import KdTerm
+from crosskd.loss.events import (
+    SHAPE_NAMES,
+    STATUS_DROPPED,
+    STATUS_INVALID,
+    STATUS_UNSUPPORTED,
+    Events,
+)
+from crosskd.loss.tokens import SHAPE_TOKEN
+
+SHAPES = (*SHAPE_NAMES, "token")
+"""Metric names of the shape codes (``SHAPE_TOKEN``: a same-tokenizer position)."""
+SKIP_REASONS = (
+    "incorrect", "masked", "no_prediction", "not_selected", "unsupported", "dropped_unrealized",
+)  # fmt: skip
+
+
+def chunk_sums(
+    teacher: str,
+    events: Events,
+    term: KdTerm,
+    chunk_shape: np.ndarray,
+    chunk_flags: np.ndarray,
+    *,
+    same_tokenizer: bool = False,
+) -> dict[str, float]:
+    """The metric sums of one teacher over one batch (see the module docstring).
+
+    ``chunk_shape`` / ``chunk_flags``: uint8 ``[C]`` of every chunk of the batch (numpy).
+    """
+    out: dict[str, float] = defaultdict(float)
+    shape = np.asarray(chunk_shape, dtype=np.int64)
+    if same_tokenizer:
+        shape = np.full(len(shape), SHAPE_TOKEN)
+    flags = np.asarray(chunk_flags)
+    status = events.status
+    incorrect = (flags & FLAG_CORRECT) == 0
+    masked = (flags & FLAG_KD) == 0
+    no_prediction = (flags & FLAG_PREDICTION) == 0
+    # A chunk whose flags make it a candidate but that the builder was not given: its sample
+    # selected another teacher.
+    not_selected = ~incorrect & ~masked & ~no_prediction & (status == STATUS_INVALID)
+    reasons = [
+        incorrect, masked, no_prediction, not_selected, status == STATUS_UNSUPPORTED,
+        status == STATUS_DROPPED,
+    ]  # fmt: skip
+    taken = np.zeros(len(flags), dtype=bool)
+    for code, name in enumerate(SHAPES):
+        here = shape == code
+        out[f"{teacher}/{name}/chunks"] += float(here.sum())
+    for reason, hit in zip(SKIP_REASONS, reasons, strict=True):
+        first = hit & ~taken
+        taken |= hit
+        for code, name in enumerate(SHAPES):
+            count = float((first & (shape == code)).sum())
+            if count:
+                out[f"{teacher}/{name}/skipped_{reason}"] += count
+    counted_shape = shape[events.chunk_index]
+    values = {
+        "valid": np.ones(len(counted_shape)),
+        "sum_divergence": term.divergence.double().cpu().numpy(),
+        "sum_weighted": term.divergence.double().cpu().numpy() * events.weight,
+        "sum_events": term.n_events.cpu().numpy().astype(np.float64),
+        "sum_rest_student": term.log_rest_student.double().exp().cpu().numpy(),
+        "sum_rest_teacher": term.log_rest_teacher.double().exp().cpu().numpy(),
+        "top1": events.top1.astype(np.float64),
+        "realized_in_topk": events.in_topk.astype(np.float64),
+    }
+    for code, name in enumerate(SHAPES):
+        here = counted_shape == code
+        if not here.any():
+            continue
+        for key, value in values.items():
+            out[f"{teacher}/{name}/{key}"] += float(value[here].sum())
+    return dict(out)
+
+
+def add_sums(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """``total + more`` key by key (a new dict)."""
+    out = dict(total)
+    for key, value in more.items():
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def summarize(sums: dict[str, float]) -> dict[str, float]:
+    """Reported metrics from sums: counts as they are, and per teacher and shape
+    ``mean_divergence``, ``mean_events``, ``mean_rest_student``, ``mean_rest_teacher``,
+    ``top1_agreement``, ``realized_in_topk_rate`` (over valid chunks) and ``kd_share`` (the
+    shape's part of the teacher's ``sum w D``). Keys without a ``teacher/shape/`` prefix pass
+    through."""
+    out: dict[str, float] = {}
+    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    for key, value in sums.items():
+        parts = key.split("/")
+        if len(parts) != 3:
+            out[key] = value
+            continue
+        groups[f"{parts[0]}/{parts[1]}"][parts[2]] = value
+    weighted: dict[str, float] = defaultdict(float)
+    for group, values in groups.items():
+        weighted[group.split("/")[0]] += values.get("sum_weighted", 0.0)
+    means = {
+        "sum_divergence": "mean_divergence", "sum_events": "mean_events",
+        "sum_rest_student": "mean_rest_student", "sum_rest_teacher": "mean_rest_teacher",
+        "top1": "top1_agreement", "realized_in_topk": "realized_in_topk_rate",
+    }  # fmt: skip
+    for group, values in groups.items():
+        valid = values.get("valid", 0.0)
+        for key, value in values.items():
+            if key in means:
+                if valid:
+                    out[f"{group}/{means[key]}"] = value / valid
+            elif key != "sum_weighted":
+                out[f"{group}/{key}"] = value
+        total = weighted[group.split("/")[0]]
+        if total > 0:
+            out[f"{group}/kd_share"] = values.get("sum_weighted", 0.0) / total
+    return out

@@ -1,0 +1,303 @@
+"""The student's whole loss: ``ce_weight * CE + kd_scale * KD`` (spec sections 5 and 6).
+
+Two steps, so that everything that depends only on the data and the teacher signals happens
+before the student's forward pass (in the collator or a data-loader worker):
+
+1. :func:`plan_loss` (numpy, no gradients): the CE targets, and per teacher the events of every
+   counted chunk (:func:`~crosskd.loss.events.build_events` for a cross-tokenizer teacher,
+   :func:`~crosskd.loss.tokens.build_token_events` for a same-tokenizer one), after applying the
+   teacher mode (``select`` narrows each teacher to the samples that chose it, ``average`` mixes
+   the signals into one). :attr:`LossPlan.counts` are this micro-batch's CE tokens and counted
+   chunks per teacher; sum them over the step's micro-batches (and, in the next issue, over
+   ranks) into the :class:`StepCounts` every micro-batch is normalised by.
+2. :func:`compute_loss` (torch): CE and each teacher's KD from the student logits through one
+   :class:`~crosskd.loss.logprobs.StudentLogProbs` per temperature (shared when ``tau = 1``),
+   then ``kd_scale`` and the total. Summing the micro-batch losses' gradients gives the step's
+   mean gradient.
+
+``kd_scale`` is ``kd_weight`` (static) or, with ``dynamic_kd_scale``,
+``kd_weight * min(|CE| / |KD|, max_kd_scale)`` of this micro-batch, detached, and 0 when
+``|KD| < 1e-8``. ``KD = sum_t weight_t KD_t`` (``sum`` and ``select``) or the one KD against the
+mixture (``average``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from crosskd.data.collate import ChunkBatch
+from crosskd.errors import ConfigError, DataError
+from crosskd.loss.config import LossConfig
+from crosskd.loss.csd import kd_from_events
+from crosskd.loss.events import Events, build_events, to_numpy
+from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
+from crosskd.loss.metrics import add_sums, chunk_sums, summarize
+from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
+from crosskd.loss.tokens import build_token_events
+from crosskd.tables import TablePair
+from crosskd.teacher import TeacherSignal
+
+KD_FLOOR = 1e-8
+"""``|KD|`` below this gives a dynamic ``kd_scale`` of 0."""
+
+
+@dataclass(frozen=True)
+class TeacherBatch:
+    """One teacher's side of a micro-batch: its ``input_ids`` int64 ``[B, L_t]``, its chunks
+    (from the collator) and its signal for the rows ``[B, L_t]``."""
+
+    input_ids: Tensor
+    chunks: ChunkBatch
+    signal: TeacherSignal
+
+
+@dataclass(frozen=True)
+class TeacherPlan:
+    """One KD term of a micro-batch: its metrics ``name``, ``weight``, counted ``events``, and
+    the batch's chunk shapes and flags (numpy, for the skip reasons)."""
+
+    name: str
+    weight: float
+    events: Events
+    chunk_shape: np.ndarray
+    chunk_flags: np.ndarray
+    same_tokenizer: bool
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """The normalisers of an optimizer step: CE ``tokens`` and counted ``chunks`` per KD term.
+    Add the counts of every micro-batch (``a + b``)."""
+
+    tokens: int
+    chunks: tuple[int, ...]
+
+    def __add__(self, other: StepCounts) -> StepCounts:
+        if len(self.chunks) != len(other.chunks):
+            raise ValueError("StepCounts of plans with different numbers of KD terms")
+        chunks = tuple(a + b for a, b in zip(self.chunks, other.chunks, strict=True))
+        return StepCounts(self.tokens + other.tokens, chunks)
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """Everything the loss of one micro-batch needs besides the student logits.
+
+    ``width``: the student batch's ``L_s``; ``ce_rows`` / ``ce_ids`` int64 ``[M]``: each CE
+    target's flat row (``b * L_s + position - 1``) and token id; ``terms``: the KD terms;
+    ``sums``: metric sums known before the forward pass (teachers' bits and bytes, selections).
+    """
+
+    width: int
+    ce_rows: np.ndarray
+    ce_ids: np.ndarray
+    terms: list[TeacherPlan]
+    sums: dict[str, float]
+
+    @property
+    def counts(self) -> StepCounts:
+        """This micro-batch's CE tokens and counted chunks per KD term."""
+        return StepCounts(len(self.ce_rows), tuple(t.events.n_chunks for t in self.terms))
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """``loss`` (differentiable) = ``ce_weight * ce + kd_scale * kd``; ``ce``, ``kd`` and the
+    per-term ``kd_terms`` (name -> value, before weights) as differentiable tensors;
+    ``kd_scale`` (float); ``sums``: metric sums (:mod:`crosskd.loss.metrics`)."""
+
+    loss: Tensor
+    ce: Tensor
+    kd: Tensor
+    kd_terms: dict[str, Tensor]
+    kd_scale: float
+    sums: dict[str, float]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The reported metrics of this micro-batch: ``loss``, ``ce``, ``kd``, ``kd_scale``,
+        ``kd/{teacher}`` and the per-teacher, per-shape statistics."""
+        scalars = {
+            "loss": self.loss.item(), "ce": self.ce.item(), "kd": self.kd.item(),
+            "kd_scale": self.kd_scale,
+        }  # fmt: skip
+        scalars |= {f"kd/{name}": value.item() for name, value in self.kd_terms.items()}
+        return scalars | summarize(self.sums)
+
+
+def plan_loss(
+    config: LossConfig,
+    student_ids: Tensor,
+    loss_mask: Tensor,
+    teachers: Sequence[TeacherBatch],
+    pairs: Sequence[TablePair | None],
+    *,
+    student_vocab: int,
+    teacher_bytes: Sequence[np.ndarray] | None = None,
+) -> LossPlan:
+    """The data side of one micro-batch's loss.
+
+    Args:
+        config: the loss config (``config.teachers[i]`` describes ``teachers[i]``).
+        student_ids: int64 ``[B, L_s]``; ``loss_mask``: bool ``[B, L_s]`` (CE targets; never
+            the first token of a sample).
+        teachers: one :class:`TeacherBatch` per teacher.
+        pairs: per teacher its :class:`TablePair`, or None for a same-tokenizer teacher.
+        student_vocab: ``V_S`` (the student's output rows).
+        teacher_bytes: per teacher the UTF-8 length of each token id (int ``[V_T]``, e.g.
+            ``LoadedTokenizer.bytes.lengths``); needed by ``select``, and when given the
+            teachers' bits and predicted bytes are added to the metric sums.
+    """
+    _check_inputs(config, teachers, pairs, teacher_bytes)
+    ids = student_ids.cpu().numpy()
+    mask = loss_mask.cpu().numpy().astype(bool)
+    width = ids.shape[1]
+    b, p = np.nonzero(mask)
+    if (p == 0).any():
+        raise DataError(
+            "loss_mask marks the first token of a row as a CE target; nothing predicts it. The "
+            "collator's loss mask never does: pass batch.loss_mask."
+        )
+    sums: dict[str, float] = {}
+    valid = [to_numpy(t.chunks.valid).astype(bool) for t in teachers]
+    if teacher_bytes is not None:
+        n_samples = 1 + max(int(to_numpy(t.chunks.sample).max(initial=-1)) for t in teachers)
+        bits = np.zeros((len(teachers), n_samples))
+        n_bytes = np.zeros((len(teachers), n_samples), dtype=np.int64)
+        for i, (teacher, lengths) in enumerate(zip(teachers, teacher_bytes, strict=True)):
+            bits[i], n_bytes[i] = predicted_bits(
+                teacher.signal, to_numpy(teacher.input_ids), teacher.chunks, np.asarray(lengths),
+                n_samples,
+            )  # fmt: skip
+            sums[f"teacher{i}/bits"] = float(bits[i].sum())
+            sums[f"teacher{i}/bytes"] = float(n_bytes[i].sum())
+        if config.teacher_mode == "select":
+            chosen = select_teachers(bits, n_bytes)
+            for i, teacher in enumerate(teachers):
+                valid[i] &= chosen[to_numpy(teacher.chunks.sample)] == i
+                sums[f"teacher{i}/selected_samples"] = float((chosen == i).sum())
+    options = config.csd_options()
+    plans = []
+    if config.teacher_mode == "average":
+        signal = mix_signals([t.signal for t in teachers], [e.weight for e in config.teachers])
+        teachers = [TeacherBatch(teachers[0].input_ids, teachers[0].chunks, signal)]
+        pairs, names = pairs[:1], ["average"]
+    else:
+        names = [f"teacher{i}" for i in range(len(teachers))]
+    for i, (teacher, pair, name) in enumerate(zip(teachers, pairs, names, strict=True)):
+        ch = teacher.chunks
+        t_ids = to_numpy(teacher.input_ids)
+        if pair is None:
+            events = build_token_events(
+                ids, t_ids, teacher.signal, ch, valid[i], student_vocab=student_vocab,
+                keep_realized=config.keep_realized,
+            )
+        else:
+            events = build_events(ids, t_ids, teacher.signal, ch, pair, options, valid[i])
+        weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
+        plans.append(
+            TeacherPlan(name, weight, events, to_numpy(ch.shape), to_numpy(ch.flags), pair is None)
+        )
+    return LossPlan(width, b * width + p - 1, ids[b, p], plans, sums)
+
+
+def compute_loss(
+    student_logits: Tensor,
+    plan: LossPlan,
+    config: LossConfig,
+    counts: StepCounts | None = None,
+) -> LossOutput:
+    """The loss of one micro-batch from the student's logits ``[B, L_s, V_S]`` (any float dtype;
+    arithmetic in float32). ``counts``: the step's totals (default: this micro-batch's own)."""
+    if student_logits.dim() != 3 or student_logits.shape[1] != plan.width:
+        raise DataError(
+            f"student logits have shape {tuple(student_logits.shape)}; the plan was made for "
+            f"[B, {plan.width}, V]. Pass the logits of the batch the plan was made from."
+        )
+    counts = plan.counts if counts is None else counts
+    flat = student_logits.reshape(-1, student_logits.shape[-1])
+    plain: StudentLogProbs = LocalLogProbs(flat, tau=1.0)
+    tempered: StudentLogProbs = plain if config.tau == 1 else LocalLogProbs(flat, tau=config.tau)
+    return loss_from_logprobs(plain, tempered, plan, config, counts, device=flat.device)
+
+
+def loss_from_logprobs(
+    plain: StudentLogProbs,
+    tempered: StudentLogProbs,
+    plan: LossPlan,
+    config: LossConfig,
+    counts: StepCounts,
+    *,
+    device: torch.device | str,
+) -> LossOutput:
+    """:func:`compute_loss` over any :class:`StudentLogProbs` (``plain`` at temperature 1 for
+    CE, ``tempered`` at ``config.tau`` for KD): the entry point of the sharded versions."""
+    rows = torch.from_numpy(plan.ce_rows).to(device)
+    ce_lp = plain.log_prob(rows, torch.from_numpy(plan.ce_ids).to(device))
+    ce = -ce_lp.sum() / max(counts.tokens, 1)
+    kd = ce.new_zeros(())
+    kd_terms: dict[str, Tensor] = {}
+    sums = dict(plan.sums)
+    for term_plan, n_total in zip(plan.terms, counts.chunks, strict=True):
+        term = kd_from_events(
+            term_plan.events, tempered, tau=config.tau, kind=config.divergence, beta=config.beta,
+            n_total=n_total, device=device,
+        )  # fmt: skip
+        kd_terms[term_plan.name] = term.value
+        kd = kd + term_plan.weight * term.value
+        sums = add_sums(sums, chunk_sums(
+            term_plan.name, term_plan.events, term, term_plan.chunk_shape,
+            term_plan.chunk_flags, same_tokenizer=term_plan.same_tokenizer,
+        ))  # fmt: skip
+    scale = kd_scale(float(ce.detach()), float(kd.detach()), config)
+    loss = config.ce_weight * ce + scale * kd
+    return LossOutput(loss, ce, kd, kd_terms, scale, sums)
+
+
+def kd_scale(ce: float, kd: float, config: LossConfig) -> float:
+    """``kd_weight``, or with ``dynamic_kd_scale`` ``kd_weight * min(|ce| / |kd|,
+    max_kd_scale)`` (0 when ``|kd| < 1e-8``); ``ce`` and ``kd`` are this micro-batch's complete
+    (all-reduced) terms."""
+    if not config.dynamic_kd_scale:
+        return config.kd_weight
+    if abs(kd) < KD_FLOOR:
+        return 0.0
+    return config.kd_weight * min(abs(ce) / abs(kd), config.max_kd_scale)
+
+
+def _check_inputs(
+    config: LossConfig,
+    teachers: Sequence[TeacherBatch],
+    pairs: Sequence[TablePair | None],
+    teacher_bytes: Sequence[np.ndarray] | None,
+) -> None:
+    if not len(teachers) == len(pairs) == len(config.teachers):
+        raise ConfigError(
+            f"teachers lists {len(config.teachers)} teacher(s) but the batch has "
+            f"{len(teachers)} and {len(pairs)} table pair(s) were given; give one teachers[] "
+            f"entry, one signal and one pair (None: same tokenizer) per teacher."
+        )
+    for i, (entry, teacher, pair) in enumerate(zip(config.teachers, teachers, pairs, strict=True)):
+        if entry.same_tokenizer != (pair is None):
+            what = "has no tables" if entry.same_tokenizer else "has tables"
+            got = "a table pair was given" if pair is not None else "no table pair was given"
+            raise ConfigError(
+                f"teachers[{i}] {what} in the config but {got}; load the pair from "
+                f"teachers[{i}].student_to_teacher / teacher_to_student (None for a "
+                f"same-tokenizer teacher)."
+            )
+        vocab = None if pair is None else pair.teacher_to_student.meta.src_vocab_size
+        teacher.signal.require(
+            tau=config.tau, vocab_size=vocab, k=entry.k, where=f"of teachers[{i}]"
+        )
+    if config.teacher_mode == "select" and teacher_bytes is None:
+        raise ConfigError(
+            "teacher_mode is 'select', which picks teachers by bits per byte; pass "
+            "teacher_bytes (each teacher tokenizer's bytes.lengths)."
+        )
+
