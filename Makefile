@@ -38,6 +38,7 @@ test: venv
 bench: venv
 	$(PY) benchmarks/tables.py
 	$(PY) benchmarks/alignment.py
+	$(PY) benchmarks/loss.py
 
 lint: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines

@@ -22,6 +22,35 @@ def test_log_prob_equals_log_softmax_gather(rows, vocab, tau, block, seed):
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 30), vocab=st.integers(2, 25), tau=st.sampled_from([0.5, 1.0, 3.0]),
+       block=st.integers(1, 9), pairs=st.integers(0, 40), seed=st.integers(0, 2**16))  # fmt: skip
+def test_fused_gradient_equals_autograd_of_log_softmax(rows, vocab, tau, block, pairs, seed):
+    """The hand-written backward (block by block, repeated and unsorted pairs) against autograd
+    of the plain log_softmax + gather."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 4).requires_grad_()
+    pick_rows = torch.randint(0, rows, (pairs,), generator=gen)
+    pick_ids = torch.randint(0, vocab, (pairs,), generator=gen)
+    weights = torch.randn(pairs, generator=gen, dtype=torch.float64)
+    got_lp = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(pick_rows, pick_ids)
+    (got,) = torch.autograd.grad((got_lp * weights).sum(), logits, allow_unused=True)
+    plain = torch.log_softmax(logits / tau, dim=-1)[pick_rows, pick_ids]
+    (want,) = torch.autograd.grad((plain * weights).sum(), logits, allow_unused=True)
+    want = torch.zeros_like(logits) if want is None else want
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_bf16_gradient_has_the_logits_dtype_and_is_close():
+    logits = (torch.randn(4, 200) * 6).to(torch.bfloat16).requires_grad_()
+    rows, ids = torch.tensor([0, 1, 1, 3]), torch.tensor([5, 7, 199, 0])
+    LocalLogProbs(logits, tau=2.0, block_rows=3).log_prob(rows, ids).sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    ref = logits.detach().float().requires_grad_()
+    torch.log_softmax(ref / 2.0, dim=-1)[rows, ids].sum().backward()
+    torch.testing.assert_close(logits.grad.float(), ref.grad, rtol=1e-2, atol=1e-3)
+
+
 def test_gradients_match_autograd_of_the_plain_form():
     logits = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
     rows, ids = torch.tensor([0, 2, 2, 5, 1]), torch.tensor([3, 0, 8, 4, 4])
@@ -51,3 +80,10 @@ def test_segment_sum_and_its_gradient():
     assert out.tolist() == [2.0, 0.0, 8.0, 0.0]
     (out * torch.tensor([10.0, 20.0, 30.0, 40.0])).sum().backward()
     assert values.grad.tolist() == [30.0, 10.0, 30.0, 30.0]
+
+
+def test_log_normalizer_of_rows():
+    logits = torch.log(torch.tensor([[1.0, 3.0], [2.0, 2.0], [0.5, 0.5]], dtype=torch.float64))
+    got = LocalLogProbs(2 * logits, tau=2.0).log_normalizer(torch.tensor([2, 0]))
+    # logits / tau = log of the rows: logsumexp = log(row sum) = log 1 and log 4.
+    torch.testing.assert_close(got, torch.log(torch.tensor([1.0, 4.0], dtype=torch.float64)))

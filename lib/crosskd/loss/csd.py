@@ -107,17 +107,34 @@ def kd_from_events(
 ) -> KdTerm:
     """``tau^2 * sum_c w_c D_c / N`` over the events' chunks (``N = n_total`` or the chunks
     here); a zero that keeps the graph when nothing counts. Index tensors go to ``device``."""
+    rows = torch.from_numpy(events.term_row).to(device)
+    term_lp = logprobs.log_prob(rows, torch.from_numpy(events.term_id).to(device))
+    return kd_from_terms(events, term_lp, tau=tau, kind=kind, beta=beta, n_total=n_total)
+
+
+def kd_from_terms(
+    events: Events,
+    term_lp: Tensor,
+    *,
+    tau: float,
+    kind: str = "jsd",
+    beta: float = 0.5,
+    n_total: int | None = None,
+) -> KdTerm:
+    """:func:`kd_from_events` from the student log probabilities of the events' terms
+    (``term_lp`` float ``[M]``, differentiable, at ``tau``), for callers that gather the terms
+    of several KD terms (and CE) in one pass over the logits."""
     n = events.n_chunks if n_total is None else n_total
+    device = term_lp.device
 
     def tensor(array: np.ndarray) -> Tensor:
         return torch.from_numpy(array).to(device)
 
-    term_lp = logprobs.log_prob(tensor(events.term_row), tensor(events.term_id))
     if events.n_chunks == 0 or n == 0:
         empty = term_lp.new_zeros(0).detach()
         return KdTerm(
             term_lp.sum() * 0.0, events.n_chunks, empty, empty, empty,
-            torch.zeros(0, dtype=torch.int64, device=term_lp.device),
+            torch.zeros(0, dtype=torch.int64, device=device),
         )  # fmt: skip
     dtype = term_lp.dtype
     n_events = len(events.teacher_lp)
@@ -127,11 +144,10 @@ def kd_from_events(
     slots = np.arange(n_events) - starts[events.event_chunk]
     chunk, slot = tensor(events.event_chunk), tensor(slots)
     width = int(slots.max()) + 1
-    mask = torch.zeros(events.n_chunks, width, dtype=torch.bool, device=term_lp.device)
+    mask = torch.zeros(events.n_chunks, width, dtype=torch.bool, device=device)
     mask[chunk, slot] = True
     s_grid = student.new_zeros(events.n_chunks, width).index_put((chunk, slot), student)
     t_grid = teacher.new_zeros(events.n_chunks, width).index_put((chunk, slot), teacher)
     return kd_from_grids(
         s_grid, t_grid, mask, tensor(events.weight), tau=tau, kind=kind, beta=beta, n=n
     )
-

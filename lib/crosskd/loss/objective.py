@@ -33,7 +33,7 @@ from torch import Tensor
 from crosskd.data.collate import ChunkBatch
 from crosskd.errors import ConfigError, DataError
 from crosskd.loss.config import LossConfig
-from crosskd.loss.csd import kd_from_events
+from crosskd.loss.csd import kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
 from crosskd.loss.metrics import add_sums, chunk_sums, summarize
@@ -236,17 +236,33 @@ def loss_from_logprobs(
     device: torch.device | str,
 ) -> LossOutput:
     """:func:`compute_loss` over any :class:`StudentLogProbs` (``plain`` at temperature 1 for
-    CE, ``tempered`` at ``config.tau`` for KD): the entry point of the sharded versions."""
-    rows = torch.from_numpy(plan.ce_rows).to(device)
-    ce_lp = plain.log_prob(rows, torch.from_numpy(plan.ce_ids).to(device))
+    CE, ``tempered`` at ``config.tau`` for KD): the entry point of the sharded versions. All
+    pairs of one temperature are asked for in one call (one pass over the logits)."""
+
+    def tensor(array: np.ndarray) -> Tensor:
+        return torch.from_numpy(array).to(device)
+
+    kd_rows = [t.events.term_row for t in plan.terms]
+    kd_ids = [t.events.term_id for t in plan.terms]
+    sizes = [len(r) for r in kd_rows]
+    if tempered is plain:
+        lps = plain.log_prob(
+            tensor(np.concatenate([plan.ce_rows, *kd_rows])),
+            tensor(np.concatenate([plan.ce_ids, *kd_ids])),
+        )
+        ce_lp, kd_lp = lps[: len(plan.ce_rows)], lps[len(plan.ce_rows) :]
+    else:
+        ce_lp = plain.log_prob(tensor(plan.ce_rows), tensor(plan.ce_ids))
+        kd_lp = tempered.log_prob(tensor(np.concatenate(kd_rows)), tensor(np.concatenate(kd_ids)))
     ce = -ce_lp.sum() / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
     sums = dict(plan.sums)
-    for term_plan, n_total in zip(plan.terms, counts.chunks, strict=True):
-        term = kd_from_events(
-            term_plan.events, tempered, tau=config.tau, kind=config.divergence, beta=config.beta,
-            n_total=n_total, device=device,
+    parts = zip(plan.terms, counts.chunks, kd_lp.split(sizes), strict=True)
+    for term_plan, n_total, term_lp in parts:
+        term = kd_from_terms(
+            term_plan.events, term_lp, tau=config.tau, kind=config.divergence, beta=config.beta,
+            n_total=n_total,
         )  # fmt: skip
         kd_terms[term_plan.name] = term.value
         kd = kd + term_plan.weight * term.value

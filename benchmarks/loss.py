@@ -1,0 +1,227 @@
+"""Benchmark: forward + backward time and peak memory of the CSD loss against the student's CE
+alone and a dense same-vocabulary KD, at the same shape, in one run.
+
+A real batch: :func:`crosskd.alignment.corpus.benchmark_corpus` text prepared by
+:func:`crosskd.data.prepare.prepare` (packed rows of ``--length`` student tokens) and collated by
+:func:`crosskd.data.collate.collate`, ``--rows`` rows; students SmolLM2 (V = 49,152) and
+Llama-3 (V = 128,256) against a Qwen3 teacher, real tables. Logits are random float32 (the
+teacher's biased towards the realized tokens, so the top K holds realized tokens and other
+candidates as a trained teacher's would); the student logits are a leaf that needs a gradient.
+
+Timed, each forward + backward from the student logits to their gradient:
+
+* ``ce``: ``torch.nn.functional.cross_entropy`` over the loss-masked targets (the baseline);
+* ``ce (ours)``: the same CE through :class:`crosskd.loss.LocalLogProbs` (the path the loss
+  takes: log-normaliser in row blocks plus a gather), to show what the KD part adds;
+* ``ce+csd K``: :func:`crosskd.loss.compute_loss`, CE plus the CSD term, with top-K signals of
+  K = 32 and 128;
+* ``ce+dense kl``: CE plus a full-vocabulary KL(T || S) against a teacher on the student's own
+  vocabulary (what same-tokenizer KD with a dense teacher costs).
+
+The data side (:func:`crosskd.loss.plan_loss`: events from chunks, tables and signal, run in the
+collator before the forward pass) is timed separately. Seconds are the median of ``--repeat``
+runs. Peak memory is the rise of the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` before each run) above its resident set before the run, i.e. on top of
+the logits and the inputs; CPU float32. Goal: ``ce+csd`` at most 1.5x the time and 1.3x the peak
+memory of ``ce``.
+
+    python benchmarks/loss.py [--repeat 3] [--rows 4] [--length 512] [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from crosskd.alignment.corpus import benchmark_corpus
+from crosskd.data.collate import Batch, collate, load_prepared
+from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.loss import (
+    LocalLogProbs,
+    LossConfig,
+    TeacherBatch,
+    TeacherLossConfig,
+    compute_loss,
+    plan_loss,
+)
+from crosskd.tables import TablePair, build_table
+from crosskd.teacher import signal_from_logits
+from crosskd.tokenization import load_tokenizer
+
+GOAL_TIME, GOAL_MEMORY = 1.5, 1.3
+STUDENTS = ("smollm2", "llama3")
+TEACHER = "qwen3"
+KS = (32, 128)
+BIAS = 8.0
+
+
+def _rss() -> tuple[int, int]:
+    """Current and peak resident set of this process, bytes."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
+    """Median seconds of ``repeat`` calls of ``step`` (after one untimed warm-up call), and the
+    largest peak-memory rise."""
+    step()
+    times, peaks = [], []
+    for _ in range(repeat):
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        before, _ = _rss()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        peaks.append(_rss()[1] - before)
+    return statistics.median(times), max(peaks)
+
+
+def _batch(student: str, rows: int, length: int, cache_dir: str | None, work: Path) -> Batch:
+    """``rows`` packed rows of benchmark text, prepared for the student and the teacher."""
+    data = work / f"{student}.jsonl"
+    with data.open("w") as fh:
+        for i, text in enumerate(benchmark_corpus(200_000)):
+            fh.write(json.dumps({"id": str(i), "text": text}) + "\n")
+    config = PrepareConfig(
+        data=str(data), student_tokenizer=f"zoo:{student}", teacher_tokenizers=[f"zoo:{TEACHER}"],
+        output=str(work / f"{student}-prepared"), max_length=length,
+        teacher_max_length=2 * length,
+    )  # fmt: skip
+    prepare(config, progress=False)
+    packed = list(load_prepared(config.output).packed_rows())
+    packed.sort(key=lambda row: -sum(len(s["student_ids"]) for s in row))
+    return collate(packed[:rows], n_teachers=1)
+
+
+def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
+    student = load_tokenizer(f"zoo:{name}", cache_dir=args.cache_dir)
+    teacher = load_tokenizer(f"zoo:{TEACHER}", cache_dir=args.cache_dir)
+    pair = TablePair(
+        build_table(student, teacher, progress=False), build_table(teacher, student, progress=False)
+    )
+    batch = _batch(name, args.rows, args.length, args.cache_dir, work)
+    s_ids = batch.models["student"].input_ids
+    t_ids = batch.models["teacher0"].input_ids
+    gen = torch.Generator().manual_seed(0)
+    t_logits = torch.randn(*t_ids.shape, teacher.vocab_size, generator=gen)
+    realized = t_ids[:, 1:, None]
+    t_logits[:, :-1].scatter_add_(-1, realized, torch.full(realized.shape, BIAS))
+    logits = torch.randn(*s_ids.shape, student.vocab_size, generator=gen).requires_grad_(True)
+    mask = batch.loss_mask
+    n_targets = int(mask.sum())
+    targets = torch.where(mask[:, 1:], s_ids[:, 1:], -100)
+
+    def ce_step() -> None:
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100
+        )
+        loss.backward()
+        logits.grad = None
+
+    dense_teacher = torch.log_softmax(
+        torch.randn(*s_ids.shape, student.vocab_size, generator=gen), dim=-1
+    )
+
+    def dense_step() -> None:
+        ce = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100
+        )
+        log_s = torch.log_softmax(logits[:, :-1], dim=-1)[mask[:, 1:]]
+        kl = torch.nn.functional.kl_div(
+            log_s, dense_teacher[:, :-1][mask[:, 1:]], log_target=True, reduction="sum"
+        )
+        (ce + kl / n_targets).backward()
+        logits.grad = None
+
+    rows = torch.nonzero(mask)
+    flat_rows = rows[:, 0] * s_ids.shape[1] + rows[:, 1] - 1
+    flat_ids = s_ids[mask]
+
+    def own_ce_step() -> None:
+        flat = LocalLogProbs(logits.flatten(0, 1))
+        (-flat.log_prob(flat_rows, flat_ids).sum() / n_targets).backward()
+        logits.grad = None
+
+    results = []
+    ce_s, ce_mem = _measure(ce_step, args.repeat)
+    results.append({"student": name, "loss": "ce", "seconds": ce_s, "peak": ce_mem})
+    seconds, peak = _measure(own_ce_step, args.repeat)
+    results.append({"student": name, "loss": "ce (ours)", "seconds": seconds, "peak": peak})
+    for k in KS:
+        signal = signal_from_logits(t_logits, t_ids, k=k, tau=1.0)
+        config = LossConfig(teachers=[TeacherLossConfig(
+            k=k, student_to_teacher="s2t", teacher_to_student="t2s",
+        )])  # fmt: skip
+        start = time.perf_counter()
+        plan = plan_loss(
+            config, s_ids, mask, [TeacherBatch(t_ids, batch.chunks[0], signal)], [pair],
+            student_vocab=student.vocab_size,
+        )  # fmt: skip
+        plan_s = time.perf_counter() - start
+
+        def csd_step(plan=plan, config=config) -> None:
+            compute_loss(logits, plan, config).loss.backward()
+            logits.grad = None
+
+        seconds, peak = _measure(csd_step, args.repeat)
+        results.append({
+            "student": name, "loss": f"ce+csd K={k}", "seconds": seconds, "peak": peak,
+            "plan_seconds": plan_s, "chunks": plan.counts.chunks[0],
+            "events": len(plan.terms[0].events.teacher_lp),
+        })  # fmt: skip
+    seconds, peak = _measure(dense_step, args.repeat)
+    results.append({"student": name, "loss": "ce+dense kl", "seconds": seconds, "peak": peak})
+    shape = f"{tuple(s_ids.shape)} x V={student.vocab_size}"
+    for row in results:
+        row["shape"] = shape
+        row["time_ratio"] = row["seconds"] / ce_s
+        row["memory_ratio"] = row["peak"] / ce_mem
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--cache-dir", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(0)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in STUDENTS:
+            results += _run_student(name, args, Path(tmp))
+    print(f"{'student':8} {'shape':26} {'loss':14} {'s':>7} {'x CE':>6} {'peak MB':>8} "
+          f"{'x CE':>6} {'plan s':>7} {'chunks':>6} {'events':>7}")  # fmt: skip
+    met = True
+    for r in results:
+        extra = ""
+        if "plan_seconds" in r:
+            extra = f" {r['plan_seconds']:7.3f} {r['chunks']:6d} {r['events']:7d}"
+            met &= r["time_ratio"] <= GOAL_TIME and r["memory_ratio"] <= GOAL_MEMORY
+        print(
+            f"{r['student']:8} {r['shape']:26} {r['loss']:14} {r['seconds']:7.3f} "
+            f"{r['time_ratio']:6.2f} {r['peak'] / 2**20:8.0f} {r['memory_ratio']:6.2f}{extra}"
+        )
+    print(
+        f"goal: ce+csd <= {GOAL_TIME}x the time and <= {GOAL_MEMORY}x the peak memory of ce: "
+        f"{'met' if met else 'NOT met'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
