@@ -14,6 +14,7 @@ from loss_reference import SHAPE_1_1, SHAPE_1_N, SHAPE_N_1, SHAPE_N_M, SHAPE_SPE
 from crosskd.alignment import align_text
 from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
+from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, plan_loss
 from crosskd.tables import TablePair
 from crosskd.teacher import signal_from_logits
 
@@ -142,4 +143,55 @@ def make_case(zoo, built_table, student: str, teacher: str, texts, seed: int = 0
     return CsdCase(
         f"{student}-{teacher}", student_ids, teacher_ids, chunks, pair, student_logits,
         teacher_logits, loss_mask,
+    )  # fmt: skip
+
+
+def plan_rows(case: CsdCase, signal, config, rows: slice = slice(None)):
+    """The loss plan of the packed rows ``rows`` of the case (their chunks, signal rows)."""
+    keep = (case.chunks.row >= (rows.start or 0)) & (case.chunks.row < (rows.stop or 1 << 30))
+    shift = rows.start or 0
+    chunks = ChunkBatch(
+        case.chunks.row[keep] - shift, case.chunks.student[keep], case.chunks.teacher[keep],
+        case.chunks.shape[keep], case.chunks.region[keep], case.chunks.valid[keep],
+        case.chunks.flags[keep], case.chunks.sample[keep] - shift,
+    )  # fmt: skip
+    sig = signal if rows == slice(None) else signal_rows(signal, rows)
+    batch = TeacherBatch(case.teacher_ids[rows], chunks, sig)
+    return plan_loss(
+        config, case.student_ids[rows], case.loss_mask[rows], [batch], [case.pair],
+        student_vocab=case.student_logits.shape[-1],
+    )  # fmt: skip
+
+
+def signal_rows(signal, rows: slice):
+    """The signal of the rows ``rows``."""
+    return replace(
+        signal, ids=None if signal.ids is None else signal.ids[rows],
+        log_probs=signal.log_probs[rows], realized=signal.realized[rows],
+        realized_t1=signal.realized_t1[rows],
+    )  # fmt: skip
+
+
+def loss_config(k: int, **kw):
+    """A loss config for the case's cross-tokenizer teacher at top-K ``k`` and TAU."""
+    tables = {"student_to_teacher": "s2t", "teacher_to_student": "t2s"}
+    return LossConfig(tau=TAU, teachers=[TeacherLossConfig(k=k, **tables)], **kw)
+
+
+def padded(case: CsdCase, multiple: int) -> CsdCase:
+    """The case with its student rows padded (id 0, outside the loss mask, random logits) to a
+    multiple of ``multiple`` positions, so sequence windows split them evenly."""
+    n_b, width = case.student_ids.shape
+    extra = -width % multiple
+    if not extra:
+        return case
+    gen = torch.Generator().manual_seed(99)
+    return replace(
+        case,
+        student_ids=torch.nn.functional.pad(case.student_ids, (0, extra)),
+        loss_mask=torch.nn.functional.pad(case.loss_mask, (0, extra)),
+        student_logits=torch.cat([
+            case.student_logits,
+            torch.randn(n_b, extra, case.student_logits.shape[-1], generator=gen),
+        ], dim=1),
     )  # fmt: skip

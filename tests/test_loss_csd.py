@@ -13,7 +13,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from loss_cases import DIVERGENCES, PAIR_IDS, PAIRS, TAU, CsdCase, make_case
+from loss_cases import (
+    DIVERGENCES,
+    PAIR_IDS,
+    PAIRS,
+    TAU,
+    CsdCase,
+    loss_config,
+    make_case,
+    plan_rows,
+)
 from loss_reference import (
     SHAPE_1_N,
     SHAPE_N_1,
@@ -268,48 +277,15 @@ def test_csd_kd_no_valid_chunk_gives_zero_and_zero_gradient(case):
 # --- the whole loss on real pairs: micro-batches, metrics, event mass -----------------------
 
 
-def _plan(case: CsdCase, signal, config, rows: slice = slice(None)):
-    from crosskd.loss import TeacherBatch, plan_loss
-
-    keep = (case.chunks.row >= (rows.start or 0)) & (case.chunks.row < (rows.stop or 1 << 30))
-    shift = rows.start or 0
-    chunks = ChunkBatch(
-        case.chunks.row[keep] - shift, case.chunks.student[keep], case.chunks.teacher[keep],
-        case.chunks.shape[keep], case.chunks.region[keep], case.chunks.valid[keep],
-        case.chunks.flags[keep], case.chunks.sample[keep] - shift,
-    )  # fmt: skip
-    sig = signal if rows == slice(None) else _signal_rows(signal, rows)
-    batch = TeacherBatch(case.teacher_ids[rows], chunks, sig)
-    return plan_loss(
-        config, case.student_ids[rows], case.loss_mask[rows], [batch], [case.pair],
-        student_vocab=case.student_logits.shape[-1],
-    )  # fmt: skip
-
-
-def _signal_rows(signal, rows: slice):
-    return replace(
-        signal, ids=None if signal.ids is None else signal.ids[rows],
-        log_probs=signal.log_probs[rows], realized=signal.realized[rows],
-        realized_t1=signal.realized_t1[rows],
-    )  # fmt: skip
-
-
-def _config(k: int, **kw):
-    from crosskd.loss import LossConfig, TeacherLossConfig
-
-    tables = {"student_to_teacher": "s2t", "teacher_to_student": "t2s"}
-    return LossConfig(tau=TAU, teachers=[TeacherLossConfig(k=k, **tables)], **kw)
-
-
 def test_micro_batches_with_step_counts_sum_to_the_whole_batch(case):
     """Summing the micro-batch losses (each normalised by the step's counts) gives the loss and
     gradient of the whole batch."""
     from crosskd.loss import compute_loss
 
-    config = _config(64)
+    config = loss_config(64)
     signal = case.signal(64)
-    whole = _plan(case, signal, config)
-    parts = [_plan(case, signal, config, slice(0, 1)), _plan(case, signal, config, slice(1, 2))]
+    whole = plan_rows(case, signal, config)
+    parts = [plan_rows(case, signal, config, slice(r, r + 1)) for r in (0, 1)]
     counts = parts[0].counts + parts[1].counts
     assert counts == whole.counts and counts.chunks[0] > 0
     logits = case.logits()
@@ -329,9 +305,9 @@ def test_metrics_match_the_reference_per_shape(case):
     from crosskd.loss import compute_loss
     from crosskd.loss.metrics import SHAPES, SKIP_REASONS
 
-    config = _config(8, drop_unrealized_topk=True, min_mismatch_support=3)
+    config = loss_config(8, drop_unrealized_topk=True, min_mismatch_support=3)
     signal = case.signal(8)
-    out = compute_loss(case.logits(), _plan(case, signal, config), config)
+    out = compute_loss(case.logits(), plan_rows(case, signal, config), config)
     metrics = out.metrics
     infos = reference_chunks(
         case.logits(), case.student_ids, case.teacher_ids, signal, case.chunks, case.pair,

@@ -94,6 +94,28 @@ class Events:
         """Counted chunks (the N of this batch)."""
         return len(self.weight)
 
+    def subset(self, keep: np.ndarray) -> tuple[Events, np.ndarray]:
+        """The events of the chunks marked in ``keep`` (bool over **all** chunks of the batch),
+        renumbered as if the batch held only those chunks, and the indices (int64) of the kept
+        terms in this object's term arrays."""
+        keep_chunk = keep[self.chunk_index]
+        keep_event = keep_chunk[self.event_chunk]
+        keep_term = keep_event[self.term_event]
+        chunk_new = np.cumsum(keep_chunk) - 1
+        event_new = np.cumsum(keep_event) - 1
+        position = np.cumsum(keep) - 1
+        kept = Events(
+            chunk_new[self.event_chunk[keep_event]], self.teacher_lp[keep_event],
+            event_new[self.term_event[keep_term]], self.term_row[keep_term],
+            self.term_id[keep_term], self.weight[keep_chunk],
+            position[self.chunk_index[keep_chunk]],
+            None if self.status is None else self.status[keep],
+            None if self.shape is None else self.shape[keep_chunk],
+            None if self.top1 is None else self.top1[keep_chunk],
+            None if self.in_topk is None else self.in_topk[keep_chunk],
+        )  # fmt: skip
+        return kept, np.flatnonzero(keep_term)
+
 
 @dataclass
 class _Flat:

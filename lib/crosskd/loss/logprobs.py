@@ -65,7 +65,26 @@ class LocalLogProbs:
 
     def log_prob(self, rows: Tensor, ids: Tensor) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` at temperature ``tau``."""
-        return _PairLogProbs.apply(self.logits, rows, ids, self.tau, self.block_rows)
+        normalizer, picked = row_pieces(self.logits, rows, ids, None, self.tau, self.block_rows)
+        return picked - normalizer[rows]
+
+
+def row_pieces(
+    logits: Tensor, rows: Tensor, ids: Tensor, owned: Tensor | None, tau: float, block: int
+) -> tuple[Tensor, Tensor]:
+    """The two pieces every log probability is made of, as one fused autograd operation.
+
+    ``logits`` ``[R, V]`` (any float dtype); ``rows`` / ``ids`` int64 ``[M]``; ``owned`` bool
+    ``[M]`` or None (all): which ids lie in these logits (a vocabulary shard holds some).
+    Returns ``logsumexp(logits / tau)`` of every row (float ``[R]``) and ``logits[rows, ids] /
+    tau`` (float ``[M]``, 0 where not owned). The forward pass reads the logits in blocks of
+    ``block`` rows; the backward pass writes ``softmax * g_normalizer / tau`` plus the picked
+    gradients straight into the logits' gradient, block by block, so nothing of size ``R x V``
+    is kept between the passes.
+    """
+    if owned is None:
+        owned = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
+    return _RowPieces.apply(logits, rows, ids, owned, tau, block)
 
 
 def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
@@ -74,39 +93,49 @@ def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
     return values if tau == 1 else values / tau
 
 
-class _PairLogProbs(torch.autograd.Function):
-    """``log_softmax(logits / tau)[rows, ids]`` without an ``R x V`` intermediate."""
+class _RowPieces(torch.autograd.Function):
+    """See :func:`row_pieces`."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, rows: Tensor, ids: Tensor, tau: float, block: int) -> Tensor:
+    def forward(ctx, logits, rows, ids, owned, tau: float, block: int):
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         normalizer = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         for start in range(0, logits.shape[0], block):
             chunk = _scaled(logits[start : start + block], tau, dtype)
             normalizer[start : start + block] = torch.logsumexp(chunk, dim=-1)
-        ctx.save_for_backward(logits, normalizer, rows, ids)
+        rows, ids = rows[owned], ids[owned]
+        picked = torch.zeros(owned.shape, dtype=dtype, device=logits.device)
+        picked[owned] = _scaled(logits[rows, ids], tau, dtype)
+        ctx.save_for_backward(logits, normalizer, rows, ids, owned)
         ctx.tau, ctx.block = tau, block
-        return _scaled(logits[rows, ids], tau, dtype) - normalizer[rows]
+        return normalizer, picked
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        logits, normalizer, rows, ids = ctx.saved_tensors
+    def backward(ctx, g_normalizer, g_picked):
+        logits, normalizer, rows, ids, owned = ctx.saved_tensors
         tau, block = ctx.tau, ctx.block
-        grad = grad.to(normalizer.dtype) / tau
-        # d log p(id | r) / d logits[r] = (onehot(id) - softmax(logits[r] / tau)) / tau.
-        per_row = torch.zeros_like(normalizer).index_add_(0, rows, grad)
+        dtype = normalizer.dtype
+        # d normalizer[r] / d logits[r] = softmax(logits[r] / tau) / tau;
+        # d picked / d logits[row, id] = 1 / tau.
+        per_row = (
+            torch.zeros_like(normalizer) if g_normalizer is None else g_normalizer.to(dtype) / tau
+        )
+        grad = (
+            torch.zeros(len(rows), dtype=dtype, device=logits.device)
+            if g_picked is None else g_picked[owned].to(dtype) / tau
+        )  # fmt: skip
         order = torch.argsort(rows)
         rows, ids, grad = rows[order], ids[order], grad[order]
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], block):
             stop = min(start + block, logits.shape[0])
-            chunk = _scaled(logits[start:stop], tau, normalizer.dtype)
-            chunk = torch.exp(chunk - normalizer[start:stop, None]).mul_(-per_row[start:stop, None])
+            chunk = _scaled(logits[start:stop], tau, dtype)
+            chunk = torch.exp(chunk - normalizer[start:stop, None]).mul_(per_row[start:stop, None])
             lo, hi = torch.searchsorted(rows, torch.tensor([start, stop], device=rows.device))
             chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
             out[start:stop] = chunk
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 def segment_sum(values: Tensor, segments: Tensor, count: int) -> Tensor:

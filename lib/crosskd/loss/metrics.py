@@ -49,7 +49,8 @@ def chunk_sums(
     *,
     same_tokenizer: bool = False,
 ) -> dict[str, float]:
-    """The metric sums of one teacher over one batch (see the module docstring).
+    """The metric sums of one teacher over one batch (see the module docstring); keys whose sum
+    is 0 are left out.
 
     ``chunk_shape`` / ``chunk_flags``: uint8 ``[C]`` of every chunk of the batch (numpy).
     """
@@ -71,8 +72,9 @@ def chunk_sums(
     ]  # fmt: skip
     taken = np.zeros(len(flags), dtype=bool)
     for code, name in enumerate(SHAPES):
-        here = shape == code
-        out[f"{teacher}/{name}/chunks"] += float(here.sum())
+        count = float((shape == code).sum())
+        if count:
+            out[f"{teacher}/{name}/chunks"] += count
     for reason, hit in zip(SKIP_REASONS, reasons, strict=True):
         first = hit & ~taken
         taken |= hit
@@ -98,6 +100,20 @@ def chunk_sums(
         for key, value in values.items():
             out[f"{teacher}/{name}/{key}"] += float(value[here].sum())
     return dict(out)
+
+
+CHUNK_STATS = (
+    "chunks", "valid", *(f"skipped_{r}" for r in SKIP_REASONS), "sum_divergence", "sum_weighted",
+    "sum_events", "sum_rest_student", "sum_rest_teacher", "top1", "realized_in_topk",
+)  # fmt: skip
+TEACHER_STATS = ("bits", "bytes", "selected_samples")
+
+
+def sum_keys(term_names: list[str], n_teachers: int) -> list[str]:
+    """Every key the sums of a loss with these KD terms and teachers can hold, in a fixed order
+    (so that sums can be packed into one vector and all-reduced across ranks)."""
+    keys = [f"{t}/{shape}/{stat}" for t in term_names for shape in SHAPES for stat in CHUNK_STATS]
+    return keys + [f"teacher{i}/{stat}" for i in range(n_teachers) for stat in TEACHER_STATS]
 
 
 def add_sums(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
@@ -133,11 +149,11 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
     for group, values in groups.items():
         valid = values.get("valid", 0.0)
         for key, value in values.items():
-            if key in means:
-                if valid:
-                    out[f"{group}/{means[key]}"] = value / valid
-            elif key != "sum_weighted":
+            if key not in means and key != "sum_weighted":
                 out[f"{group}/{key}"] = value
+        if valid:
+            for key, name in means.items():
+                out[f"{group}/{name}"] = values.get(key, 0.0) / valid
         total = weighted[group.split("/")[0]]
         if total > 0:
             out[f"{group}/kd_share"] = values.get("sum_weighted", 0.0) / total

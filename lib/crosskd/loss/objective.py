@@ -23,7 +23,7 @@ mixture (``average``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +36,7 @@ from crosskd.loss.config import LossConfig
 from crosskd.loss.csd import kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
-from crosskd.loss.metrics import add_sums, chunk_sums, summarize
+from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events
 from crosskd.tables import TablePair
@@ -59,13 +59,16 @@ class TeacherBatch:
 @dataclass(frozen=True)
 class TeacherPlan:
     """One KD term of a micro-batch: its metrics ``name``, ``weight``, counted ``events``, and
-    the batch's chunk shapes and flags (numpy, for the skip reasons)."""
+    for every chunk of the batch its shape and flags (numpy, for the skip reasons) and its first
+    prediction row (flat ``b * L_s + max(s0 - 1, 0)``: which rank of a sequence-parallel layout
+    evaluates it)."""
 
     name: str
     weight: float
     events: Events
     chunk_shape: np.ndarray
     chunk_flags: np.ndarray
+    chunk_first_row: np.ndarray
     same_tokenizer: bool
 
 
@@ -107,27 +110,52 @@ class LossPlan:
 
 @dataclass(frozen=True)
 class LossOutput:
-    """``loss`` (differentiable) = ``ce_weight * ce + kd_scale * kd``; ``ce``, ``kd`` and the
-    per-term ``kd_terms`` (name -> value, before weights) as differentiable tensors;
-    ``kd_scale`` (float); ``sums``: metric sums (:mod:`crosskd.loss.metrics`)."""
+    """One micro-batch's loss on this rank.
+
+    ``loss`` (differentiable; call ``backward`` on it) = ``ce_weight * ce + kd_scale * kd``, and
+    ``ce``, ``kd``, ``kd_terms`` (name -> value before weights), all differentiable, are **this
+    rank's share**: in one process the whole micro-batch, under a parallel layout the CE targets
+    and chunks this rank evaluates, so that the shares of all ranks sum to the micro-batch's
+    terms. ``kd_scale`` (float) and ``totals`` (``loss``, ``ce``, ``kd``, ``kd/{name}``) and
+    ``sums`` (metric sums, :mod:`crosskd.loss.metrics`) are complete: summed over every rank,
+    identical on every rank.
+    """
 
     loss: Tensor
     ce: Tensor
     kd: Tensor
     kd_terms: dict[str, Tensor]
     kd_scale: float
+    totals: dict[str, float]
     sums: dict[str, float]
 
     @property
     def metrics(self) -> dict[str, float]:
         """The reported metrics of this micro-batch: ``loss``, ``ce``, ``kd``, ``kd_scale``,
-        ``kd/{teacher}`` and the per-teacher, per-shape statistics."""
-        scalars = {
-            "loss": self.loss.item(), "ce": self.ce.item(), "kd": self.kd.item(),
-            "kd_scale": self.kd_scale,
-        }  # fmt: skip
-        scalars |= {f"kd/{name}": value.item() for name, value in self.kd_terms.items()}
-        return scalars | summarize(self.sums)
+        ``kd/{teacher}`` and the per-teacher, per-shape statistics (complete values)."""
+        return {**self.totals, "kd_scale": self.kd_scale} | summarize(self.sums)
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """The part of a micro-batch one rank evaluates, so that every CE target and every chunk is
+    evaluated by exactly one rank: ``ce`` bool ``[M]`` over the plan's CE targets, ``chunks``
+    per KD term bool over all of its batch chunks (the metric sums of a chunk go with it),
+    ``leader``: whether this rank adds the plan's own sums (one rank per data-parallel shard),
+    and ``reduce``: sums a float64 vector over every rank (returns the complete vector)."""
+
+    ce: np.ndarray
+    chunks: list[np.ndarray]
+    leader: bool
+    reduce: Callable[[Tensor], Tensor]
+
+    @classmethod
+    def everything(cls, plan: LossPlan) -> Ownership:
+        """One process: everything is evaluated here; nothing to reduce."""
+        return cls(
+            np.ones(len(plan.ce_rows), dtype=bool),
+            [np.ones(len(t.chunk_shape), dtype=bool) for t in plan.terms], True, lambda x: x,
+        )  # fmt: skip
 
 
 def plan_loss(
@@ -200,9 +228,10 @@ def plan_loss(
         else:
             events = build_events(ids, t_ids, teacher.signal, ch, pair, options, valid[i])
         weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
-        plans.append(
-            TeacherPlan(name, weight, events, to_numpy(ch.shape), to_numpy(ch.flags), pair is None)
-        )
+        first_row = to_numpy(ch.row) * width + np.maximum(to_numpy(ch.student)[:, 0] - 1, 0)
+        plans.append(TeacherPlan(
+            name, weight, events, to_numpy(ch.shape), to_numpy(ch.flags), first_row, pair is None,
+        ))  # fmt: skip
     return LossPlan(width, b * width + p - 1, ids[b, p], plans, sums)
 
 
@@ -234,10 +263,15 @@ def loss_from_logprobs(
     counts: StepCounts,
     *,
     device: torch.device | str,
+    ownership: Ownership | None = None,
 ) -> LossOutput:
     """:func:`compute_loss` over any :class:`StudentLogProbs` (``plain`` at temperature 1 for
-    CE, ``tempered`` at ``config.tau`` for KD): the entry point of the sharded versions. All
-    pairs of one temperature are asked for in one call (one pass over the logits)."""
+    CE, ``tempered`` at ``config.tau`` for KD): the entry point of the sharded versions, which
+    pass their :class:`Ownership`. Every (row, id) pair of one temperature is asked for in one
+    call (one pass over the logits; the same call on every rank of a parallel layout, as the
+    log-prob interface may communicate); then only the owned CE targets and chunks are
+    evaluated. ``kd_scale`` and the reported values come from the complete (reduced) terms."""
+    own = Ownership.everything(plan) if ownership is None else ownership
 
     def tensor(array: np.ndarray) -> Tensor:
         return torch.from_numpy(array).to(device)
@@ -254,25 +288,39 @@ def loss_from_logprobs(
     else:
         ce_lp = plain.log_prob(tensor(plan.ce_rows), tensor(plan.ce_ids))
         kd_lp = tempered.log_prob(tensor(np.concatenate(kd_rows)), tensor(np.concatenate(kd_ids)))
-    ce = -ce_lp.sum() / max(counts.tokens, 1)
+    ce = -ce_lp[tensor(own.ce)].sum() / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
-    sums = dict(plan.sums)
-    parts = zip(plan.terms, counts.chunks, kd_lp.split(sizes), strict=True)
-    for term_plan, n_total, term_lp in parts:
+    sums = dict(plan.sums) if own.leader else {}
+    parts = zip(plan.terms, counts.chunks, kd_lp.split(sizes), own.chunks, strict=True)
+    for term_plan, n_total, term_lp, owned in parts:
+        events, kept = term_plan.events.subset(owned)
         term = kd_from_terms(
-            term_plan.events, term_lp, tau=config.tau, kind=config.divergence, beta=config.beta,
-            n_total=n_total,
+            events, term_lp[tensor(kept)], tau=config.tau, kind=config.divergence,
+            beta=config.beta, n_total=n_total,
         )  # fmt: skip
         kd_terms[term_plan.name] = term.value
         kd = kd + term_plan.weight * term.value
         sums = add_sums(sums, chunk_sums(
-            term_plan.name, term_plan.events, term, term_plan.chunk_shape,
-            term_plan.chunk_flags, same_tokenizer=term_plan.same_tokenizer,
+            term_plan.name, events, term, term_plan.chunk_shape[owned],
+            term_plan.chunk_flags[owned], same_tokenizer=term_plan.same_tokenizer,
         ))  # fmt: skip
-    scale = kd_scale(float(ce.detach()), float(kd.detach()), config)
+    names = [t.name for t in plan.terms]
+    keys = sum_keys(names, len(config.teachers))
+    local = torch.tensor(
+        [ce.item(), kd.item(), *(v.item() for v in kd_terms.values()),
+         *(sums.get(key, 0.0) for key in keys)],
+        dtype=torch.float64, device=device,
+    )  # fmt: skip
+    complete = own.reduce(local).tolist()
+    ce_total, kd_total = complete[0], complete[1]
+    scale = kd_scale(ce_total, kd_total, config)
+    totals = {
+        "loss": config.ce_weight * ce_total + scale * kd_total, "ce": ce_total, "kd": kd_total,
+    } | {f"kd/{name}": value for name, value in zip(names, complete[2:], strict=False)}
+    reduced = {k: v for k, v in zip(keys, complete[2 + len(names) :], strict=True) if v}
     loss = config.ce_weight * ce + scale * kd
-    return LossOutput(loss, ce, kd, kd_terms, scale, sums)
+    return LossOutput(loss, ce, kd, kd_terms, scale, totals, reduced)
 
 
 def kd_scale(ce: float, kd: float, config: LossConfig) -> float:

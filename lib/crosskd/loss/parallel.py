@@ -1,0 +1,218 @@
+"""The loss under data (DP), vocabulary (tensor, TP) and sequence (context, CP) parallelism
+(spec section 7), any combination, with the same numbers as one process.
+
+Layout: the ranks form a ``(dp, cp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`
+(``tp`` varies fastest). A data-parallel shard holds whole packed rows; inside it, a CP rank
+holds a window of ``L / cp`` positions of every row and a TP rank a slice of ``V / tp``
+vocabulary ids, so each rank has student logits ``[B_dp, L / cp, V / tp]``.
+
+* Every rank of a DP shard makes the same :class:`~crosskd.loss.objective.LossPlan` from the
+  shard's rows (data only); :func:`reduce_counts` sums the step's counts over DP, once per step.
+* :class:`ShardedLogProbs` implements :class:`~crosskd.loss.logprobs.StudentLogProbs`: each rank
+  computes the log-normaliser pieces of its own rows over its vocabulary slice; the
+  log-normaliser is the all-reduced max plus the log of the all-reduced sum of exponentials
+  (TP), the logit of an id comes from the rank that owns it (zeros elsewhere, then a TP sum),
+  and the log probs of rows in other windows are exchanged explicitly (a CP sum of
+  zero-filled vectors). Communication per call is ``O(rows + pairs)`` numbers, never
+  ``O(rows x V)``: the full vocabulary is never gathered.
+* Every CE target and chunk is evaluated by exactly one rank (:func:`ownership`): the CP rank
+  that owns its first prediction row, and among the TP ranks the one its index picks
+  round-robin. Each rank's loss is its share; the shares of all ranks sum to the micro-batch's
+  loss. The collectives are differentiable (``torch.distributed.nn.functional.all_reduce``,
+  whose backward sums the gradients over the group), so calling ``backward`` on every rank's
+  share gives each rank exactly its slice of the gradient of the whole loss. (Under DDP,
+  which *averages* gradients over DP, multiply the share by the DP size.)
+* ``kd_scale`` and every reported value come from the complete terms: a float64 vector
+  all-reduced over all ranks, so they are identical on every rank and equal to one process
+  with the same micro-batch partition (spec 8.1). A rank with only padding contributes zeros
+  and takes part in every collective (spec 8.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+from torch import Tensor
+from torch.distributed.device_mesh import init_device_mesh
+
+from crosskd.errors import ConfigError
+from crosskd.loss.config import LossConfig
+from crosskd.loss.logprobs import row_pieces
+from crosskd.loss.objective import (
+    LossOutput,
+    LossPlan,
+    Ownership,
+    StepCounts,
+    loss_from_logprobs,
+)
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout of the student's logits: ``dp * cp * tp`` must equal the number of
+    ranks."""
+
+    dp: int = 1
+    """Data-parallel shards (whole packed rows)."""
+    cp: int = 1
+    """Sequence (context) windows of each row."""
+    tp: int = 1
+    """Vocabulary slices of the output layer."""
+
+    def check(self, world_size: int) -> None:
+        """Refuse sizes that are not positive integers or do not multiply to ``world_size``."""
+        for key in ("dp", "cp", "tp"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key} is {value!r}; it must be an integer >= 1.")
+        if self.dp * self.cp * self.tp != world_size:
+            raise ConfigError(
+                f"dp * cp * tp = {self.dp} * {self.cp} * {self.tp} = "
+                f"{self.dp * self.cp * self.tp}, but there are {world_size} ranks; make the "
+                f"product equal the number of processes."
+            )
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the layout: coordinates and the three process groups."""
+
+    config: ParallelConfig
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+    dp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+
+    def reduce_all(self, values: Tensor) -> Tensor:
+        """``values`` summed over every rank (not differentiable)."""
+        out = values.detach().clone()
+        dist.all_reduce(out)
+        return out
+
+
+def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> Mesh:
+    """The mesh of an initialised default process group (``torch.distributed``)."""
+    config.check(dist.get_world_size())
+    mesh = init_device_mesh(
+        device_type, (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp")
+    )
+    return Mesh(
+        config, mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh.get_local_rank("tp"),
+        mesh.get_group("dp"), mesh.get_group("cp"), mesh.get_group("tp"),
+    )  # fmt: skip
+
+
+def reduce_counts(counts: StepCounts, mesh: Mesh) -> StepCounts:
+    """The step's counts summed over the data-parallel shards (call once per step with the sum
+    of this shard's micro-batch counts)."""
+    values = torch.tensor([counts.tokens, *counts.chunks], dtype=torch.int64)
+    dist.all_reduce(values, group=mesh.dp_group)
+    tokens, *chunks = values.tolist()
+    return StepCounts(tokens, tuple(chunks))
+
+
+@dataclass
+class ShardedLogProbs:
+    """:class:`~crosskd.loss.logprobs.StudentLogProbs` over this rank's logits ``[B, L / cp,
+    V / tp]``. Rows are the flat rows ``b * L + position`` of the whole rows (``width`` = L);
+    every rank of the model-parallel group must ask for the same pairs, and every rank gets all
+    of them back."""
+
+    logits: Tensor
+    mesh: Mesh
+    width: int
+    tau: float = 1.0
+    block_rows: int = 1024
+
+    def __post_init__(self) -> None:
+        _, window, vocab = self.logits.shape
+        if window * self.mesh.config.cp != self.width:
+            raise ConfigError(
+                f"logits hold {window} positions per rank and cp = {self.mesh.config.cp}, but "
+                f"the rows are {self.width} long; pad the rows to a multiple of cp and give "
+                f"each rank an equal window."
+            )
+        self.window = window
+        self.vocab_start = self.mesh.tp_rank * vocab
+        self.flat = self.logits.reshape(-1, vocab)
+
+    def _local(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Which of ``rows`` lie in this rank's window, and their local flat rows."""
+        b, position = rows // self.width, rows % self.width
+        here = position // self.window == self.mesh.cp_rank
+        return here, b[here] * self.window + position[here] % self.window
+
+    def _normalizer(self, local_normalizer: Tensor) -> Tensor:
+        """The log-normaliser over the whole vocabulary from each TP rank's slice."""
+        if self.mesh.config.tp == 1:
+            return local_normalizer
+        peak = local_normalizer.detach().clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.mesh.tp_group)
+        total = dist_nn.all_reduce(torch.exp(local_normalizer - peak), group=self.mesh.tp_group)
+        return peak + torch.log(total)
+
+    def _exchange(self, here: Tensor, values: Tensor, size: int) -> Tensor:
+        """Values of the rows in this window, placed among all ``size`` pairs and summed over
+        the CP windows (each pair's row lies in exactly one window)."""
+        out = values.new_zeros(size).index_put((torch.nonzero(here).flatten(),), values)
+        if self.mesh.config.cp == 1:
+            return out
+        return dist_nn.all_reduce(out, group=self.mesh.cp_group)
+
+    def log_prob(self, rows: Tensor, ids: Tensor) -> Tensor:
+        """Log probabilities of ``ids`` at ``rows`` at temperature ``tau``, for all pairs."""
+        here, local_rows = self._local(rows)
+        local_ids = ids[here] - self.vocab_start
+        owned = (local_ids >= 0) & (local_ids < self.flat.shape[1])
+        normalizer, picked = row_pieces(
+            self.flat, local_rows, local_ids, owned, self.tau, self.block_rows
+        )
+        if self.mesh.config.tp > 1:
+            picked = dist_nn.all_reduce(picked, group=self.mesh.tp_group)
+        values = picked - self._normalizer(normalizer)[local_rows]
+        return self._exchange(here, values, len(rows))
+
+    def log_normalizer(self, rows: Tensor) -> Tensor:
+        """``logsumexp(logits[row] / tau)`` over the whole vocabulary, for all ``rows``."""
+        here, local_rows = self._local(rows)
+        empty = torch.zeros(0, dtype=torch.int64, device=rows.device)
+        normalizer, _ = row_pieces(
+            self.flat, empty, empty, empty.bool(), self.tau, self.block_rows
+        )
+        return self._exchange(here, self._normalizer(normalizer)[local_rows], len(rows))
+
+
+def ownership(plan: LossPlan, mesh: Mesh) -> Ownership:
+    """Which CE targets and chunks this rank evaluates: those whose first prediction row lies
+    in its CP window, split round-robin over the TP ranks by index."""
+    window = plan.width // mesh.config.cp
+    tp, tp_rank = mesh.config.tp, mesh.tp_rank
+
+    def mine(first_rows: np.ndarray) -> np.ndarray:
+        in_window = first_rows % plan.width // window == mesh.cp_rank
+        return in_window & (np.arange(len(first_rows)) % tp == tp_rank)
+
+    return Ownership(
+        mine(plan.ce_rows), [mine(t.chunk_first_row) for t in plan.terms],
+        leader=mesh.cp_rank == 0 and tp_rank == 0, reduce=mesh.reduce_all,
+    )  # fmt: skip
+
+
+def sharded_loss(
+    logits: Tensor, plan: LossPlan, config: LossConfig, counts: StepCounts, mesh: Mesh
+) -> LossOutput:
+    """One micro-batch's loss on this rank from its logits ``[B, L / cp, V / tp]`` (the plan
+    of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's
+    ``loss``; the reported values are complete and identical on every rank."""
+    plain = ShardedLogProbs(logits, mesh, plan.width, tau=1.0)
+    tempered = plain if config.tau == 1 else ShardedLogProbs(logits, mesh, plan.width, config.tau)
+    return loss_from_logprobs(
+        plain, tempered, plan, config, counts, device=logits.device,
+        ownership=ownership(plan, mesh),
+    )  # fmt: skip

@@ -1,0 +1,138 @@
+"""Running the sharded loss in several real processes (gloo on CPU) for the tests.
+
+Not collected as tests. :func:`run_layout` forks one process per rank (fork: the children
+inherit the inputs, nothing is pickled), each joins a gloo process group on loopback, builds the
+mesh, takes its slice of the logits (its data-parallel rows, sequence window and vocabulary
+slice), runs :func:`crosskd.loss.parallel.sharded_loss` and ``backward``, and writes its
+gradient slice (safetensors) and its results (JSON): complete metrics, ``kd_scale``, its loss
+share and the bytes its collectives moved (every ``torch.distributed.all_reduce`` call is
+counted, including those inside the differentiable collectives' backward passes).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from crosskd.loss import LossConfig, LossPlan
+from crosskd.loss.parallel import ParallelConfig, build_mesh, reduce_counts, sharded_loss
+
+
+@dataclass
+class RankResult:
+    """What one rank reported: ``grad`` of its logits slice, ``metrics``, ``kd_scale``, its
+    ``share`` of the loss, ``bytes`` moved by its collectives, and its coordinates."""
+
+    grad: torch.Tensor
+    metrics: dict[str, float]
+    kd_scale: float
+    share: float
+    bytes: int
+    dp: int
+    cp: int
+    tp: int
+
+
+def run_layout(
+    layout: ParallelConfig,
+    logits: torch.Tensor,
+    plans: list[LossPlan],
+    config: LossConfig,
+    work: Path,
+) -> list[RankResult]:
+    """Run one micro-batch under ``layout``. ``logits`` ``[B, L, V]`` of all rows; ``plans``:
+    one per data-parallel shard, shard ``d`` holding rows ``d * B / dp`` on."""
+    world = layout.dp * layout.cp * layout.tp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world, port, layout, logits, plans, config, work))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        errors = [(work / f"error-{r}.txt") for r in failed]
+        text = "\n".join(e.read_text() for e in errors if e.exists())
+        raise RuntimeError(f"ranks {failed} failed:\n{text}")
+    results = []
+    for rank in range(world):
+        info = json.loads((work / f"rank-{rank}.json").read_text())
+        grad = load_file(str(work / f"grad-{rank}.safetensors"))["grad"]
+        results.append(RankResult(grad=grad, **info))
+    return results
+
+
+def _worker(rank, world, port, layout, logits, plans, config, work) -> None:
+    try:
+        _run_rank(rank, world, port, layout, logits, plans, config, Path(work))
+    except BaseException:
+        (Path(work) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> None:
+    torch.set_num_threads(1)
+    moved = [0]
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        moved[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        mesh = build_mesh(layout)
+        n_b, width, vocab = logits.shape
+        rows = n_b // layout.dp
+        window, part = width // layout.cp, vocab // layout.tp
+        local = logits[
+            mesh.dp_rank * rows : (mesh.dp_rank + 1) * rows,
+            mesh.cp_rank * window : (mesh.cp_rank + 1) * window,
+            mesh.tp_rank * part : (mesh.tp_rank + 1) * part,
+        ].clone().requires_grad_(True)
+        plan = plans[mesh.dp_rank]
+        moved[0] = 0
+        counts = reduce_counts(plan.counts, mesh)
+        out = sharded_loss(local, plan, config, counts, mesh)
+        out.loss.backward()
+        save_file({"grad": local.grad.contiguous()}, str(work / f"grad-{rank}.safetensors"))
+        info = {
+            "metrics": out.metrics, "kd_scale": out.kd_scale, "share": out.loss.item(),
+            "bytes": moved[0], "dp": mesh.dp_rank, "cp": mesh.cp_rank, "tp": mesh.tp_rank,
+        }  # fmt: skip
+        (work / f"rank-{rank}.json").write_text(json.dumps(info))
+    finally:
+        dist.destroy_process_group()
+
+
+def assemble(results: list[RankResult], layout: ParallelConfig, shape) -> torch.Tensor:
+    """The full ``[B, L, V]`` gradient from every rank's slice."""
+    n_b, width, vocab = shape
+    rows, window, part = n_b // layout.dp, width // layout.cp, vocab // layout.tp
+    out = torch.zeros(shape, dtype=results[0].grad.dtype)
+    for r in results:
+        out[
+            r.dp * rows : (r.dp + 1) * rows,
+            r.cp * window : (r.cp + 1) * window,
+            r.tp * part : (r.tp + 1) * part,
+        ] = r.grad
+    return out

@@ -1,0 +1,160 @@
+"""The sharded loss (spec section 7) in real processes (gloo on CPU): every layout gives the
+single-process numbers on the same global batch, from real tokenizer pairs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from loss_cases import PAIR_IDS, PAIRS, loss_config, make_case, padded, plan_rows
+from sharded_runner import assemble, run_layout
+
+from crosskd.errors import ConfigError
+from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss
+from crosskd.loss.metrics import sum_keys
+from crosskd.loss.parallel import ParallelConfig
+from crosskd.teacher import signal_from_logits
+
+LAYOUTS = {
+    "dp2": ParallelConfig(dp=2),
+    "tp2": ParallelConfig(tp=2),
+    "cp2": ParallelConfig(cp=2),
+    "tp2xcp2": ParallelConfig(cp=2, tp=2),
+    "dp2xtp2": ParallelConfig(dp=2, tp=2),
+}
+
+
+# Every layout on Llama-3/Qwen3; the two four-rank layouts on SmolLM2/Qwen3 too (time budget).
+COMBOS = [("llama3-qwen3", name) for name in LAYOUTS] + [
+    ("smollm2-qwen3", "tp2xcp2"), ("smollm2-qwen3", "dp2xtp2"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cases(zoo, built_table):
+    """Pair id -> its case padded to a multiple of 4 positions, built on first use."""
+    built = {}
+
+    def get(pair_id: str):
+        if pair_id not in built:
+            student, teacher, texts = PAIRS[PAIR_IDS.index(pair_id)]
+            built[pair_id] = padded(make_case(zoo, built_table, student, teacher, texts), 4)
+        return built[pair_id]
+
+    return get
+
+
+def _config():
+    # tau != 1 (CE and KD take separate passes), dynamic kd_scale (pitfall 1).
+    return loss_config(64, dynamic_kd_scale=True, max_kd_scale=50.0)
+
+
+def _single(case, config, signal, rows=slice(None)):
+    logits = case.student_logits[rows].double().requires_grad_(True)
+    out = compute_loss(logits, plan_rows(case, signal, config, rows), config)
+    out.loss.backward()
+    return out, logits.grad
+
+
+def _check_same(results, single, grad, layout, shape):
+    for r in results:
+        assert r.kd_scale == results[0].kd_scale  # identical on every rank
+        assert r.metrics.keys() == single.metrics.keys()
+        for key, value in single.metrics.items():
+            assert r.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+    assert results[0].kd_scale == pytest.approx(single.kd_scale, rel=1e-9)
+    assert sum(r.share for r in results) == pytest.approx(single.loss.item(), rel=1e-6)
+    got = assemble(results, layout, shape)
+    torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+
+
+@pytest.mark.parametrize(("pair", "name"), COMBOS, ids=[f"{p}-{n}" for p, n in COMBOS])
+def test_every_layout_equals_one_process(cases, pair, name, tmp_path):
+    case, layout = cases(pair), LAYOUTS[name]
+    config = _config()
+    signal = case.signal(64)
+    single, grad = _single(case, config, signal)
+    assert single.kd.item() > 0 and 1 < single.kd_scale < 50
+    rows = case.student_ids.shape[0] // layout.dp
+    plans = [plan_rows(case, signal, config, slice(d * rows, (d + 1) * rows))
+             for d in range(layout.dp)]  # fmt: skip
+    logits = case.student_logits.double()
+    results = run_layout(layout, logits, plans, config, tmp_path)
+    _check_same(results, single, grad, layout, logits.shape)
+
+
+def test_a_padding_rank_gives_zero_and_leaves_the_others_unaffected(tmp_path, cases):
+    """Pitfall 2: DP2 where the second shard's row is all padding."""
+    case = cases("llama3-qwen3")
+    config = _config()
+    signal = case.signal(64)
+    pad = case.student_ids.clone()
+    pad[1] = 0
+    mask = case.loss_mask.clone()
+    mask[1] = False
+    valid = case.chunks.valid & (case.chunks.row == 0)
+    flags = case.chunks.flags * (case.chunks.row == 0)
+    empty = replace(case, student_ids=pad, loss_mask=mask,
+                    chunks=replace(case.chunks, valid=valid, flags=flags))  # fmt: skip
+    single, grad = _single(case, config, signal, slice(0, 1))
+    plans = [plan_rows(empty, signal, config, slice(d, d + 1)) for d in (0, 1)]
+    assert plans[1].counts.tokens == 0 and plans[1].counts.chunks == (0,)
+    logits = case.student_logits.double()
+    results = run_layout(ParallelConfig(dp=2), logits, plans, config, tmp_path)
+    padding = next(r for r in results if r.dp == 1)
+    assert padding.share == 0 and torch.count_nonzero(padding.grad) == 0
+    worker = next(r for r in results if r.dp == 0)
+    torch.testing.assert_close(worker.grad, grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+    assert worker.kd_scale == padding.kd_scale == pytest.approx(single.kd_scale, rel=1e-9)
+    # The complete values are those of row 0 alone.
+    for key in ("loss", "ce", "kd", "teacher0/1:1/valid", "teacher0/1:1/mean_divergence"):
+        assert worker.metrics[key] == pytest.approx(single.metrics[key], rel=1e-6)
+
+
+def _token_batch(rows: int, width: int, vocab: int, k: int):
+    """A same-tokenizer batch: random ids, every position from 1 a target and a KD position."""
+    from test_loss_objective import token_chunks
+
+    gen = torch.Generator().manual_seed(rows * width)
+    ids = torch.randint(0, vocab, (rows, width), generator=gen)
+    mask = torch.ones(rows, width, dtype=torch.bool)
+    mask[:, 0] = False
+    teacher = torch.randn(rows, width, vocab, generator=gen)
+    signal = signal_from_logits(teacher, ids, k=k, tau=1.0)
+    config = LossConfig(teachers=[TeacherLossConfig(k=k)])
+    plan = plan_loss(config, ids, mask, [TeacherBatch(ids, token_chunks([width] * rows), signal)],
+                     [None], student_vocab=vocab)  # fmt: skip
+    logits = torch.randn(rows, width, vocab, generator=gen)
+    return logits, plan, config
+
+
+def test_bytes_moved_grow_with_positions_and_events_not_with_the_vocabulary(tmp_path):
+    """TP2: the collectives move O(rows + pairs) numbers; a 4x vocabulary moves the same bytes,
+    twice the positions (and so twice the events) about twice as many."""
+    layout = ParallelConfig(cp=1, tp=2)
+    moved, bound = {}, {}
+    for name, (width, vocab) in {"base": (16, 1000), "vocab_x4": (16, 4000),
+                                 "positions_x2": (32, 1000)}.items():  # fmt: skip
+        logits, plan, config = _token_batch(2, width, vocab, k=8)
+        (tmp_path / name).mkdir()
+        results = run_layout(layout, logits, [plan], config, tmp_path / name)
+        single = compute_loss(logits, plan, config)
+        assert results[0].metrics["loss"] == pytest.approx(single.loss.item(), rel=1e-5)
+        moved[name] = max(r.bytes for r in results)
+        # Per step, forward and backward: float32 max and sum of exponentials per row (sum
+        # twice), the picked logit per (row, id) pair twice, the int64 counts, and the float64
+        # vector of totals and metric sums.
+        pairs = len(plan.ce_rows) + len(plan.terms[0].events.term_row)
+        n_keys = 3 + len(sum_keys([t.name for t in plan.terms], 1))
+        bound[name] = 4 * (3 * 2 * width + 2 * pairs) + 8 * 2 + 8 * n_keys
+        assert moved[name] <= bound[name] < 2 * width * vocab * 4 // 8
+    assert moved["vocab_x4"] == moved["base"]
+    assert 1.6 * moved["base"] < moved["positions_x2"] < 2.4 * moved["base"]
+
+
+def test_layout_sizes_are_checked():
+    with pytest.raises(ConfigError, match=r"dp \* cp \* tp = 2 \* 1 \* 2 = 4, but there are 2"):
+        ParallelConfig(dp=2, tp=2).check(2)
+    with pytest.raises(ConfigError, match=r"tp is 0; it must be an integer >= 1"):
+        ParallelConfig(tp=0).check(1)
