@@ -39,6 +39,7 @@ bench: venv
 	$(PY) benchmarks/tables.py
 	$(PY) benchmarks/alignment.py
 	$(PY) benchmarks/loss.py
+	$(PY) benchmarks/sharded_loss.py
 
 lint: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines

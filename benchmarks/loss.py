@@ -25,26 +25,22 @@ runs. Peak memory is the rise of the process's peak resident set (``VmHWM``, res
 the logits and the inputs; CPU float32. Goal: ``ce+csd`` at most 1.5x the time and 1.3x the peak
 memory of ``ce``.
 
-    python benchmarks/loss.py [--repeat 3] [--rows 4] [--length 512] [--cache-dir DIR]
+    python benchmarks/loss.py [--repeat 3] [--rows 4] [--length 512]
+
+Zoo tokenizers are built into ``$CROSSKD_CACHE_DIR`` (default ``~/.cache/crosskd``).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import logging
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from inputs import measure, real_batch, teacher_logits
 
-from crosskd.alignment.corpus import benchmark_corpus
-from crosskd.data.collate import Batch, collate, load_prepared
-from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.loss import (
     LocalLogProbs,
     LossConfig,
@@ -61,64 +57,19 @@ GOAL_TIME, GOAL_MEMORY = 1.5, 1.3
 STUDENTS = ("smollm2", "llama3")
 TEACHER = "qwen3"
 KS = (32, 128)
-BIAS = 8.0
-
-
-def _rss() -> tuple[int, int]:
-    """Current and peak resident set of this process, bytes."""
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
-def _measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
-    """Median seconds of ``repeat`` calls of ``step`` (after one untimed warm-up call), and the
-    largest peak-memory rise."""
-    step()
-    times, peaks = [], []
-    for _ in range(repeat):
-        gc.collect()
-        Path("/proc/self/clear_refs").write_text("5")
-        before, _ = _rss()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        peaks.append(_rss()[1] - before)
-    return statistics.median(times), max(peaks)
-
-
-def _batch(student: str, rows: int, length: int, cache_dir: str | None, work: Path) -> Batch:
-    """``rows`` packed rows of benchmark text, prepared for the student and the teacher."""
-    data = work / f"{student}.jsonl"
-    with data.open("w") as fh:
-        for i, text in enumerate(benchmark_corpus(200_000)):
-            fh.write(json.dumps({"id": str(i), "text": text}) + "\n")
-    config = PrepareConfig(
-        data=str(data), student_tokenizer=f"zoo:{student}", teacher_tokenizers=[f"zoo:{TEACHER}"],
-        output=str(work / f"{student}-prepared"), max_length=length,
-        teacher_max_length=2 * length,
-    )  # fmt: skip
-    prepare(config, progress=False)
-    packed = list(load_prepared(config.output).packed_rows())
-    packed.sort(key=lambda row: -sum(len(s["student_ids"]) for s in row))
-    return collate(packed[:rows], n_teachers=1)
 
 
 def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
-    student = load_tokenizer(f"zoo:{name}", cache_dir=args.cache_dir)
-    teacher = load_tokenizer(f"zoo:{TEACHER}", cache_dir=args.cache_dir)
+    student = load_tokenizer(f"zoo:{name}")
+    teacher = load_tokenizer(f"zoo:{TEACHER}")
     pair = TablePair(
         build_table(student, teacher, progress=False), build_table(teacher, student, progress=False)
     )
-    batch = _batch(name, args.rows, args.length, args.cache_dir, work)
+    batch = real_batch(name, TEACHER, args.rows, args.length, work)
     s_ids = batch.models["student"].input_ids
     t_ids = batch.models["teacher0"].input_ids
     gen = torch.Generator().manual_seed(0)
-    t_logits = torch.randn(*t_ids.shape, teacher.vocab_size, generator=gen)
-    realized = t_ids[:, 1:, None]
-    t_logits[:, :-1].scatter_add_(-1, realized, torch.full(realized.shape, BIAS))
+    t_logits = teacher_logits(t_ids, teacher.vocab_size, gen)
     logits = torch.randn(*s_ids.shape, student.vocab_size, generator=gen).requires_grad_(True)
     mask = batch.loss_mask
     n_targets = int(mask.sum())
@@ -156,9 +107,9 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
         logits.grad = None
 
     results = []
-    ce_s, ce_mem = _measure(ce_step, args.repeat)
+    ce_s, ce_mem = measure(ce_step, args.repeat)
     results.append({"student": name, "loss": "ce", "seconds": ce_s, "peak": ce_mem})
-    seconds, peak = _measure(own_ce_step, args.repeat)
+    seconds, peak = measure(own_ce_step, args.repeat)
     results.append({"student": name, "loss": "ce (ours)", "seconds": seconds, "peak": peak})
     for k in KS:
         signal = signal_from_logits(t_logits, t_ids, k=k, tau=1.0)
@@ -176,13 +127,13 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
             compute_loss(logits, plan, config).loss.backward()
             logits.grad = None
 
-        seconds, peak = _measure(csd_step, args.repeat)
+        seconds, peak = measure(csd_step, args.repeat)
         results.append({
             "student": name, "loss": f"ce+csd K={k}", "seconds": seconds, "peak": peak,
             "plan_seconds": plan_s, "chunks": plan.counts.chunks[0],
             "events": len(plan.terms[0].events.teacher_lp),
         })  # fmt: skip
-    seconds, peak = _measure(dense_step, args.repeat)
+    seconds, peak = measure(dense_step, args.repeat)
     results.append({"student": name, "loss": "ce+dense kl", "seconds": seconds, "peak": peak})
     shape = f"{tuple(s_ids.shape)} x V={student.vocab_size}"
     for row in results:
@@ -197,7 +148,6 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ mesh, takes its slice of the logits (its data-parallel rows, sequence window and
 slice), runs :func:`crosskd.loss.parallel.sharded_loss` and ``backward``, and writes its
 gradient slice (safetensors) and its results (JSON): complete metrics, ``kd_scale``, its loss
 share and the bytes its collectives moved (every ``torch.distributed.all_reduce`` call is
-counted, including those inside the differentiable collectives' backward passes).
+counted, including those in the differentiable collectives' backward passes).
 """
 
 from __future__ import annotations
@@ -24,16 +24,25 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from crosskd.loss import LossConfig, LossPlan
-from crosskd.loss.parallel import ParallelConfig, build_mesh, reduce_counts, sharded_loss
+from crosskd.loss.parallel import (
+    ParallelConfig,
+    ShardedLogProbs,
+    build_mesh,
+    reduce_counts,
+    sharded_loss,
+)
 
 
 @dataclass
 class RankResult:
     """What one rank reported: ``grad`` of its logits slice, ``metrics``, ``kd_scale``, its
-    ``share`` of the loss, ``bytes`` moved by its collectives, and its coordinates."""
+    ``share`` of the loss, ``bytes`` moved by its collectives, ``normalizers`` (the sharded
+    log-normaliser at temperature 1 of every row of its data-parallel shard), and its
+    coordinates."""
 
     grad: torch.Tensor
     metrics: dict[str, float]
+    normalizers: list[float]
     kd_scale: float
     share: float
     bytes: int
@@ -110,14 +119,18 @@ def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> N
             mesh.tp_rank * part : (mesh.tp_rank + 1) * part,
         ].clone().requires_grad_(True)
         plan = plans[mesh.dp_rank]
-        moved[0] = 0
+        moved[0] = 0  # count from here: one step of the loss
         counts = reduce_counts(plan.counts, mesh)
         out = sharded_loss(local, plan, config, counts, mesh)
         out.loss.backward()
+        step_bytes = moved[0]
+        everything = torch.arange(rows * width)
+        normalizers = ShardedLogProbs(local.detach(), mesh, width).log_normalizer(everything)
         save_file({"grad": local.grad.contiguous()}, str(work / f"grad-{rank}.safetensors"))
         info = {
-            "metrics": out.metrics, "kd_scale": out.kd_scale, "share": out.loss.item(),
-            "bytes": moved[0], "dp": mesh.dp_rank, "cp": mesh.cp_rank, "tp": mesh.tp_rank,
+            "metrics": out.metrics, "normalizers": normalizers.tolist(),
+            "kd_scale": out.kd_scale, "share": out.loss.item(),
+            "bytes": step_bytes, "dp": mesh.dp_rank, "cp": mesh.cp_rank, "tp": mesh.tp_rank,
         }  # fmt: skip
         (work / f"rank-{rank}.json").write_text(json.dumps(info))
     finally:

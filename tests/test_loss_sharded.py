@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from loss_cases import PAIR_IDS, PAIRS, loss_config, make_case, padded, plan_rows
@@ -13,7 +14,7 @@ from sharded_runner import assemble, run_layout
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss
 from crosskd.loss.metrics import sum_keys
-from crosskd.loss.parallel import ParallelConfig
+from crosskd.loss.parallel import Mesh, ParallelConfig, ShardedLogProbs, ownership
 from crosskd.teacher import signal_from_logits
 
 LAYOUTS = {
@@ -82,6 +83,10 @@ def test_every_layout_equals_one_process(cases, pair, name, tmp_path):
     logits = case.student_logits.double()
     results = run_layout(layout, logits, plans, config, tmp_path)
     _check_same(results, single, grad, layout, logits.shape)
+    normalizers = torch.logsumexp(logits, dim=-1)
+    for r in results:
+        want = normalizers[r.dp * rows : (r.dp + 1) * rows].flatten()
+        torch.testing.assert_close(torch.tensor(r.normalizers, dtype=torch.float64), want)
 
 
 def test_a_padding_rank_gives_zero_and_leaves_the_others_unaffected(tmp_path, cases):
@@ -158,3 +163,34 @@ def test_layout_sizes_are_checked():
         ParallelConfig(dp=2, tp=2).check(2)
     with pytest.raises(ConfigError, match=r"tp is 0; it must be an integer >= 1"):
         ParallelConfig(tp=0).check(1)
+
+
+def _mesh(layout: ParallelConfig, cp_rank: int, tp_rank: int) -> Mesh:
+    """A mesh's coordinates without process groups (ownership needs none)."""
+    return Mesh(layout, 0, cp_rank, tp_rank, None, None, None)
+
+
+@pytest.mark.parametrize("name", ["cp2", "tp2xcp2", "tp2"])
+def test_ownership_counts_every_target_and_chunk_exactly_once(cases, name):
+    case, layout = cases("llama3-qwen3"), LAYOUTS[name]
+    plan = plan_rows(case, case.signal(64), _config())
+    owners = [
+        ownership(plan, _mesh(layout, c, t)) for c in range(layout.cp) for t in range(layout.tp)
+    ]
+    ce = np.sum([o.ce for o in owners], axis=0)
+    assert (ce == 1).all() and len(ce) == len(plan.ce_rows)
+    chunks = np.sum([o.chunks[0] for o in owners], axis=0)
+    assert (chunks == 1).all() and len(chunks) == len(plan.terms[0].chunk_shape)
+    assert sum(o.leader for o in owners) == 1
+    # Each rank's chunks start in its window.
+    window = plan.width // layout.cp
+    for c in range(layout.cp):
+        mine = owners[c * layout.tp].chunks[0]
+        first = plan.terms[0].chunk_first_row[mine] % plan.width
+        assert ((first >= c * window) & (first < (c + 1) * window)).all()
+
+
+def test_sharded_log_probs_refuse_uneven_windows():
+    with pytest.raises(ConfigError, match=r"logits hold 5 positions per rank and cp = 2, but the "
+                                          r"rows are 12 long"):  # fmt: skip
+        ShardedLogProbs(torch.zeros(1, 5, 8), _mesh(LAYOUTS["cp2"], 0, 0), width=12)

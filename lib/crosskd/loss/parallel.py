@@ -18,10 +18,12 @@ vocabulary ids, so each rank has student logits ``[B_dp, L / cp, V / tp]``.
 * Every CE target and chunk is evaluated by exactly one rank (:func:`ownership`): the CP rank
   that owns its first prediction row, and among the TP ranks the one its index picks
   round-robin. Each rank's loss is its share; the shares of all ranks sum to the micro-batch's
-  loss. The collectives are differentiable (``torch.distributed.nn.functional.all_reduce``,
-  whose backward sums the gradients over the group), so calling ``backward`` on every rank's
-  share gives each rank exactly its slice of the gradient of the whole loss. (Under DDP,
-  which *averages* gradients over DP, multiply the share by the DP size.)
+  loss. The collectives are differentiable (:func:`all_reduce_sum`, whose backward sums the
+  gradients over the group, as ``torch.distributed.nn.functional.all_reduce`` does; that module
+  is deprecated in torch 2.13 and its successor lives in a private module), so calling
+  ``backward`` on every rank's share gives each rank exactly its slice of the gradient of the
+  whole loss. (Under DDP, which *averages* gradients over DP, multiply the share by the DP
+  size.)
 * ``kd_scale`` and every reported value come from the complete terms: a float64 vector
   all-reduced over all ranks, so they are identical on every rank and equal to one process
   with the same micro-batch partition (spec 8.1). A rank with only padding contributes zeros
@@ -35,7 +37,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -108,6 +109,28 @@ def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> Mesh:
     )  # fmt: skip
 
 
+def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The sum of ``tensor`` over ``group``, differentiable: the gradient of each rank's input
+    is the sum of the gradients of every rank's output (the loss is the sum of the ranks'
+    shares)."""
+    return _AllReduceSum.apply(tensor, group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
 def reduce_counts(counts: StepCounts, mesh: Mesh) -> StepCounts:
     """The step's counts summed over the data-parallel shards (call once per step with the sum
     of this shard's micro-batch counts)."""
@@ -154,7 +177,7 @@ class ShardedLogProbs:
             return local_normalizer
         peak = local_normalizer.detach().clone()
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.mesh.tp_group)
-        total = dist_nn.all_reduce(torch.exp(local_normalizer - peak), group=self.mesh.tp_group)
+        total = all_reduce_sum(torch.exp(local_normalizer - peak), group=self.mesh.tp_group)
         return peak + torch.log(total)
 
     def _exchange(self, here: Tensor, values: Tensor, size: int) -> Tensor:
@@ -163,7 +186,7 @@ class ShardedLogProbs:
         out = values.new_zeros(size).index_put((torch.nonzero(here).flatten(),), values)
         if self.mesh.config.cp == 1:
             return out
-        return dist_nn.all_reduce(out, group=self.mesh.cp_group)
+        return all_reduce_sum(out, group=self.mesh.cp_group)
 
     def log_prob(self, rows: Tensor, ids: Tensor) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` at temperature ``tau``, for all pairs."""
@@ -174,7 +197,7 @@ class ShardedLogProbs:
             self.flat, local_rows, local_ids, owned, self.tau, self.block_rows
         )
         if self.mesh.config.tp > 1:
-            picked = dist_nn.all_reduce(picked, group=self.mesh.tp_group)
+            picked = all_reduce_sum(picked, group=self.mesh.tp_group)
         values = picked - self._normalizer(normalizer)[local_rows]
         return self._exchange(here, values, len(rows))
 

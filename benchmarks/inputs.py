@@ -1,0 +1,72 @@
+"""Inputs and measurements shared by the benchmark scripts (not a benchmark itself)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from crosskd.alignment.corpus import benchmark_corpus
+from crosskd.data.collate import Batch, collate, load_prepared
+from crosskd.data.prepare import PrepareConfig, prepare
+
+BIAS = 8.0
+"""Added to the teacher's logit of each realized token, so the top K holds realized tokens and
+other candidates as a trained teacher's would."""
+
+
+def rss() -> tuple[int, int]:
+    """Current and peak resident set of this process, bytes."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
+    """Median seconds of ``repeat`` calls of ``step`` (after one untimed warm-up call), and the
+    largest peak-memory rise."""
+    step()
+    times, peaks = [], []
+    for _ in range(repeat):
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        before, _ = rss()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        peaks.append(rss()[1] - before)
+    return statistics.median(times), max(peaks)
+
+
+def real_batch(student: str, teacher: str, rows: int, length: int, work: Path) -> Batch:
+    """The ``rows`` longest packed rows of benchmark text (:func:`benchmark_corpus`, 200 kB)
+    prepared by :func:`prepare` for zoo tokenizers ``student`` and one ``teacher`` (rows of at
+    most ``length`` student tokens), collated."""
+    data = work / f"{student}.jsonl"
+    with data.open("w") as fh:
+        for i, text in enumerate(benchmark_corpus(200_000)):
+            fh.write(json.dumps({"id": str(i), "text": text}) + "\n")
+    config = PrepareConfig(
+        data=str(data), student_tokenizer=f"zoo:{student}", teacher_tokenizers=[f"zoo:{teacher}"],
+        output=str(work / f"{student}-prepared"), max_length=length,
+        teacher_max_length=2 * length,
+    )  # fmt: skip
+    prepare(config, progress=False)
+    packed = list(load_prepared(config.output).packed_rows())
+    packed.sort(key=lambda row: -sum(len(s["student_ids"]) for s in row))
+    return collate(packed[:rows], n_teachers=1)
+
+
+def teacher_logits(teacher_ids: torch.Tensor, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Random float32 teacher logits ``[B, L_t, vocab]`` biased towards the realized tokens."""
+    logits = torch.randn(*teacher_ids.shape, vocab, generator=gen)
+    realized = teacher_ids[:, 1:, None]
+    logits[:, :-1].scatter_add_(-1, realized, torch.full(realized.shape, BIAS))
+    return logits
