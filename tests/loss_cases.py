@@ -178,11 +178,12 @@ def loss_config(k: int, **kw):
     return LossConfig(tau=TAU, teachers=[TeacherLossConfig(k=k, **tables)], **kw)
 
 
-def padded(case: CsdCase, multiple: int) -> CsdCase:
-    """The case with its student rows padded (id 0, outside the loss mask, random logits) to a
-    multiple of ``multiple`` positions, so sequence windows split them evenly."""
-    n_b, width = case.student_ids.shape
-    extra = -width % multiple
+def padded(case: CsdCase, multiple: int, width: int | None = None) -> CsdCase:
+    """The case with its student rows padded (id 0, outside the loss mask, random logits) to
+    ``width`` positions or else the next multiple of ``multiple``, so sequence windows split
+    them evenly."""
+    n_b, current = case.student_ids.shape
+    extra = (width - current) if width is not None else -current % multiple
     if not extra:
         return case
     gen = torch.Generator().manual_seed(99)

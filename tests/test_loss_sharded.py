@@ -27,8 +27,10 @@ LAYOUTS = {
 
 
 # Every layout on Llama-3/Qwen3; the two four-rank layouts on SmolLM2/Qwen3 too (time budget).
+# SmolLM2/Qwen3 rows are padded so that a sequence window boundary falls inside a chunk whose
+# tokens are priced by rows on both sides of it (the explicit exchange between windows).
 COMBOS = [("llama3-qwen3", name) for name in LAYOUTS] + [
-    ("smollm2-qwen3", "tp2xcp2"), ("smollm2-qwen3", "dp2xtp2"),
+    ("smollm2-qwen3", "cp2"), ("smollm2-qwen3", "tp2xcp2"), ("smollm2-qwen3", "dp2xtp2"),
 ]  # fmt: skip
 
 
@@ -40,10 +42,30 @@ def cases(zoo, built_table):
     def get(pair_id: str):
         if pair_id not in built:
             student, teacher, texts = PAIRS[PAIR_IDS.index(pair_id)]
-            built[pair_id] = padded(make_case(zoo, built_table, student, teacher, texts), 4)
+            case = make_case(zoo, built_table, student, teacher, texts)
+            width = _crossing_width(case) if student == "smollm2" else None
+            built[pair_id] = padded(case, 4, width)
         return built[pair_id]
 
     return get
+
+
+def _spans(plan) -> list[tuple[int, int]]:
+    """(first, last) prediction position of each counted chunk whose terms use several rows."""
+    events = plan.terms[0].events
+    position = events.term_row % plan.width
+    chunk = events.event_chunk[events.term_event]
+    spans = [(position[chunk == c].min(), position[chunk == c].max()) for c in np.unique(chunk)]
+    return [(int(a), int(b)) for a, b in spans if a < b]
+
+
+def _crossing_width(case) -> int:
+    """The smallest even row width at least the case's whose two halves split a chunk."""
+    spans = _spans(plan_rows(case, case.signal(64), _config()))
+    width = case.student_ids.shape[1]
+    fits = [2 * b for a, b in spans if a < b and 2 * b >= width]
+    assert fits, "the case needs a multi-row chunk in the second half of a row"
+    return min(fits)
 
 
 def _config():
@@ -77,6 +99,9 @@ def test_every_layout_equals_one_process(cases, pair, name, tmp_path):
     signal = case.signal(64)
     single, grad = _single(case, config, signal)
     assert single.kd.item() > 0 and 1 < single.kd_scale < 50
+    if pair == "smollm2-qwen3" and layout.cp == 2:
+        half = case.student_ids.shape[1] // 2
+        assert any(a < half <= b for a, b in _spans(plan_rows(case, signal, config)))
     rows = case.student_ids.shape[0] // layout.dp
     plans = [plan_rows(case, signal, config, slice(d * rows, (d + 1) * rows))
              for d in range(layout.dp)]  # fmt: skip
