@@ -92,6 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="one sample per row instead of lockstep packing")  # fmt: skip
     prep.add_argument("overrides", nargs="*", metavar="key=value",
                       help="any PrepareConfig field, e.g. drop_first_chunk=true")  # fmt: skip
+
+    sc = commands.add_parser(
+        "score", help="write the teacher's top-K signal of prepared data to a cache (local/S3)"
+    )
+    sc.add_argument("--config", help="YAML file with ScoreConfig keys")
+    sc.add_argument("--data", help="prepared data (crosskd prepare output), any fsspec URI")
+    sc.add_argument("--teacher", help="HF folder, zoo:NAME, fsspec URI or cached hub id")
+    sc.add_argument("--output", help="cache folder or URI")
+    sc.add_argument("--teacher-index", type=int, help="which teacher of the data (0, 1, ...)")
+    sc.add_argument("--k", type=int, help="top-K size")
+    sc.add_argument("--tau", type=float, help="temperature")
+    sc.add_argument("--encoding", choices=["lossless", "lossy"])
+    sc.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="any ScoreConfig field, e.g. token_budget=8192")  # fmt: skip
     return parser
 
 
@@ -114,6 +128,8 @@ def _run(args: argparse.Namespace) -> int:
         return _prepare(args)
     if args.command == "inspect":
         return _inspect_pair(args)
+    if args.command == "score":
+        return _score(args)
     from crosskd import tables
 
     if args.action == "build":
@@ -170,6 +186,24 @@ def _prepare(args: argparse.Namespace) -> int:
           for name, counts in shapes.items()),
     ]  # fmt: skip
     _write("\n".join(lines))
+    return 0
+
+
+def _score(args: argparse.Namespace) -> int:
+    from crosskd.config import load_config
+    from crosskd.teacher.scoring import ScoreConfig, score
+
+    flags = ("data", "teacher", "output", "teacher_index", "k", "tau", "encoding")
+    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+    config = load_config(ScoreConfig, args.config, args.overrides, flags=given)
+    manifest = score(config)
+    bpb = manifest["bits_per_byte"]
+    _write(
+        f"scored {len(manifest['samples'])} samples ({manifest['tokens']} tokens) into "
+        f"{len(manifest['shards'])} shards at {config.output}: top-{manifest['k']} at tau "
+        f"{manifest['tau']}, {manifest['encoding']}, {manifest['bytes_per_token']:.0f} "
+        f"bytes/token; teacher bits per byte {'n/a' if bpb is None else f'{bpb:.3f}'}"
+    )
     return 0
 
 

@@ -39,21 +39,27 @@ class PreparedData:
         """``["student", "teacher0", ...]``."""
         return [m["name"] for m in self.manifest["models"]]
 
-    def packed_rows(self) -> Iterator[list[dict]]:
-        """Every packed row in order, as its list of samples (column name -> value)."""
+    def shard_samples(self, index: int) -> list[dict]:
+        """The samples of shard ``index`` in order (column name -> value), after checking the
+        shard's sha256 against the manifest."""
         import pyarrow.parquet as pq
 
+        shard = self.manifest["shards"][index]
         fs, root = fsspec.core.url_to_fs(self.uri)
-        for shard in self.manifest["shards"]:
-            payload = fs.cat_file(f"{root}/{shard['path']}")
-            digest = hashlib.sha256(payload).hexdigest()
-            if digest != shard["sha256"]:
-                raise DataError(
-                    f"prepared data {self.uri}: shard {shard['path']} has sha256 {digest}, the "
-                    f"manifest says {shard['sha256']}; the file changed or is damaged. Run "
-                    f"`crosskd prepare` again."
-                )
-            rows = pq.read_table(io.BytesIO(payload)).to_pylist()
+        payload = fs.cat_file(f"{root}/{shard['path']}")
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest != shard["sha256"]:
+            raise DataError(
+                f"prepared data {self.uri}: shard {shard['path']} has sha256 {digest}, the "
+                f"manifest says {shard['sha256']}; the file changed or is damaged. Run "
+                f"`crosskd prepare` again."
+            )
+        return pq.read_table(io.BytesIO(payload)).to_pylist()
+
+    def packed_rows(self) -> Iterator[list[dict]]:
+        """Every packed row in order, as its list of samples (column name -> value)."""
+        for index in range(len(self.manifest["shards"])):
+            rows = self.shard_samples(index)
             start = 0
             while start < len(rows):
                 stop = start

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from crosskd.errors import CrosskdError, TokenizerError
+from crosskd.errors import TokenizerError
 from crosskd.tokenization.sources import default_cache_dir
 from crosskd.zoo.builders import (
     BUILDERS,
@@ -43,7 +43,13 @@ from crosskd.zoo.builders import (
     tokenizer_config,
     write_folder,
 )
-from crosskd.zoo.files import INSTALL_HINT, ZooBuildError, ZooSourceMissingError, bpe_ranks
+from crosskd.zoo.files import (
+    INSTALL_HINT,
+    ZooBuildError,
+    ZooSourceMissingError,
+    bpe_ranks,
+    publish_folder,
+)
 
 __all__ = [
     "INSTALL_HINT", "LLAMA3_PATTERN", "QWEN2_PATTERN", "ZOO_FORMAT_VERSION", "ZOO_NAMES",
@@ -67,16 +73,7 @@ def _is_complete(folder: Path) -> bool:
 
 
 def _publish(staging: Path, target: Path) -> None:
-    """Atomically rename ``staging`` to ``target``; a finished concurrent build wins."""
-    try:
-        os.rename(staging, target)
-    except OSError:
-        if not _is_complete(target):
-            raise CrosskdError(
-                f"zoo folder {target} exists but is not a complete zoo folder (it lacks one of "
-                f"{', '.join(_REQUIRED_FILES)}); remove it and retry."
-            ) from None
-        logger.info("%s was published concurrently; discarding this build", target)
+    publish_folder(staging, target, _REQUIRED_FILES)
 
 
 def zoo_tokenizer_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:

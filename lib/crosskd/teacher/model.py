@@ -1,0 +1,172 @@
+"""Loading a teacher model for scoring (offline, to the cache) or for the online signal.
+
+A teacher reference is a Hugging Face folder, ``zoo:NAME`` (:mod:`crosskd.zoo.models`), an
+fsspec URI of a folder (its config, safetensors weights and tokenizer files are copied into
+the cache, keyed by the files' version stamps), or a Hugging Face id already in the local cache
+(nothing is downloaded). Weights are read from safetensors only (never unpickled);
+``trust_remote_code`` stays off unless asked. Device: CUDA when available, else CPU; dtype:
+bfloat16 on a GPU that supports it (float16 otherwise), float32 on CPU (CPU half-precision
+matmuls are slow and inexact). The teacher's fingerprint is the sha256 of its ``config.json``
+and of every weight file, so a cache records exactly which weights scored it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from crosskd.errors import CrosskdError
+from crosskd.tokenization.sources import TOKENIZER_FILES, default_cache_dir
+
+log = logging.getLogger(__name__)
+
+_VERSION_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "md5Hash")
+
+
+class TeacherError(CrosskdError):
+    """A teacher model cannot be found or loaded as asked."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedTeacher:
+    """A teacher ready to score: ``model`` (eval mode, on ``device`` in ``dtype``), ``name``
+    (the reference), ``folder`` (local), ``fingerprint`` and ``vocab_size`` (output rows)."""
+
+    name: str
+    folder: Path
+    model: torch.nn.Module
+    fingerprint: str
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def default_device() -> torch.device:
+    """CUDA when available, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 (or float16) on a GPU, float32 on CPU."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_teacher(
+    ref: str,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+) -> LoadedTeacher:
+    """Load and fingerprint a teacher (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = teacher_folder(ref, cache_dir=cache_dir)
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        found = sorted(p.name for p in folder.iterdir())
+        raise TeacherError(
+            f"teacher {ref!r}: no *.safetensors weights in {folder} (found {found}); crosskd "
+            f"never unpickles weights. Save the model with save_pretrained(safe_serialization="
+            f"True)."
+        )
+    device = torch.device(device) if device is not None else default_device()
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise TeacherError(f"dtype {dtype!r} is not a torch dtype (float32, bfloat16, ...).")
+        dtype = getattr(torch, dtype)
+    dtype = dtype or default_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, use_safetensors=True, local_files_only=True,
+        trust_remote_code=trust_remote_code,
+    )  # fmt: skip
+    model.to(device).eval()
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    return LoadedTeacher(ref, folder, model, fingerprint(folder), vocab, device, dtype)
+
+
+def fingerprint(folder: Path) -> str:
+    """sha256 over ``config.json`` and the sha256 of every ``*.safetensors`` file."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        file_hash = hashlib.sha256()
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                file_hash.update(block)
+        digest.update(path.name.encode() + b"\0" + file_hash.digest())
+    return digest.hexdigest()
+
+
+def teacher_folder(ref: str, *, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local folder of a teacher reference."""
+    if ref.startswith("zoo:"):
+        from crosskd.zoo.models import zoo_model_dir
+
+        return zoo_model_dir(ref[len("zoo:") :], cache_dir=cache_dir)
+    if ref.startswith("file://"):
+        ref = ref[len("file://") :]
+    elif "://" in ref:
+        return _fetch(ref, Path(cache_dir) if cache_dir else default_cache_dir())
+    path = Path(ref)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TeacherError(f"teacher folder {ref!r} has no config.json.")
+        return path
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(ref, "config.json")
+    except ValueError:
+        found = None
+    if not isinstance(found, str):
+        raise TeacherError(
+            f"teacher {ref!r} is not a folder, a zoo:NAME, an fsspec URI, or a Hugging Face id "
+            f"in the local cache; crosskd never downloads at run time. Download it first "
+            f"(`huggingface-cli download {ref}`) or pass its folder."
+        )
+    return Path(found).parent
+
+
+def _fetch(uri: str, cache_dir: Path) -> Path:
+    """Copy a remote teacher folder (config, safetensors, tokenizer files) into the cache."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.isdir(path):
+        raise TeacherError(f"teacher {uri!r} is not a folder; check the URI and credentials.")
+    wanted = TOKENIZER_FILES | {"generation_config.json"}
+    entries = [
+        e for e in fs.ls(path, detail=True)
+        if e.get("type") == "file"
+        and (Path(e["name"]).name in wanted or e["name"].endswith(".safetensors"))
+    ]  # fmt: skip
+    if "config.json" not in {Path(e["name"]).name for e in entries}:
+        raise TeacherError(f"teacher folder {uri!r} has no config.json.")
+    stamp = [[Path(e["name"]).name, {k: e[k] for k in _VERSION_KEYS if k in e}] for e in entries]
+    key = json.dumps([uri, sorted(stamp)], sort_keys=True, default=str)
+    target = cache_dir / "teachers" / hashlib.sha256(key.encode("utf-8")).hexdigest()[:20]
+    if not target.is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            for entry in entries:
+                fs.get(entry["name"], str(tmp / Path(entry["name"]).name))
+            os.replace(tmp, target)
+            log.info("copied teacher %s to %s", uri, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

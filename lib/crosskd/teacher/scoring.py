@@ -1,0 +1,274 @@
+"""Teacher scoring: the top-K teacher signal of every sample of prepared data, written to a
+cache (local folder or any fsspec URI) that training reads back (:mod:`crosskd.teacher.cache`).
+
+Samples are scored one by one in their own context (a packed row's samples never attend to each
+other), grouped into batches by a token budget (samples sorted by length within a shard, each
+batch right-padded; padding is masked out of attention and never read back). The signal of each
+batch comes from :func:`score_sequences`, which the online mode of training shares.
+
+Output: one signal shard per prepared shard (same index, ``part-NNNNN.parquet``), written under a
+temporary name and renamed when complete, then ``manifest.json`` last. A run writes
+``run.json`` (the config fingerprint) first; a rerun with the same config skips the shards that
+exist and scores the rest, so an interrupted run and its rerun give a cache identical to an
+uninterrupted run (scoring is deterministic for a given device and batch composition). A rerun
+with another config into the same output is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+
+import fsspec
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from crosskd import __version__
+from crosskd.data.collate import ModelBatch, load_prepared
+from crosskd.errors import CrosskdError
+from crosskd.teacher.model import LoadedTeacher, load_teacher
+from crosskd.teacher.signal import SignalError, TeacherSignal, signal_from_logits
+from crosskd.teacher.storage import (
+    ENCODINGS,
+    SampleSignal,
+    batch_signal,
+    decode,
+    encode,
+    signal_samples,
+)
+from crosskd.tokenization import LoadedTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+KIND = "crosskd-teacher-cache"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+RUN = "run.json"
+
+
+@dataclass
+class ScoreConfig:
+    """What ``crosskd score`` does."""
+
+    data: str
+    """Prepared data (``crosskd prepare`` output), any fsspec URI."""
+    teacher: str
+    """The teacher model: HF folder, ``zoo:NAME``, fsspec URI of a folder, or cached hub id."""
+    output: str
+    """Where the signal shards and ``manifest.json`` go (any fsspec URI)."""
+    teacher_index: int = 0
+    """Which teacher of the prepared data (``teacher0``, ``teacher1``, ...) this model is."""
+    k: int = 128
+    """Top-K size (>= 1)."""
+    tau: float = 1.0
+    """Temperature of the stored log probs (the training config must use the same)."""
+    encoding: str = "lossless"
+    """``lossless`` (exact float32) or ``lossy`` (8-bit quantised log probs)."""
+    token_budget: int = 4096
+    """Padded tokens per forward batch."""
+    device: str | None = None
+    """``cpu``, ``cuda``, ... (default: CUDA when available)."""
+    dtype: str | None = None
+    """``float32``, ``bfloat16``, ... (default: bfloat16 on GPU, float32 on CPU)."""
+    trust_remote_code: bool = False
+    """Passed to transformers; off unless you trust the model's code."""
+
+    def check(self) -> None:
+        """Refuse bad values naming the key."""
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise CrosskdError(f"k is {self.k!r}; the cache stores a top K, so k must be >= 1.")
+        if not isinstance(self.tau, int | float) or not math.isfinite(self.tau) or self.tau <= 0:
+            raise CrosskdError(f"tau is {self.tau!r}; it must be a finite number > 0.")
+        if self.encoding not in ENCODINGS:
+            raise CrosskdError(
+                f"encoding is {self.encoding!r}; choose one of {', '.join(ENCODINGS)}."
+            )
+        if not isinstance(self.token_budget, int) or self.token_budget < 1:
+            raise CrosskdError(f"token_budget is {self.token_budget!r}; it must be >= 1.")
+
+    def fingerprint(self) -> str:
+        """sha256 of what decides the stored values (k, tau, encoding, teacher index)."""
+        keys = {"k": self.k, "tau": float(self.tau), "encoding": self.encoding,
+                "teacher_index": self.teacher_index}  # fmt: skip
+        return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()
+
+
+@torch.no_grad()
+def score_sequences(
+    teacher: LoadedTeacher, sequences: list[np.ndarray], *, k: int, tau: float
+) -> list[SampleSignal]:
+    """The signal of each token sequence (int ``[L_i]``), scored together as one right-padded
+    batch with an attention mask; log probs in float32 whatever the model's dtype."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[b, : len(seq)] = 1
+    ids, mask = ids.to(teacher.device), mask.to(teacher.device)
+    logits = teacher.model(input_ids=ids, attention_mask=mask).logits
+    if logits.shape[-1] != teacher.vocab_size:
+        raise SignalError(
+            f"teacher {teacher.name} returned {logits.shape[-1]} logits per row, its output "
+            f"layer has {teacher.vocab_size}."
+        )
+    signal = signal_from_logits(logits, ids, k=k, tau=tau)
+    return signal_samples(signal, [len(s) for s in sequences])
+
+
+def online_signal(
+    teacher: LoadedTeacher, batch: ModelBatch, *, k: int, tau: float, token_budget: int = 4096
+) -> TeacherSignal:
+    """The teacher signal of a collated batch computed here (online mode, for small teachers):
+    the teacher's side of the batch (``batch.models["teacher0"]``) is split into its samples by
+    ``segment_ids``, the samples are scored like the offline scorer does (:func:`score_sequences`
+    in token-budget batches), and laid out as the batch's rows (as
+    :meth:`crosskd.teacher.cache.TeacherCache.batch` does for cached signals)."""
+    ids, segments = batch.input_ids.cpu().numpy(), batch.segment_ids.cpu().numpy()
+    sequences, owner = [], []
+    for b in range(len(ids)):
+        for seg in np.unique(segments[b][segments[b] >= 0]).tolist():
+            sequences.append(ids[b][segments[b] == seg])
+            owner.append(b)
+    signals = score_all(teacher, sequences, k=k, tau=tau, token_budget=token_budget)
+    rows: list[list[SampleSignal]] = [[] for _ in range(len(ids))]
+    for b, sig in zip(owner, signals, strict=True):
+        rows[b].append(sig)
+    return batch_signal(rows, ids.shape[1], k=k, tau=tau, vocab_size=teacher.vocab_size)
+
+
+def score_all(
+    teacher: LoadedTeacher, sequences: list[np.ndarray], *, k: int, tau: float, token_budget: int
+) -> list[SampleSignal]:
+    """The signal of every sequence, in order, scored in :func:`budget_batches`."""
+    signals: list = [None] * len(sequences)
+    for group in budget_batches([len(s) for s in sequences], token_budget):
+        scored = score_sequences(teacher, [sequences[i] for i in group], k=k, tau=tau)
+        for i, sig in zip(group, scored, strict=True):
+            signals[i] = sig
+    return signals
+
+
+def budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped into batches whose padded size (count x longest) stays within
+    ``budget`` tokens (a longer sample goes alone), longest first."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def score(config: ScoreConfig, *, progress: bool = True) -> dict:
+    """Score every sample of the prepared data and write the cache; returns its manifest."""
+    config.check()
+    fs, root = fsspec.core.url_to_fs(config.output)
+    prepared = load_prepared(config.data)
+    name = f"teacher{config.teacher_index}"
+    models = {m["name"]: m for m in prepared.manifest["models"]}
+    if name not in models:
+        raise CrosskdError(
+            f"teacher_index is {config.teacher_index}, but prepared data {config.data} has "
+            f"teachers {', '.join(n for n in models if n != 'student')}."
+        )
+    run = {"config_fingerprint": config.fingerprint(),
+           "data_fingerprint": prepared.manifest["data_fingerprint"]}  # fmt: skip
+    _start_run(fs, root, config.output, run)
+    teacher = load_teacher(config.teacher, device=config.device, dtype=config.dtype,
+                           trust_remote_code=config.trust_remote_code)  # fmt: skip
+    tokenizer = _check_tokenizer(teacher, models[name], config)
+    bytes_of = tokenizer.bytes.lengths
+    shards, index = [], {}
+    bar = tqdm(total=models[name]["tokens"], desc=f"score {name}", unit="tok", unit_scale=True,
+               disable=not progress)  # fmt: skip
+    nll_bits, predicted_bytes = 0.0, 0
+    for i, shard in enumerate(prepared.manifest["shards"]):
+        path = f"{root}/{shard['path']}"
+        samples = prepared.shard_samples(i)
+        ids = [np.asarray(s[f"{name}_ids"], dtype=np.int64) for s in samples]
+        sample_ids = [s["sample_id"] for s in samples]
+        if fs.exists(path):
+            payload = fs.cat_file(path)
+            log.info("shard %s exists (from an earlier run); skipping it", shard["path"])
+            signals = [sig for _, sig in decode(payload, config.encoding, config.k)]
+        else:
+            signals = _score_shard(teacher, ids, config)
+            payload = encode(sample_ids, signals, config.encoding)
+            tmp = f"{root}/.tmp-{shard['path']}"
+            fs.pipe_file(tmp, payload)
+            fs.mv(tmp, path)
+        for seq, sig in zip(ids, signals, strict=True):
+            nll_bits -= float(sig.realized_t1.astype(np.float64).sum()) / math.log(2)
+            predicted_bytes += int(bytes_of[seq[1:]].sum())
+        for row, sample_id in enumerate(sample_ids):
+            index[sample_id] = [i, row]
+        shards.append({
+            "path": shard["path"], "samples": len(samples), "tokens": sum(len(x) for x in ids),
+            "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
+        })  # fmt: skip
+        bar.update(shards[-1]["tokens"])
+    bar.close()
+    tokens = sum(s["tokens"] for s in shards)
+    manifest = {
+        "kind": KIND, "format_version": FORMAT_VERSION, "created_by": f"crosskd {__version__}",
+        "teacher": {"name": config.teacher, "fingerprint": teacher.fingerprint,
+                    "vocab_size": teacher.vocab_size},
+        "tokenizer": {"name": models[name]["tokenizer"], "fingerprint": tokenizer.fingerprint},
+        "data": {"uri": config.data, "fingerprint": prepared.manifest["data_fingerprint"],
+                 "teacher": name},
+        "config": asdict(config) | {"fingerprint": config.fingerprint()},
+        "k": config.k, "tau": float(config.tau), "encoding": config.encoding,
+        "value_dtype": "float32" if config.encoding == "lossless" else "uint8 steps of 1/16 nat",
+        "bits_per_byte": nll_bits / predicted_bytes if predicted_bytes else None,
+        "tokens": tokens,
+        "bytes_per_token": sum(s["bytes"] for s in shards) / max(tokens, 1),
+        "shards": shards, "samples": index,
+    }  # fmt: skip
+    fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=1).encode("utf-8"))
+    log.info("scored %d samples into %s (%.1f bytes/token)", len(index), config.output,
+             manifest["bytes_per_token"])  # fmt: skip
+    return manifest
+
+
+def _score_shard(
+    teacher: LoadedTeacher, ids: list[np.ndarray], config: ScoreConfig
+) -> list[SampleSignal]:
+    return score_all(teacher, ids, k=config.k, tau=config.tau, token_budget=config.token_budget)
+
+
+def _start_run(fs, root: str, output: str, run: dict) -> None:
+    """Record the run's config (or check it against an earlier, interrupted run's)."""
+    path = f"{root}/{RUN}"
+    if fs.exists(path):
+        earlier = json.loads(fs.cat_file(path))
+        if earlier != run:
+            differ = [k for k in run if earlier.get(k) != run[k]]
+            raise CrosskdError(
+                f"output {output} holds a cache (or an interrupted run) with another "
+                f"{' and '.join(differ)}; choose a new output or delete the old one."
+            )
+        return
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(path, json.dumps(run).encode("utf-8"))
+
+
+def _check_tokenizer(
+    teacher: LoadedTeacher, recorded: dict, config: ScoreConfig
+) -> LoadedTokenizer:
+    """The teacher folder's tokenizer, which must be the one the data was prepared with."""
+    tokenizer = load_tokenizer(str(teacher.folder), vocab_size=teacher.vocab_size)
+    if tokenizer.fingerprint != recorded["fingerprint"]:
+        raise CrosskdError(
+            f"teacher {config.teacher}: its tokenizer has fingerprint {tokenizer.fingerprint}, but "
+            f"{recorded['name']} of {config.data} was prepared with {recorded['tokenizer']} "
+            f"(fingerprint {recorded['fingerprint']}); prepare the data with this teacher's "
+            f"tokenizer or score with the matching teacher."
+        )
+    return tokenizer
