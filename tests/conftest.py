@@ -71,3 +71,27 @@ def tiktoken_encoding():
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3FileSystem talking to a moto server on 127.0.0.1 with throwaway credentials."""
+    s3fs = pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    patch = pytest.MonkeyPatch()
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "crosskd-test", "AWS_SECRET_ACCESS_KEY": "crosskd-test",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }.items():  # fmt: skip
+        patch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("crosskd-test")
+    yield fs
+    s3fs.S3FileSystem.clear_instance_cache()
+    patch.undo()
+    server.stop()

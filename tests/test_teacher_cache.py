@@ -1,0 +1,242 @@
+"""Teacher scoring and the teacher cache with a tiny random-init Llama teacher: storage
+round trips, resumable scoring on a real S3 server (moto on loopback), the reader's checks, and
+the online signal."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crosskd.cli import main
+from crosskd.data.collate import collate, load_prepared
+from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.errors import CrosskdError
+from crosskd.teacher import signal_from_logits
+from crosskd.teacher.cache import CacheError, open_cache
+from crosskd.teacher.model import load_teacher
+from crosskd.teacher.scoring import ScoreConfig, budget_batches, online_signal, score
+from crosskd.teacher.signal import SignalError
+from crosskd.teacher.storage import LOSSY_STEP, decode, encode, signal_samples
+from crosskd.tokenization import load_tokenizer
+from crosskd.zoo import train_tiny_bpe
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Pack my box with five dozen liquor jugs, 12 of them.",
+    "Sphinx of black quartz, judge my vow!",
+    "How vexingly quick daft zebras jump; 3.14159 and 2.71828.",
+    "Über café naïve — ünïcödé text, 東京 and emoji 🎉 too.",
+    "A short one.",
+] * 3
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory):
+    """A tiny Llama (random weights, seed 0) with a tiny byte-level BPE, as an HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-teacher")
+    train_tiny_bpe(TEXTS * 5, 400, folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ))  # fmt: skip
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_teacher, zoo_cache):
+    root = tmp_path_factory.mktemp("prepared")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"s{i}", "text": t}) + "\n"
+                            for i, t in enumerate(TEXTS)))  # fmt: skip
+    config = PrepareConfig(
+        data=str(data), student_tokenizer="zoo:llama3", teacher_tokenizers=[str(tiny_teacher)],
+        output=str(root / "out"), max_length=64, shard_rows=5,
+    )  # fmt: skip
+    prepare(config, progress=False)
+    return config.output
+
+
+def _score_config(prepared, tiny_teacher, output, **kw) -> ScoreConfig:
+    return ScoreConfig(data=prepared, teacher=str(tiny_teacher), output=output, k=8,
+                       token_budget=64, **kw)  # fmt: skip
+
+
+# --- storage ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), k=st.integers(1, 9),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_lossless_round_trip_is_exact_and_lossy_is_within_half_a_step(lengths, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    width, vocab = max(lengths), 40
+    ids = torch.randint(0, vocab, (len(lengths), width), generator=gen)
+    signal = signal_from_logits(torch.randn(len(lengths), width, vocab, generator=gen) * 4, ids,
+                                k=k, tau=1.5)  # fmt: skip
+    samples = signal_samples(signal, lengths)
+    names = [f"x{i}" for i in range(len(lengths))]
+    lossless = decode(encode(names, samples, "lossless"), "lossless", k)
+    lossy = decode(encode(names, samples, "lossy"), "lossy", k)
+    for (name, exact), (_, approx), original in zip(lossless, lossy, samples, strict=True):
+        assert name in names
+        np.testing.assert_array_equal(exact.ids, original.ids)
+        np.testing.assert_array_equal(exact.log_probs, original.log_probs)
+        np.testing.assert_array_equal(exact.realized, original.realized)
+        np.testing.assert_array_equal(exact.realized_t1, original.realized_t1)
+        np.testing.assert_array_equal(approx.ids, original.ids)
+        floor = original.log_probs.max(axis=1, keepdims=True) - 255 * LOSSY_STEP
+        above = original.log_probs >= floor
+        error = np.abs(approx.log_probs - original.log_probs)
+        assert (error[above] <= LOSSY_STEP / 2 + 1e-5).all()
+        assert (approx.log_probs[~above] >= original.log_probs[~above]).all()
+
+
+def test_budget_batches_stay_within_the_budget():
+    lengths = [5, 9, 3, 30, 9, 1]
+    batches = budget_batches(lengths, 20)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 20
+    assert batches[0] == [3]  # longer than the budget: alone
+
+
+# --- scoring and reading, on S3 ------------------------------------------------------------
+
+
+def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
+    uri = "s3://crosskd-test/cache/full"
+    manifest = score(_score_config(prepared, tiny_teacher, uri), progress=False)
+    data = load_prepared(prepared)
+    assert [s["path"] for s in manifest["shards"]] == [s["path"] for s in data.manifest["shards"]]
+    assert len(manifest["shards"]) >= 3 and len(manifest["samples"]) == len(TEXTS)
+    assert manifest["k"] == 8 and manifest["tau"] == 1.0 and manifest["encoding"] == "lossless"
+    teacher = load_teacher(str(tiny_teacher))
+    # Bits per byte, recomputed directly: every sample alone through the model, -log2 p of each
+    # token after the first, over those tokens' UTF-8 bytes.
+    lengths = load_tokenizer(str(tiny_teacher)).bytes.lengths
+    bits = n_bytes = 0.0
+    for row in data.packed_rows():
+        for sample in row:
+            ids = torch.tensor([sample["teacher0_ids"]])
+            with torch.no_grad():
+                lp = torch.log_softmax(teacher.model(input_ids=ids).logits.double(), -1)
+            bits -= lp[0, :-1].gather(-1, ids[0, 1:, None]).sum().item() / math.log(2)
+            n_bytes += lengths[ids[0, 1:].numpy()].sum()
+    assert manifest["bits_per_byte"] == pytest.approx(bits / n_bytes, rel=1e-5)
+    cache = open_cache(uri, teacher_fingerprint=teacher.fingerprint, k=8, tau=1.0,
+                       data_fingerprint=data.manifest["data_fingerprint"])  # fmt: skip
+    # Sequential and random access agree, and match a direct forward of the sample.
+    for index in range(len(manifest["shards"])):
+        for sample_id, sig in cache.shard(index):
+            assert np.array_equal(cache.sample(sample_id).ids, sig.ids)
+    sample = data.shard_samples(1)[0]
+    ids = torch.tensor([sample["teacher0_ids"]])
+    with torch.no_grad():
+        logits = teacher.model(input_ids=ids).logits
+    direct = torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    got = cache.sample(sample["sample_id"])
+    np.testing.assert_allclose(got.realized, direct.numpy(), rtol=1e-5, atol=1e-5)
+    # Every field the training config may ask about is checked, naming it and both values.
+    for kwargs, field in (({"k": 16}, "k is 8, the config asks for 16"),
+                          ({"tau": 2.0}, "tau is 1.0, the config asks for 2.0"),
+                          ({"teacher_fingerprint": "abc"}, "teacher fingerprint is"),
+                          ({"tokenizer_fingerprint": "abc"}, "tokenizer fingerprint is"),
+                          ({"data_fingerprint": "abc"}, "data fingerprint is")):  # fmt: skip
+        with pytest.raises(SignalError, match=field):
+            open_cache(uri, **kwargs)
+    with pytest.raises(CacheError, match="has no sample 'nope'"):
+        cache.sample("nope")
+
+
+def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teacher, monkeypatch):
+    full, partial = "s3://crosskd-test/cache/ref", "s3://crosskd-test/cache/resumed"
+    reference = score(_score_config(prepared, tiny_teacher, full), progress=False)
+    import crosskd.teacher.scoring as scoring
+
+    real, calls = scoring._score_shard, []
+
+    def dying(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scoring, "_score_shard", dying)
+    with pytest.raises(KeyboardInterrupt):
+        score(_score_config(prepared, tiny_teacher, partial), progress=False)
+    names = {p.rsplit("/", 1)[-1] for p in s3.ls("crosskd-test/cache/resumed")}
+    assert "manifest.json" not in names and {"part-00000.parquet", "part-00001.parquet"} <= names
+    assert not any(n.startswith(".tmp-") for n in names)
+    monkeypatch.setattr(scoring, "_score_shard", real)
+    calls.clear()
+    resumed = score(_score_config(prepared, tiny_teacher, partial), progress=False)
+    assert resumed["shards"] == reference["shards"]  # same bytes: same sha256 per shard
+    assert resumed["samples"] == reference["samples"]
+    assert resumed["bits_per_byte"] == pytest.approx(reference["bits_per_byte"], rel=1e-12)
+    for shard in reference["shards"]:
+        assert s3.cat_file(f"crosskd-test/cache/resumed/{shard['path']}") == s3.cat_file(
+            f"crosskd-test/cache/ref/{shard['path']}"
+        )
+    with pytest.raises(CrosskdError, match=r"holds a cache .* with another config_fingerprint"):
+        score(_score_config(prepared, tiny_teacher, partial, tau=2.0), progress=False)
+
+
+def test_a_corrupted_shard_is_detected_by_its_checksum(s3, prepared, tiny_teacher):
+    uri = "s3://crosskd-test/cache/corrupt"
+    manifest = score(_score_config(prepared, tiny_teacher, uri, encoding="lossy"), progress=False)
+    path = f"crosskd-test/cache/corrupt/{manifest['shards'][1]['path']}"
+    payload = bytearray(s3.cat_file(path))
+    payload[len(payload) // 2] ^= 0xFF
+    s3.pipe_file(path, bytes(payload))
+    cache = open_cache(uri)
+    cache.shard(0)
+    with pytest.raises(CacheError, match=r"part-00001.parquet has sha256 .* the manifest says"):
+        cache.shard(1)
+
+
+def test_online_signal_equals_the_cached_signal(prepared, tiny_teacher, tmp_path):
+    out = str(tmp_path / "cache")
+    score(_score_config(prepared, tiny_teacher, out), progress=False)
+    cache = open_cache(out)
+    teacher = load_teacher(str(tiny_teacher))
+    rows = list(load_prepared(prepared).packed_rows())[:3]
+    batch = collate(rows, n_teachers=1)
+    side = batch.models["teacher0"]
+    cached = cache.batch(batch.sample_ids, side.input_ids.shape[1])
+    online = online_signal(teacher, side, k=8, tau=1.0, token_budget=64)
+    valid = side.segment_ids >= 0
+    assert torch.equal(cached.ids[valid], online.ids[valid])
+    torch.testing.assert_close(cached.log_probs[valid], online.log_probs[valid])
+    torch.testing.assert_close(cached.realized, online.realized)
+    assert cached.k == online.k == 8 and cached.vocab_size == online.vocab_size
+
+
+def test_cli_score_and_bad_configs(prepared, tiny_teacher, tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    code = main(["score", "--data", prepared, "--teacher", str(tiny_teacher), "--output", out,
+                 "--k", "4", "--encoding", "lossy", "token_budget=32"])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert f"scored {len(TEXTS)} samples" in printed and "top-4 at tau 1.0, lossy" in printed
+    assert main(["score", "--data", prepared, "--teacher", str(tiny_teacher), "--output",
+                 str(tmp_path / "bad"), "--k", "0"]) == 2  # fmt: skip
+    assert "k is 0; the cache stores a top K" in capsys.readouterr().err
+    assert main(["score", "--data", prepared, "--teacher", "zoo:qwen3", "--output",
+                 str(tmp_path / "bad2")]) == 2  # fmt: skip
+    assert "unknown zoo model 'qwen3'" in capsys.readouterr().err
+    with pytest.raises(CrosskdError, match="teacher_index is 3, but prepared data"):
+        score(_score_config(prepared, tiny_teacher, str(tmp_path / "bad3"), teacher_index=3))
+    with pytest.raises(CacheError, match=r"no manifest\.json"):
+        open_cache(str(tmp_path / "bad"))
