@@ -80,7 +80,7 @@ def signal_from_logits(
             f"sequence shape; pass the logits of exactly these tokens."
         )
     logits = logits.float()
-    tempered = torch.log_softmax(logits / tau, dim=-1)
+    tempered = torch.log_softmax(logits if tau == 1 else logits / tau, dim=-1)
     plain = tempered if tau == 1 else torch.log_softmax(logits, dim=-1)
     nxt = input_ids[..., 1:].long().unsqueeze(-1)
     realized = tempered[..., :-1, :].gather(-1, nxt).squeeze(-1)
@@ -96,9 +96,15 @@ def signal_from_logits(
 def top_k_ids(values: torch.Tensor, k: int) -> torch.Tensor:
     """Ids of the ``k`` largest entries of each row of ``values`` ``[..., V]``, ties at the k-th
     value broken towards the lower id, in ascending id order; int64 ``[..., k]``."""
-    top, ids = torch.topk(values, k, dim=-1)
-    kth = top[..., -1:]
-    ambiguous = (values == kth).sum(-1) > (top == kth).sum(-1)
+    vocab = values.shape[-1]
+    top, ids = torch.topk(values, min(k + 1, vocab), dim=-1)
+    # A value outside the top k equal to the k-th one makes the choice ambiguous; it exists
+    # exactly when the (k+1)-th largest value equals the k-th.
+    if k < vocab:
+        ambiguous = top[..., k] == top[..., k - 1]
+        ids = ids[..., :k]
+    else:
+        ambiguous = torch.zeros(values.shape[:-1], dtype=torch.bool, device=values.device)
     if ambiguous.any():
         order = torch.sort(values[ambiguous], dim=-1, descending=True, stable=True).indices
         ids[ambiguous] = order[..., :k]
