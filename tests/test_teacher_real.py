@@ -17,6 +17,8 @@ from crosskd.teacher.cache import open_cache
 from crosskd.teacher.model import load_teacher
 from crosskd.teacher.scoring import ScoreConfig, score
 
+pytestmark = pytest.mark.real_model
+
 DOCS = [
     "The capital of France is Paris. It is known for the Eiffel Tower and fine food.",
     "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n",
