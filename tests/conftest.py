@@ -73,9 +73,10 @@ def tiktoken_encoding():
     return get
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3():
-    """An S3FileSystem talking to a moto server on 127.0.0.1 with throwaway credentials."""
+    """An S3FileSystem talking to a moto server on 127.0.0.1 with throwaway credentials and a
+    bucket ``crosskd-test`` (one server per session: moto's backends are process-wide)."""
     s3fs = pytest.importorskip("s3fs")
     from moto.server import ThreadedMotoServer
 
