@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -160,7 +161,8 @@ def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
         cache.sample("nope")
 
 
-def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teacher, monkeypatch):
+def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teacher, monkeypatch,
+                                                       tmp_path):  # fmt: skip
     full, partial = "s3://crosskd-test/cache/ref", "s3://crosskd-test/cache/resumed"
     reference = score(_score_config(prepared, tiny_teacher, full), progress=False)
     import crosskd.teacher.scoring as scoring
@@ -191,6 +193,14 @@ def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teache
         )
     with pytest.raises(CrosskdError, match=r"holds a cache .* with another config_fingerprint"):
         score(_score_config(prepared, tiny_teacher, partial, tau=2.0), progress=False)
+    other = tmp_path / "other-teacher"
+    shutil.copytree(tiny_teacher, other)
+    model = load_teacher(str(other)).model
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    model.save_pretrained(str(other), safe_serialization=True)
+    with pytest.raises(CrosskdError, match=r"holds a cache .* with another teacher_fingerprint"):
+        score(_score_config(prepared, other, partial), progress=False)
 
 
 def test_a_corrupted_shard_is_detected_by_its_checksum(s3, prepared, tiny_teacher):
@@ -240,3 +250,25 @@ def test_cli_score_and_bad_configs(prepared, tiny_teacher, tmp_path, capsys):
         score(_score_config(prepared, tiny_teacher, str(tmp_path / "bad3"), teacher_index=3))
     with pytest.raises(CacheError, match=r"no manifest\.json"):
         open_cache(str(tmp_path / "bad"))
+
+
+def test_teacher_references_and_refusals(tiny_teacher, tmp_path, s3):
+    from crosskd.teacher.model import TeacherError
+
+    local = load_teacher(str(tiny_teacher))
+    assert local.dtype == torch.float32 and local.device.type == "cpu"
+    # The same folder from S3 is copied to the cache and has the same fingerprint.
+    s3.put(str(tiny_teacher) + "/", "crosskd-test/teachers/tiny/", recursive=True)
+    remote = load_teacher("s3://crosskd-test/teachers/tiny/", cache_dir=tmp_path / "cache")
+    assert remote.fingerprint == local.fingerprint
+    assert remote.folder.parent == tmp_path / "cache" / "teachers"
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copyfile(tiny_teacher / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(TeacherError, match=r"no \*\.safetensors weights .* never unpickles"):
+        load_teacher(str(pickled))
+    with pytest.raises(TeacherError, match=r"not a folder, a zoo:NAME, an fsspec URI"):
+        load_teacher("someone/not-downloaded-model")
+    with pytest.raises(TeacherError, match="dtype 'float33' is not a torch dtype"):
+        load_teacher(str(tiny_teacher), dtype="float33")

@@ -94,3 +94,11 @@ def test_lossy_kd_is_within_one_percent_of_lossless(scored, zoo, built_table):
     assert abs(kd["lossy"] - kd["lossless"]) <= 0.01 * kd["lossless"]
     sizes = {e: c.manifest["bytes_per_token"] for e, c in caches.items()}
     assert sizes["lossy"] < sizes["lossless"]
+
+
+def test_the_zoo_teacher_is_a_plain_folder_with_the_zoo_tokenizer(smollm2, zoo):
+    from crosskd.tokenization import load_tokenizer
+
+    config = json.loads((smollm2.folder / "config.json").read_text())
+    assert "quantization_config" not in config and smollm2.vocab_size == 49152
+    assert load_tokenizer(str(smollm2.folder)).fingerprint == zoo("smollm2").fingerprint

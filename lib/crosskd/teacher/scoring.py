@@ -8,10 +8,10 @@ batch comes from :func:`score_sequences`, which the online mode of training shar
 
 Output: one signal shard per prepared shard (same index, ``part-NNNNN.parquet``), written under a
 temporary name and renamed when complete, then ``manifest.json`` last. A run writes
-``run.json`` (the config fingerprint) first; a rerun with the same config skips the shards that
-exist and scores the rest, so an interrupted run and its rerun give a cache identical to an
-uninterrupted run (scoring is deterministic for a given device and batch composition). A rerun
-with another config into the same output is refused.
+``run.json`` (the config, data and teacher fingerprints) first; a rerun with the same ones skips
+the shards that exist and scores the rest, so an interrupted run and its rerun give a cache
+identical to an uninterrupted run (scoring is deterministic for a given device and batch
+composition). A rerun with another config, data or teacher into the same output is refused.
 """
 
 from __future__ import annotations
@@ -178,12 +178,13 @@ def score(config: ScoreConfig, *, progress: bool = True) -> dict:
             f"teacher_index is {config.teacher_index}, but prepared data {config.data} has "
             f"teachers {', '.join(n for n in models if n != 'student')}."
         )
-    run = {"config_fingerprint": config.fingerprint(),
-           "data_fingerprint": prepared.manifest["data_fingerprint"]}  # fmt: skip
-    _start_run(fs, root, config.output, run)
     teacher = load_teacher(config.teacher, device=config.device, dtype=config.dtype,
                            trust_remote_code=config.trust_remote_code)  # fmt: skip
     tokenizer = _check_tokenizer(teacher, models[name], config)
+    run = {"config_fingerprint": config.fingerprint(),
+           "data_fingerprint": prepared.manifest["data_fingerprint"],
+           "teacher_fingerprint": teacher.fingerprint}  # fmt: skip
+    _start_run(fs, root, config.output, run)
     bytes_of = tokenizer.bytes.lengths
     shards, index = [], {}
     bar = tqdm(total=models[name]["tokens"], desc=f"score {name}", unit="tok", unit_scale=True,
