@@ -40,6 +40,7 @@ bench: venv
 	$(PY) benchmarks/alignment.py
 	$(PY) benchmarks/loss.py
 	$(PY) benchmarks/sharded_loss.py
+	$(PY) benchmarks/teacher.py
 
 lint: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines
