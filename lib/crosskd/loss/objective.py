@@ -24,7 +24,7 @@ mixture (``average``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -240,9 +240,12 @@ def compute_loss(
     plan: LossPlan,
     config: LossConfig,
     counts: StepCounts | None = None,
+    reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> LossOutput:
     """The loss of one micro-batch from the student's logits ``[B, L_s, V_S]`` (any float dtype;
-    arithmetic in float32). ``counts``: the step's totals (default: this micro-batch's own)."""
+    arithmetic in float32). ``counts``: the step's totals (default: this micro-batch's own).
+    ``reduce``: under data parallelism, sums a float64 vector over the ranks (so ``kd_scale``
+    and the reported values are complete); each rank then holds its share of the loss."""
     if student_logits.dim() != 3 or student_logits.shape[1] != plan.width:
         raise DataError(
             f"student logits have shape {tuple(student_logits.shape)}; the plan was made for "
@@ -252,7 +255,12 @@ def compute_loss(
     flat = student_logits.reshape(-1, student_logits.shape[-1])
     plain: StudentLogProbs = LocalLogProbs(flat, tau=1.0)
     tempered: StudentLogProbs = plain if config.tau == 1 else LocalLogProbs(flat, tau=config.tau)
-    return loss_from_logprobs(plain, tempered, plan, config, counts, device=flat.device)
+    ownership = None
+    if reduce is not None:
+        ownership = replace(Ownership.everything(plan), reduce=reduce)
+    return loss_from_logprobs(
+        plain, tempered, plan, config, counts, device=flat.device, ownership=ownership
+    )
 
 
 def loss_from_logprobs(
