@@ -218,3 +218,26 @@ def test_bad_configs_are_refused_by_key(setup, tmp_path):
         _config(setup, tmp_path, teachers=["a", "b"])
     with pytest.raises(ConfigError, match=r"loss: unknown key\(s\) kd_wieght"):
         TrainConfig(student="s", data="d", output="o", teachers=[""], loss={"kd_wieght": 1})
+
+
+def test_distill_tiny_preset_end_to_end(tmp_path, capsys):
+    """The whole pipeline (corpus, tiny tokenizers and models, tables, prepare, score, KD and
+    CE-only training, evaluation, report) through the CLI."""
+    from crosskd.cli import main
+
+    out = tmp_path / "distill"
+    assert main(["distill", "--preset", "tiny", f"output={out}", "steps=6"]) == 0
+    printed = capsys.readouterr().out
+    assert f"report: {out}/report/index.html" in printed
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    bpb = metrics["bits_per_byte"]
+    assert set(bpb) == {"teacher", "student_init", "student_kd", "student_ce"}
+    assert all(0 < v < 16 for v in bpb.values())
+    # Training lowers the student's held-out bits per byte from its random start.
+    assert bpb["student_ce"] < bpb["student_init"]
+    assert [len(h) for h in metrics["runs"].values()] == [6, 6]
+    assert (out / "report" / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "report" / "index.html").read_text()
+    assert "loss_curves.png" in page and "student_kd" in page
+    assert main(["distill", "--preset", "tiny", f"output={out}", "stepz=3"]) == 2
+    assert "unknown key(s) stepz" in capsys.readouterr().err

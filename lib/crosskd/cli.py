@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--encoding", choices=["lossless", "lossy"])
     sc.add_argument("overrides", nargs="*", metavar="key=value",
                     help="any ScoreConfig field, e.g. token_budget=8192")  # fmt: skip
+
+    dist = commands.add_parser(
+        "distill", help="the whole run: tables, prepare, score, train, evaluate, report"
+    )
+    dist.add_argument("--config", help="YAML file with DistillConfig keys")
+    dist.add_argument("--preset", choices=["tiny", "demo"], help="a shipped preset to start from")
+    dist.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="any DistillConfig field, e.g. output=runs/demo steps=50")  # fmt: skip
     return parser
 
 
@@ -130,6 +138,8 @@ def _run(args: argparse.Namespace) -> int:
         return _inspect_pair(args)
     if args.command == "score":
         return _score(args)
+    if args.command == "distill":
+        return _distill(args)
     from crosskd import tables
 
     if args.action == "build":
@@ -204,6 +214,18 @@ def _score(args: argparse.Namespace) -> int:
         f"{manifest['tau']}, {manifest['encoding']}, {manifest['bytes_per_token']:.0f} "
         f"bytes/token; teacher bits per byte {'n/a' if bpb is None else f'{bpb:.3f}'}"
     )
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from crosskd.distill import distill, load_distill_config
+
+    config = load_distill_config(args.config, args.preset, args.overrides)
+    metrics = distill(config)
+    bpb = metrics["bits_per_byte"]
+    lines = [f"report: {config.output}/report/index.html", "held-out bits per byte:"]
+    lines += [f"  {name:14} {value:.4f}" for name, value in bpb.items()]
+    _write("\n".join(lines))
     return 0
 
 
