@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import socket
+import time
 import traceback
 import urllib.request
 from pathlib import Path
@@ -112,16 +114,44 @@ def test_training_lowers_the_loss_and_saves_a_loadable_student(setup, tmp_path):
     assert [json.loads(x)["step"] for x in lines] == list(range(1, 13))
 
 
-def test_kill_and_resume_gives_the_same_loss_curve(setup, tmp_path):
+def _killable_run(config: TrainConfig) -> None:
+    """Train, hanging in step 4 (after step 3's metrics are logged) until killed."""
+    real = Trainer.train_step
+
+    def slow(self, step):
+        if step == 3:
+            time.sleep(600)
+        return real(self, step)
+
+    Trainer.train_step = slow
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    trainer.train()
+    os._exit(0)
+
+
+def test_a_killed_run_resumes_to_the_same_loss_curve(setup, tmp_path):
+    """SIGKILL a training process during step 4 (last checkpoint: step 2), restart it: the
+    steps from 3 on equal an uninterrupted run's."""
     reference = Trainer(_config(setup, tmp_path / "ref", checkpoint_every=2), progress=False)
     reference.setup()
     full = reference.train()
     reference.close()
-    first = Trainer(_config(setup, tmp_path / "run", checkpoint_every=2), progress=False)
-    first.setup()
-    first.train(stop_after=3)  # "killed" after step 3: the last checkpoint is step 2
-    first.close()
-    second = Trainer(_config(setup, tmp_path / "run", checkpoint_every=2), progress=False)
+    config = _config(setup, tmp_path / "run", checkpoint_every=2)
+    proc = multiprocessing.get_context("fork").Process(target=_killable_run, args=(config,))
+    proc.start()
+    log_path = tmp_path / "run" / "metrics-rank0.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if log_path.exists() and len(log_path.read_text().splitlines()) == 3:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert proc.exitcode == -signal.SIGKILL
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 2
+    second = Trainer(config, progress=False)
     second.setup()
     assert second.start == 2
     resumed = second.train()

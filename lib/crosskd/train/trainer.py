@@ -21,9 +21,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import fsspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -265,11 +268,16 @@ class Trainer:
 
     def save(self) -> str:
         """The final student as a Hugging Face folder (model and tokenizer) under
-        ``output/final``; returns its path."""
+        ``output/final`` (any fsspec URI); returns its path."""
         path = f"{self.config.output}/final"
         if self.rank == 0:
-            self.model.save_pretrained(path, safe_serialization=True)
-            self.student_tok.hf.save_pretrained(path)
+            with tempfile.TemporaryDirectory() as local:
+                self.model.save_pretrained(local, safe_serialization=True)
+                self.student_tok.hf.save_pretrained(local)
+                fs, root = fsspec.core.url_to_fs(path)
+                fs.makedirs(root, exist_ok=True)
+                for file in sorted(Path(local).iterdir()):
+                    fs.put_file(str(file), f"{root}/{file.name}")
         if self.world > 1:
             dist.barrier()
         return path
