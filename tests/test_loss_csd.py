@@ -358,3 +358,17 @@ def test_teacher_mass_of_mismatch_events_is_at_most_one(case):
     assert events.n_chunks > 0
     mass = np.bincount(events.event_chunk, weights=np.exp(events.teacher_lp))
     assert (mass <= 1 + 1e-6).all() and (mass > 0).all()
+
+
+def test_a_signal_of_another_teacher_vocabulary_is_refused_naming_the_tables(case):
+    from crosskd.errors import ConfigError
+    from crosskd.loss import TeacherBatch, plan_loss
+
+    ids = case.teacher_ids
+    small = signal_from_logits(torch.zeros(*ids.shape, 1000), ids % 1000, k=8, tau=TAU)
+    config = loss_config(8)
+    with pytest.raises(ConfigError, match=r"teachers\[0\]: the teacher signal has V = 1000 rows, "
+                                          r"its tables were built for V = 151936"):  # fmt: skip
+        plan_loss(config, case.student_ids, case.loss_mask,
+                  [TeacherBatch(ids, case.chunks, small)], [case.pair],
+                  student_vocab=case.student_logits.shape[-1])  # fmt: skip

@@ -219,3 +219,9 @@ def test_sharded_log_probs_refuse_uneven_windows():
     with pytest.raises(ConfigError, match=r"logits hold 5 positions per rank and cp = 2, but the "
                                           r"rows are 12 long"):  # fmt: skip
         ShardedLogProbs(torch.zeros(1, 5, 8), _mesh(LAYOUTS["cp2"], 0, 0), width=12)
+
+
+def test_sharded_log_probs_refuse_uneven_vocabulary_slices():
+    with pytest.raises(ConfigError, match=r"logits hold 3 vocabulary rows per rank and tp = 2, "
+                                          r"but the student has V = 7"):  # fmt: skip
+        ShardedLogProbs(torch.zeros(1, 4, 3), _mesh(LAYOUTS["tp2"], 0, 1), width=4, vocab_size=7)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from crosskd.data.prepare import PrepareConfig, prepare
-from crosskd.errors import ConfigError
+from crosskd.errors import ConfigError, CrosskdError
 from crosskd.loss import LossConfig, TeacherLossConfig
 from crosskd.tables import build_table, save_table
 from crosskd.teacher.scoring import ScoreConfig, score
@@ -271,3 +271,33 @@ def test_distill_tiny_preset_end_to_end(tmp_path, capsys):
     assert "loss_curves.png" in page and "student_kd" in page
     assert main(["distill", "--preset", "tiny", f"output={out}", "stepz=3"]) == 2
     assert "unknown key(s) stepz" in capsys.readouterr().err
+
+
+def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
+    from crosskd.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    save_checkpoint(str(tmp_path), 5, model, optimizer, {})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_checkpoint(str(tmp_path), 5, model, optimizer, {"note": "again"})
+    assert sorted(p.name for p in (tmp_path / "step-0000005").iterdir()) == [
+        "model.safetensors", "optimizer.safetensors", "state.json",
+    ]  # fmt: skip
+    fresh = torch.nn.Linear(3, 2)
+    state = load_checkpoint(str(tmp_path), fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    assert state["note"] == "again" and torch.equal(fresh.weight, model.weight)
+    (tmp_path / "step-0000005" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CrosskdError, match=r"checkpoint .* is incomplete or damaged"):
+        load_checkpoint(str(tmp_path), fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+
+
+def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):
+    from crosskd.cli import main
+
+    code = main(["distill", "--preset", "tiny", f"output={tmp_path}", "loss={tau: 2.0}"])
+    assert code == 2
+    assert "loss.tau is set; distill sets it from the top-level keys" in capsys.readouterr().err

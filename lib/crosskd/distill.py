@@ -10,7 +10,9 @@ translation catalogues (:func:`crosskd.alignment.corpus.benchmark_corpus`), ever
 ``heldout_every``-th document held out. Models are references (an HF folder, ``zoo:smollm2``,
 ...) or ``init``: a random-init Llama of the given shape for the given tokenizer. A tokenizer
 reference may be ``tiny:N``: a byte-level BPE of N tokens trained on the training corpus. Presets
-ship with the package (``--preset tiny``, ``--preset demo``).
+ship with the package (``--preset tiny``, ``--preset demo``). Steps whose outputs exist are not
+redone and training runs resume from their checkpoints, so a rerun into the same output
+finishes an interrupted run; use a new output for a new configuration.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from crosskd.teacher.model import load_teacher
 from crosskd.teacher.scoring import ScoreConfig, score
 from crosskd.tokenization import load_tokenizer
 from crosskd.train import TrainConfig, Trainer
+from crosskd.train.config import loss_from_mapping
 from crosskd.zoo import train_tiny_bpe
 
 log = logging.getLogger(__name__)
@@ -81,6 +84,15 @@ class DistillConfig:
     compare_ce_only: bool = True
     """Also train the same student with CE only (kd_weight 0) on the same budget."""
     token_budget: int = 2048
+
+    def __post_init__(self) -> None:
+        for key in ("tau", "teachers"):
+            if key in self.loss:
+                raise ConfigError(
+                    f"loss.{key} is set; distill sets it from the top-level keys (tau, k and "
+                    f"the built tables). Remove loss.{key}."
+                )
+        loss_from_mapping(self.loss)  # every other loss key is checked now, not after scoring
 
 
 def preset_path(name: str) -> str:
@@ -194,10 +206,13 @@ def _train(config: DistillConfig, student: Path, data: str, cache: str, s2t: str
         seed=config.seed,
     ))  # fmt: skip
     trainer.setup()
-    history = trainer.train()
+    trainer.train()
     final = trainer.save()
     trainer.close()
-    return {"history": history, "final": final}
+    # The whole curve, including steps of an earlier (resumed) invocation.
+    lines = (output / "metrics-rank0.jsonl").read_text().splitlines()
+    by_step = {record["step"]: record for record in map(json.loads, lines)}
+    return {"history": [by_step[s] for s in sorted(by_step)], "final": final}
 
 
 def _tokenizer(ref: str, folder: Path, docs: list[str]) -> str:

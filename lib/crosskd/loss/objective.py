@@ -91,12 +91,14 @@ class StepCounts:
 class LossPlan:
     """Everything the loss of one micro-batch needs besides the student logits.
 
-    ``width``: the student batch's ``L_s``; ``ce_rows`` / ``ce_ids`` int64 ``[M]``: each CE
+    ``width``: the student batch's ``L_s``; ``vocab``: ``V_S``; ``ce_rows`` / ``ce_ids`` int64
+    ``[M]``: each CE
     target's flat row (``b * L_s + position - 1``) and token id; ``terms``: the KD terms;
     ``sums``: metric sums known before the forward pass (teachers' bits and bytes, selections).
     """
 
     width: int
+    vocab: int
     ce_rows: np.ndarray
     ce_ids: np.ndarray
     terms: list[TeacherPlan]
@@ -232,7 +234,7 @@ def plan_loss(
         plans.append(TeacherPlan(
             name, weight, events, to_numpy(ch.shape), to_numpy(ch.flags), first_row, pair is None,
         ))  # fmt: skip
-    return LossPlan(width, b * width + p - 1, ids[b, p], plans, sums)
+    return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], plans, sums)
 
 
 def compute_loss(
@@ -363,10 +365,17 @@ def _check_inputs(
                 f"teachers[{i}].student_to_teacher / teacher_to_student (None for a "
                 f"same-tokenizer teacher)."
             )
-        vocab = None if pair is None else pair.teacher_to_student.meta.src_vocab_size
-        teacher.signal.require(
-            tau=config.tau, vocab_size=vocab, k=entry.k, where=f"of teachers[{i}]"
-        )
+        if pair is not None:
+            vocab = pair.teacher_to_student.meta.src_vocab_size
+            if teacher.signal.vocab_size != vocab:
+                raise ConfigError(
+                    f"teachers[{i}]: the teacher signal has V = {teacher.signal.vocab_size} "
+                    f"rows, its tables were built for V = {vocab} (teacher_to_student "
+                    f"{pair.teacher_to_student.source}); use the tables of this teacher, or score "
+                    f"it with the model the tables were built for."
+                )
+        teacher.signal.require(tau=config.tau, vocab_size=None, k=entry.k,
+                               where=f"of teachers[{i}]")  # fmt: skip
     if config.teacher_mode == "select" and teacher_bytes is None:
         raise ConfigError(
             "teacher_mode is 'select', which picks teachers by bits per byte; pass "

@@ -152,6 +152,8 @@ class ShardedLogProbs:
     width: int
     tau: float = 1.0
     block_rows: int = 1024
+    vocab_size: int | None = None
+    """The whole vocabulary ``V`` (checked against ``tp`` equal slices when given)."""
 
     def __post_init__(self) -> None:
         _, window, vocab = self.logits.shape
@@ -160,6 +162,12 @@ class ShardedLogProbs:
                 f"logits hold {window} positions per rank and cp = {self.mesh.config.cp}, but "
                 f"the rows are {self.width} long; pad the rows to a multiple of cp and give "
                 f"each rank an equal window."
+            )
+        if self.vocab_size is not None and vocab * self.mesh.config.tp != self.vocab_size:
+            raise ConfigError(
+                f"logits hold {vocab} vocabulary rows per rank and tp = {self.mesh.config.tp}, "
+                f"but the student has V = {self.vocab_size}; split the vocabulary into equal "
+                f"slices (pad the output layer to a multiple of tp)."
             )
         self.window = window
         self.vocab_start = self.mesh.tp_rank * vocab
@@ -233,8 +241,10 @@ def sharded_loss(
     """One micro-batch's loss on this rank from its logits ``[B, L / cp, V / tp]`` (the plan
     of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's
     ``loss``; the reported values are complete and identical on every rank."""
-    plain = ShardedLogProbs(logits, mesh, plan.width, tau=1.0)
-    tempered = plain if config.tau == 1 else ShardedLogProbs(logits, mesh, plan.width, config.tau)
+    plain = ShardedLogProbs(logits, mesh, plan.width, tau=1.0, vocab_size=plan.vocab)
+    tempered = plain if config.tau == 1 else ShardedLogProbs(
+        logits, mesh, plan.width, config.tau, vocab_size=plan.vocab
+    )
     return loss_from_logprobs(
         plain, tempered, plan, config, counts, device=logits.device,
         ownership=ownership(plan, mesh),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from crosskd.loss.metrics import SHAPES
@@ -20,9 +21,12 @@ from crosskd.loss.metrics import SHAPES
 
 class MetricsExporter:
     """The metrics of one rank; ``serve(port)`` starts the HTTP endpoint (port 0: any free
-    port; the chosen one is :attr:`port`)."""
+    port; the chosen one is :attr:`port`). The step's values are complete (reduced over all
+    ranks), so the counters ``crosskd_tokens_total`` and ``crosskd_chunks_total`` are counted
+    by one rank only (``count_totals``), and summing them over ranks gives the run's totals."""
 
-    def __init__(self, job: str, rank: int) -> None:
+    def __init__(self, job: str, rank: int, *, count_totals: bool = True) -> None:
+        self.count_totals = count_totals
         self.registry = CollectorRegistry()
         labels = {"job": job, "rank": str(rank)}
         self._labels = labels
@@ -48,10 +52,9 @@ class MetricsExporter:
         self.port: int | None = None
         self._server = None
 
-    def serve(self, port: int) -> int:
-        """Serve ``/metrics`` on ``port`` (0: a free one); returns the port."""
-        self._server, thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
-        self._thread = thread
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``host:port`` (port 0: a free one); returns the port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         self.port = self._server.server_port
         return self.port
 
@@ -71,12 +74,14 @@ class MetricsExporter:
         self.kd_scale.set(metrics["kd_scale"])
         self.lr.set(metrics["lr"])
         self.step.set(step)
+        self.seconds.observe(seconds)
+        if not self.count_totals:
+            return
         self.tokens.inc(metrics["tokens"])
         for key, value in metrics.items():
             parts = key.split("/")
             if len(parts) == 3 and parts[2] == "valid" and parts[1] in SHAPES:
                 self._chunks.labels(**self._labels, teacher=parts[0], shape=parts[1]).inc(value)
-        self.seconds.observe(seconds)
 
 
 class JsonlLog:
@@ -86,12 +91,14 @@ class JsonlLog:
         self.uri = uri
 
     def write(self, record: dict) -> None:
-        """Append ``record`` as one line (rewrites the file on stores without append)."""
+        """Append ``record`` as one line (object stores have no append: there the file is
+        rewritten, which costs its size per step)."""
         fs, path = fsspec.core.url_to_fs(self.uri)
-        line = json.dumps(record, sort_keys=True) + "\n"
-        if fs.exists(path):
-            old = fs.cat_file(path).decode()
-        else:
-            old = ""
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(path, (old + line).encode())
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            with fs.open(path, "ab") as fh:
+                fh.write(line)
+            return
+        old = fs.cat_file(path) if fs.exists(path) else b""
+        fs.pipe_file(path, old + line)

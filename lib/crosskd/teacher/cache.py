@@ -3,15 +3,17 @@
 :func:`open_cache` reads the manifest and refuses a cache whose teacher, tokenizer or data
 fingerprint, K or tau is not what the training config asks for, naming the field and both
 values. :meth:`TeacherCache.shard` reads one shard in order (sequential access);
-:meth:`TeacherCache.sample` finds one sample by id (random access, the manifest indexes every
-sample; the last shard read is kept). Every shard's sha256 is checked against the manifest when
-it is read. :meth:`TeacherCache.batch` assembles the signal of a collated batch.
+:meth:`TeacherCache.sample` finds one sample by id (random access: the manifest indexes every
+sample, and the ``keep_shards`` most recently used decoded shards are kept). Every shard's
+sha256 is checked against the manifest when it is read. :meth:`TeacherCache.batch` assembles
+the signal of a collated batch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import fsspec
@@ -32,7 +34,11 @@ class TeacherCache:
 
     uri: str
     manifest: dict
-    _loaded: tuple[int, dict[str, SampleSignal]] | None = field(default=None, repr=False)
+    keep_shards: int = 8
+    """Decoded shards kept in memory for :meth:`sample` (least recently used dropped first)."""
+    _loaded: OrderedDict[int, dict[str, SampleSignal]] = field(
+        default_factory=OrderedDict, repr=False
+    )
 
     @property
     def k(self) -> int:
@@ -67,9 +73,13 @@ class TeacherCache:
                 f"{self.manifest['data']['uri']} — score the data you train on."
             )
         index, _ = where
-        if self._loaded is None or self._loaded[0] != index:
-            self._loaded = (index, dict(self.shard(index)))
-        return self._loaded[1][sample_id]
+        if index in self._loaded:
+            self._loaded.move_to_end(index)
+        else:
+            self._loaded[index] = dict(self.shard(index))
+            while len(self._loaded) > self.keep_shards:
+                self._loaded.popitem(last=False)
+        return self._loaded[index][sample_id]
 
     def batch(self, sample_ids: list[list[str]], width: int) -> TeacherSignal:
         """The signal of a collated batch: ``sample_ids`` per packed row (``Batch.sample_ids``),

@@ -139,7 +139,8 @@ def teacher_folder(ref: str, *, cache_dir: str | os.PathLike | None = None) -> P
 
 
 def _fetch(uri: str, cache_dir: Path) -> Path:
-    """Copy a remote teacher folder (config, safetensors, tokenizer files) into the cache."""
+    """Copy a remote teacher folder (config, safetensors weights and their index, tokenizer
+    files) into the cache."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(uri)
@@ -149,7 +150,8 @@ def _fetch(uri: str, cache_dir: Path) -> Path:
     entries = [
         e for e in fs.ls(path, detail=True)
         if e.get("type") == "file"
-        and (Path(e["name"]).name in wanted or e["name"].endswith(".safetensors"))
+        and (Path(e["name"]).name in wanted
+             or e["name"].endswith((".safetensors", ".safetensors.index.json")))
     ]  # fmt: skip
     if "config.json" not in {Path(e["name"]).name for e in entries}:
         raise TeacherError(f"teacher folder {uri!r} has no config.json.")

@@ -8,10 +8,11 @@ batch comes from :func:`score_sequences`, which the online mode of training shar
 
 Output: one signal shard per prepared shard (same index, ``part-NNNNN.parquet``), written under a
 temporary name and renamed when complete, then ``manifest.json`` last. A run writes
-``run.json`` (the config, data and teacher fingerprints) first; a rerun with the same ones skips
-the shards that exist and scores the rest, so an interrupted run and its rerun give a cache
-identical to an uninterrupted run (scoring is deterministic for a given device and batch
-composition). A rerun with another config, data or teacher into the same output is refused.
+``run.json`` first (config, data and teacher fingerprints, device type, dtype and token budget:
+everything that changes the stored numbers); a rerun with the same values skips the shards that
+exist and scores the rest, so an interrupted run and its rerun give a cache identical to an
+uninterrupted run (scoring is deterministic for a given device and batch composition). A rerun
+with other values into the same output is refused.
 """
 
 from __future__ import annotations
@@ -181,9 +182,11 @@ def score(config: ScoreConfig, *, progress: bool = True) -> dict:
     teacher = load_teacher(config.teacher, device=config.device, dtype=config.dtype,
                            trust_remote_code=config.trust_remote_code)  # fmt: skip
     tokenizer = _check_tokenizer(teacher, models[name], config)
+    # Everything that changes the stored numbers: a rerun must match to resume.
     run = {"config_fingerprint": config.fingerprint(),
            "data_fingerprint": prepared.manifest["data_fingerprint"],
-           "teacher_fingerprint": teacher.fingerprint}  # fmt: skip
+           "teacher_fingerprint": teacher.fingerprint, "device_type": teacher.device.type,
+           "dtype": str(teacher.dtype), "token_budget": config.token_budget}  # fmt: skip
     _start_run(fs, root, config.output, run)
     bytes_of = tokenizer.bytes.lengths
     shards, index = [], {}

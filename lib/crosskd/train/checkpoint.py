@@ -45,8 +45,12 @@ def save_checkpoint(
     fs.pipe_file(f"{tmp}/state.json", json.dumps(
         {"step": step, "param_groups": groups, **extra}, indent=1
     ).encode())  # fmt: skip
-    fs.mv(tmp, f"{root}/{name}", recursive=True)
-    fs.pipe_file(f"{root}/{LATEST}", json.dumps({"step": step, "path": name}).encode())
+    final = f"{root}/{name}"
+    if fs.exists(final):  # the same step saved again (a rerun): replace it, never nest into it
+        fs.rm(final, recursive=True)
+    fs.mv(tmp, final, recursive=True)
+    fs.pipe_file(f"{root}/{LATEST}.tmp", json.dumps({"step": step, "path": name}).encode())
+    fs.mv(f"{root}/{LATEST}.tmp", f"{root}/{LATEST}")
     return f"{uri.rstrip('/')}/{name}"
 
 
@@ -64,12 +68,14 @@ def load_checkpoint(
         model_bytes = fs.cat_file(f"{folder}/model.safetensors")
         tensors = load(fs.cat_file(f"{folder}/optimizer.safetensors"))
         state = json.loads(fs.cat_file(f"{folder}/state.json"))
-    except (OSError, ValueError) as exc:
+        _load_model_bytes(model, model_bytes)
+    except CrosskdError:
+        raise
+    except Exception as exc:  # safetensors raises its own error type for damaged files
         raise CrosskdError(
             f"checkpoint {uri}/{latest['path']} is incomplete or damaged ({exc}); delete it and "
             f"point {LATEST} at an earlier one, or start a new run."
         ) from exc
-    _load_model_bytes(model, model_bytes)
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("state."):

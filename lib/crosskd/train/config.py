@@ -19,7 +19,8 @@ class TrainConfig:
     data: str
     """Prepared data (``crosskd prepare`` output), any fsspec URI."""
     output: str
-    """Run folder or URI: checkpoints, ``metrics.jsonl``, the final model under ``final/``."""
+    """Run folder or URI: ``checkpoints/``, ``metrics-rank0.jsonl``, the final model under
+    ``final/``."""
     teachers: list[str] = field(default_factory=list)
     """Per teacher, in teacher order: a teacher cache URI (``crosskd score`` output), or
     ``online:REF`` to compute the signal here from the teacher model ``REF``."""
@@ -42,13 +43,16 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
     metrics_port: int | None = None
-    """Serve Prometheus ``/metrics`` on this port (rank r on ``port + r``); None: off."""
+    """Serve Prometheus ``/metrics`` on this port (rank r on ``port + r``; 0: any free port);
+    None: off."""
+    metrics_host: str = "0.0.0.0"
+    """The address the metrics endpoint binds to (all interfaces, for a PodMonitor)."""
     job: str = "crosskd"
     """The ``job`` label of the metrics."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
-            self.loss = _loss(self.loss)
+            self.loss = loss_from_mapping(self.loss)
         self.check()
 
     def check(self) -> None:
@@ -65,6 +69,11 @@ class TrainConfig:
                 raise ConfigError(f"{key} is {value!r}; it must be a finite number >= 0.")
         if self.lr <= 0:
             raise ConfigError(f"lr is {self.lr!r}; it must be > 0.")
+        if self.loss.teacher_mode == "average":
+            raise ConfigError(
+                "loss.teacher_mode is 'average', which needs dense teacher signals; teacher "
+                "caches hold top-K signals, so training uses 'sum' or 'select'."
+            )
         if len(self.teachers) != len(self.loss.teachers):
             raise ConfigError(
                 f"teachers lists {len(self.teachers)} source(s) but loss.teachers has "
@@ -72,7 +81,8 @@ class TrainConfig:
             )
 
 
-def _loss(values: dict[str, Any]) -> LossConfig:
+def loss_from_mapping(values: dict[str, Any]) -> LossConfig:
+    """A :class:`LossConfig` from a mapping, refusing unknown keys by name (as ``loss.KEY``)."""
     known = set(LossConfig.__dataclass_fields__)
     unknown = sorted(set(values) - known)
     if unknown:

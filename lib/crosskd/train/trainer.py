@@ -18,6 +18,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -69,8 +70,13 @@ def step_rows(step: int, n_rows: int, per_step: int, seed: int) -> list[int]:
     out = []
     for position in range(start, start + per_step):
         epoch, offset = divmod(position, n_rows)
-        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_rows)[offset]))
+        out.append(int(_epoch_order(seed, epoch, n_rows)[offset]))
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
 
 
 @dataclass
@@ -97,13 +103,15 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         cfg = self.config
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if dist.is_initialized():
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(
             f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        if dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.student_tok = load_tokenizer(cfg.student)
         self.data = load_prepared(cfg.data, fingerprints={"student": self.student_tok.fingerprint})
         self.rows = list(self.data.packed_rows())
@@ -114,6 +122,16 @@ class Trainer:
         ]  # fmt: skip
         self.sources = []
         models = {m["name"]: m for m in self.data.manifest["models"]}
+        if len(models) - 1 != len(cfg.teachers):
+            raise TrainingError(
+                f"the config has {len(cfg.teachers)} teacher(s) but {cfg.data} was prepared for "
+                f"{len(models) - 1}; give one teachers[] entry per prepared teacher."
+            )
+        self.teacher_bytes = [
+            load_tokenizer(models[f"teacher{i}"]["tokenizer"],
+                           vocab_size=models[f"teacher{i}"]["vocab_size"]).bytes.lengths
+            for i in range(len(cfg.teachers))
+        ]  # fmt: skip
         for i, (ref, entry) in enumerate(zip(cfg.teachers, cfg.loss.teachers, strict=True)):
             if ref.startswith("online:"):
                 teacher = load_teacher(ref[len("online:") :], device=self.device)
@@ -143,9 +161,11 @@ class Trainer:
             self.start = int(state["step"])
             log.info("resumed from step %d", self.start)
         self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
-        self.exporter = MetricsExporter(cfg.job, self.rank)
+        self.exporter = MetricsExporter(cfg.job, self.rank, count_totals=self.rank == 0)
         if cfg.metrics_port is not None:
-            port = self.exporter.serve(cfg.metrics_port + self.rank if cfg.metrics_port else 0)
+            port = self.exporter.serve(
+                cfg.metrics_port + self.rank if cfg.metrics_port else 0, host=cfg.metrics_host
+            )
             log.info("rank %d serves /metrics on port %d", self.rank, port)
 
     def _signal(self, source: _Source, batch, index: int):
@@ -162,15 +182,17 @@ class Trainer:
             for i, s in enumerate(self.sources)
         ]  # fmt: skip
         plan = plan_loss(self.config.loss, batch.models["student"].input_ids, batch.loss_mask,
-                         teachers, self.pairs, student_vocab=self.vocab)  # fmt: skip
+                         teachers, self.pairs, student_vocab=self.vocab,
+                         teacher_bytes=self.teacher_bytes)  # fmt: skip
         return batch, plan
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (on the training device: NCCL reduces CUDA tensors only)."""
         if self.world == 1:
             return values
-        out = values.detach().clone()
+        out = values.detach().to(self.device, copy=True)
         dist.all_reduce(out)
-        return out
+        return out.to(values.device)
 
     def _counts(self, plans: list[LossPlan]) -> StepCounts:
         counts = plans[0].counts
@@ -255,7 +277,8 @@ class Trainer:
                 self._checkpoint(step + 1)
             log.info("step %d/%d loss %.4f ce %.4f kd %.4f", step + 1, cfg.steps,
                      metrics["loss"], metrics["ce"], metrics["kd"])  # fmt: skip
-        if last == cfg.steps and (not cfg.checkpoint_every or cfg.steps % cfg.checkpoint_every):
+        checkpointed = cfg.checkpoint_every and cfg.steps % cfg.checkpoint_every == 0
+        if history and last == cfg.steps and not checkpointed:
             self._checkpoint(cfg.steps)
         return history
 
