@@ -131,10 +131,13 @@ class _AllReduceSum(torch.autograd.Function):
         return out, None
 
 
-def reduce_counts(counts: StepCounts, mesh: Mesh) -> StepCounts:
+def reduce_counts(
+    counts: StepCounts, mesh: Mesh, device: torch.device | str = "cpu"
+) -> StepCounts:
     """The step's counts summed over the data-parallel shards (call once per step with the sum
-    of this shard's micro-batch counts)."""
-    values = torch.tensor([counts.tokens, *counts.chunks], dtype=torch.int64)
+    of this shard's micro-batch counts); ``device``: where the collective runs (a CUDA device
+    under NCCL)."""
+    values = torch.tensor([counts.tokens, *counts.chunks], dtype=torch.int64, device=device)
     dist.all_reduce(values, group=mesh.dp_group)
     tokens, *chunks = values.tolist()
     return StepCounts(tokens, tuple(chunks))
