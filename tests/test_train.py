@@ -301,3 +301,20 @@ def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):
     code = main(["distill", "--preset", "tiny", f"output={tmp_path}", "loss={tau: 2.0}"])
     assert code == 2
     assert "loss.tau is set; distill sets it from the top-level keys" in capsys.readouterr().err
+
+
+def test_online_teacher_trains_like_the_cache(setup, tmp_path):
+    """`online:REF` computes the same signal in the process as the lossless cache holds (up to
+    float32 rounding: the teacher sees other batch shapes online, and the tiny KD of two random
+    models, ~5e-5, moves by a few 1e-9)."""
+    runs = {}
+    for name, source in (("cache", setup["cache"]), ("online", f"online:{setup['teacher']}")):
+        trainer = Trainer(_config(setup, tmp_path / name, teachers=[source], steps=3),
+                          progress=False)  # fmt: skip
+        trainer.setup()
+        runs[name] = trainer.train()
+        trainer.close()
+    for got, want in zip(runs["online"], runs["cache"], strict=True):
+        for key in ("loss", "ce", "kd"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), key
+        assert got["kd_scale"] == pytest.approx(want["kd_scale"], rel=1e-3)
