@@ -26,6 +26,7 @@ from crosskd.teacher.signal import SignalError
 from crosskd.teacher.storage import LOSSY_STEP, decode, encode, signal_samples
 from crosskd.tokenization import load_tokenizer
 from crosskd.zoo import train_tiny_bpe
+from crosskd.zoo.models import init_llama
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -40,19 +41,9 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tiny_teacher(tmp_path_factory):
     """A tiny Llama (random weights, seed 0) with a tiny byte-level BPE, as an HF folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     folder = tmp_path_factory.mktemp("tiny-teacher")
     train_tiny_bpe(TEXTS * 5, 400, folder)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False,
-    ))  # fmt: skip
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
+    return init_llama(folder, str(folder), {"hidden_size": 32, "intermediate_size": 64}, 0)
 
 
 @pytest.fixture(scope="module")

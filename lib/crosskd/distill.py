@@ -43,12 +43,11 @@ from crosskd.tokenization import load_tokenizer
 from crosskd.train import TrainConfig, Trainer
 from crosskd.train.config import loss_from_mapping
 from crosskd.zoo import train_tiny_bpe
+from crosskd.zoo.models import init_llama
 
 log = logging.getLogger(__name__)
 
 PRESETS = ("tiny", "demo")
-SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads")  # fmt: skip
 
 
 @dataclass
@@ -135,13 +134,13 @@ def distill(config: DistillConfig, *, progress: bool = True) -> dict:
     student_tok = _tokenizer(config.student_tokenizer, out / "student-tokenizer", train_docs)
     if config.teacher == "init":
         teacher_tok = _tokenizer(config.teacher_tokenizer, out / "teacher-tokenizer", train_docs)
-        teacher_ref = str(_init_model(out / "teacher-init", teacher_tok, config.teacher_shape,
+        teacher_ref = str(init_llama(out / "teacher-init", teacher_tok, config.teacher_shape,
                                       config.seed + 1))  # fmt: skip
     else:
         teacher_ref = config.teacher
     teacher = load_teacher(teacher_ref, device="cpu")
     teacher_tok = str(teacher.folder)
-    student_init = _init_model(out / "student-init", student_tok, config.student_shape,
+    student_init = init_llama(out / "student-init", student_tok, config.student_shape,
                                config.seed)  # fmt: skip
     s = load_tokenizer(str(student_init))
     t = load_tokenizer(teacher_tok, vocab_size=teacher.vocab_size)
@@ -222,26 +221,3 @@ def _tokenizer(ref: str, folder: Path, docs: list[str]) -> str:
     if not (folder / "tokenizer.json").exists():
         train_tiny_bpe(docs, int(ref[len("tiny:") :]), folder)
     return str(folder)
-
-
-def _init_model(folder: Path, tokenizer: str, shape: dict, seed: int) -> Path:
-    """A random-init Llama for ``tokenizer`` saved with the tokenizer (once)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (folder / "model.safetensors").exists():
-        return folder
-    unknown = sorted(set(shape) - set(SHAPE_KEYS))
-    if unknown:
-        raise ConfigError(f"model shape: unknown key(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
-    tok = load_tokenizer(tokenizer)
-    values = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2} | shape  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=tok.vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, **values,
-    ))  # fmt: skip
-    model.save_pretrained(str(folder), safe_serialization=True)
-    tok.hf.save_pretrained(str(folder))
-    return folder
