@@ -13,22 +13,14 @@ and of every weight file, so a cache records exactly which weights scored it.
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from crosskd.errors import CrosskdError
-from crosskd.tokenization.sources import TOKENIZER_FILES, default_cache_dir
-
-log = logging.getLogger(__name__)
-
-_VERSION_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "md5Hash")
+from crosskd.tokenization.sources import TOKENIZER_FILES, copy_to_cache, default_cache_dir
 
 
 class TeacherError(CrosskdError):
@@ -155,20 +147,5 @@ def _fetch(uri: str, cache_dir: Path) -> Path:
     ]  # fmt: skip
     if "config.json" not in {Path(e["name"]).name for e in entries}:
         raise TeacherError(f"teacher folder {uri!r} has no config.json.")
-    stamp = [[Path(e["name"]).name, {k: e[k] for k in _VERSION_KEYS if k in e}] for e in entries]
-    key = json.dumps([uri, sorted(stamp)], sort_keys=True, default=str)
-    target = cache_dir / "teachers" / hashlib.sha256(key.encode("utf-8")).hexdigest()[:20]
-    if not target.is_dir():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            for entry in entries:
-                fs.get(entry["name"], str(tmp / Path(entry["name"]).name))
-            os.replace(tmp, target)
-            log.info("copied teacher %s to %s", uri, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    names = [Path(e["name"]).name for e in entries]
+    return copy_to_cache(fs, uri, entries, names, cache_dir / "teachers")

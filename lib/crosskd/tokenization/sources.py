@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from crosskd.errors import TokenizerError
 
@@ -119,21 +119,32 @@ def _fetch_uri(uri: str, cache_dir: Path) -> Path:
             f"tokenizer folder {uri!r} has no tokenizer.json; crosskd reads fast tokenizers "
             f"only. Upload the tokenizer.json that `save_pretrained` writes, or pass another URI."
         )
+    names = [Path(e["name"]).name if is_dir else "tokenizer.json" for e in entries]
+    target = copy_to_cache(fs, uri, entries, names, cache_dir / "uris")
+    return target if is_dir else target / "tokenizer.json"
+
+
+def copy_to_cache(
+    fs: Any, uri: str, entries: list[dict], names: list[str], parent: Path
+) -> Path:
+    """Copy the files ``entries`` (``fs.ls(detail=True)`` / ``fs.info`` records) of ``uri`` into
+    a folder under ``parent``, under ``names``, once: the folder is keyed by the URI and each
+    file's name, size and version stamp (ETag, mtime...), so a changed remote file is copied
+    again instead of read stale, and it is published with one atomic rename."""
     stamp = [[Path(e["name"]).name, {k: e[k] for k in _VERSION_KEYS if k in e}] for e in entries]
     key = json.dumps([uri, sorted(stamp)], sort_keys=True, default=str)
-    target = cache_dir / "uris" / hashlib.sha256(key.encode("utf-8")).hexdigest()[:20]
+    target = parent / hashlib.sha256(key.encode("utf-8")).hexdigest()[:20]
     if not target.is_dir():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
         try:
-            for entry in entries:
-                name = Path(entry["name"]).name if is_dir else "tokenizer.json"
+            for entry, name in zip(entries, names, strict=True):
                 fs.get(entry["name"], str(tmp / name))
             os.replace(tmp, target)
-            log.info("copied tokenizer %s to %s", uri, target)
+            log.info("copied %s to %s", uri, target)
         except OSError:
             if not target.is_dir():
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return target if is_dir else target / "tokenizer.json"
+    return target
