@@ -14,6 +14,10 @@ import torch
 from crosskd.alignment.corpus import benchmark_corpus
 from crosskd.data.collate import Batch, collate, load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.loss import LossConfig, LossPlan, TeacherBatch, TeacherLossConfig, plan_loss
+from crosskd.tables import TablePair, build_table
+from crosskd.teacher import TeacherSignal
+from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 BIAS = 8.0
 """Added to the teacher's logit of each realized token, so the top K holds realized tokens and
@@ -70,3 +74,26 @@ def teacher_logits(teacher_ids: torch.Tensor, vocab: int, gen: torch.Generator) 
     realized = teacher_ids[:, 1:, None]
     logits[:, :-1].scatter_add_(-1, realized, torch.full(realized.shape, BIAS))
     return logits
+
+
+def zoo_pair(student: str, teacher: str) -> tuple[LoadedTokenizer, LoadedTokenizer, TablePair]:
+    """Two zoo tokenizers and the table pair between them (built in memory)."""
+    s_tok, t_tok = load_tokenizer(f"zoo:{student}"), load_tokenizer(f"zoo:{teacher}")
+    pair = TablePair(
+        build_table(s_tok, t_tok, progress=False), build_table(t_tok, s_tok, progress=False)
+    )
+    return s_tok, t_tok, pair
+
+
+def csd_plan(
+    batch: Batch, signal: TeacherSignal, pair: TablePair, k: int, student_vocab: int
+) -> tuple[LossConfig, LossPlan]:
+    """The default loss config (one cross-tokenizer teacher at top-K ``k``) and the plan of
+    ``batch`` with teacher ``signal``."""
+    config = LossConfig(teachers=[TeacherLossConfig(
+        k=k, student_to_teacher="s2t", teacher_to_student="t2s",
+    )])  # fmt: skip
+    teacher = TeacherBatch(batch.models["teacher0"].input_ids, batch.chunks[0], signal)
+    plan = plan_loss(config, batch.models["student"].input_ids, batch.loss_mask, [teacher],
+                     [pair], student_vocab=student_vocab)  # fmt: skip
+    return config, plan

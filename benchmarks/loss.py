@@ -39,19 +39,13 @@ import time
 from pathlib import Path
 
 import torch
-from inputs import measure, real_batch, teacher_logits
+from inputs import csd_plan, measure, real_batch, teacher_logits, zoo_pair
 
 from crosskd.loss import (
     LocalLogProbs,
-    LossConfig,
-    TeacherBatch,
-    TeacherLossConfig,
     compute_loss,
-    plan_loss,
 )
-from crosskd.tables import TablePair, build_table
 from crosskd.teacher import signal_from_logits
-from crosskd.tokenization import load_tokenizer
 
 GOAL_TIME, GOAL_MEMORY = 1.5, 1.3
 STUDENTS = ("smollm2", "llama3")
@@ -60,11 +54,7 @@ KS = (32, 128)
 
 
 def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
-    student = load_tokenizer(f"zoo:{name}")
-    teacher = load_tokenizer(f"zoo:{TEACHER}")
-    pair = TablePair(
-        build_table(student, teacher, progress=False), build_table(teacher, student, progress=False)
-    )
+    student, teacher, pair = zoo_pair(name, TEACHER)
     batch = real_batch(name, TEACHER, args.rows, args.length, work)
     s_ids = batch.models["student"].input_ids
     t_ids = batch.models["teacher0"].input_ids
@@ -113,14 +103,8 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     results.append({"student": name, "loss": "ce (ours)", "seconds": seconds, "peak": peak})
     for k in KS:
         signal = signal_from_logits(t_logits, t_ids, k=k, tau=1.0)
-        config = LossConfig(teachers=[TeacherLossConfig(
-            k=k, student_to_teacher="s2t", teacher_to_student="t2s",
-        )])  # fmt: skip
         start = time.perf_counter()
-        plan = plan_loss(
-            config, s_ids, mask, [TeacherBatch(t_ids, batch.chunks[0], signal)], [pair],
-            student_vocab=student.vocab_size,
-        )  # fmt: skip
+        config, plan = csd_plan(batch, signal, pair, k, student.vocab_size)
         plan_s = time.perf_counter() - start
 
         def csd_step(plan=plan, config=config) -> None:

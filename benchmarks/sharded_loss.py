@@ -33,13 +33,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from inputs import measure, real_batch, teacher_logits
+from inputs import csd_plan, measure, real_batch, teacher_logits, zoo_pair
 
-from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss
+from crosskd.loss import compute_loss
 from crosskd.loss.parallel import ParallelConfig, build_mesh, reduce_counts, sharded_loss
-from crosskd.tables import TablePair, build_table
 from crosskd.teacher import signal_from_logits
-from crosskd.tokenization import load_tokenizer
 
 STUDENT, TEACHER, K = "llama3", "qwen3", 128
 
@@ -94,10 +92,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=512)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    student, teacher = load_tokenizer(f"zoo:{STUDENT}"), load_tokenizer(f"zoo:{TEACHER}")
-    pair = TablePair(
-        build_table(student, teacher, progress=False), build_table(teacher, student, progress=False)
-    )
+    student, teacher, pair = zoo_pair(STUDENT, TEACHER)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         batch = real_batch(STUDENT, TEACHER, args.rows, args.length, work)
@@ -105,13 +100,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         signal = signal_from_logits(teacher_logits(t_ids, teacher.vocab_size, gen), t_ids, k=K,
                                     tau=1.0)  # fmt: skip
-        config = LossConfig(teachers=[TeacherLossConfig(
-            k=K, student_to_teacher="s2t", teacher_to_student="t2s",
-        )])  # fmt: skip
-        plan = plan_loss(
-            config, s_ids, batch.loss_mask, [TeacherBatch(t_ids, batch.chunks[0], signal)],
-            [pair], student_vocab=student.vocab_size,
-        )  # fmt: skip
+        config, plan = csd_plan(batch, signal, pair, K, student.vocab_size)
         logits = torch.randn(*s_ids.shape, student.vocab_size, generator=gen)
         _run(_unsharded, [(logits, plan, config, args.repeat, work / "unsharded.json")])
         with socket.socket() as sock:
