@@ -10,18 +10,16 @@ its token ranges *within that packed row* on both sides.
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import fsspec
 import numpy as np
 import torch
 
+from crosskd.artifacts import read_checked, read_manifest
 from crosskd.data.prepare import KIND
-from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION, MANIFEST
+from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
 from crosskd.errors import DataError
 
 FORMAT_VERSIONS = (1,)
@@ -44,16 +42,10 @@ class PreparedData:
         shard's sha256 against the manifest."""
         import pyarrow.parquet as pq
 
-        shard = self.manifest["shards"][index]
-        fs, root = fsspec.core.url_to_fs(self.uri)
-        payload = fs.cat_file(f"{root}/{shard['path']}")
-        digest = hashlib.sha256(payload).hexdigest()
-        if digest != shard["sha256"]:
-            raise DataError(
-                f"prepared data {self.uri}: shard {shard['path']} has sha256 {digest}, the "
-                f"manifest says {shard['sha256']}; the file changed or is damaged. Run "
-                f"`crosskd prepare` again."
-            )
+        payload = read_checked(
+            self.uri, self.manifest["shards"][index], what="prepared data", error=DataError,
+            rebuild="Run `crosskd prepare` again.",
+        )  # fmt: skip
         return pq.read_table(io.BytesIO(payload)).to_pylist()
 
     def packed_rows(self) -> Iterator[list[dict]]:
@@ -72,26 +64,10 @@ class PreparedData:
 def load_prepared(uri: str, *, fingerprints: dict[str, str] | None = None) -> PreparedData:
     """Open prepared data, refusing a missing or foreign manifest, an unknown format version,
     or a model whose fingerprint differs from ``fingerprints`` (model name -> fingerprint)."""
-    fs, root = fsspec.core.url_to_fs(uri)
-    path = f"{root}/{MANIFEST}"
-    if not fs.exists(path):
-        raise DataError(
-            f"prepared data {uri}: no {MANIFEST} (missing, or a preparation that did not "
-            f"finish); run `crosskd prepare`."
-        )
-    try:
-        manifest = json.loads(fs.cat_file(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(
-            f"prepared data {uri}: {MANIFEST} is not valid JSON ({exc}); it is damaged. Run "
-            f"`crosskd prepare` again."
-        ) from exc
-    if manifest.get("kind") != KIND or manifest.get("format_version") not in FORMAT_VERSIONS:
-        raise DataError(
-            f"prepared data {uri}: manifest kind {manifest.get('kind')!r} version "
-            f"{manifest.get('format_version')!r}, expected {KIND!r} version in "
-            f"{FORMAT_VERSIONS}; prepare the data again with this crosskd."
-        )
+    manifest = read_manifest(
+        uri, what="prepared data", kind=KIND, versions=FORMAT_VERSIONS, error=DataError,
+        rebuild="`crosskd prepare`",
+    )  # fmt: skip
     recorded = {m["name"]: m["fingerprint"] for m in manifest["models"]}
     for name, want in (fingerprints or {}).items():
         if recorded.get(name) != want:

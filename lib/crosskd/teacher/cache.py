@@ -11,15 +11,12 @@ the signal of a collated batch.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import fsspec
-
+from crosskd.artifacts import read_checked, read_manifest
 from crosskd.errors import CrosskdError
-from crosskd.teacher.scoring import FORMAT_VERSION, KIND, MANIFEST
+from crosskd.teacher.scoring import FORMAT_VERSION, KIND
 from crosskd.teacher.signal import SignalError, TeacherSignal
 from crosskd.teacher.storage import SampleSignal, batch_signal, decode
 
@@ -52,16 +49,10 @@ class TeacherCache:
 
     def shard(self, index: int) -> list[tuple[str, SampleSignal]]:
         """The samples of shard ``index`` in order, after checking its sha256."""
-        entry = self.manifest["shards"][index]
-        fs, root = fsspec.core.url_to_fs(self.uri)
-        payload = fs.cat_file(f"{root}/{entry['path']}")
-        digest = hashlib.sha256(payload).hexdigest()
-        if digest != entry["sha256"]:
-            raise CacheError(
-                f"teacher cache {self.uri}: shard {entry['path']} has sha256 {digest}, the "
-                f"manifest says {entry['sha256']}; the file changed or is damaged. Delete it and "
-                f"rerun `crosskd score` (completed shards are kept)."
-            )
+        payload = read_checked(
+            self.uri, self.manifest["shards"][index], what="teacher cache", error=CacheError,
+            rebuild="Delete it and rerun `crosskd score` (completed shards are kept).",
+        )  # fmt: skip
         return decode(payload, self.manifest["encoding"], self.k)
 
     def sample(self, sample_id: str) -> SampleSignal:
@@ -100,23 +91,10 @@ def open_cache(
 ) -> TeacherCache:
     """Open the cache at ``uri``, refusing one that does not match the given values (None: not
     checked)."""
-    fs, root = fsspec.core.url_to_fs(uri)
-    path = f"{root}/{MANIFEST}"
-    if not fs.exists(path):
-        raise CacheError(
-            f"teacher cache {uri}: no {MANIFEST} (missing, or a scoring run that did not "
-            f"finish); run `crosskd score` (it resumes)."
-        )
-    try:
-        manifest = json.loads(fs.cat_file(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CacheError(f"teacher cache {uri}: {MANIFEST} is not valid JSON ({exc}).") from exc
-    if manifest.get("kind") != KIND or manifest.get("format_version") != FORMAT_VERSION:
-        raise CacheError(
-            f"teacher cache {uri}: manifest kind {manifest.get('kind')!r} version "
-            f"{manifest.get('format_version')!r}, expected {KIND!r} version {FORMAT_VERSION}; "
-            f"score the data again with this crosskd."
-        )
+    manifest = read_manifest(
+        uri, what="teacher cache", kind=KIND, versions=(FORMAT_VERSION,), error=CacheError,
+        rebuild="`crosskd score` (it resumes)",
+    )  # fmt: skip
     recorded = {
         "teacher fingerprint": manifest["teacher"]["fingerprint"],
         "tokenizer fingerprint": manifest["tokenizer"]["fingerprint"],

@@ -1,0 +1,66 @@
+"""Reading crosskd's own artifacts back: a folder (any fsspec URI) with a ``manifest.json``
+written last and files whose sha256 the manifest records. Shared by prepared data and teacher
+caches; errors name the artifact, what is wrong and the command that rebuilds it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection
+
+import fsspec
+
+from crosskd.errors import CrosskdError
+
+MANIFEST = "manifest.json"
+
+
+def read_manifest(
+    uri: str,
+    *,
+    what: str,
+    kind: str,
+    versions: Collection[int],
+    error: type[CrosskdError],
+    rebuild: str,
+) -> dict:
+    """The manifest of the artifact at ``uri`` (``what``: e.g. "prepared data"), refusing a
+    missing, damaged or foreign one or an unknown format version with ``error``; ``rebuild``
+    names the command that writes it (e.g. "`crosskd prepare`")."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    path = f"{root}/{MANIFEST}"
+    if not fs.exists(path):
+        raise error(
+            f"{what} {uri}: no {MANIFEST} (missing, or a run that did not finish); run "
+            f"{rebuild}."
+        )
+    try:
+        manifest = json.loads(fs.cat_file(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(
+            f"{what} {uri}: {MANIFEST} is not valid JSON ({exc}); it is damaged. Run {rebuild} "
+            f"again."
+        ) from exc
+    if manifest.get("kind") != kind or manifest.get("format_version") not in versions:
+        raise error(
+            f"{what} {uri}: manifest kind {manifest.get('kind')!r} version "
+            f"{manifest.get('format_version')!r}, expected {kind!r} version in "
+            f"{sorted(versions)}; run {rebuild} again with this crosskd."
+        )
+    return manifest
+
+
+def read_checked(
+    uri: str, entry: dict, *, what: str, error: type[CrosskdError], rebuild: str
+) -> bytes:
+    """The bytes of the file ``entry["path"]`` under ``uri``, refused with ``error`` unless
+    their sha256 is ``entry["sha256"]``."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    payload = fs.cat_file(f"{root}/{entry['path']}")
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != entry["sha256"]:
+        raise error(
+            f"{what} {uri}: {entry['path']} has sha256 {digest}, the manifest says "
+            f"{entry['sha256']}; the file changed or is damaged. {rebuild}"
+        )
+    return payload
