@@ -1,20 +1,20 @@
 """The training loop on tiny random-init models with different tiny tokenizers: learning,
-kill-and-resume, the NaN guard, metrics over HTTP, 2-process DDP against one process."""
+kill-and-resume (also during a checkpoint write), the NaN guard, metrics over HTTP, 2-process
+DDP against one process (and a resume on another world size), bad configs. Processes started
+after this process has run a Trainer are fresh interpreters (:mod:`train_workers`)."""
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
-import socket
 import time
-import traceback
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from train_workers import SPAWN, free_port, run_ddp, train_hanging_at, train_hanging_in_checkpoint
 
 from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.errors import ConfigError, CrosskdError
@@ -22,7 +22,15 @@ from crosskd.loss import LossConfig, TeacherLossConfig
 from crosskd.tables import build_table, save_table
 from crosskd.teacher.scoring import ScoreConfig, score
 from crosskd.tokenization import load_tokenizer
-from crosskd.train import TrainConfig, Trainer, TrainingError, lr_at, step_rows
+from crosskd.train import (
+    DataOrder,
+    TrainConfig,
+    Trainer,
+    TrainingError,
+    lr_at,
+    rank_micro_batches,
+    step_rows,
+)
 from crosskd.zoo import train_tiny_bpe
 from crosskd.zoo.models import init_llama
 
@@ -38,10 +46,12 @@ TEXTS = [
 ] * 2
 
 
-def _tiny_model(folder: Path, vocab_texts: list[str], vocab: int, seed: int) -> Path:
+def _tiny_model(folder: Path, vocab_texts: list[str], vocab: int, seed: int,
+                **shape) -> Path:  # fmt: skip
     """A tiny random-init Llama with a tiny BPE trained on ``vocab_texts``."""
     train_tiny_bpe(vocab_texts, vocab, folder)
-    return init_llama(folder, str(folder), {"hidden_size": 32, "intermediate_size": 64}, seed)
+    return init_llama(folder, str(folder), {"hidden_size": 32, "intermediate_size": 64} | shape,
+                      seed)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +59,10 @@ def setup(tmp_path_factory):
     """Student and teacher folders, tables, prepared data and the teacher cache."""
     root = tmp_path_factory.mktemp("train")
     student = _tiny_model(root / "student", TEXTS * 4, 330, seed=1)
-    teacher = _tiny_model(root / "teacher", [t.upper() + t for t in TEXTS] * 4, 420, seed=2)
+    # A teacher with large init weights: sharp next-token distributions, so the KD term against
+    # the near-uniform random student is large (not a rounding-sized number).
+    teacher = _tiny_model(root / "teacher", [t.upper() + t for t in TEXTS] * 4, 420, seed=2,
+                          initializer_range=0.5)  # fmt: skip
     s_tok, t_tok = load_tokenizer(str(student)), load_tokenizer(str(teacher))
     s2t = save_table(build_table(s_tok, t_tok, progress=False), str(root / "s2t.safetensors"))
     t2s = save_table(build_table(t_tok, s_tok, progress=False), str(root / "t2s.safetensors"))
@@ -77,7 +90,7 @@ def _config(setup, output, **kw) -> TrainConfig:
 
 
 def test_schedule_and_data_order():
-    config = TrainConfig(student="s", data="d", output="o", teachers=[""], steps=10,
+    config = TrainConfig(student="s", data="d", output="o", teachers=["c"], steps=10,
                          warmup_steps=2, lr=1.0, min_lr_ratio=0.1)  # fmt: skip
     # Warmup: (s + 1) / 2 for s = 0, 1. Then cosine over 8 steps from 1 to 0.1: step 9 is at
     # 7/8 of it: 0.1 + 0.9 * 0.5 * (1 + cos(7 pi / 8)) = 0.1 + 0.45 * 0.0761205 = 0.1342542.
@@ -88,6 +101,27 @@ def test_schedule_and_data_order():
     assert sorted(rows[:7]) == list(range(7)) and sorted(rows[7:14]) == list(range(7))
     assert rows == [i for s in range(5) for i in step_rows(s, 7, 3, seed=4)]
     assert rows != [i for s in range(5) for i in step_rows(s, 7, 3, seed=5)]
+    # Rank r's micro-batch m holds the step's rows [(m * dp + r) * R, +R): over the ranks,
+    # micro-batch m is the same rows whatever dp is, as long as dp * R is the same.
+    step = list(range(10, 18))
+    assert rank_micro_batches(step, 0, 2, 2) == [[10, 11], [14, 15]]
+    assert rank_micro_batches(step, 1, 2, 2) == [[12, 13], [16, 17]]
+    assert rank_micro_batches(step, 0, 1, 4) == [[10, 11, 12, 13], [14, 15, 16, 17]]
+    with pytest.raises(ConfigError, match=r"a step of 8 rows does not split"):
+        rank_micro_batches(step, 0, 3, 1)
+    # The global batch decides grad_accum on each world size, or is refused by key.
+    config = TrainConfig(student="s", data="d", output="o", teachers=["c"], global_batch_rows=8,
+                         micro_batch_rows=2)  # fmt: skip
+    assert [config.batch_layout(dp) for dp in (1, 2, 4)] == [(8, 4), (8, 2), (8, 1)]
+    with pytest.raises(ConfigError, match=r"global_batch_rows is 8, which micro_batch_rows"):
+        config.batch_layout(3)
+    config.grad_accum = 3
+    with pytest.raises(ConfigError, match=r"grad_accum is 3 but global_batch_rows 8"):
+        config.batch_layout(1)
+    order = DataOrder(8, "abc", 40, 0)
+    order.require(order.to_json(), "out")
+    with pytest.raises(ConfigError, match=r"global_batch_rows 4 there, 8 now; seed 1 there"):
+        order.require({**order.to_json(), "global_batch_rows": 4, "seed": 1}, "out")
 
 
 def test_training_lowers_the_loss_and_saves_a_loadable_student(setup, tmp_path):
@@ -97,47 +131,54 @@ def test_training_lowers_the_loss_and_saves_a_loadable_student(setup, tmp_path):
     trainer.setup()
     history = trainer.train()
     assert history[-1]["ce"] < history[0]["ce"] and history[-1]["kd"] < history[0]["kd"]
+    assert history[0]["kd"] > 0.05  # the sharp teacher: KD is not a rounding-sized number
     assert all(h["teacher0/1:1/valid"] > 0 for h in history)
     final = trainer.save()
     trainer.close()
     loaded = AutoModelForCausalLM.from_pretrained(final)
     assert loaded.config.vocab_size == trainer.vocab
+    info = json.loads((tmp_path / "run" / "final" / "crosskd-model.json").read_text())
+    assert info["step"] == 12 and info["heldout_bits_per_byte"] is None
     lines = (tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(1, 13))
 
 
-def _killable_run(config: TrainConfig) -> None:
-    """Train, hanging in step 4 (after step 3's metrics are logged) until killed."""
-    real = Trainer.train_step
+def _wait_for(predicate, what: str, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
-    def slow(self, step):
-        if step == 3:
-            time.sleep(600)
-        return real(self, step)
 
-    Trainer.train_step = slow
-    trainer = Trainer(config, progress=False)
+def _assert_same_curve(got: list[dict], want: list[dict], rel: float = 1e-6) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "ce", "kd", "kd_scale", "lr"):
+            assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-9), key
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    """One uninterrupted 6-step run (checkpoints every 2 steps) the resume tests compare to."""
+    trainer = Trainer(_config(setup, tmp_path_factory.mktemp("ref"), checkpoint_every=2),
+                      progress=False)  # fmt: skip
     trainer.setup()
-    trainer.train()
-    os._exit(0)
+    history = trainer.train()
+    trainer.close()
+    return history
 
 
-def test_a_killed_run_resumes_to_the_same_loss_curve(setup, tmp_path):
+def test_a_killed_run_resumes_to_the_same_loss_curve(setup, reference, tmp_path):
     """SIGKILL a training process during step 4 (last checkpoint: step 2), restart it: the
     steps from 3 on equal an uninterrupted run's."""
-    reference = Trainer(_config(setup, tmp_path / "ref", checkpoint_every=2), progress=False)
-    reference.setup()
-    full = reference.train()
-    reference.close()
     config = _config(setup, tmp_path / "run", checkpoint_every=2)
-    proc = multiprocessing.get_context("fork").Process(target=_killable_run, args=(config,))
+    proc = SPAWN.Process(target=train_hanging_at, args=(config, 3))
     proc.start()
     log_path = tmp_path / "run" / "metrics-rank0.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if log_path.exists() and len(log_path.read_text().splitlines()) == 3:
-            break
-        time.sleep(0.05)
+    _wait_for(lambda: log_path.exists() and len(log_path.read_text().splitlines()) == 3,
+              "step 3 to be logged")  # fmt: skip
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
     assert proc.exitcode == -signal.SIGKILL
@@ -148,9 +189,62 @@ def test_a_killed_run_resumes_to_the_same_loss_curve(setup, tmp_path):
     assert second.start == 2
     resumed = second.train()
     second.close()
-    for got, want in zip(resumed, full[2:], strict=True):
-        for key in ("loss", "ce", "kd", "kd_scale", "lr"):
-            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+    _assert_same_curve(resumed, reference[2:])
+
+
+def test_a_kill_during_a_checkpoint_write_resumes_from_the_last_complete_one(
+    setup, reference, tmp_path
+):
+    """SIGKILL while step 4's checkpoint is half-written (model file in the temporary folder,
+    no optimizer file yet): latest.json still names step 2, the resumed run ends on the
+    uninterrupted curve, and the half-written folder is gone after the next checkpoint."""
+    config = _config(setup, tmp_path / "run", checkpoint_every=2)
+    proc = SPAWN.Process(target=train_hanging_in_checkpoint, args=(config, 4))
+    proc.start()
+    half = tmp_path / "run" / "checkpoints" / ".tmp-step-0000004" / "model.safetensors"
+    _wait_for(half.exists, "step 4's checkpoint write to begin")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert json.loads((checkpoints / "latest.json").read_text())["step"] == 2
+    assert not (checkpoints / "step-0000004").exists()
+    second = Trainer(config, progress=False)
+    second.setup()
+    assert second.start == 2
+    resumed = second.train()
+    second.close()
+    _assert_same_curve(resumed, reference[2:])
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == ["latest.json", "step-0000002", "step-0000004", "step-0000006"]
+
+
+def test_checkpoint_retention_and_a_resume_that_would_change_the_data_order(setup, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(_config(setup, out, checkpoint_every=1, keep_checkpoints=2, steps=5),
+                      progress=False)  # fmt: skip
+    trainer.setup()
+    trainer.train(stop_after=4)
+    trainer.close()
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["latest.json", "step-0000003", "step-0000004"]
+    state = json.loads((out / "checkpoints" / "step-0000004" / "state.json").read_text())
+    assert state["data_order"]["global_batch_rows"] == 2 and state["data_order"]["seed"] == 0
+    for change, message in (
+        ({"seed": 1}, r"seed 0 there, 1 now"),
+        ({"global_batch_rows": 4}, r"global_batch_rows 2 there, 4 now"),
+        ({"micro_batch_rows": 1, "grad_accum": 1}, r"global_batch_rows 2 there, 1 now"),
+    ):
+        again = Trainer(_config(setup, out, steps=5, **change), progress=False)
+        with pytest.raises(ConfigError, match=message):
+            again.setup()
+    # Without an explicit batch, a restart keeps the recorded one (here on micro-batches of 1).
+    again = Trainer(_config(setup, out, steps=5, micro_batch_rows=1), progress=False)
+    again.setup()
+    assert (again.start, again.global_batch, again.accum) == (4, 2, 2)
+    again.close()
+    (out / "checkpoints" / "latest.json").write_text("{not json")
+    with pytest.raises(CrosskdError, match=r"latest.json is damaged"):
+        Trainer(_config(setup, out, steps=5), progress=False).setup()
 
 
 def test_a_nan_loss_stops_the_run_naming_step_and_term(setup, tmp_path, monkeypatch):
@@ -190,61 +284,85 @@ def test_metrics_are_served_over_http_during_the_run(setup, tmp_path):
     trainer.close()
 
 
-def _ddp_worker(rank: int, port: int, config: TrainConfig, out: Path) -> None:
-    try:
-        os.environ.update({"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
-        torch.set_num_threads(1)
-        trainer = Trainer(config, progress=False)
-        trainer.setup()
-        history = trainer.train()
-        (out / f"rank{rank}.json").write_text(json.dumps(history))
-        trainer.close()
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
+def test_metrics_port_is_per_local_rank(setup, tmp_path, monkeypatch):
+    """Each pod numbers its processes by LOCAL_RANK; process k serves on metrics_port + k."""
+    port = free_port()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=port - 1), progress=False)
+    trainer.setup()
+    assert trainer.exporter.port == port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "crosskd_train_step" in text
+    trainer.close()
 
 
-def test_two_process_ddp_equals_one_process(setup, tmp_path):
-    single = Trainer(_config(setup, tmp_path / "one", micro_batch_rows=2), progress=False)
+def test_two_process_ddp_equals_one_process_and_resumes_on_one(setup, tmp_path):
+    """2 gloo processes (1 row each per micro-batch) against 1 process (2 rows): the same
+    curve, the KD term itself to 1e-5. Then a 2-process run stopped at step 2 resumes in one
+    process and continues the same data order: the same micro-batches and the same curve as
+    the uninterrupted one-process run."""
+    single = Trainer(_config(setup, tmp_path / "one", micro_batch_rows=2, checkpoint_every=2),
+                     progress=False)  # fmt: skip
     single.setup()
     want = single.train()
+    want_batches = [single.step_micro_batches(s) for s in range(6)]
     single.close()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = _config(setup, tmp_path / "two", micro_batch_rows=1)
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_ddp_worker, args=(r, port, config, tmp_path)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    errors = [f.read_text() for f in tmp_path.glob("error*.txt")]
-    assert all(p.exitcode == 0 for p in procs), "\n".join(errors)
-    # The loss curve to 1e-5. The KD term of these two random models is ~2e-4 against a loss of
-    # ~10, so its float32 rounding (other batch shapes, another summation order of the
-    # gradients) is compared on the loss's scale, and kd_scale (CE / KD) inherits it.
+    run_ddp([
+        ("two", _config(setup, tmp_path / "two", micro_batch_rows=1), None),
+        ("stop", _config(setup, tmp_path / "stop", micro_batch_rows=1, checkpoint_every=2), 2),
+    ], tmp_path)  # fmt: skip
     for rank in (0, 1):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for g, w in zip(got, want, strict=True):
-            for key in ("loss", "ce"):
+        got = json.loads((tmp_path / f"two-rank{rank}.json").read_text())
+        for g, w in zip(got["history"], want, strict=True):
+            for key in ("loss", "ce", "kd", "kd_scale"):
                 assert g[key] == pytest.approx(w[key], rel=1e-5), key
-            assert g["kd"] == pytest.approx(w["kd"], abs=1e-5 * w["loss"])
-            assert g["kd_scale"] == pytest.approx(w["kd_scale"], rel=2e-4)
+        # Rank r's row of micro-batch m is row r of the one-process micro-batch m.
+        for mine, whole in zip(got["micro_batches"], want_batches, strict=True):
+            assert mine == [[rows[rank]] for rows in whole]
+    assert json.loads((tmp_path / "two-rank0.json").read_text())["history"][0]["kd"] > 0.05
+    resumed = Trainer(_config(setup, tmp_path / "stop", micro_batch_rows=2, checkpoint_every=2),
+                      progress=False)  # fmt: skip
+    resumed.setup()
+    assert resumed.start == 2
+    assert [resumed.step_micro_batches(s) for s in range(6)] == want_batches
+    rest = resumed.train()
+    resumed.close()
+    _assert_same_curve(rest, want[2:], rel=1e-5)
 
 
-def test_bad_configs_are_refused_by_key(setup, tmp_path):
-    with pytest.raises(ConfigError, match=r"steps is 0; it must be an integer >= 1"):
-        _config(setup, tmp_path, steps=0)
-    with pytest.raises(ConfigError, match=r"lr is -1"):
-        _config(setup, tmp_path, lr=-1)
-    with pytest.raises(ConfigError, match=r"teachers lists 2 source\(s\) but loss.teachers has 1"):
-        _config(setup, tmp_path, teachers=["a", "b"])
-    with pytest.raises(ConfigError, match=r"loss: unknown key\(s\) kd_wieght"):
-        TrainConfig(student="s", data="d", output="o", teachers=[""], loss={"kd_wieght": 1})
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"steps": 0}, r"steps is 0; it must be an integer >= 1"),
+        ({"steps": "10"}, r"steps is '10'; it must be an integer >= 1"),
+        ({"micro_batch_rows": 1.5}, r"micro_batch_rows is 1.5; it must be an integer"),
+        ({"grad_accum": 0}, r"grad_accum is 0; it must be an integer >= 1"),
+        ({"global_batch_rows": True}, r"global_batch_rows is True"),
+        ({"checkpoint_every": -1}, r"checkpoint_every is -1; it must be an integer >= 0"),
+        ({"keep_checkpoints": -2}, r"keep_checkpoints is -2"),
+        ({"eval_every": "x"}, r"eval_every is 'x'"),
+        ({"lr": -1}, r"lr is -1"),
+        ({"lr": float("nan")}, r"lr is nan; it must be a finite number"),
+        ({"min_lr_ratio": 2.0}, r"min_lr_ratio is 2.0; it must be in \[0, 1\]"),
+        ({"metrics_port": 70000}, r"metrics_port is 70000; it must be <= 65535"),
+        ({"student": ""}, r"student is ''; it must be a non-empty string"),
+        ({"output": 3}, r"output is 3; it must be a non-empty string"),
+        ({"teachers": "cache"}, r"teachers is 'cache'; it must be a list"),
+        ({"teachers": ["a", "b"]}, r"teachers lists 2 source\(s\) but loss.teachers has 1"),
+        ({"attn_implementation": "flex"}, r"attn_implementation is 'flex'; packed rows are exact"),
+        ({"student": "init"}, r"student is 'init' .* student_tokenizer is not set"),
+        ({"student_shape": {"hidden_size": 8}}, r"student_shape is set but student is"),
+        ({"student_shape": [1]}, r"student_shape is \[1\]; it must be a mapping"),
+        ({"loss": {"kd_wieght": 1}}, r"loss: unknown key\(s\) kd_wieght"),
+        ({"loss": {"tau": -1}}, r"loss.tau is -1"),
+        ({"loss": {"teacher_mode": "average"}}, r"loss.teacher_mode is 'average'"),
+    ],
+)
+def test_bad_configs_are_refused_by_key(setup, tmp_path, change, message):
+    values = {"student": "s", "data": "d", "output": "o", "teachers": ["c"]} | change
+    with pytest.raises(ConfigError, match=message) as info:
+        TrainConfig(**values)
+    assert "\n" not in str(info.value)
 
 
 def test_distill_tiny_preset_end_to_end(tmp_path, capsys):
@@ -285,11 +403,14 @@ def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
         "model.safetensors", "optimizer.safetensors", "state.json",
     ]  # fmt: skip
     fresh = torch.nn.Linear(3, 2)
-    state = load_checkpoint(str(tmp_path), fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    state = load_checkpoint(str(tmp_path), 5, fresh,
+                            torch.optim.AdamW(fresh.parameters(), lr=0.1))  # fmt: skip
     assert state["note"] == "again" and torch.equal(fresh.weight, model.weight)
     (tmp_path / "step-0000005" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CrosskdError, match=r"checkpoint .* is incomplete or damaged"):
-        load_checkpoint(str(tmp_path), fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+        load_checkpoint(str(tmp_path), 5, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    with pytest.raises(CrosskdError, match=r"step-0000006 cannot be read here .* storage all"):
+        load_checkpoint(str(tmp_path), 6, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
 
 
 def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):

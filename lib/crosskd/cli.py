@@ -1,8 +1,10 @@
 """The ``crosskd`` command line.
 
-``crosskd tables build|validate|inspect``, ``crosskd prepare``, ``crosskd inspect pair``. Bad
-input exits with status 2 and one line on stderr that says what is wrong and what to do; a table
-that fails validation exits 1.
+``crosskd tables build|validate|inspect``, ``crosskd prepare``, ``crosskd inspect pair``,
+``crosskd score``, ``crosskd train``, ``crosskd evaluate``, ``crosskd distill``. Bad input (a
+config, data or artifact error, a training run stopped by a non-finite loss) exits with status 2
+and one line on stderr that says what is wrong and what to do; a table that fails validation
+exits 1.
 """
 
 from __future__ import annotations
@@ -107,6 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("overrides", nargs="*", metavar="key=value",
                     help="any ScoreConfig field, e.g. token_budget=8192")  # fmt: skip
 
+    tr = commands.add_parser(
+        "train", help="train the student (one process, or every process under torchrun); a "
+        "restarted run resumes from its last checkpoint",
+    )  # fmt: skip
+    tr.add_argument("--config", help="YAML file with TrainConfig keys")
+    tr.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="any TrainConfig field, e.g. steps=500 loss.kd_weight=0.5")  # fmt: skip
+
+    ev = commands.add_parser(
+        "evaluate", help="held-out bits per byte of models and teachers on prepared data"
+    )
+    ev.add_argument("--config", help="YAML file with EvaluateConfig keys")
+    ev.add_argument("--data", help="prepared data (crosskd prepare output), any fsspec URI")
+    ev.add_argument("--model", action="append", dest="models", metavar="[NAME=]REF",
+                    help="a model or teacher (HF folder, URI, zoo:NAME); repeat")  # fmt: skip
+    ev.add_argument("--output", help="write the JSON result here (local path or URI)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="any EvaluateConfig field, e.g. token_budget=8192")  # fmt: skip
+
     dist = commands.add_parser(
         "distill", help="the whole run: tables, prepare, score, train, evaluate, report"
     )
@@ -140,6 +161,10 @@ def _run(args: argparse.Namespace) -> int:
         return _score(args)
     if args.command == "distill":
         return _distill(args)
+    if args.command == "train":
+        return _train(args)
+    if args.command == "evaluate":
+        return _evaluate(args)
     from crosskd import tables
 
     if args.action == "build":
@@ -214,6 +239,48 @@ def _score(args: argparse.Namespace) -> int:
         f"{manifest['tau']}, {manifest['encoding']}, {manifest['bytes_per_token']:.0f} "
         f"bytes/token; teacher bits per byte {'n/a' if bpb is None else f'{bpb:.3f}'}"
     )
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from crosskd.config import load_config
+    from crosskd.train import TrainConfig, Trainer, finished_model
+
+    config = load_config(TrainConfig, args.config, args.overrides)
+    done = finished_model(config)
+    if done is not None:
+        _write(f"{config.output} is complete (final/ holds step {done['step']}); nothing to do")
+        return 0
+    trainer = Trainer(config)
+    try:
+        trainer.setup()
+        history = trainer.train()
+        final = trainer.save()
+    finally:
+        trainer.close()
+    if trainer.rank == 0:
+        last = history[-1] if history else {}
+        summary = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "ce", "kd") if k in last)
+        _write(f"trained steps {trainer.start + 1}..{config.steps} into {final}"
+               + (f": {summary}" if summary else ""))  # fmt: skip
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from crosskd.config import load_config
+    from crosskd.evaluate import EvaluateConfig, evaluate
+
+    given = {k: getattr(args, k) for k in ("data", "models", "output")
+             if getattr(args, k) is not None}  # fmt: skip
+    config = load_config(EvaluateConfig, args.config, args.overrides, flags=given)
+    result = evaluate(config)
+    lines = [f"held-out bits per byte on {config.data}:"]
+    for name, row in result["models"].items():
+        value = "n/a" if row["bits_per_byte"] is None else f"{row['bits_per_byte']:.4f}"
+        lines.append(f"  {name:14} {value}  ({row['prepared_model']} tokens)")
+    if config.output:
+        lines.append(f"wrote {config.output}")
+    _write("\n".join(lines))
     return 0
 
 

@@ -2,7 +2,8 @@
 
 ``load_config(PrepareConfig, "prepare.yaml", ["max_length=4096", "pack=false"])``: the file's
 mapping first, then each override (its value parsed as YAML, so ``4096`` is an int, ``false`` a
-bool and ``[a, b]`` a list). Unknown keys are refused with the list of known ones.
+bool and ``[a, b]`` a list). A dotted key sets one key of a mapping-valued field
+(``loss.kd_weight=0.5``). Unknown top-level keys are refused with the list of known ones.
 """
 
 from __future__ import annotations
@@ -41,7 +42,15 @@ def load_config(
         key, sep, raw = item.partition("=")
         if not sep:
             raise CrosskdError(f"override {item!r}: write it as key=value.")
-        values.update(_checked({key.strip(): yaml.safe_load(raw)}, known, f"override {item!r}"))
+        top, dot, sub = key.strip().partition(".")
+        value = yaml.safe_load(raw)
+        if dot:
+            _checked({top: None}, known, f"override {item!r}")
+            inner = values.get(top, {})
+            if not isinstance(inner, dict):
+                raise CrosskdError(f"override {item!r}: {top} is not a mapping.")
+            value = {**inner, sub: value}
+        values.update(_checked({top: value}, known, f"override {item!r}"))
     missing = [
         f.name
         for f in dataclasses.fields(cls)

@@ -24,7 +24,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
@@ -33,7 +32,7 @@ from crosskd.config import load_config
 from crosskd.data.collate import load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.errors import ConfigError
-from crosskd.evaluate import bits_per_byte
+from crosskd.evaluate import bits_per_byte, prepared_sequences
 from crosskd.loss import LossConfig, TeacherLossConfig
 from crosskd.metrics.report import write_report
 from crosskd.tables import build_table, save_table, validate_pair
@@ -172,9 +171,9 @@ def distill(config: DistillConfig, *, progress: bool = True) -> dict:
     if config.compare_ce_only:
         runs["ce"] = _train(config, student_init, prepared["train"], cache, s2t.source,
                             t2s.source, out / "runs" / "ce", kd=False)  # fmt: skip
-    heldout = [row for row in load_prepared(prepared["heldout"]).packed_rows()]
-    student_seqs = [np.asarray(smp["student_ids"]) for row in heldout for smp in row]
-    teacher_seqs = [np.asarray(smp["teacher0_ids"]) for row in heldout for smp in row]
+    heldout = load_prepared(prepared["heldout"])
+    student_seqs = prepared_sequences(heldout, "student")
+    teacher_seqs = prepared_sequences(heldout, "teacher0")
     from transformers import AutoModelForCausalLM
 
     bpb = {"teacher": bits_per_byte(teacher.model, teacher_seqs, t.bytes.lengths,

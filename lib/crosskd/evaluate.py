@@ -1,31 +1,44 @@
-"""Held-out bits per byte of a causal LM: comparable across tokenizers.
+"""Held-out bits per byte of causal LMs on prepared data: comparable across tokenizers.
 
-Each sequence is scored alone (right-padded batches by a token budget, attention masked); the
+Each sample is scored alone (right-padded batches by a token budget, attention masked); the
 negative log likelihood of every token after the first, in bits (nats / ln 2), is divided by
-those tokens' UTF-8 bytes.
+those tokens' UTF-8 bytes. :func:`nll_bits_and_bytes` gives both sums, so shares computed by
+several processes add up; :func:`bits_per_byte` is their ratio. :func:`evaluate` (``crosskd
+evaluate``) scores any number of models and teachers on prepared data, each on the token ids of
+the prepared model whose tokenizer it has, and writes one JSON file; ``crosskd distill`` and the
+trainer's held-out evaluation report the same figure.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+from dataclasses import dataclass
 
+import fsspec
 import numpy as np
 import torch
 
-from crosskd.teacher.scoring import budget_batches
+from crosskd.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def bits_per_byte(
+def nll_bits_and_bytes(
     model: torch.nn.Module,
     sequences: list[np.ndarray],
     token_bytes: np.ndarray,
     *,
     device: torch.device | str = "cpu",
     token_budget: int = 4096,
-) -> float:
-    """Bits per byte of ``model`` on ``sequences`` (int token ids ``[L_i]`` each);
-    ``token_bytes`` int ``[V]``: each id's UTF-8 length."""
+) -> tuple[float, int]:
+    """The summed negative log likelihood in bits of every token after the first of each of
+    ``sequences`` (int token ids ``[L_i]``), and those tokens' UTF-8 bytes; ``token_bytes`` int
+    ``[V]``: each id's UTF-8 length."""
+    from crosskd.teacher.scoring import budget_batches
+
     was_training = model.training
     model.eval()
     bits, n_bytes = 0.0, 0
@@ -38,10 +51,122 @@ def bits_per_byte(
             ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[b, : len(seq)] = 1
         ids, mask = ids.to(device), mask.to(device)
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
         lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         keep = mask[:, 1:].bool()
         bits -= lp[keep].double().sum().item() / math.log(2)
         n_bytes += int(token_bytes[ids[:, 1:][keep].cpu().numpy()].sum())
     model.train(was_training)
+    return bits, n_bytes
+
+
+def bits_per_byte(
+    model: torch.nn.Module,
+    sequences: list[np.ndarray],
+    token_bytes: np.ndarray,
+    *,
+    device: torch.device | str = "cpu",
+    token_budget: int = 4096,
+) -> float:
+    """Bits per byte of ``model`` on ``sequences`` (see :func:`nll_bits_and_bytes`); NaN when
+    no token is predicted."""
+    bits, n_bytes = nll_bits_and_bytes(
+        model, sequences, token_bytes, device=device, token_budget=token_budget
+    )
     return bits / n_bytes if n_bytes else float("nan")
+
+
+def prepared_sequences(data, name: str) -> list[np.ndarray]:
+    """Every sample's token ids for the prepared model ``name`` (``student``, ``teacher0``,
+    ...) of :class:`crosskd.data.collate.PreparedData` ``data``, in order."""
+    return [np.asarray(s[f"{name}_ids"]) for row in data.packed_rows() for s in row]
+
+
+@dataclass
+class EvaluateConfig:
+    """What ``crosskd evaluate`` does."""
+
+    data: str
+    """Prepared data (``crosskd prepare`` output, e.g. a held-out split), any fsspec URI."""
+    models: list[str]
+    """The models to score: ``NAME=REF`` or ``REF`` (then named by REF); REF is a Hugging Face
+    folder, fsspec URI, ``zoo:NAME`` or cached hub id. Each is scored on the token ids of the
+    prepared model (student or a teacher) whose tokenizer fingerprint its tokenizer has."""
+    output: str | None = None
+    """Where the JSON result goes (local path or URI); None: only returned / printed."""
+    token_budget: int = 4096
+    """Padded tokens per forward batch."""
+    device: str | None = None
+    """``cpu``, ``cuda``, ... (default: CUDA when available)."""
+    dtype: str | None = "float32"
+    """The models' dtype while scoring (float32 by default, so figures compare)."""
+    trust_remote_code: bool = False
+    """Passed to transformers; off unless you trust the models' code."""
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, str) or not self.data:
+            raise ConfigError(f"data is {self.data!r}; give the prepared data's URI.")
+        if not isinstance(self.models, list) or not self.models or not all(
+            isinstance(m, str) and m for m in self.models
+        ):  # fmt: skip
+            raise ConfigError(
+                f"models is {self.models!r}; give one or more NAME=REF or REF strings."
+            )
+        if isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or (
+            self.token_budget < 1
+        ):  # fmt: skip
+            raise ConfigError(f"token_budget is {self.token_budget!r}; it must be an int >= 1.")
+        if len(set(self.names)) != len(self.names):
+            raise ConfigError(f"models {self.models}: two models have the same name; name them "
+                              f"NAME=REF.")  # fmt: skip
+
+    @property
+    def names(self) -> list[str]:
+        """The name of each model (``NAME`` of ``NAME=REF``, else REF)."""
+        return [m.partition("=")[0] if "=" in m else m for m in self.models]
+
+
+def evaluate(config: EvaluateConfig) -> dict:
+    """Held-out bits per byte of every model of ``config`` on its prepared data; returns (and
+    writes to ``config.output``) ``{"data": URI, "data_fingerprint": ..., "models": {name:
+    {"ref", "prepared_model", "bits_per_byte", "bits", "bytes", "sequences"}}}``."""
+    from crosskd.data.collate import load_prepared
+    from crosskd.teacher.model import load_teacher
+    from crosskd.tokenization import load_tokenizer
+
+    data = load_prepared(config.data)
+    by_fingerprint = {m["fingerprint"]: m["name"] for m in data.manifest["models"]}
+    results = {}
+    for name, spec in zip(config.names, config.models, strict=True):
+        ref = spec.partition("=")[2] if "=" in spec else spec
+        loaded = load_teacher(ref, device=config.device, dtype=config.dtype, role="model",
+                              trust_remote_code=config.trust_remote_code)  # fmt: skip
+        tok = load_tokenizer(str(loaded.folder), vocab_size=loaded.vocab_size)
+        prepared = by_fingerprint.get(tok.fingerprint)
+        if prepared is None:
+            raise ConfigError(
+                f"model {name} ({ref}): its tokenizer (fingerprint {tok.fingerprint[:12]}) is "
+                f"none of the tokenizers {config.data} was prepared for "
+                f"({', '.join(f'{n} {f[:12]}' for f, n in by_fingerprint.items())}); prepare "
+                f"the data with this tokenizer too."
+            )
+        sequences = prepared_sequences(data, prepared)
+        bits, n_bytes = nll_bits_and_bytes(loaded.model, sequences, tok.bytes.lengths,
+                                           device=loaded.device,
+                                           token_budget=config.token_budget)  # fmt: skip
+        results[name] = {
+            "ref": ref, "prepared_model": prepared, "sequences": len(sequences),
+            "bits": bits, "bytes": n_bytes,
+            "bits_per_byte": bits / n_bytes if n_bytes else None,
+        }  # fmt: skip
+        log.info("%s: %.4f bits per byte on %s", name, results[name]["bits_per_byte"] or 0,
+                 prepared)  # fmt: skip
+        del loaded
+    out = {"data": config.data, "data_fingerprint": data.manifest["data_fingerprint"],
+           "models": results}  # fmt: skip
+    if config.output is not None:
+        fs, path = fsspec.core.url_to_fs(config.output)
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        fs.pipe_file(path, json.dumps(out, indent=1).encode())
+    return out

@@ -5,7 +5,9 @@ default one), with labels ``job``, ``rank`` and, where it makes sense, ``teacher
 the step is a value (``crosskd_train_step``), never a label, so series do not multiply. Metric
 names: ``crosskd_train_loss``, ``crosskd_train_kd_loss``, ``crosskd_train_ce_loss``,
 ``crosskd_kd_scale``, ``crosskd_learning_rate``, ``crosskd_train_step``, ``crosskd_tokens_total``,
-``crosskd_chunks_total{teacher, shape}``, ``crosskd_step_seconds`` (histogram).
+``crosskd_chunks_total{teacher, shape}``, ``crosskd_step_seconds`` (histogram),
+``crosskd_heldout_bits_per_byte`` (the last held-out evaluation) and
+``crosskd_last_checkpoint_step``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class MetricsExporter:
         self.kd_scale = gauge("crosskd_kd_scale", "kd_scale of the last micro-batch")
         self.lr = gauge("crosskd_learning_rate", "Learning rate of the last step")
         self.step = gauge("crosskd_train_step", "Optimizer steps done")
+        self.heldout = gauge("crosskd_heldout_bits_per_byte",
+                             "Student bits per byte on the held-out data, last evaluation")
+        self.checkpoint = gauge("crosskd_last_checkpoint_step",
+                                "Step of the last complete checkpoint")  # fmt: skip
         self.tokens = Counter("crosskd_tokens_total", "Student CE tokens trained on", names,
                               registry=self.registry).labels(**labels)  # fmt: skip
         self._chunks = Counter("crosskd_chunks_total", "Counted KD chunks by teacher and shape",
@@ -67,7 +73,8 @@ class MetricsExporter:
 
     def record(self, step: int, metrics: dict[str, float], seconds: float) -> None:
         """Update every metric from one step's values (``loss``, ``ce``, ``kd``, ``kd_scale``,
-        ``lr``, ``tokens``, and ``{teacher}/{shape}/valid`` chunk counts)."""
+        ``lr``, ``tokens``, ``{teacher}/{shape}/valid`` chunk counts, and
+        ``heldout_bits_per_byte`` on a step that evaluated)."""
         self.loss.set(metrics["loss"])
         self.ce.set(metrics["ce"])
         self.kd.set(metrics["kd"])
@@ -75,6 +82,8 @@ class MetricsExporter:
         self.lr.set(metrics["lr"])
         self.step.set(step)
         self.seconds.observe(seconds)
+        if "heldout_bits_per_byte" in metrics:
+            self.heldout.set(metrics["heldout_bits_per_byte"])
         if not self.count_totals:
             return
         self.tokens.inc(metrics["tokens"])

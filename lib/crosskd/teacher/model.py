@@ -60,16 +60,18 @@ def load_teacher(
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    role: str = "teacher",
 ) -> LoadedTeacher:
-    """Load and fingerprint a teacher (see the module docstring)."""
+    """Load and fingerprint a teacher (see the module docstring); ``role`` names the model in
+    errors (``crosskd evaluate`` loads students the same way)."""
     from transformers import AutoModelForCausalLM
 
-    folder = teacher_folder(ref, cache_dir=cache_dir)
+    folder = model_folder(ref, cache_dir=cache_dir, role=role)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         found = sorted(p.name for p in folder.iterdir())
         raise TeacherError(
-            f"teacher {ref!r}: no *.safetensors weights in {folder} (found {found}); crosskd "
+            f"{role} {ref!r}: no *.safetensors weights in {folder} (found {found}); crosskd "
             f"never unpickles weights. Save the model with save_pretrained(safe_serialization="
             f"True)."
         )
@@ -100,8 +102,11 @@ def fingerprint(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def teacher_folder(ref: str, *, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The local folder of a teacher reference."""
+def model_folder(
+    ref: str, *, cache_dir: str | os.PathLike | None = None, role: str = "teacher"
+) -> Path:
+    """The local folder of a model reference (a teacher's, or a student's: ``role`` names it
+    in errors); remote folders are copied into the cache."""
     if ref.startswith("zoo:"):
         from crosskd.zoo.models import zoo_model_dir
 
@@ -109,11 +114,11 @@ def teacher_folder(ref: str, *, cache_dir: str | os.PathLike | None = None) -> P
     if ref.startswith("file://"):
         ref = ref[len("file://") :]
     elif "://" in ref:
-        return _fetch(ref, Path(cache_dir) if cache_dir else default_cache_dir())
+        return _fetch(ref, Path(cache_dir) if cache_dir else default_cache_dir(), role)
     path = Path(ref)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise TeacherError(f"teacher folder {ref!r} has no config.json.")
+            raise TeacherError(f"{role} folder {ref!r} has no config.json.")
         return path
     from huggingface_hub import try_to_load_from_cache
 
@@ -123,21 +128,21 @@ def teacher_folder(ref: str, *, cache_dir: str | os.PathLike | None = None) -> P
         found = None
     if not isinstance(found, str):
         raise TeacherError(
-            f"teacher {ref!r} is not a folder, a zoo:NAME, an fsspec URI, or a Hugging Face id "
+            f"{role} {ref!r} is not a folder, a zoo:NAME, an fsspec URI, or a Hugging Face id "
             f"in the local cache; crosskd never downloads at run time. Download it first "
             f"(`huggingface-cli download {ref}`) or pass its folder."
         )
     return Path(found).parent
 
 
-def _fetch(uri: str, cache_dir: Path) -> Path:
-    """Copy a remote teacher folder (config, safetensors weights and their index, tokenizer
+def _fetch(uri: str, cache_dir: Path, role: str) -> Path:
+    """Copy a remote model folder (config, safetensors weights and their index, tokenizer
     files) into the cache."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.isdir(path):
-        raise TeacherError(f"teacher {uri!r} is not a folder; check the URI and credentials.")
+        raise TeacherError(f"{role} {uri!r} is not a folder; check the URI and credentials.")
     wanted = TOKENIZER_FILES | {"generation_config.json"}
     entries = [
         e for e in fs.ls(path, detail=True)
@@ -146,6 +151,6 @@ def _fetch(uri: str, cache_dir: Path) -> Path:
              or e["name"].endswith((".safetensors", ".safetensors.index.json")))
     ]  # fmt: skip
     if "config.json" not in {Path(e["name"]).name for e in entries}:
-        raise TeacherError(f"teacher folder {uri!r} has no config.json.")
+        raise TeacherError(f"{role} folder {uri!r} has no config.json.")
     names = [Path(e["name"]).name for e in entries]
-    return copy_to_cache(fs, uri, entries, names, cache_dir / "teachers")
+    return copy_to_cache(fs, uri, entries, names, cache_dir / "models")

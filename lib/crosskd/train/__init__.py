@@ -1,7 +1,17 @@
-"""Student training: :class:`TrainConfig`, the :class:`Trainer` (setup, train, save) and
-checkpoints without pickle."""
+"""Student training: :class:`TrainConfig`, the :class:`Trainer` (setup, train, save), the
+data order, packed attention inputs and checkpoints without pickle."""
 
 from crosskd.train.config import TrainConfig
-from crosskd.train.trainer import Trainer, TrainingError, lr_at, step_rows
+from crosskd.train.order import DataOrder, rank_micro_batches, step_rows
+from crosskd.train.trainer import Trainer, TrainingError, finished_model, lr_at
 
-__all__ = ["TrainConfig", "Trainer", "TrainingError", "lr_at", "step_rows"]
+__all__ = [
+    "DataOrder",
+    "TrainConfig",
+    "Trainer",
+    "TrainingError",
+    "finished_model",
+    "lr_at",
+    "rank_micro_batches",
+    "step_rows",
+]

@@ -1,4 +1,14 @@
-"""The training configuration (``crosskd train``; the ``train`` part of ``crosskd distill``)."""
+"""The training configuration (``crosskd train``; the ``train`` part of ``crosskd distill``).
+
+Every value is checked when the config is built (from YAML and ``key=value`` overrides through
+:func:`crosskd.config.load_config`, or in Python); a bad one is a :class:`ConfigError` that names
+the key, the value and what is allowed.
+
+The data order of a run is fixed by ``global_batch_rows`` (packed rows per optimizer step), the
+prepared data's fingerprint and ``seed``, never by how the batch is split over processes: each
+data-parallel rank takes its slice of every step's rows (:mod:`crosskd.train.order`), so a run
+can resume on another number of processes with the same global batch.
+"""
 
 from __future__ import annotations
 
@@ -9,42 +19,76 @@ from typing import Any
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig
 
+INIT = "init"
+"""The ``student`` value of a random-init student (``student_tokenizer`` + ``student_shape``)."""
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
 
 @dataclass
 class TrainConfig:
-    """One student training run. Step counts are optimizer steps."""
+    """One student training run. Step counts are optimizer steps; rows are packed rows."""
 
     student: str
-    """The student: a Hugging Face folder (safetensors weights and its tokenizer)."""
+    """The student: a Hugging Face causal-LM folder (safetensors weights and its tokenizer), an
+    fsspec URI of one, ``zoo:NAME``, a hub id in the local cache, or ``init`` (a random-init
+    Llama of ``student_shape`` for ``student_tokenizer``)."""
     data: str
-    """Prepared data (``crosskd prepare`` output), any fsspec URI."""
+    """Prepared training data (``crosskd prepare`` output), any fsspec URI."""
     output: str
-    """Run folder or URI: ``checkpoints/``, ``metrics-rank0.jsonl``, the final model under
-    ``final/``."""
+    """Run folder or URI, on storage every process sees (S3, a shared volume):
+    ``checkpoints/``, ``metrics-rank0.jsonl``, the final model under ``final/`` and the best
+    held-out one under ``best/``."""
     teachers: list[str] = field(default_factory=list)
     """Per teacher, in teacher order: a teacher cache URI (``crosskd score`` output), or
     ``online:REF`` to compute the signal here from the teacher model ``REF``."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The loss (a mapping of :class:`crosskd.loss.LossConfig` keys; each ``loss.teachers[i]``
-    names the tables of teacher ``i``)."""
+    names the tables of teacher ``i``, none for a same-tokenizer teacher)."""
+    student_tokenizer: str | None = None
+    """Tokenizer of an ``init`` student (any tokenizer reference); unused otherwise."""
+    student_shape: dict = field(default_factory=dict)
+    """Llama shape of an ``init`` student (``hidden_size``, ``num_hidden_layers``, ...)."""
     steps: int = 100
+    """Optimizer steps of the whole run."""
+    global_batch_rows: int | None = None
+    """Packed rows per optimizer step over all processes; with the data and ``seed`` it fixes
+    the data order. None: ``micro_batch_rows * grad_accum * data-parallel ranks`` of the first
+    start (a resumed run keeps the recorded value)."""
     micro_batch_rows: int = 4
-    """Packed rows per micro-batch per process."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
+    """Packed rows per micro-batch per data-parallel rank (one forward/backward)."""
+    grad_accum: int | None = None
+    """Micro-batches per optimizer step per rank. None: ``global_batch_rows / (micro_batch_rows
+    * data-parallel ranks)`` (1 when ``global_batch_rows`` is unset too)."""
     lr: float = 3e-4
+    """Peak learning rate (AdamW)."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     warmup_steps: int = 10
+    """Steps of linear warmup from ``lr / warmup_steps`` to ``lr``."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at ``lr * min_lr_ratio``."""
     clip_norm: float = 1.0
     """Gradient norm clipping (0: off)."""
     seed: int = 0
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: only at the end)."""
+    """Seed of the data order and of the student's random init."""
+    checkpoint_every: int = 100
+    """Steps between checkpoints (0: only at the end). A checkpoint is also written at the
+    last step."""
+    keep_checkpoints: int = 3
+    """How many complete checkpoints to keep (0: all); older ones are deleted only after a newer
+    one is complete."""
+    eval_data: str | None = None
+    """Prepared held-out data (for the same student tokenizer): held-out bits per byte are
+    logged and exported, and the best student is kept under ``best/``. None: no evaluation."""
+    eval_every: int | None = None
+    """Steps between held-out evaluations (0: only at the end). None: with every checkpoint."""
+    attn_implementation: str | None = None
+    """The student's attention (``eager``, ``sdpa``, ``flash_attention_2``,
+    ``flash_attention_3``); None: what transformers picks. Packed rows get the mask each one
+    needs, so a packed row computes what its samples alone would."""
     metrics_port: int | None = None
-    """Serve Prometheus ``/metrics`` on this port (rank r on ``port + r``; 0: any free port);
-    None: off."""
+    """Serve Prometheus ``/metrics`` on this port plus the process's ``LOCAL_RANK`` (0: any free
+    port); None: off."""
     metrics_host: str = "0.0.0.0"
     """The address the metrics endpoint binds to (all interfaces, for a PodMonitor)."""
     job: str = "crosskd"
@@ -57,10 +101,38 @@ class TrainConfig:
 
     def check(self) -> None:
         """Refuse bad values naming the key."""
-        for key in ("steps", "micro_batch_rows", "grad_accum"):
+        for key in ("student", "data", "output", "metrics_host", "job"):
+            _str(key, getattr(self, key))
+        for key in ("student_tokenizer", "eval_data", "attn_implementation"):
+            if getattr(self, key) is not None:
+                _str(key, getattr(self, key))
+        if not isinstance(self.teachers, list) or not all(
+            isinstance(t, str) and t for t in self.teachers
+        ):  # fmt: skip
+            raise ConfigError(
+                f"teachers is {self.teachers!r}; it must be a list of teacher cache URIs or "
+                f"online:REF strings."
+            )
+        if not isinstance(self.loss, LossConfig):
+            raise ConfigError(f"loss is {self.loss!r}; it must be a mapping of loss keys.")
+        if not isinstance(self.student_shape, dict):
+            raise ConfigError(
+                f"student_shape is {self.student_shape!r}; it must be a mapping such as "
+                f"{{hidden_size: 256, num_hidden_layers: 4}}."
+            )
+        for key in ("steps", "micro_batch_rows"):
             _int(key, getattr(self, key), 1)
-        for key in ("warmup_steps", "checkpoint_every", "seed"):
+        for key in ("global_batch_rows", "grad_accum"):
+            if getattr(self, key) is not None:
+                _int(key, getattr(self, key), 1)
+        for key in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "seed"):
             _int(key, getattr(self, key), 0)
+        if self.eval_every is not None:
+            _int("eval_every", self.eval_every, 0)
+        if self.metrics_port is not None:
+            _int("metrics_port", self.metrics_port, 0)
+            if self.metrics_port > 65535:
+                raise ConfigError(f"metrics_port is {self.metrics_port}; it must be <= 65535.")
         for key in ("lr", "weight_decay", "clip_norm", "min_lr_ratio"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
@@ -69,6 +141,24 @@ class TrainConfig:
                 raise ConfigError(f"{key} is {value!r}; it must be a finite number >= 0.")
         if self.lr <= 0:
             raise ConfigError(f"lr is {self.lr!r}; it must be > 0.")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"min_lr_ratio is {self.min_lr_ratio!r}; it must be in [0, 1].")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
+            raise ConfigError(
+                f"attn_implementation is {self.attn_implementation!r}; packed rows are exact "
+                f"with {', '.join(ATTENTION)} (or leave it unset)."
+            )
+        if self.student == INIT and not self.student_tokenizer:
+            raise ConfigError(
+                "student is 'init' (a random-init student) but student_tokenizer is not set; "
+                "give the tokenizer the new student uses."
+            )
+        if self.student != INIT and (self.student_tokenizer or self.student_shape):
+            key = "student_tokenizer" if self.student_tokenizer else "student_shape"
+            raise ConfigError(
+                f"{key} is set but student is {self.student!r}, not 'init'; a pretrained student "
+                f"brings its own tokenizer and shape. Remove {key}."
+            )
         if self.loss.teacher_mode == "average":
             raise ConfigError(
                 "loss.teacher_mode is 'average', which needs dense teacher signals; teacher "
@@ -80,18 +170,51 @@ class TrainConfig:
                 f"{len(self.loss.teachers)} entr(y/ies); give one of each per teacher."
             )
 
+    def batch_layout(self, dp: int) -> tuple[int, int]:
+        """``(global_batch_rows, grad_accum)`` on ``dp`` data-parallel ranks, refusing a global
+        batch that ``micro_batch_rows * dp`` does not divide, or a ``grad_accum`` that
+        disagrees with it, naming the keys."""
+        per_micro = self.micro_batch_rows * dp
+        if self.global_batch_rows is None:
+            accum = self.grad_accum or 1
+            return per_micro * accum, accum
+        accum, left = divmod(self.global_batch_rows, per_micro)
+        if left or accum == 0:
+            raise ConfigError(
+                f"global_batch_rows is {self.global_batch_rows}, which micro_batch_rows "
+                f"({self.micro_batch_rows}) x {dp} data-parallel rank(s) = {per_micro} does not "
+                f"divide; choose micro_batch_rows so that it does."
+            )
+        if self.grad_accum is not None and self.grad_accum != accum:
+            raise ConfigError(
+                f"grad_accum is {self.grad_accum} but global_batch_rows {self.global_batch_rows}"
+                f" / (micro_batch_rows {self.micro_batch_rows} x {dp} rank(s)) = {accum}; set "
+                f"one of them, not both."
+            )
+        return self.global_batch_rows, accum
+
 
 def loss_from_mapping(values: dict[str, Any]) -> LossConfig:
     """A :class:`LossConfig` from a mapping, refusing unknown keys by name (as ``loss.KEY``)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"loss is {values!r}; it must be a mapping of loss keys.")
     known = set(LossConfig.__dataclass_fields__)
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(
             f"loss: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
         )
-    return LossConfig(**values)
+    try:
+        return LossConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"loss.{exc}") from exc
 
 
 def _int(key: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{key} is {value!r}; it must be an integer >= {minimum}.")
+
+
+def _str(key: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key} is {value!r}; it must be a non-empty string.")

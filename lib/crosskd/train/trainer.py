@@ -1,51 +1,65 @@
 """The student training loop: setup, train, save.
 
 It runs the same way in one process, under ``torchrun`` on a laptop (gloo) and in a PyTorchJob
-pod (NCCL): the process group comes from the environment when ``WORLD_SIZE`` > 1, and the
-student is wrapped in DDP in one place (:meth:`Trainer.setup`).
+pod (NCCL): the process group comes from the environment when ``WORLD_SIZE`` > 1, the device
+from ``LOCAL_RANK``, and the student is wrapped in DDP in one place (:meth:`Trainer.setup`).
+Every data-parallel rank is one process today (``dp = world size``).
 
-One optimizer step: the step's packed rows (a deterministic, resumable order: a seeded
-permutation per epoch, the position in it derived from the step) are split into micro-batches
-per rank; for each micro-batch the data side of the loss is planned first
+One optimizer step: the step's packed rows (``global_batch_rows`` of them, a deterministic order
+fixed by the data, the seed and the global batch: :mod:`crosskd.train.order`) are split into
+this rank's micro-batches; for each micro-batch the data side of the loss is planned first
 (:func:`crosskd.loss.plan_loss`, with the teacher signal read from the cache or computed
 online), the plans' counts are summed over the micro-batches and all-reduced over the ranks,
 then every micro-batch's forward and backward run with those step totals (so the summed
 gradients are the step's mean), gradients are clipped, AdamW steps, and the warmup + cosine
-schedule moves on. bf16 autocast on GPU, float32 on CPU. A NaN or infinite loss stops the run
-with an error naming the step and the term, before the optimizer step, keeping the last good
-checkpoint.
+schedule moves on. Packed rows get the attention inputs their attention implementation needs
+(:mod:`crosskd.train.attention`). bf16 autocast on GPU, float32 on CPU. A NaN or infinite loss
+stops the run with an error naming the step and the term, before the optimizer step, keeping the
+last good checkpoint.
+
+Resume: rank 0 reads which checkpoint is the latest and broadcasts its step; every rank loads
+that checkpoint (so ``output`` must be storage every rank sees) and the run refuses to go on
+with another data order. Held-out evaluation (``eval_data``): bits per byte of the student, each
+rank scoring its share of the samples, logged, exported, and the best student kept under
+``best/``. Model folders (``final/``, ``best/``) hold ``crosskd-model.json`` (written last:
+the step, the held-out figure and the best step).
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import json
 import logging
 import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
-import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
-from crosskd.data.collate import collate, load_prepared
+from crosskd.data.collate import Batch, collate, load_prepared
 from crosskd.errors import CrosskdError
+from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
 from crosskd.metrics import JsonlLog, MetricsExporter
-from crosskd.tables import load_table_pair
-from crosskd.teacher.cache import open_cache
-from crosskd.teacher.model import load_teacher
-from crosskd.teacher.scoring import online_signal
+from crosskd.teacher.model import model_folder
 from crosskd.tokenization import load_tokenizer
-from crosskd.train.checkpoint import load_checkpoint, save_checkpoint
-from crosskd.train.config import TrainConfig
+from crosskd.train.attention import packed_attention
+from crosskd.train.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from crosskd.train.config import INIT, TrainConfig
+from crosskd.train.order import DataOrder, rank_micro_batches, step_rows
+from crosskd.train.teachers import load_teachers
 
 log = logging.getLogger(__name__)
+
+MODEL_INFO = "crosskd-model.json"
+"""The file a model folder written by the trainer holds last: which step it is."""
 
 
 class TrainingError(CrosskdError):
@@ -63,91 +77,93 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def step_rows(step: int, n_rows: int, per_step: int, seed: int) -> list[int]:
-    """The packed-row indices of optimizer step ``step`` (``per_step`` of them): a seeded
-    permutation of all rows per epoch, read in order across epochs."""
-    start = step * per_step
-    out = []
-    for position in range(start, start + per_step):
-        epoch, offset = divmod(position, n_rows)
-        out.append(int(_epoch_order(seed, epoch, n_rows)[offset]))
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n_rows)
-
-
-@dataclass
-class _Source:
-    """Where one teacher's signal comes from."""
-
-    cache: object | None = None
-    online: object | None = None
-    k: int = 0
-    tau: float = 1.0
+def finished_model(config: TrainConfig) -> dict | None:
+    """The ``crosskd-model.json`` of the run's ``final/`` model when the run is complete (its
+    step is ``config.steps``), else None: a finished run started again has nothing to do."""
+    fs, root = fsspec.core.url_to_fs(f"{config.output}/final/{MODEL_INFO}")
+    if not fs.exists(root):
+        return None
+    try:
+        info = json.loads(fs.cat_file(root))
+    except ValueError as exc:
+        raise CrosskdError(
+            f"{config.output}/final/{MODEL_INFO} is damaged ({exc}); delete final/ and run "
+            f"again to write it from the last checkpoint."
+        ) from exc
+    return info if info.get("step") == config.steps else None
 
 
 @dataclass
 class Trainer:
-    """``Trainer(config).train()`` runs setup, the steps and the final save."""
+    """``Trainer(config).setup()``, ``.train()``, ``.save()``, ``.close()``."""
 
     config: TrainConfig
     progress: bool = True
-    rank: int = field(default=0, init=False)
-    world: int = field(default=1, init=False)
 
     def setup(self) -> None:
-        """Process group, data, tokenizers, tables, teacher sources, student, optimizer."""
-        from transformers import AutoModelForCausalLM
-
+        """Process group, data, tokenizers, teachers (checked against each other), student,
+        optimizer, resume point, held-out data, metrics."""
+        self._distributed()
         cfg = self.config
+        self.student_tok = load_tokenizer(cfg.student_tokenizer if cfg.student == INIT
+                                          else cfg.student)  # fmt: skip
+        fingerprints = {"student": self.student_tok.fingerprint}
+        self.data = load_prepared(cfg.data, fingerprints=fingerprints)
+        self.rows = list(self.data.packed_rows())
+        self.teachers = load_teachers(cfg, self.data, self.student_tok, self.device)
+        self.global_batch, self.accum = cfg.batch_layout(self.world)
+        self._student()
+        self.best: dict | None = None
+        self.start = self._resume()
+        self.order = DataOrder(self.global_batch, self.data.manifest["data_fingerprint"],
+                               len(self.rows), cfg.seed)  # fmt: skip
+        self.eval_sequences = None
+        self.last_heldout: tuple[int, float | None] = (-1, None)
+        if cfg.eval_data is not None:
+            heldout = load_prepared(cfg.eval_data, fingerprints=fingerprints)
+            self.eval_sequences = prepared_sequences(heldout, "student")
+        self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
+        self.exporter = MetricsExporter(cfg.job, self.rank, count_totals=self.rank == 0)
+        if cfg.metrics_port is not None:
+            port = self.exporter.serve(
+                cfg.metrics_port + self.local_rank if cfg.metrics_port else 0,
+                host=cfg.metrics_host,
+            )  # fmt: skip
+            log.info("rank %d serves /metrics on port %d", self.rank, port)
+
+    def _distributed(self) -> None:
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(
-            f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+            f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
         )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        if dist.is_initialized():
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.student_tok = load_tokenizer(cfg.student)
-        self.data = load_prepared(cfg.data, fingerprints={"student": self.student_tok.fingerprint})
-        self.rows = list(self.data.packed_rows())
-        self.pairs = [
-            None if t.same_tokenizer
-            else load_table_pair(t.student_to_teacher, t.teacher_to_student)
-            for t in cfg.loss.teachers
-        ]  # fmt: skip
-        self.sources = []
-        models = {m["name"]: m for m in self.data.manifest["models"]}
-        if len(models) - 1 != len(cfg.teachers):
-            raise TrainingError(
-                f"the config has {len(cfg.teachers)} teacher(s) but {cfg.data} was prepared for "
-                f"{len(models) - 1}; give one teachers[] entry per prepared teacher."
-            )
-        self.teacher_bytes = [
-            load_tokenizer(models[f"teacher{i}"]["tokenizer"],
-                           vocab_size=models[f"teacher{i}"]["vocab_size"]).bytes.lengths
-            for i in range(len(cfg.teachers))
-        ]  # fmt: skip
-        for i, (ref, entry) in enumerate(zip(cfg.teachers, cfg.loss.teachers, strict=True)):
-            if ref.startswith("online:"):
-                teacher = load_teacher(ref[len("online:") :], device=self.device)
-                self.sources.append(_Source(online=teacher, k=entry.k, tau=cfg.loss.tau))
-            else:
-                cache = open_cache(
-                    ref, tokenizer_fingerprint=models[f"teacher{i}"]["fingerprint"],
-                    data_fingerprint=self.data.manifest["data_fingerprint"], k=entry.k,
-                    tau=cfg.loss.tau,
-                )  # fmt: skip
-                self.sources.append(_Source(cache=cache, k=entry.k, tau=cfg.loss.tau))
+        self.rank, self.world = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        )
+
+    def _student(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from crosskd.zoo.models import new_llama
+
+        cfg = self.config
         torch.manual_seed(cfg.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            cfg.student, dtype=torch.float32, use_safetensors=True, local_files_only=True
-        ).to(self.device)
-        self.model.train()
+        if cfg.student == INIT:
+            self.model = new_llama(self.student_tok, cfg.student_shape, cfg.seed,
+                                   attn_implementation=cfg.attn_implementation)  # fmt: skip
+        else:
+            folder = model_folder(cfg.student, role="student")
+            extra = {"attn_implementation": cfg.attn_implementation} if (
+                cfg.attn_implementation) else {}  # fmt: skip
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=torch.float32, use_safetensors=True, local_files_only=True,
+                **extra,
+            )  # fmt: skip
+        self.model.to(self.device).train()
+        self.attention = self.model.config._attn_implementation
         self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -155,35 +171,71 @@ class Trainer:
         self.wrapped = self.model
         if self.world > 1:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.start = 0
-        state = load_checkpoint(f"{cfg.output}/checkpoints", self.model, self.optimizer)
-        if state is not None:
-            self.start = int(state["step"])
-            log.info("resumed from step %d", self.start)
-        self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
-        self.exporter = MetricsExporter(cfg.job, self.rank, count_totals=self.rank == 0)
-        if cfg.metrics_port is not None:
-            port = self.exporter.serve(
-                cfg.metrics_port + self.rank if cfg.metrics_port else 0, host=cfg.metrics_host
-            )
-            log.info("rank %d serves /metrics on port %d", self.rank, port)
 
-    def _signal(self, source: _Source, batch, index: int):
-        side = batch.models[f"teacher{index}"]
-        if source.cache is not None:
-            return source.cache.batch(batch.sample_ids, side.input_ids.shape[1])
-        return online_signal(source.online, side, k=source.k, tau=source.tau)
+    def _resume(self) -> int:
+        """Rank 0 decides the step to resume from (its latest complete checkpoint) and
+        broadcasts it; every rank loads it and checks the data order. Returns the step."""
+        cfg = self.config
+        uri = f"{cfg.output}/checkpoints"
+        step, failure = None, None
+        if self.rank == 0:
+            try:
+                step = latest_step(uri)
+            except CrosskdError as exc:
+                failure = exc
+        code = self._broadcast(-2 if failure else -1 if step is None else step)
+        if failure is not None:
+            raise failure
+        if code == -2:
+            raise TrainingError(f"rank 0 could not read {uri}/latest.json; see its error.")
+        if code == -1:
+            return 0
+        try:
+            state = load_checkpoint(uri, code, self.model, self.optimizer)
+        except CrosskdError:
+            self._all_ok(False)
+            raise
+        if not self._all_ok(True):
+            raise TrainingError(f"another rank could not load checkpoint step {code} of {uri}; "
+                                f"see its error.")  # fmt: skip
+        recorded = state.get("data_order") or {}
+        if cfg.global_batch_rows is None and cfg.grad_accum is None and recorded:
+            # A restart without an explicit batch keeps the one the run was started with.
+            cfg.global_batch_rows = recorded.get("global_batch_rows")
+            self.global_batch, self.accum = cfg.batch_layout(self.world)
+        DataOrder(self.global_batch, self.data.manifest["data_fingerprint"], len(self.rows),
+                  cfg.seed).require(recorded, cfg.output)  # fmt: skip
+        self.best = state.get("best")
+        log.info("resumed from step %d", code)
+        return code
 
-    def _plan(self, rows: list) -> tuple:
-        batch = collate(rows, n_teachers=len(self.sources))
+    def _broadcast(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        if self.world == 1:
+            return value
+        out = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.broadcast(out, src=0)
+        return int(out.item())
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Whether every rank's ``ok`` is true."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _plan(self, rows: list) -> tuple[Batch, LossPlan]:
+        sources = self.teachers.sources
+        batch = collate(rows, n_teachers=len(sources))
         teachers = [
             TeacherBatch(batch.models[f"teacher{i}"].input_ids, batch.chunks[i],
-                         self._signal(s, batch, i))
-            for i, s in enumerate(self.sources)
+                         source.signal(batch, i))
+            for i, source in enumerate(sources)
         ]  # fmt: skip
         plan = plan_loss(self.config.loss, batch.models["student"].input_ids, batch.loss_mask,
-                         teachers, self.pairs, student_vocab=self.vocab,
-                         teacher_bytes=self.teacher_bytes)  # fmt: skip
+                         teachers, self.teachers.pairs, student_vocab=self.vocab,
+                         teacher_bytes=self.teachers.token_bytes)  # fmt: skip
         return batch, plan
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
@@ -202,16 +254,16 @@ class Trainer:
         tokens, *chunks = values.tolist()
         return StepCounts(tokens, tuple(chunks))
 
+    def step_micro_batches(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches (packed-row indices) of optimizer step ``step``."""
+        rows = step_rows(step, len(self.rows), self.global_batch, self.config.seed)
+        return rank_micro_batches(rows, self.rank, self.world, self.config.micro_batch_rows)
+
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step; returns its metrics."""
         cfg = self.config
-        per_step = cfg.micro_batch_rows * cfg.grad_accum * self.world
-        indices = step_rows(step, len(self.rows), per_step, cfg.seed)
-        micro = []
-        for m in range(cfg.grad_accum):
-            first = (m * self.world + self.rank) * cfg.micro_batch_rows
-            micro.append([self.rows[i] for i in indices[first : first + cfg.micro_batch_rows]])
-        planned = [self._plan(rows) for rows in micro]
+        planned = [self._plan([self.rows[i] for i in micro])
+                   for micro in self.step_micro_batches(step)]  # fmt: skip
         counts = self._counts([plan for _, plan in planned])
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -219,11 +271,9 @@ class Trainer:
         sums: dict[str, float] = {}
         scale = 0.0
         for m, (batch, plan) in enumerate(planned):
-            student = batch.models["student"]
             sync = m == len(planned) - 1 or self.world == 1
-            context = self.wrapped.no_sync() if not sync else _Null()
-            with context:
-                logits = self._forward(student)
+            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+                logits = self._forward(batch.models["student"])
                 out = compute_loss(logits, plan, cfg.loss, counts,
                                    reduce=self._reduce if self.world > 1 else None)  # fmt: skip
                 for term in ("loss", "ce", "kd"):
@@ -247,17 +297,26 @@ class Trainer:
                 "tokens": float(counts.tokens)} | summarize(sums)  # fmt: skip
 
     def _forward(self, student) -> torch.Tensor:
+        """Logits ``[B, L, V]`` of the student's side of a batch: the call every training step
+        makes (packed rows, the attention inputs of the model's implementation, no cache)."""
         ids = student.input_ids.to(self.device)
-        segments = student.segment_ids.to(self.device)
-        width = ids.shape[1]
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=self.device))
-        mask = (segments[:, :, None] == segments[:, None, :]) & causal & (segments >= 0)[:, None]
-        # A padding row attends to itself only, so no row of the mask is empty.
-        mask |= torch.eye(width, dtype=torch.bool, device=self.device)
+        attention = packed_attention(
+            self.attention, student.segment_ids.to(self.device),
+            student.position_ids.to(self.device), next(self.model.parameters()).dtype,
+        )  # fmt: skip
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.device.type == "cuda"):  # fmt: skip
-            return self.wrapped(input_ids=ids, attention_mask=mask[:, None],
-                                position_ids=student.position_ids.to(self.device)).logits
+            return self.wrapped(input_ids=ids, use_cache=False, **attention).logits
+
+    def heldout_bits_per_byte(self) -> float:
+        """The student's bits per byte on ``eval_data`` (each rank scores every world-th
+        sample; the sums are reduced)."""
+        shares = self.eval_sequences[self.rank :: self.world]
+        budget = self.config.micro_batch_rows * int(self.data.manifest["models"][0]["capacity"])
+        bits, n_bytes = nll_bits_and_bytes(self.model, shares, self.student_tok.bytes.lengths,
+                                           device=self.device, token_budget=budget)  # fmt: skip
+        total = self._reduce(torch.tensor([bits, float(n_bytes)], dtype=torch.float64))
+        return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
     def train(self, *, stop_after: int | None = None) -> list[dict[str, float]]:
         """Run the steps from the resume point to ``config.steps`` (or stop after
@@ -265,54 +324,85 @@ class Trainer:
         cfg = self.config
         history = []
         last = cfg.steps if stop_after is None else min(cfg.steps, self.start + stop_after)
+        eval_every = cfg.checkpoint_every if cfg.eval_every is None else cfg.eval_every
+        bar = tqdm(total=cfg.steps, initial=self.start, desc="train", unit="step",
+                   disable=not self.progress or self.rank != 0)  # fmt: skip
         for step in range(self.start, last):
             started = time.perf_counter()
             metrics = self.train_step(step)
             seconds = time.perf_counter() - started
-            self.exporter.record(step + 1, metrics, seconds)
+            done = step + 1
+            if self.eval_sequences is not None and (
+                done == cfg.steps or (eval_every and done % eval_every == 0)
+            ):  # fmt: skip
+                metrics["heldout_bits_per_byte"] = self.heldout_bits_per_byte()
+            self.exporter.record(done, metrics, seconds)
             if self.rank == 0:
-                self.log.write({"step": step + 1, "seconds": seconds, **metrics})
+                self.log.write({"step": done, "seconds": seconds, **metrics})
             history.append(metrics)
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                self._checkpoint(step + 1)
-            log.info("step %d/%d loss %.4f ce %.4f kd %.4f", step + 1, cfg.steps,
+            if "heldout_bits_per_byte" in metrics:
+                self.last_heldout = (done, metrics["heldout_bits_per_byte"])
+                self._keep_best(*self.last_heldout)
+            if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                self._checkpoint(done)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            log.info("step %d/%d loss %.4f ce %.4f kd %.4f", done, cfg.steps,
                      metrics["loss"], metrics["ce"], metrics["kd"])  # fmt: skip
-        checkpointed = cfg.checkpoint_every and cfg.steps % cfg.checkpoint_every == 0
-        if history and last == cfg.steps and not checkpointed:
-            self._checkpoint(cfg.steps)
+        bar.close()
         return history
+
+    def _keep_best(self, step: int, bpb: float) -> None:
+        if math.isfinite(bpb) and (self.best is None or bpb < self.best["bits_per_byte"]):
+            self.best = {"step": step, "bits_per_byte": bpb}
+            self._publish(f"{self.config.output}/best", step, bpb)
 
     def _checkpoint(self, step: int) -> None:
         if self.rank == 0:
             save_checkpoint(f"{self.config.output}/checkpoints", step, self.model,
-                            self.optimizer, {"seed": self.config.seed})  # fmt: skip
+                            self.optimizer, {"seed": self.config.seed,
+                                             "data_order": self.order.to_json(),
+                                             "best": self.best},
+                            keep=self.config.keep_checkpoints)  # fmt: skip
         if self.world > 1:
             dist.barrier()
+        self.exporter.checkpoint.set(step)
 
     def save(self) -> str:
-        """The final student as a Hugging Face folder (model and tokenizer) under
-        ``output/final`` (any fsspec URI); returns its path."""
+        """The final student as a Hugging Face folder (model, tokenizer, ``crosskd-model.json``)
+        under ``output/final`` (any fsspec URI); returns its path."""
         path = f"{self.config.output}/final"
+        heldout = None
+        if self.eval_sequences is not None:
+            step, heldout = self.last_heldout
+            if step != self.config.steps:
+                heldout = self.heldout_bits_per_byte()
+        self._publish(path, self.config.steps, heldout)
+        return path
+
+    def _publish(self, path: str, step: int, heldout: float | None) -> None:
+        """Write the student to ``path`` as a model folder: every file into ``path.tmp``, then
+        renamed, ``crosskd-model.json`` last (rank 0; the others wait)."""
         if self.rank == 0:
+            info = {"step": step, "heldout_bits_per_byte": heldout, "best": self.best,
+                    "data_fingerprint": self.data.manifest["data_fingerprint"]}  # fmt: skip
+            fs, root = fsspec.core.url_to_fs(path)
+            staging = f"{root}.tmp"
+            if fs.exists(staging):
+                fs.rm(staging, recursive=True)
+            fs.makedirs(staging, exist_ok=True)
             with tempfile.TemporaryDirectory() as local:
                 self.model.save_pretrained(local, safe_serialization=True)
                 self.student_tok.hf.save_pretrained(local)
-                fs, root = fsspec.core.url_to_fs(path)
-                fs.makedirs(root, exist_ok=True)
                 for file in sorted(Path(local).iterdir()):
-                    fs.put_file(str(file), f"{root}/{file.name}")
+                    fs.put_file(str(file), f"{staging}/{file.name}")
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+            fs.mv(staging, root, recursive=True)
+            fs.pipe_file(f"{root}/{MODEL_INFO}", json.dumps(info, indent=1).encode())
         if self.world > 1:
             dist.barrier()
-        return path
 
     def close(self) -> None:
         """Stop the metrics endpoint."""
         self.exporter.close()
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None

@@ -18,17 +18,25 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from crosskd.errors import ConfigError, TokenizerError
 from crosskd.tokenization.sources import default_cache_dir
 from crosskd.zoo.builders import smollm2_gguf
 from crosskd.zoo.files import missing_package, publish_folder
 
+if TYPE_CHECKING:
+    import torch
+
+    from crosskd.tokenization import LoadedTokenizer
+
 logger = logging.getLogger(__name__)
 
 MODEL_FORMAT_VERSION = 1
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads")  # fmt: skip
+              "num_key_value_heads", "initializer_range")  # fmt: skip
+"""Keys of a random-init Llama's shape (``initializer_range``: the weights' init std; a larger
+one makes sharper next-token distributions, for stand-in teachers in tests)."""
 ZOO_MODELS = ("smollm2",)
 GGUF_HINT = "pip install 'crosskd[gguf]'"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -81,29 +89,40 @@ def _build_smollm2(dest: Path) -> None:
     model.save_pretrained(str(dest), safe_serialization=True)
 
 
-def init_llama(folder: Path, tokenizer: str, shape: dict, seed: int) -> Path:
-    """A random-init Llama (seeded; ``shape``: any of :data:`SHAPE_KEYS`, small defaults) for
-    ``tokenizer``, saved once into ``folder`` with the tokenizer: a student to train, or a
-    stand-in teacher for tests and the ``tiny`` preset."""
+def new_llama(
+    tokenizer: LoadedTokenizer, shape: dict, seed: int, *, attn_implementation: str | None = None
+) -> torch.nn.Module:
+    """A random-init Llama (seeded; ``shape``: any of :data:`SHAPE_KEYS`, small defaults) with
+    ``tokenizer``'s vocabulary and tied embeddings, in memory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from crosskd.tokenization import load_tokenizer
-
-    if (folder / "model.safetensors").exists():
-        return folder
     unknown = sorted(set(shape) - set(SHAPE_KEYS))
     if unknown:
         raise ConfigError(f"model shape: unknown key(s) {', '.join(unknown)}; known: "
                           f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
-    tok = load_tokenizer(tokenizer)
     values = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2} | shape  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=tok.vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=None, **values,
-    ))  # fmt: skip
+    )  # fmt: skip
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def init_llama(folder: Path, tokenizer: str, shape: dict, seed: int) -> Path:
+    """:func:`new_llama` for the tokenizer reference ``tokenizer``, saved once into ``folder``
+    with the tokenizer: a student to train, or a stand-in teacher for tests and the ``tiny``
+    preset."""
+    from crosskd.tokenization import load_tokenizer
+
+    if (folder / "model.safetensors").exists():
+        return folder
+    tok = load_tokenizer(tokenizer)
+    model = new_llama(tok, shape, seed)
     model.save_pretrained(str(folder), safe_serialization=True)
     tok.hf.save_pretrained(str(folder))
     return folder

@@ -1,0 +1,56 @@
+"""Attention inputs of packed rows, one kind per attention implementation.
+
+A packed row holds several samples; each token may attend only to earlier tokens of its own
+sample, and the forward of a packed row must give what each sample alone would. The
+implementations of transformers read the mask differently, so each gets what it expects:
+
+* ``eager`` *adds* the mask to the attention scores: an additive float mask ``[B, 1, L, L]`` in
+  the model's dtype (0 where allowed, the dtype's minimum elsewhere; a boolean mask would be
+  added as 1/0, and a packed row would differ from its samples alone);
+* ``sdpa`` takes a boolean mask ``[B, 1, L, L]`` (True where allowed);
+* ``flash_attention_2`` / ``flash_attention_3``: no mask; the samples are delimited by
+  ``position_ids`` restarting at 0 (the varlen kernels), which also avoids the ``O(L^2)`` mask.
+  transformers derives the sample boundaries from ``position_ids`` only when no mask is given
+  and no cache is used, so every forward passes ``use_cache=False``.
+
+Padding (``segment_ids`` -1) attends to itself only, so no row of a mask is empty; its logits
+are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from crosskd.errors import ConfigError
+
+FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+def packed_attention(
+    implementation: str, segment_ids: torch.Tensor, position_ids: torch.Tensor,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor | None]:  # fmt: skip
+    """The ``attention_mask`` / ``position_ids`` keyword arguments of a packed batch for the
+    attention ``implementation``; ``segment_ids`` / ``position_ids`` int64 ``[B, L]`` (sample
+    index within the row, -1 in padding; position within the sample), ``dtype``: the model's
+    parameter dtype (for the additive mask)."""
+    if implementation in FLASH:
+        return {"attention_mask": None, "position_ids": position_ids}
+    width = segment_ids.shape[1]
+    device = segment_ids.device
+    causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
+    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
+    allowed &= (segment_ids >= 0)[:, None]
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)
+    if implementation == "sdpa":
+        mask = allowed[:, None]
+    elif implementation == "eager":
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = mask[:, None]
+    else:
+        raise ConfigError(
+            f"attn_implementation {implementation!r}: packed rows are exact only with eager, "
+            f"sdpa, {', '.join(FLASH)}; set attn_implementation to one of them."
+        )
+    return {"attention_mask": mask, "position_ids": position_ids}

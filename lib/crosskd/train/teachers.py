@@ -1,0 +1,122 @@
+"""The teacher side of a training run: every input checked against every other before a step.
+
+For each teacher of the prepared data (``teacher0``, ``teacher1``, ...), in config order:
+
+* its tokenizer is loaded from the reference the prepared data recorded and must still have the
+  recorded fingerprint (and give each id's UTF-8 length, for ``select`` mode);
+* a teacher without tables must share the student's tokenizer
+  (:func:`crosskd.loss.config.check_teachers` names the fields that differ);
+* a table pair must have been built for exactly the student's and this teacher's tokenizers
+  (:meth:`crosskd.tables.TablePair.check_tokenizers`): a pair built for another tokenizer of the
+  same vocabulary size (Qwen2.5 tables with Qwen3 data) would give a silently wrong KD;
+* a cache must have been scored on this data with this teacher tokenizer, K and tau
+  (:func:`crosskd.teacher.cache.open_cache` refuses anything else), and an ``online:REF``
+  teacher's tokenizer must be the prepared one.
+
+Every mismatch is a :class:`crosskd.errors.CrosskdError` naming the artifact, the field and
+both values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from crosskd.data.collate import Batch, PreparedData
+from crosskd.errors import ConfigError, DataError
+from crosskd.loss.config import check_teachers
+from crosskd.tables import TablePair, load_table_pair
+from crosskd.teacher import TeacherSignal
+from crosskd.teacher.cache import open_cache
+from crosskd.teacher.model import LoadedTeacher, load_teacher
+from crosskd.teacher.scoring import online_signal
+from crosskd.tokenization import LoadedTokenizer, load_tokenizer
+from crosskd.train.config import TrainConfig
+
+ONLINE = "online:"
+
+
+@dataclass(frozen=True, eq=False)
+class TeacherSource:
+    """Where one teacher's signal comes from: a cache, or a teacher model run here."""
+
+    cache: object | None
+    online: LoadedTeacher | None
+    k: int
+    tau: float
+
+    def signal(self, batch: Batch, index: int) -> TeacherSignal:
+        """Teacher ``index``'s signal of the collated ``batch``."""
+        side = batch.models[f"teacher{index}"]
+        if self.cache is not None:
+            return self.cache.batch(batch.sample_ids, side.input_ids.shape[1])
+        return online_signal(self.online, side, k=self.k, tau=self.tau)
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingTeachers:
+    """Per teacher: its table ``pairs`` (None: same tokenizer), signal ``sources`` and
+    ``token_bytes`` (int ``[V_T]``, each id's UTF-8 length)."""
+
+    pairs: list[TablePair | None]
+    sources: list[TeacherSource]
+    token_bytes: list[np.ndarray]
+
+
+def load_teachers(
+    config: TrainConfig, data: PreparedData, student: LoadedTokenizer, device: torch.device
+) -> TrainingTeachers:
+    """Load and cross-check every teacher's tokenizer, tables and signal source (see the
+    module docstring)."""
+    models = {m["name"]: m for m in data.manifest["models"]}
+    if len(models) - 1 != len(config.teachers):
+        raise ConfigError(
+            f"the config has {len(config.teachers)} teacher(s) but {config.data} was prepared "
+            f"for {len(models) - 1}; give one teachers[] entry per prepared teacher."
+        )
+    entries = [models[f"teacher{i}"] for i in range(len(config.teachers))]
+    tokenizers = [_prepared_tokenizer(config.data, entry) for entry in entries]
+    check_teachers(config.loss, student, tokenizers)
+    pairs: list[TablePair | None] = []
+    for entry, tok in zip(config.loss.teachers, tokenizers, strict=True):
+        if entry.same_tokenizer:
+            pairs.append(None)
+            continue
+        pair = load_table_pair(entry.student_to_teacher, entry.teacher_to_student)
+        pair.check_tokenizers(student, tok)
+        pairs.append(pair)
+    sources = []
+    for i, (ref, entry) in enumerate(zip(config.teachers, config.loss.teachers, strict=True)):
+        if ref.startswith(ONLINE):
+            teacher = load_teacher(ref[len(ONLINE) :], device=device)
+            online_tok = load_tokenizer(str(teacher.folder), vocab_size=teacher.vocab_size)
+            if online_tok.fingerprint != entries[i]["fingerprint"]:
+                raise ConfigError(
+                    f"teachers[{i}] {ref}: the model's tokenizer has fingerprint "
+                    f"{online_tok.fingerprint}, but {config.data} was prepared for teacher{i} "
+                    f"with {entries[i]['fingerprint']} ({entries[i]['tokenizer']}); use the "
+                    f"teacher the data was prepared for, or prepare the data again."
+                )
+            sources.append(TeacherSource(None, teacher, entry.k, config.loss.tau))
+            continue
+        cache = open_cache(
+            ref, tokenizer_fingerprint=entries[i]["fingerprint"],
+            data_fingerprint=data.manifest["data_fingerprint"], k=entry.k, tau=config.loss.tau,
+        )  # fmt: skip
+        sources.append(TeacherSource(cache, None, entry.k, config.loss.tau))
+    return TrainingTeachers(pairs, sources, [t.bytes.lengths for t in tokenizers])
+
+
+def _prepared_tokenizer(uri: str, entry: dict) -> LoadedTokenizer:
+    """The tokenizer the prepared data recorded for one model, checked against its recorded
+    fingerprint."""
+    tok = load_tokenizer(entry["tokenizer"], vocab_size=entry["vocab_size"])
+    if tok.fingerprint != entry["fingerprint"]:
+        raise DataError(
+            f"prepared data {uri}: {entry['name']} was prepared with tokenizer "
+            f"{entry['tokenizer']} (fingerprint {entry['fingerprint']}), which now loads a "
+            f"tokenizer with fingerprint {tok.fingerprint}; prepare the data again."
+        )
+    return tok

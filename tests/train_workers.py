@@ -1,0 +1,119 @@
+"""Training processes the tests start: fresh interpreters (``spawn``), never a fork of a pytest
+process that has already run a Trainer (its threads and process-group state would be copied
+half-way). Not collected as tests.
+
+Each target writes what it saw as JSON into ``out`` and exits with ``os._exit`` so no pytest
+machinery runs in the child.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+from crosskd.train import TrainConfig
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _quiet() -> None:
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
+
+def train_hanging_at(config: TrainConfig, hang_step: int) -> None:
+    """Train, hanging before 0-based step ``hang_step`` (after the previous step's metrics and
+    checkpoint are written) until killed."""
+    _quiet()
+    from crosskd.train import Trainer
+
+    real = Trainer.train_step
+
+    def slow(self, step):
+        if step == hang_step:
+            time.sleep(600)
+        return real(self, step)
+
+    Trainer.train_step = slow
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    trainer.train()
+    os._exit(0)
+
+
+def train_hanging_in_checkpoint(config: TrainConfig, hang_step: int) -> None:
+    """Train, hanging inside the checkpoint write of step ``hang_step``: after the model file
+    is written into the temporary folder, before the optimizer file."""
+    _quiet()
+    from crosskd.train import Trainer, checkpoint
+
+    real = checkpoint.save
+    calls = []
+
+    def slow(tensors):
+        calls.append(1)
+        if len(calls) == hang_step // config.checkpoint_every:
+            time.sleep(600)
+        return real(tensors)
+
+    checkpoint.save = slow
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    trainer.train()
+    os._exit(0)
+
+
+def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None:
+    try:
+        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
+                           "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})  # fmt: skip
+        _quiet()
+        import torch.distributed as dist
+
+        from crosskd.train import Trainer
+
+        for name, config, stop_after in runs:
+            trainer = Trainer(config, progress=False)
+            trainer.setup()
+            history = trainer.train(stop_after=stop_after)
+            seen = [trainer.step_micro_batches(s) for s in range(config.steps)]
+            (out / f"{name}-rank{rank}.json").write_text(json.dumps(
+                {"history": history, "micro_batches": seen, "start": trainer.start}
+            ))  # fmt: skip
+            trainer.close()
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: int = 2) -> None:
+    """Run each ``(name, config, stop_after)`` in turn in ``world`` fresh gloo processes; rank
+    r's history and micro-batches go to ``out/<name>-rank<r>.json``. Raises with the ranks'
+    tracebacks when one fails."""
+    port = free_port()
+    procs = [SPAWN.Process(target=_ddp_worker, args=(r, world, port, runs, out))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    errors = [f.read_text() for f in sorted(out.glob("error*.txt"))]
+    if any(p.exitcode != 0 for p in procs):
+        raise AssertionError("a training rank failed:\n" + "\n".join(errors))
