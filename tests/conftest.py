@@ -96,3 +96,12 @@ def s3():
     s3fs.S3FileSystem.clear_instance_cache()
     patch.undo()
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def train_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Tiny students, teachers, tables, prepared data and caches of the training tests, built
+    once (:func:`train_inputs.make_train_inputs`)."""
+    from train_inputs import make_train_inputs
+
+    return make_train_inputs(tmp_path_factory.mktemp("train-inputs"))

@@ -10,18 +10,13 @@ import os
 import signal
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
+from train_inputs import train_config
 from train_workers import SPAWN, free_port, run_ddp, train_hanging_at, train_hanging_in_checkpoint
 
-from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.errors import ConfigError, CrosskdError
-from crosskd.loss import LossConfig, TeacherLossConfig
-from crosskd.tables import build_table, save_table
-from crosskd.teacher.scoring import ScoreConfig, score
-from crosskd.tokenization import load_tokenizer
 from crosskd.train import (
     DataOrder,
     TrainConfig,
@@ -31,62 +26,15 @@ from crosskd.train import (
     rank_micro_batches,
     step_rows,
 )
-from crosskd.zoo import train_tiny_bpe
-from crosskd.zoo.models import init_llama
-
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. " * 2,
-    "Pack my box with five dozen liquor jugs, 12 of them.",
-    "Sphinx of black quartz, judge my vow!",
-    "How vexingly quick daft zebras jump; 3.14159 and 2.71828.",
-    "A short one.",
-    "Water boils at 100 degrees and freezes at 0 degrees.",
-    "def add(a, b):\n    return a + b\n",
-    "Once upon a time there was a little fox.",
-] * 2
-
-
-def _tiny_model(folder: Path, vocab_texts: list[str], vocab: int, seed: int,
-                **shape) -> Path:  # fmt: skip
-    """A tiny random-init Llama with a tiny BPE trained on ``vocab_texts``."""
-    train_tiny_bpe(vocab_texts, vocab, folder)
-    return init_llama(folder, str(folder), {"hidden_size": 32, "intermediate_size": 64} | shape,
-                      seed)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """Student and teacher folders, tables, prepared data and the teacher cache."""
-    root = tmp_path_factory.mktemp("train")
-    student = _tiny_model(root / "student", TEXTS * 4, 330, seed=1)
-    # A teacher with large init weights: sharp next-token distributions, so the KD term against
-    # the near-uniform random student is large (not a rounding-sized number).
-    teacher = _tiny_model(root / "teacher", [t.upper() + t for t in TEXTS] * 4, 420, seed=2,
-                          initializer_range=0.5)  # fmt: skip
-    s_tok, t_tok = load_tokenizer(str(student)), load_tokenizer(str(teacher))
-    s2t = save_table(build_table(s_tok, t_tok, progress=False), str(root / "s2t.safetensors"))
-    t2s = save_table(build_table(t_tok, s_tok, progress=False), str(root / "t2s.safetensors"))
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": f"s{i}", "text": t}) + "\n"
-                            for i, t in enumerate(TEXTS)))  # fmt: skip
-    prep = PrepareConfig(data=str(data), student_tokenizer=str(student),
-                         teacher_tokenizers=[str(teacher)], output=str(root / "prep"),
-                         max_length=48)  # fmt: skip
-    prepare(prep, progress=False)
-    cache = str(root / "cache")
-    score(ScoreConfig(data=prep.output, teacher=str(teacher), output=cache, k=16),
-          progress=False)  # fmt: skip
-    return {"student": str(student), "teacher": str(teacher), "data": prep.output,
-            "cache": cache, "s2t": s2t.source, "t2s": t2s.source}  # fmt: skip
+def setup(train_inputs):
+    """The session's tiny training inputs (:mod:`train_inputs`)."""
+    return train_inputs
 
 
-def _config(setup, output, **kw) -> TrainConfig:
-    loss = LossConfig(dynamic_kd_scale=True, teachers=[TeacherLossConfig(
-        k=16, student_to_teacher=setup["s2t"], teacher_to_student=setup["t2s"])])  # fmt: skip
-    values = {"student": setup["student"], "data": setup["data"], "output": str(output),
-              "teachers": [setup["cache"]], "loss": loss, "steps": 6, "micro_batch_rows": 2,
-              "lr": 3e-3, "warmup_steps": 2} | kw  # fmt: skip
-    return TrainConfig(**values)
+_config = train_config
 
 
 def test_schedule_and_data_order():

@@ -1,6 +1,7 @@
 """Reading crosskd's own artifacts back: a folder (any fsspec URI) with a ``manifest.json``
 written last and files whose sha256 the manifest records. Shared by prepared data and teacher
-caches; errors name the artifact, what is wrong and the command that rebuilds it."""
+caches; errors name the artifact, what is wrong and the command that rebuilds it. And
+publishing a folder written under a temporary name (:func:`move_folder`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from collections.abc import Collection
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from crosskd.errors import CrosskdError
 
@@ -64,3 +66,15 @@ def read_checked(
             f"{entry['sha256']}; the file changed or is damaged. {rebuild}"
         )
     return payload
+
+
+def move_folder(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    """Rename the folder ``src`` to ``dst`` (which must not exist) on ``fs``: one atomic rename
+    on a local filesystem; on an object store (no folders, no rename) every file is copied,
+    then ``src`` deleted, so the caller publishes what points at ``dst`` only afterwards."""
+    if isinstance(fs, LocalFileSystem):
+        fs.mv(src, dst, recursive=True)
+        return
+    for path in fs.find(src):
+        fs.copy(path, dst + path[len(src) :])
+    fs.rm(src, recursive=True)

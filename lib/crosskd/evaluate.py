@@ -130,7 +130,7 @@ def evaluate(config: EvaluateConfig) -> dict:
     writes to ``config.output``) ``{"data": URI, "data_fingerprint": ..., "models": {name:
     {"ref", "prepared_model", "bits_per_byte", "bits", "bytes", "sequences"}}}``."""
     from crosskd.data.collate import load_prepared
-    from crosskd.teacher.model import load_teacher
+    from crosskd.teacher.model import load_teacher, model_folder
     from crosskd.tokenization import load_tokenizer
 
     data = load_prepared(config.data)
@@ -138,9 +138,7 @@ def evaluate(config: EvaluateConfig) -> dict:
     results = {}
     for name, spec in zip(config.names, config.models, strict=True):
         ref = spec.partition("=")[2] if "=" in spec else spec
-        loaded = load_teacher(ref, device=config.device, dtype=config.dtype, role="model",
-                              trust_remote_code=config.trust_remote_code)  # fmt: skip
-        tok = load_tokenizer(str(loaded.folder), vocab_size=loaded.vocab_size)
+        tok = load_tokenizer(str(model_folder(ref, role="model")))
         prepared = by_fingerprint.get(tok.fingerprint)
         if prepared is None:
             raise ConfigError(
@@ -149,6 +147,8 @@ def evaluate(config: EvaluateConfig) -> dict:
                 f"({', '.join(f'{n} {f[:12]}' for f, n in by_fingerprint.items())}); prepare "
                 f"the data with this tokenizer too."
             )
+        loaded = load_teacher(ref, device=config.device, dtype=config.dtype, role="model",
+                              trust_remote_code=config.trust_remote_code)  # fmt: skip
         sequences = prepared_sequences(data, prepared)
         bits, n_bytes = nll_bits_and_bytes(loaded.model, sequences, tok.bytes.lengths,
                                            device=loaded.device,

@@ -23,6 +23,7 @@ import fsspec
 import torch
 from safetensors.torch import load, load_model, save, save_model
 
+from crosskd.artifacts import move_folder
 from crosskd.errors import CrosskdError
 
 LATEST = "latest.json"
@@ -64,7 +65,7 @@ def save_checkpoint(
     final = f"{root}/{name}"
     if fs.exists(final):  # the same step saved again (a rerun): replace it, never nest into it
         fs.rm(final, recursive=True)
-    fs.mv(tmp, final, recursive=True)
+    move_folder(fs, tmp, final)
     fs.pipe_file(f"{root}/{LATEST}.tmp", json.dumps({"step": step, "path": name}).encode())
     fs.mv(f"{root}/{LATEST}.tmp", f"{root}/{LATEST}")
     if keep:

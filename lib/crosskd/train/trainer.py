@@ -34,7 +34,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from crosskd.artifacts import move_folder
 from crosskd.data.collate import Batch, collate, load_prepared
 from crosskd.errors import CrosskdError
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences
@@ -99,6 +100,7 @@ class Trainer:
 
     config: TrainConfig
     progress: bool = True
+    exporter: MetricsExporter | None = field(default=None, init=False)
 
     def setup(self) -> None:
         """Process group, data, tokenizers, teachers (checked against each other), student,
@@ -398,11 +400,12 @@ class Trainer:
                     fs.put_file(str(file), f"{staging}/{file.name}")
             if fs.exists(root):
                 fs.rm(root, recursive=True)
-            fs.mv(staging, root, recursive=True)
+            move_folder(fs, staging, root)
             fs.pipe_file(f"{root}/{MODEL_INFO}", json.dumps(info, indent=1).encode())
         if self.world > 1:
             dist.barrier()
 
     def close(self) -> None:
-        """Stop the metrics endpoint."""
-        self.exporter.close()
+        """Stop the metrics endpoint (if setup got that far)."""
+        if self.exporter is not None:
+            self.exporter.close()

@@ -1,0 +1,258 @@
+"""What a training run must get right beyond its loop: packed rows exact under each attention
+implementation, gradient accumulation, two teachers at tau 2 against the slow reference, inputs
+that do not belong together refused, checkpoints on S3, held-out evaluation and ``best/``, and
+the ``crosskd train`` / ``crosskd evaluate`` commands."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from loss_reference import reference_kd
+from train_inputs import tiny_model, train_config
+
+from crosskd.cli import main
+from crosskd.data.collate import collate
+from crosskd.errors import ConfigError, CrosskdError, TableError
+from crosskd.evaluate import EvaluateConfig, evaluate
+from crosskd.loss import LossConfig, TeacherLossConfig
+from crosskd.train import Trainer
+
+
+def _trainer(config) -> Trainer:
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    return trainer
+
+
+ATTENTION = [
+    "eager",
+    "sdpa",
+    pytest.param("flash_attention_2", marks=pytest.mark.skipif(
+        not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn")),
+        reason="flash-attention needs CUDA and the flash_attn package")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("implementation", ATTENTION)
+def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_path,
+                                                          implementation):  # fmt: skip
+    """The trainer's own forward call, in train mode, on a batch of two packed rows (one
+    padded): each sample's logits equal the sample's forward alone. (A boolean mask under eager
+    attention is added as +1/0 and misses this by ~0.2.)"""
+    trainer = _trainer(train_config(train_inputs, tmp_path, attn_implementation=implementation))
+    assert trainer.attention == implementation and trainer.model.training
+    packed = [row for row in trainer.rows if len(row) >= 2]
+    rows = [packed[0], packed[1]]
+    batch = collate(rows, n_teachers=1).models["student"]
+    with torch.no_grad():
+        logits = trainer._forward(batch)
+        for r, row in enumerate(rows):
+            start = 0
+            for sample in row:
+                alone = trainer._forward(collate([[sample]], n_teachers=1).models["student"])
+                n = len(sample["student_ids"])
+                assert (logits[r, start : start + n] - alone[0, :n]).abs().max() < 1e-5
+                start += n
+    trainer.close()
+
+
+def test_gradient_accumulation_equals_one_bigger_batch(train_inputs, tmp_path):
+    """Two micro-batches of one row per step train exactly like one micro-batch of two rows
+    (static kd_scale: the dynamic one is per micro-batch by definition)."""
+    loss = LossConfig(kd_weight=0.7, teachers=[TeacherLossConfig(
+        k=16, student_to_teacher=train_inputs["s2t"], teacher_to_student=train_inputs["t2s"])])
+    runs = {}
+    for name, rows, accum in (("accum", 1, 2), ("big", 2, 1)):
+        trainer = _trainer(train_config(train_inputs, tmp_path / name, loss=loss, steps=3,
+                                        micro_batch_rows=rows, grad_accum=accum))  # fmt: skip
+        runs[name] = (trainer.train(), [p.detach().clone() for p in trainer.model.parameters()])
+        trainer.close()
+    for got, want in zip(runs["accum"][0], runs["big"][0], strict=True):
+        for key in ("loss", "ce", "kd", "tokens"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    # AdamW divides by sqrt(v): float32 rounding of a near-zero gradient moves a weight by up
+    # to ~1e-6 (a step moves it by ~lr = 3e-3).
+    for a, b in zip(runs["accum"][1], runs["big"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_two_teachers_at_tau_2_match_the_slow_reference(train_inputs, tmp_path):
+    """Sum mode, weights 1 and 0.5, both caches scored at tau 2: the trainer's first-step KD
+    equals 1 * KD_A + 0.5 * KD_B of the slow reference (float64, loops) on the same batch and
+    the student's initial logits, and its CE equals cross_entropy over the loss mask."""
+    teachers = [
+        TeacherLossConfig(weight=1.0, k=16, student_to_teacher=train_inputs["s2t"],
+                          teacher_to_student=train_inputs["t2s"]),
+        TeacherLossConfig(weight=0.5, k=16, student_to_teacher=train_inputs["s2t_b"],
+                          teacher_to_student=train_inputs["t2s_b"]),
+    ]  # fmt: skip
+    loss = LossConfig(tau=2.0, teachers=teachers)
+    config = train_config(train_inputs, tmp_path, data=train_inputs["data2"], loss=loss, steps=2,
+                          teachers=[train_inputs["cache2_0"], train_inputs["cache2_1"]])
+    trainer = _trainer(config)
+    (micro,) = trainer.step_micro_batches(0)
+    batch = collate([trainer.rows[i] for i in micro], n_teachers=2)
+    with torch.no_grad():
+        logits = trainer._forward(batch.models["student"]).double()
+    student_ids = batch.models["student"].input_ids
+    want_kd = 0.0
+    for i, weight in enumerate((1.0, 0.5)):
+        signal = trainer.teachers.sources[i].signal(batch, i)
+        kd, n = reference_kd(logits, student_ids, batch.models[f"teacher{i}"].input_ids, signal,
+                             batch.chunks[i], trainer.teachers.pairs[i], tau=2.0)  # fmt: skip
+        assert n > 0
+        want_kd += weight * float(kd)
+    targets = student_ids[:, 1:][batch.loss_mask[:, 1:]]
+    want_ce = torch.nn.functional.cross_entropy(logits[:, :-1][batch.loss_mask[:, 1:]], targets)
+    history = trainer.train()
+    trainer.close()
+    assert history[0]["kd"] == pytest.approx(want_kd, rel=1e-5)
+    assert history[0]["ce"] == pytest.approx(float(want_ce), rel=1e-5)
+    assert history[0]["teacher0/1:1/valid"] > 0 and history[0]["teacher1/1:1/valid"] > 0
+
+
+def test_inputs_that_do_not_belong_together_are_refused_by_name(train_inputs, tmp_path):
+    """Tables of another teacher tokenizer (teacher B's, with teacher A's data and cache), a
+    cache scored at another tau, an online teacher of another tokenizer."""
+    wrong = LossConfig(teachers=[TeacherLossConfig(
+        k=16, student_to_teacher=train_inputs["s2t_b"], teacher_to_student=train_inputs["t2s_b"])])
+    with pytest.raises(TableError, match=r"was built for a teacher tokenizer with fingerprint"):
+        _trainer(train_config(train_inputs, tmp_path / "a", loss=wrong))
+    swapped = LossConfig(teachers=[TeacherLossConfig(
+        k=16, student_to_teacher=train_inputs["t2s"], teacher_to_student=train_inputs["s2t"])])
+    with pytest.raises(TableError, match=r"student tokenizer with fingerprint"):
+        _trainer(train_config(train_inputs, tmp_path / "b", loss=swapped))
+    at_tau_1 = LossConfig(teachers=[
+        TeacherLossConfig(k=16, student_to_teacher=train_inputs[f"s2t{x}"],
+                          teacher_to_student=train_inputs[f"t2s{x}"]) for x in ("", "_b")
+    ])  # fmt: skip
+    with pytest.raises(CrosskdError, match=r"cache2-0: tau is 2\.0, the config asks for 1\.0"):
+        _trainer(train_config(train_inputs, tmp_path / "c", data=train_inputs["data2"],
+                              loss=at_tau_1,
+                              teachers=[train_inputs["cache2_0"], train_inputs["cache2_1"]]))
+    same = LossConfig(teachers=[TeacherLossConfig(k=16)])
+    with pytest.raises(ConfigError, match=r"no tables .* same-tokenizer teacher, but its tok"):
+        _trainer(train_config(train_inputs, tmp_path / "d", loss=same))
+    online = f"online:{train_inputs['teacher_b']}"
+    with pytest.raises(ConfigError, match=r"teachers\[0\] online:.* prepared for teacher0"):
+        _trainer(train_config(train_inputs, tmp_path / "e", teachers=[online]))
+
+
+def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    output = "s3://crosskd-test/train-run"
+    trainer = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2))
+    first = trainer.train(stop_after=2)
+    trainer.close()
+    assert s3.exists("crosskd-test/train-run/checkpoints/step-0000002/optimizer.safetensors")
+    resumed = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2))
+    assert resumed.start == 2
+    rest = resumed.train()
+    final = resumed.save()
+    resumed.close()
+    assert len(first) == 2 and len(rest) == 2
+    local = tmp_path / "final"
+    s3.get("crosskd-test/train-run/final/", str(local), recursive=True)
+    info = json.loads((local / "crosskd-model.json").read_text())
+    assert final == f"{output}/final" and info["step"] == 4
+    assert AutoModelForCausalLM.from_pretrained(str(local)).config.vocab_size == resumed.vocab
+    log = s3.cat_file("crosskd-test/train-run/metrics-rank0.jsonl").decode().splitlines()
+    assert [json.loads(line)["step"] for line in log] == [1, 2, 3, 4]
+
+
+def test_heldout_evaluation_keeps_the_best_student(train_inputs, tmp_path):
+    """Every 2 steps: held-out bits per byte logged and exported; ``best/`` is the student of
+    the lowest one and says its step; ``crosskd evaluate`` of ``best/`` gives the same figure."""
+    config = train_config(train_inputs, tmp_path / "run", steps=6, checkpoint_every=3,
+                          eval_every=2, eval_data=train_inputs["heldout"], lr=1e-2)
+    trainer = _trainer(config)
+    history = trainer.train()
+    final = trainer.save()
+    trainer.close()
+    evaluated = {i + 1: h["heldout_bits_per_byte"] for i, h in enumerate(history)
+                 if "heldout_bits_per_byte" in h}  # fmt: skip
+    assert sorted(evaluated) == [2, 4, 6]
+    best_step = min(evaluated, key=evaluated.get)
+    best = json.loads((tmp_path / "run" / "best" / "crosskd-model.json").read_text())
+    assert best["step"] == best_step
+    assert best["heldout_bits_per_byte"] == pytest.approx(evaluated[best_step])
+    assert trainer.exporter.heldout._value.get() == pytest.approx(evaluated[6])
+    info = json.loads((tmp_path / "run" / "final" / "crosskd-model.json").read_text())
+    assert info["step"] == 6 and info["best"]["step"] == best_step
+    out = evaluate(EvaluateConfig(data=train_inputs["heldout"],
+                                  models=[f"best={tmp_path / 'run' / 'best'}", f"final={final}",
+                                          f"teacher={train_inputs['teacher']}"]))  # fmt: skip
+    rows = out["models"]
+    assert rows["best"]["bits_per_byte"] == pytest.approx(evaluated[best_step], rel=1e-6)
+    assert rows["final"]["bits_per_byte"] == pytest.approx(evaluated[6], rel=1e-6)
+    assert rows["teacher"]["prepared_model"] == "teacher0"
+    assert rows["best"]["prepared_model"] == "student"
+
+
+def _write_yaml(path, values: dict) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def test_crosskd_train_runs_resumes_and_refuses_by_one_line(train_inputs, tmp_path, capsys):
+    """A random-init student of a given shape through ``crosskd train``; started again when
+    complete it exits 0 at once; a config error and a damaged latest.json exit 2 with one
+    line."""
+    out = tmp_path / "run"
+    config = _write_yaml(tmp_path / "train.yaml", {
+        "student": "init", "student_tokenizer": train_inputs["student"],
+        "student_shape": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1},
+        "data": train_inputs["data"], "output": str(out), "teachers": [train_inputs["cache"]],
+        "loss": {"teachers": [{"k": 16, "student_to_teacher": train_inputs["s2t"],
+                               "teacher_to_student": train_inputs["t2s"]}]},
+        "steps": 3, "micro_batch_rows": 2, "warmup_steps": 1,
+    })  # fmt: skip
+    assert main(["train", "--config", config, "loss.kd_weight=0.5"]) == 0
+    assert "trained steps 1..3 into" in capsys.readouterr().out
+    info = json.loads((out / "final" / "crosskd-model.json").read_text())
+    assert info["step"] == 3
+    config_json = json.loads((out / "final" / "config.json").read_text())
+    assert config_json["hidden_size"] == 16 and config_json["num_hidden_layers"] == 1
+    assert main(["train", "--config", config]) == 0
+    assert "is complete (final/ holds step 3); nothing to do" in capsys.readouterr().out
+    # More steps: it resumes from the last checkpoint by itself.
+    assert main(["train", "--config", config, "steps=4"]) == 0
+    assert "trained steps 4..4" in capsys.readouterr().out
+    for args, message in (
+        (["steps=0"], "steps is 0; it must be an integer >= 1"),
+        (["stepz=3"], "unknown key(s) stepz"),
+        (["loss.kd_wieght=1"], "loss: unknown key(s) kd_wieght"),
+    ):
+        assert main(["train", "--config", config, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    (out / "checkpoints" / "latest.json").write_text("{oops")
+    assert main(["train", "--config", config, "steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "latest.json is damaged" in err and err.count("\n") == 1
+
+
+def test_crosskd_evaluate_writes_json_and_refuses_a_foreign_model(train_inputs, tmp_path,
+                                                                 capsys):  # fmt: skip
+    out = tmp_path / "eval" / "result.json"
+    code = main(["evaluate", "--data", train_inputs["heldout"], "--model",
+                 f"student={train_inputs['student']}", "--model", train_inputs["teacher"],
+                 "--output", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert set(result["models"]) == {"student", train_inputs["teacher"]}
+    assert all(0 < r["bits_per_byte"] < 30 for r in result["models"].values())
+    assert "held-out bits per byte" in printed and "(teacher0 tokens)" in printed
+    other = tiny_model(tmp_path / "other", ["zzz yyy xxx"] * 20, 300, seed=5)
+    capsys.readouterr()
+    assert main(["evaluate", "--data", train_inputs["heldout"], "--model", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "is none of the tokenizers" in err and err.count("\n") == 1
+
