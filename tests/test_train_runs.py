@@ -142,14 +142,19 @@ def test_inputs_that_do_not_belong_together_are_refused_by_name(train_inputs, tm
 
 
 def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
+    """The student read from an S3 folder, checkpoints, the log and the final model on S3."""
     from transformers import AutoModelForCausalLM
 
+    s3.put(train_inputs["student"] + "/", "crosskd-test/student-folder/", recursive=True)
+    student = "s3://crosskd-test/student-folder"
     output = "s3://crosskd-test/train-run"
-    trainer = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2))
+    trainer = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2,
+                                    student=student))  # fmt: skip
     first = trainer.train(stop_after=2)
     trainer.close()
     assert s3.exists("crosskd-test/train-run/checkpoints/step-0000002/optimizer.safetensors")
-    resumed = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2))
+    resumed = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2,
+                                    student=student))  # fmt: skip
     assert resumed.start == 2
     rest = resumed.train()
     final = resumed.save()
