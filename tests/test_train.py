@@ -107,6 +107,22 @@ def _assert_same_curve(got: list[dict], want: list[dict], rel: float = 1e-6) -> 
             assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-9), key
 
 
+def _kill(proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert proc.exitcode == -signal.SIGKILL
+
+
+def _resume_from_step_2(config: TrainConfig, reference: list[dict]) -> None:
+    """Restart ``config``'s run: it resumes at step 2 and ends on the reference curve."""
+    second = Trainer(config, progress=False)
+    second.setup()
+    assert second.start == 2
+    resumed = second.train()
+    second.close()
+    _assert_same_curve(resumed, reference[2:])
+
+
 @pytest.fixture(scope="module")
 def reference(setup, tmp_path_factory):
     """One uninterrupted 6-step run (checkpoints every 2 steps) the resume tests compare to."""
@@ -127,17 +143,10 @@ def test_a_killed_run_resumes_to_the_same_loss_curve(setup, reference, tmp_path)
     log_path = tmp_path / "run" / "metrics-rank0.jsonl"
     _wait_for(lambda: log_path.exists() and len(log_path.read_text().splitlines()) == 3,
               "step 3 to be logged")  # fmt: skip
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
-    assert proc.exitcode == -signal.SIGKILL
+    _kill(proc)
     latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 2
-    second = Trainer(config, progress=False)
-    second.setup()
-    assert second.start == 2
-    resumed = second.train()
-    second.close()
-    _assert_same_curve(resumed, reference[2:])
+    _resume_from_step_2(config, reference)
 
 
 def test_a_kill_during_a_checkpoint_write_resumes_from_the_last_complete_one(
@@ -151,17 +160,11 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_last_complete_one(
     proc.start()
     half = tmp_path / "run" / "checkpoints" / ".tmp-step-0000004" / "model.safetensors"
     _wait_for(half.exists, "step 4's checkpoint write to begin")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
+    _kill(proc)
     checkpoints = tmp_path / "run" / "checkpoints"
     assert json.loads((checkpoints / "latest.json").read_text())["step"] == 2
     assert not (checkpoints / "step-0000004").exists()
-    second = Trainer(config, progress=False)
-    second.setup()
-    assert second.start == 2
-    resumed = second.train()
-    second.close()
-    _assert_same_curve(resumed, reference[2:])
+    _resume_from_step_2(config, reference)
     names = sorted(p.name for p in checkpoints.iterdir())
     assert names == ["latest.json", "step-0000002", "step-0000004", "step-0000006"]
 
