@@ -17,10 +17,13 @@ Choices where the spec is silent (also reported to the caller):
 * ``keep_realized`` applies to dense signals too (the minimum support of ``1:n``/``n:1`` is 1
   with it, whatever K).
 * ``drop_unrealized_topk`` applies to every shape except special pairs.
-* Two ids of one vocabulary with the same bytes: ``1:n`` alternatives use the lowest student id
-  with the chain ``[t_1..t_{k-1}, c]`` (spec: chain-to-id lookups use the lowest id); ``n:1``
-  alternatives keep the lowest top-K teacher id among those with the same chain. (The zoo's
-  llama3 / qwen3 / smollm2 have no such duplicates among normal tokens.)
+* Two ids of one vocabulary with the same bytes (spec section 5: "the chain-to-id lookups use
+  the lowest id"): a ``1:n`` alternative for the teacher path ``[t_1..t_{k-1}, c]`` is the
+  lowest student id whose S->T chain is that path, and an ``n:1`` alternative for the student
+  path ``[s_1..s_{k-1}, c]`` is the lowest teacher id whose T->S chain is that path (an event
+  only when that id is in the top K; a higher duplicate never stands in for it). So each path
+  is at most one event. (The zoo's llama3 / qwen3 / smollm2 have no such duplicates among
+  normal tokens; ``tests/test_loss_chains.py`` builds tables that do.)
 * The KD value is returned in float64.
 """
 
@@ -78,6 +81,7 @@ class Lookups:
     common_t2s: dict[int, int]  # teacher id -> student id of a one-to-one common pair
     chain_s2t_lowest: dict[tuple[int, ...], int]  # S->T chain -> lowest student id
     chain_t2s: dict[int, tuple[int, ...]]  # teacher id -> its T->S chain
+    chain_t2s_lowest: dict[tuple[int, ...], int]  # T->S chain -> lowest teacher id
 
 
 _LOOKUPS: dict[int, tuple[object, Lookups]] = {}
@@ -107,7 +111,10 @@ def lookups(pair) -> Lookups:
     lowest: dict[tuple[int, ...], int] = {}
     for i in sorted(s2t):
         lowest.setdefault(s2t[i], i)
-    made = Lookups(common_t2s, lowest, t2s)
+    lowest_t: dict[tuple[int, ...], int] = {}
+    for j in sorted(t2s):
+        lowest_t.setdefault(t2s[j], j)
+    made = Lookups(common_t2s, lowest, t2s, lowest_t)
     _LOOKUPS[id(pair)] = (pair, made)
     return made
 
@@ -213,7 +220,6 @@ def reference_chunks(
                 prefix_lp += teacher.realized(b, t0 + k - 1)
         elif shape == SHAPE_N_1 and not only_realized:
             t = t_path[0]
-            seen = set()
             for j, b_j in teacher.top(b, t0 - 1).items():
                 if j == t or j not in look.chain_t2s:
                     continue
@@ -223,9 +229,8 @@ def reference_chunks(
                     continue
                 if chain[:-1] != s_path[: k - 1] or chain[-1] == s_path[k - 1]:
                     continue
-                if chain in seen:
+                if look.chain_t2s_lowest[chain] != j:  # a higher id with the same bytes
                     continue
-                seen.add(chain)
                 # s_1..s_{k-1} at their positions, then c at the k-th student position.
                 terms = [(b, s0 + l - 1, s_path[l - 1]) for l in range(1, k)]  # noqa: E741
                 terms.append((b, s0 + k - 1, chain[-1]))

@@ -13,6 +13,12 @@ For each candidate chunk (correct, has a prediction, in the KD mask) the events 
 * ``n:m`` and special pairs: the realized event only (``realized_only_mismatch`` treats ``1:n``
   and ``n:1`` the same way).
 
+The ``1:n`` / ``n:1`` alternatives come from the table pair's prefix indexes, which hold one id
+per whole chain, the lowest (spec: when two ids of one vocabulary share their bytes, the
+chain-to-id lookups use the lowest id): each path that leaves the realized one is at most one
+event, a higher duplicate's mass stays in REST, and an ``n:1`` path whose lowest teacher id is
+outside the top K has no event even when a higher duplicate is inside it.
+
 A chunk counts when it has at least 1 event (``1:1``, ``n:m``, special, realized-only) or at
 least ``min_mismatch_support`` (``1:n``, ``n:1``; 1 with ``keep_realized``);
 ``drop_unrealized_topk`` also drops chunks (other than special pairs) whose last realized

@@ -3,10 +3,12 @@
 * **common tokens**: pairs ``(i, j)`` of *normal* tokens with ``chain_S->T(i) == [j]`` and
   ``chain_T->S(j) == [i]`` (one-to-one; pad, unk and specials are never common).
 * per direction, a **prefix index** ``chain[:-1] -> [(src id, chain[-1])]`` over normal tokens
-  only (specials are never alternatives). Rows are sorted by src id, so when two src ids share
-  their bytes the lowest id comes first.
-* per direction, a **chain index** ``chain -> src id`` over normal tokens; when two src ids have
-  the same chain (the same bytes) it holds the lowest id.
+  only (specials are never alternatives), rows sorted by src id. Each whole chain appears once,
+  with the lowest src id that has it: two src ids that share their bytes share their chain, and
+  the spec's chain-to-id lookups use the lowest id, so a dst path has at most one ``1:n`` /
+  ``n:1`` alternative (a higher duplicate's mass is left to REST).
+* per direction, a **chain index** ``chain -> src id`` over normal tokens, holding the same
+  lowest id per chain.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class TablePair:
 
     ``common`` int64 ``[n, 2]``: columns (student id, teacher id), sorted by student id.
     ``prefix_s2t`` / ``prefix_t2s``: chain prefix (tuple of dst ids) -> int64 ``[k, 2]`` rows of
-    (src id, last chain id). ``chain_s2t`` / ``chain_t2s``: whole chain -> lowest src id.
+    (src id, last chain id), one row per whole chain (its lowest src id), ascending src ids.
+    ``chain_s2t`` / ``chain_t2s``: whole chain -> lowest src id.
     """
 
     student_to_teacher: SubTokenTable
@@ -110,13 +113,18 @@ def chain_indices(
     table: SubTokenTable,
 ) -> tuple[dict[tuple[int, ...], np.ndarray], dict[tuple[int, ...], int]]:
     """The prefix index ``chain[:-1] -> rows of (src id, chain[-1])`` (empty prefix included)
-    and the chain index ``chain -> lowest src id``, over NORMAL rows."""
+    and the chain index ``chain -> src id``, over NORMAL rows, both holding only the lowest src
+    id of each whole chain (spec section 5: two ids with the same bytes have the same chain, and
+    the chain-to-id lookups use the lowest id; a higher duplicate in the prefix index would make
+    a second alternative for the same dst path, counting one event twice)."""
     grouped: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
     whole: dict[tuple[int, ...], int] = {}
     chains, offsets = table.chains.tolist(), table.offsets.tolist()
     for src_id in np.flatnonzero(table.flags == Flag.NORMAL).tolist():
         chain = tuple(chains[offsets[src_id] : offsets[src_id + 1]])
+        if chain in whole:  # ascending ids: the lowest id with this chain is already in
+            continue
+        whole[chain] = src_id
         grouped[chain[:-1]].append((src_id, chain[-1]))
-        whole.setdefault(chain, src_id)
     prefixes = {key: np.asarray(rows, dtype=np.int64) for key, rows in grouped.items()}
     return prefixes, whole
