@@ -99,3 +99,44 @@ def test_bad_arguments_are_refused(kwargs, message):
         signal_from_logits(torch.randn(4, 9), torch.randint(0, 9, (4,)), **kwargs)
     with pytest.raises(SignalError, match="disagree on the sequence shape"):
         signal_from_logits(torch.randn(4, 9), torch.randint(0, 9, (5,)), k=1, tau=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "tau"), [(8, 1.0), (8, 2.0), (0, 1.0), (0, 0.7)])
+def test_values_are_within_1e_5_nats_of_float64_when_one_logit_dominates(dtype, k, tau):
+    """Rows where one logit dominates V = 151936 zeros: a float32 ``log_softmax`` loses the small
+    entries' mass there. Measured with torch 2.13 on an x86 CPU (it depends on the vector width),
+    float32 ``log_softmax`` vs float64: 5.4e-4 nats with a lead of 16.6, 3.9e-4 at 17, 3.2e-5 at
+    14, 2.0e-5 at 20, 1.4e-8 at 30 (V = 50000: 1.8e-4 at 16.6), which the signal stored before the
+    fix (5.4e-4 on this case, 5.6e-4 from bf16 logits). The stored top-K (or dense) values and
+    realized log probs at tau and at 1 must be within 1e-5 nats of float64 ``log_softmax`` of the
+    same logits (after the fix: 2.2e-6, dense at tau 0.7 4.8e-6)."""
+    vocab = 151936
+    logits = torch.zeros(1, 6, vocab)
+    for row, top in enumerate((16.6, 17.0, 14.0, 20.0, 30.0)):
+        logits[0, row, 3 * row] = tau * top  # dominates by `top` after tempering
+    logits[0, 1, 7] = 2.0  # a second, smaller peak
+    logits[0, 5] = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits = logits.to(dtype)
+    ids = torch.tensor([[5, 0, 7, 1, 12, 9]])  # realized: dominant (row 0 -> id 0), peak, tail
+    signal = signal_from_logits(logits, ids, k=k, tau=tau)
+    exact = torch.log_softmax(logits.double() / tau, dim=-1)
+    exact_t1 = torch.log_softmax(logits.double(), dim=-1)
+    expected = exact if k == 0 else exact.gather(-1, signal.ids)
+    nxt = ids[:, 1:, None]
+    assert signal.log_probs.dtype == torch.float32
+    assert (signal.log_probs.double() - expected).abs().max().item() < 1e-5
+    realized = exact[:, :-1].gather(-1, nxt)[..., 0]
+    assert (signal.realized.double() - realized).abs().max().item() < 1e-5
+    realized_t1 = exact_t1[:, :-1].gather(-1, nxt)[..., 0]
+    assert (signal.realized_t1.double() - realized_t1).abs().max().item() < 1e-5
+    # A realized value is the very value stored for its id in the row (dense: every id; top K:
+    # row 0 realizes its dominant id 0, row 1 its second peak 7).
+    if k:
+        # The dominant id of each row is in its top K, and the top K is that of float64.
+        assert signal.ids[0, 0].tolist()[0] == 0
+        assert torch.equal(signal.ids, top_k_ids(exact, k))
+        assert signal.realized[0, 0] == signal.log_probs[0, 0, 0]
+        assert signal.realized[0, 1] == signal.log_probs[0, 1, signal.ids[0, 1].tolist().index(7)]
+    else:
+        assert torch.equal(signal.realized, signal.log_probs[:, :-1].gather(-1, nxt)[..., 0])
