@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -194,6 +195,59 @@ def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teache
         score(_score_config(prepared, other, partial), progress=False)
 
 
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [(b'{"config_fingerprint": "ab', r"is damaged: not valid JSON \(Unterminated string"),
+     (b"\xff\xfe\x00garbage", r"is damaged: not valid JSON"),
+     (b"", r"is damaged: not valid JSON \(Expecting value\)"),
+     (b'["config_fingerprint"]', r"is damaged: a JSON list, not an object"),
+     (b'{"config_fingerprint": "ab", "dtype": "torch.float32"}',
+      r"lacks data_fingerprint, teacher_fingerprint, device_type, token_budget \(damaged")],
+)  # fmt: skip
+def test_a_damaged_run_record_is_refused_in_one_line(prepared, tiny_teacher, tmp_path, capsys,
+                                                     content, problem):  # fmt: skip
+    """A rerun reads the earlier run's run.json: a damaged one (or one missing keys) is a
+    CrosskdError naming the file and what to do, and the CLI prints it as one line."""
+    out = tmp_path / "cache"
+    out.mkdir()
+    (out / "run.json").write_bytes(content)
+    advice = r"; delete that output \(or the file\) to start afresh, or choose another output\.$"
+    with pytest.raises(CrosskdError, match=problem) as caught:
+        score(_score_config(prepared, tiny_teacher, str(out)), progress=False)
+    message = str(caught.value)
+    assert message.startswith(f"{out}/run.json (the record of an earlier scoring run")
+    assert re.search(advice, message) and "\n" not in message
+    assert caught.value.__suppress_context__ or caught.value.__context__ is None
+    assert not (out / "manifest.json").exists()
+    code = main(["score", "--data", prepared, "--teacher", str(tiny_teacher), "--output",
+                 str(out), "--k", "8"])  # fmt: skip
+    err = capsys.readouterr().err  # after transformers' progress bars: the error line
+    assert code == 2 and "Traceback" not in err
+    assert err.endswith(f"crosskd: error: {message}\n") and message.count("\n") == 0
+
+
+def test_a_run_record_with_extra_keys_is_refused(prepared, tiny_teacher, tmp_path, monkeypatch):
+    """A complete run.json with a key this version does not write (another version's) is
+    refused too, naming the key; the same record without it resumes."""
+    import crosskd.teacher.scoring as scoring
+
+    out = tmp_path / "cache"
+
+    def dying(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(scoring, "_score_shard", dying)
+    with pytest.raises(KeyboardInterrupt):
+        score(_score_config(prepared, tiny_teacher, str(out)), progress=False)
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps(record | {"new_key": 1}))
+    with pytest.raises(CrosskdError, match=r"whose run.json also records new_key"):
+        score(_score_config(prepared, tiny_teacher, str(out)), progress=False)
+    (out / "run.json").write_text(json.dumps(record))
+    with pytest.raises(KeyboardInterrupt):  # accepted: it gets as far as scoring again
+        score(_score_config(prepared, tiny_teacher, str(out)), progress=False)
+
+
 def test_a_corrupted_shard_is_detected_by_its_checksum(s3, prepared, tiny_teacher):
     uri = "s3://crosskd-test/cache/corrupt"
     manifest = score(_score_config(prepared, tiny_teacher, uri, encoding="lossy"), progress=False)
@@ -252,7 +306,7 @@ def test_teacher_references_and_refusals(tiny_teacher, tmp_path, s3):
     s3.put(str(tiny_teacher) + "/", "crosskd-test/teachers/tiny/", recursive=True)
     remote = load_teacher("s3://crosskd-test/teachers/tiny/", cache_dir=tmp_path / "cache")
     assert remote.fingerprint == local.fingerprint
-    assert remote.folder.parent == tmp_path / "cache" / "teachers"
+    assert remote.folder.parent == tmp_path / "cache" / "models"
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     shutil.copyfile(tiny_teacher / "config.json", pickled / "config.json")

@@ -12,7 +12,9 @@ temporary name and renamed when complete, then ``manifest.json`` last. A run wri
 everything that changes the stored numbers); a rerun with the same values skips the shards that
 exist and scores the rest, so an interrupted run and its rerun give a cache identical to an
 uninterrupted run (scoring is deterministic for a given device and batch composition). A rerun
-with other values into the same output is refused.
+with other values into the same output is refused, and so is a ``run.json`` that is not a JSON
+object with exactly those keys (damaged, or from another version), in one line naming the file
+and saying to delete the output or choose another.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def score_sequences(
     teacher: LoadedTeacher, sequences: list[np.ndarray], *, k: int, tau: float
 ) -> list[SampleSignal]:
     """The signal of each token sequence (int ``[L_i]``), scored together as one right-padded
-    batch with an attention mask; log probs in float32 whatever the model's dtype."""
+    batch with an attention mask; log probs (top K, realized at ``tau`` and at 1) in float32
+    whatever the model's dtype, within a few float32 ulps of float64 (:func:`signal_from_logits`).
+    """
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
@@ -251,16 +255,49 @@ def _start_run(fs, root: str, output: str, run: dict) -> None:
     """Record the run's config (or check it against an earlier, interrupted run's)."""
     path = f"{root}/{RUN}"
     if fs.exists(path):
-        earlier = json.loads(fs.cat_file(path))
-        if earlier != run:
-            differ = [k for k in run if earlier.get(k) != run[k]]
+        earlier = _read_run(fs.cat_file(path), f"{output.rstrip('/')}/{RUN}", list(run))
+        differ = [k for k in run if earlier[k] != run[k]]
+        if differ:
             raise CrosskdError(
                 f"output {output} holds a cache (or an interrupted run) with another "
                 f"{' and '.join(differ)}; choose a new output or delete the old one."
             )
+        extra = [k for k in earlier if k not in run]
+        if extra:
+            raise CrosskdError(
+                f"output {output} holds a cache (or an interrupted run) whose {RUN} also records "
+                f"{', '.join(extra)} (another crosskd version?); choose a new output or delete "
+                f"the old one."
+            )
         return
     fs.makedirs(root, exist_ok=True)
     fs.pipe_file(path, json.dumps(run).encode("utf-8"))
+
+
+def _read_run(payload: bytes, where: str, keys: list[str]) -> dict:
+    """The earlier run's record: a JSON object with (at least) ``keys``; anything else is
+    refused in one line naming the file (``where``) and what to do."""
+    advice = "delete that output (or the file) to start afresh, or choose another output."
+    try:
+        earlier = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise CrosskdError(
+            f"{where} (the record of an earlier scoring run into this output) is damaged: "
+            f"not valid JSON ({reason}); {advice}"
+        ) from None
+    if not isinstance(earlier, dict):
+        raise CrosskdError(
+            f"{where} (the record of an earlier scoring run into this output) is damaged: a "
+            f"JSON {type(earlier).__name__}, not an object; {advice}"
+        )
+    missing = [k for k in keys if k not in earlier]
+    if missing:
+        raise CrosskdError(
+            f"{where} (the record of an earlier scoring run into this output) lacks "
+            f"{', '.join(missing)} (damaged, or written by another crosskd version); {advice}"
+        )
+    return earlier
 
 
 def _check_tokenizer(
