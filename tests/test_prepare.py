@@ -52,6 +52,9 @@ def test_prepare_and_collate_round_trip(tmp_path, zoo_env, zoo):
     assert manifest["nfc_normalized"] is True
     assert [m["name"] for m in manifest["models"]] == ["student", "teacher0", "teacher1"]
     assert manifest["models"][1]["fingerprint"] == zoo("qwen3").fingerprint
+    assert manifest["format_version"] == 2
+    assert [m.get("same_tokenizer") for m in manifest["models"]] == [None, False, False]
+    assert list(manifest["chunk_shapes"]) == ["teacher0", "teacher1"]
     prepared = load_prepared(str(tmp_path / "out"), fingerprints={
         "student": zoo("llama3").fingerprint, "teacher0": zoo("qwen3").fingerprint})  # fmt: skip
     rows = list(prepared.packed_rows())

@@ -6,6 +6,15 @@ list of samples, as prepared) into per-model ``input_ids`` / ``position_ids`` / 
 (padded to the longest row of the batch), the student's CE ``loss_mask``, and per teacher the
 chunk tensors the loss needs, flat over the batch: each chunk carries its packed row index and
 its token ranges *within that packed row* on both sides.
+
+A same-tokenizer teacher (prepared without chunks, :mod:`crosskd.data.prepare`) gets a
+:class:`ChunkBatch` of **positions** instead (``same_tokenizer`` true): one entry per student
+token of every sample, ``student = teacher = [p, p + 1)``, with the flags prepared for it
+(``FLAG_PREDICTION`` off at each sample's first token, ``FLAG_KD`` on at its KD positions) and
+``FLAG_CORRECT`` only where the teacher's id equals the student's. Format versions 1 and 2 are
+read (version 1 stored such a teacher as chunks of the student aligned with itself; those
+batches are ordinary chunk batches, turned into positions by the loss:
+:func:`crosskd.loss.tokens.token_positions`).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from crosskd.data.prepare import KIND
 from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
 from crosskd.errors import DataError
 
-FORMAT_VERSIONS = (1,)
+FORMAT_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,10 @@ class ChunkBatch:
     and ``teacher`` int64 ``[C, 2]`` (token ranges within the packed row), ``shape`` / ``region``
     uint8 ``[C]``, ``valid`` bool ``[C]`` (correct, has a prediction, and in the KD mask),
     ``flags`` uint8 ``[C]`` (``FLAG_*`` of :mod:`crosskd.data.shards`, for the skip reasons) and
-    ``sample`` int64 ``[C]`` (the chunk's sample, numbered over the batch in row order)."""
+    ``sample`` int64 ``[C]`` (the chunk's sample, numbered over the batch in row order).
+
+    ``same_tokenizer``: the entries are the positions of a same-tokenizer teacher (one per
+    student token, ``student == teacher == [p, p + 1)``; module docstring), not chunks."""
 
     row: torch.Tensor
     student: torch.Tensor
@@ -107,6 +119,7 @@ class ChunkBatch:
     valid: torch.Tensor
     flags: torch.Tensor
     sample: torch.Tensor
+    same_tokenizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,35 +165,58 @@ def _model_batch(rows: list[list[list[int]]]) -> ModelBatch:
 
 
 def _chunk_batch(rows: list[list[dict]], name: str) -> ChunkBatch:
-    keys = ("row", "s", "t", "shape", "region", "ok", "flags", "sample")
+    keys = ("row", "s", "t", "shape", "region", "flags", "sample")
     parts: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    kinds: set[bool] = set()
     n_samples = 0
     for r, row in enumerate(rows):
         s_base = t_base = 0
         for sample in row:
-            s0 = np.asarray(sample[f"{name}_chunk_s0"], dtype=np.int64) + s_base
-            s1 = np.asarray(sample[f"{name}_chunk_s1"], dtype=np.int64) + s_base
-            t0 = np.asarray(sample[f"{name}_chunk_t0"], dtype=np.int64) + t_base
-            t1 = np.asarray(sample[f"{name}_chunk_t1"], dtype=np.int64) + t_base
-            flags = np.asarray(sample[f"{name}_chunk_flags"], dtype=np.uint8)
+            student_ids = np.asarray(sample["student_ids"], dtype=np.int64)
+            teacher_ids = np.asarray(sample[f"{name}_ids"], dtype=np.int64)
+            same = sample[f"{name}_chunk_s0"] is None
+            kinds.add(same)
+            if same:
+                if len(teacher_ids) != len(student_ids):
+                    raise DataError(
+                        f"sample {sample['sample_id']}: {name} is stored as a same-tokenizer "
+                        f"teacher but has {len(teacher_ids)} tokens, the student "
+                        f"{len(student_ids)}; the prepared data is damaged. Prepare it again."
+                    )
+                s = np.arange(len(student_ids), dtype=np.int64)
+                s0, s1, t0, t1 = s + s_base, s + s_base + 1, s + t_base, s + t_base + 1
+                flags = np.asarray(sample[f"{name}_chunk_flags"], dtype=np.uint8)
+                flags = np.where(teacher_ids == student_ids, flags, flags & (0xFF ^ FLAG_CORRECT))
+            else:
+                s0 = np.asarray(sample[f"{name}_chunk_s0"], dtype=np.int64) + s_base
+                s1 = np.asarray(sample[f"{name}_chunk_s1"], dtype=np.int64) + s_base
+                t0 = np.asarray(sample[f"{name}_chunk_t0"], dtype=np.int64) + t_base
+                t1 = np.asarray(sample[f"{name}_chunk_t1"], dtype=np.int64) + t_base
+                flags = np.asarray(sample[f"{name}_chunk_flags"], dtype=np.uint8)
             parts["row"].append(np.full(len(s0), r, dtype=np.int64))
             parts["s"].append(np.stack([s0, s1], axis=1))
             parts["t"].append(np.stack([t0, t1], axis=1))
             parts["shape"].append(np.asarray(sample[f"{name}_chunk_shape"], dtype=np.uint8))
             parts["region"].append(np.asarray(sample[f"{name}_chunk_region"], dtype=np.uint8))
-            need = FLAG_CORRECT | FLAG_PREDICTION | FLAG_KD
-            parts["ok"].append((flags & need) == need)
-            parts["flags"].append(flags)
+            parts["flags"].append(flags.astype(np.uint8))
             parts["sample"].append(np.full(len(s0), n_samples, dtype=np.int64))
             n_samples += 1
-            s_base += len(sample["student_ids"])
-            t_base += len(sample[f"{name}_ids"])
+            s_base += len(student_ids)
+            t_base += len(teacher_ids)
+    if len(kinds) > 1:
+        raise DataError(
+            f"the batch mixes samples prepared with {name} as a same-tokenizer teacher and as an "
+            f"aligned one; batch rows of one prepared dataset (one set of tokenizers)."
+        )
+
     def cat(key: str, empty_shape: tuple[int, ...], dtype) -> torch.Tensor:
         arrays = parts[key]
         return torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(empty_shape, dtype))
 
+    flags = cat("flags", (0,), np.uint8)
+    need = FLAG_CORRECT | FLAG_PREDICTION | FLAG_KD
     return ChunkBatch(
         cat("row", (0,), np.int64), cat("s", (0, 2), np.int64), cat("t", (0, 2), np.int64),
-        cat("shape", (0,), np.uint8), cat("region", (0,), np.uint8), cat("ok", (0,), bool),
-        cat("flags", (0,), np.uint8), cat("sample", (0,), np.int64),
+        cat("shape", (0,), np.uint8), cat("region", (0,), np.uint8), (flags & need) == need,
+        flags, cat("sample", (0,), np.int64), same_tokenizer=kinds == {True},
     )  # fmt: skip

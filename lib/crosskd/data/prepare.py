@@ -1,17 +1,40 @@
 """``crosskd prepare``: raw rows -> clipped, aligned, lockstep-packed Parquet shards + manifest.
 
+:class:`PrepareConfig` checks every value when it is built (and :func:`prepare` again before it
+loads any tokenizer): a bad one is refused with a one-line
+:class:`~crosskd.errors.ConfigError` naming the key, the value and what is allowed.
+
 For every row (text or chat): NFC-normalise once when any tokenizer normalises (so no tokenizer
 changes bytes under the offsets), clip to the longest prefix every model holds, render and
-tokenize with each model, align the student with every teacher, then pack all models in
-lockstep (first-fit-decreasing over the vector of per-model lengths; every model's packed row
-holds the same samples in the same order) or, unpacked, one sample per row.
+tokenize with each model, align the student with every cross-tokenizer teacher, then pack all
+models in lockstep (first-fit-decreasing over the vector of per-model lengths; every model's
+packed row holds the same samples in the same order) or, unpacked, one sample per row.
+
+**Same-tokenizer teachers** (tokenizer fingerprint equal to the student's; spec section 5, "Same
+tokenizer") are not aligned: their token ids are the student's, and the loss compares them
+position by position. Their manifest model entry says ``"same_tokenizer": true`` (false for
+aligned teachers), they have no entry in ``chunk_shapes``, and their shard columns keep the one
+schema of every teacher (:mod:`crosskd.data.shards`): ``teacher{k}_ids`` is a copy of the
+student's ids, the chunk range columns (``chunk_s0/s1/t0/t1``) are null, and
+``chunk_shape/flags/region/message`` hold one entry per student token (token ``p`` is entry
+``p``): shape ``1:1`` (``special`` for an added/special token), flags ``FLAG_CORRECT``,
+``FLAG_PREDICTION`` unless ``p`` is the sample's first token, and ``FLAG_KD`` when the token is
+a KD position. KD positions (:func:`student_tokens`): plain text, every token; chat, the tokens
+the student's own CE loss mask covers (the included regions of every assistant message plus the
+end-of-turn token when ``answer`` is included: the tokens that the alignment of the student with
+itself marks ``FLAG_KD``), less, under ``drop_first_chunk``, the first position of each
+assistant message (one token, where that alignment would drop the whole first chunk, e.g. every
+byte piece of a leading emoji). The student's ``student_loss_mask`` is still the one the first
+teacher's alignment gives (for a same-tokenizer first teacher: the student's own mask, as
+above).
 
 Output (any fsspec URI): ``part-NNNNN.parquet`` shards, rows sorted by packed row (``bin``) with
 whole bins per shard, and ``manifest.json`` (kind, format version, fingerprints, options, rows,
-clipped rows, tokens per model, chunk shapes per teacher, bins, packing efficiency, per-shard
-row counts and sha256). Every row is read and aligned before anything is written; shards go to
-a staging folder first and the manifest is written last, so a failed run leaves no output that
-looks complete.
+clipped rows, tokens per model, chunk shapes per aligned teacher, bins, packing efficiency,
+per-shard row counts and sha256). Format version 2 (version 1 stored a same-tokenizer teacher
+as an alignment of the student with itself). Every row is read and aligned before anything is
+written; shards go to a staging folder first and the manifest is written last, so a failed run
+leaves no output that looks complete.
 """
 
 from __future__ import annotations
@@ -29,25 +52,34 @@ from tqdm.auto import tqdm
 
 from crosskd import __version__
 from crosskd.alignment import (
+    REGIONS,
+    SHAPE_1_1,
     SHAPE_NAMES,
+    SHAPE_SPECIAL,
+    AlignedSample,
     ChatOptions,
+    Rendered,
     align_chat,
     align_text,
     harmonize_reasoning,
     render,
     render_text,
 )
+from crosskd.alignment.chat import _first_with_role, _rows
+from crosskd.alignment.sample import REGION_ANSWER, REGION_EOT, REGION_TEXT
 from crosskd.data.clipping import clip_text
 from crosskd.data.packing import pack_lockstep, packing_efficiency
 from crosskd.data.records import Record, read_records
-from crosskd.data.shards import MANIFEST, write_shards
-from crosskd.errors import DataError
+from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION, MANIFEST, write_shards
+from crosskd.errors import ConfigError, DataError
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 KIND = "crosskd.prepared-data"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+CHAT_REGIONS = ("reasoning", "close", "answer")
+"""The names ``included_regions`` chooses from."""
 
 
 @dataclass
@@ -79,6 +111,159 @@ class PrepareConfig:
     shard_rows: int = 4096
     """Samples per Parquet shard (whole packed rows per shard)."""
 
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse a bad value with a :class:`ConfigError` naming the key, the value and what is
+        allowed (no tokenizer is loaded, no file is read)."""
+        for key in ("data", "student_tokenizer", "output", "text_column", "messages_column"):
+            _text(key, getattr(self, key))
+        if self.id_column is not None:
+            _text("id_column", self.id_column, "a column name, or null for content hashes")
+        teachers = self.teacher_tokenizers
+        if not isinstance(teachers, list | tuple) or not teachers:
+            raise ConfigError(
+                f"teacher_tokenizers is {teachers!r}; it must be a non-empty list of teacher "
+                f"tokenizers (one per teacher: folder, tokenizer.json, zoo:NAME, URI or hub id)."
+            )
+        for i, value in enumerate(teachers):
+            _text(f"teacher_tokenizers[{i}]", value)
+        for key in ("max_length", "shard_rows"):
+            _count(key, getattr(self, key))
+        if self.teacher_max_length is not None:
+            _count("teacher_max_length", self.teacher_max_length, "an integer >= 1, or null "
+                   "for max_length")  # fmt: skip
+        for key in ("pack", "drop_first_chunk"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} is {value!r}; it must be true or false.")
+        regions = self.included_regions
+        choose = ", ".join(CHAT_REGIONS)
+        if not isinstance(regions, list | tuple) or not regions:
+            raise ConfigError(
+                f"included_regions is {regions!r}; it must be a non-empty list of chat regions "
+                f"chosen from {choose}."
+            )
+        unknown = [r for r in regions if not isinstance(r, str) or r not in CHAT_REGIONS]
+        if unknown:
+            raise ConfigError(
+                f"included_regions is {regions!r}: {unknown!r} are not regions; choose from "
+                f"{choose}."
+            )
+
+
+def _text(key: str, value: object, allowed: str = "a non-empty string") -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key} is {value!r}; it must be {allowed}.")
+
+
+def _count(key: str, value: object, allowed: str = "an integer >= 1") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} is {value!r}; it must be {allowed}.")
+
+
+@dataclass(frozen=True, eq=False)
+class StudentTokens:
+    """The student's own view of one sample, per student token (no teacher involved):
+    ``loss_mask`` (CE targets), ``kd`` (KD positions of a same-tokenizer teacher), ``region``
+    (index into :data:`~crosskd.alignment.REGIONS`; 0, ``text``, for plain text and outside
+    the assistant messages' regions) and ``message`` (the assistant message's index; 0 for
+    plain text and elsewhere)."""
+
+    loss_mask: np.ndarray
+    kd: np.ndarray
+    region: np.ndarray
+    message: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class SameTokenizerSample:
+    """A same-tokenizer teacher's side of one sample: no chunks. ``teacher`` is the student's
+    rendering (its ids are the teacher's), ``loss_mask`` the student's own CE mask, and per
+    student token ``shape`` / ``flags`` / ``region`` uint8 and ``message`` int32 (what the
+    shards store for it; module docstring)."""
+
+    teacher: Rendered
+    loss_mask: np.ndarray
+    shape: np.ndarray
+    flags: np.ndarray
+    region: np.ndarray
+    message: np.ndarray
+
+
+def student_tokens(
+    student_tok: LoadedTokenizer,
+    student: Rendered,
+    messages: list[dict] | None,
+    options: ChatOptions,
+    *,
+    sample_id: str,
+    clipped_message: int | None = None,
+) -> StudentTokens:
+    """The student's CE mask and KD positions of one sample, from its rendering alone.
+
+    Plain text (``messages`` None): every token is a KD position and every token but the first
+    a CE target. Chat: the rules :func:`~crosskd.alignment.align_chat` applies to the student
+    (a token is in a region iff its end offset lies in ``(start, end]``; the end-of-turn token
+    is the first ``eot``-role special after the answer and before the next region, none for a
+    message clipping cut short), with the student as its own counterpart: the CE mask is the
+    included regions of every assistant message plus the end-of-turn token when ``answer`` is
+    included; the KD positions are the same tokens, less the first of each assistant message
+    under ``drop_first_chunk``.
+    """
+    n = len(student.tokens)
+    region = np.full(n, REGION_TEXT, dtype=np.uint8)
+    message = np.zeros(n, dtype=np.int32)
+    if messages is None:
+        loss_mask = np.ones(n, dtype=bool)
+        loss_mask[:1] = False
+        return StudentTokens(loss_mask, np.ones(n, dtype=bool), region, message)
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise DataError(
+            f"sample {sample_id}: the conversation has no assistant message, so nothing would be "
+            f"distilled; drop the sample or add the assistant's answer."
+        )
+    included = {REGIONS.index(name) for name in options.included_regions}
+    loss_mask = np.zeros(n, dtype=bool)
+    for index, kind, start, end in student.regions:
+        if messages[index].get("role") != "assistant":
+            continue
+        rows = _rows(student, start, end)
+        region[rows], message[rows] = kind, index
+        if kind in included:
+            loss_mask[rows] = True
+        if kind == REGION_ANSWER and index != clipped_message:
+            eot = _first_with_role(student, student_tok, "eot", end)
+            if eot is not None:
+                region[eot], message[eot] = REGION_EOT, index
+                if REGION_ANSWER in included:
+                    loss_mask[eot] = True
+    kd = loss_mask.copy()
+    if options.drop_first_chunk:
+        where = np.flatnonzero(kd)
+        if where.size:
+            owners = message[where]
+            leading = np.ones(where.size, dtype=bool)
+            leading[1:] = owners[1:] != owners[:-1]
+            kd[where[leading]] = False
+    return StudentTokens(loss_mask, kd, region, message)
+
+
+def same_tokenizer_sample(
+    student_tok: LoadedTokenizer, student: Rendered, own: StudentTokens
+) -> SameTokenizerSample:
+    """A same-tokenizer teacher's side of a sample from the student's rendering and
+    :func:`student_tokens` (module docstring)."""
+    ids = student.tokens.ids
+    shape = np.where(np.isin(ids, student_tok.special_ids), SHAPE_SPECIAL, SHAPE_1_1)
+    prediction = np.arange(len(ids)) > 0
+    flags = FLAG_CORRECT + prediction * FLAG_PREDICTION + own.kd * FLAG_KD
+    return SameTokenizerSample(
+        student, own.loss_mask, shape.astype(np.uint8), flags.astype(np.uint8), own.region,
+        own.message,
+    )  # fmt: skip
+
 
 def model_names(n_teachers: int) -> list[str]:
     """``["student", "teacher0", ...]``: the names of the models in columns and the manifest."""
@@ -87,6 +272,7 @@ def model_names(n_teachers: int) -> list[str]:
 
 def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     """Run the preparation; returns the manifest that was written."""
+    config.check()
     fs, root = fsspec.core.url_to_fs(config.output)
     if fs.exists(f"{root}/{MANIFEST}"):
         raise DataError(
@@ -95,19 +281,13 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         )
     student = load_tokenizer(config.student_tokenizer)
     teachers = [load_tokenizer(t) for t in config.teacher_tokenizers]
-    if not teachers:
-        raise DataError("prepare needs at least one teacher tokenizer (--teacher-tokenizer).")
     models = [student, *teachers]
+    same = [t.fingerprint == student.fingerprint for t in teachers]
     capacities = [config.max_length] + [config.teacher_max_length or config.max_length] * len(
         teachers
     )
     nfc = any(t.normalizes_nfc for t in models)
     strip = any(_template_strips(t) for t in models)
-    unknown = sorted(set(config.included_regions) - {"reasoning", "close", "answer"})
-    if unknown:
-        raise DataError(
-            f"included_regions: {unknown} are not regions; choose from reasoning, close, answer."
-        )
     options = ChatOptions(tuple(config.included_regions), config.drop_first_chunk)
     records = list(
         read_records(
@@ -121,14 +301,14 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
         raise DataError(f"data {config.data} has no rows; nothing to prepare.")
     rows = []
     for record in tqdm(records, desc="align", unit="row", disable=not progress):
-        rows.append(_prepare_row(record, models, capacities, nfc, strip, options))
+        rows.append(_prepare_row(record, models, capacities, nfc, strip, options, same))
     lengths = np.array([row["lengths"] for row in rows], dtype=np.int64)
     bins = (
         pack_lockstep(lengths, capacities)
         if config.pack
         else [np.array([i]) for i in range(len(rows))]
     )
-    manifest = _manifest(config, models, capacities, nfc, rows, lengths, bins)
+    manifest = _manifest(config, models, capacities, nfc, rows, lengths, bins, same)
     manifest["content_stripped"] = strip
     manifest["data_fingerprint"] = _data_fingerprint(rows)
     write_shards(fs, root, config.shard_rows, rows, bins, manifest)
@@ -182,7 +362,10 @@ def _prepare_row(
     nfc: bool,
     strip: bool,
     options: ChatOptions,
+    same: list[bool],
 ) -> dict:
+    """One row clipped, rendered by every model and aligned with every cross-tokenizer teacher
+    (``same[k]``: teacher k shares the student's tokenizer and is not aligned)."""
     if nfc:
         record = _nfc(record)
     if strip and record.messages is not None:
@@ -191,18 +374,25 @@ def _prepare_row(
     if record.text is not None:
         clip = clip_text(record.text, models, capacities)
         text, clipped, original = clip.text, clip.clipped, clip.original_lengths
+        messages, cut = None, None
         s_view = render_text(student, text)
-        aligned = [align_text(student, t, text, student=s_view) for t in teachers]
-        messages = None
     else:
         messages, clipped, original, cut = _fit_chat(record, models, capacities)
         s_view = render(student, messages, sample_id=record.sample_id)
-        aligned = [
-            align_chat(student, t, messages, sample_id=record.sample_id, options=options,
-                       student=s_view, clipped_message=cut)
-            for t in teachers
-        ]  # fmt: skip
         text = None
+    own = None
+    if any(same):
+        own = student_tokens(student, s_view, messages, options, sample_id=record.sample_id,
+                             clipped_message=cut)  # fmt: skip
+    aligned: list[AlignedSample | SameTokenizerSample] = []
+    for k, t in enumerate(teachers):
+        if same[k]:
+            aligned.append(same_tokenizer_sample(student, s_view, own))
+        elif messages is None:
+            aligned.append(align_text(student, t, text, student=s_view))
+        else:
+            aligned.append(align_chat(student, t, messages, sample_id=record.sample_id,
+                                      options=options, student=s_view, clipped_message=cut))
     lengths = [len(s_view.tokens), *(len(a.teacher.tokens) for a in aligned)]
     return {
         "record": record,
@@ -229,6 +419,11 @@ def _fit_chat(
     clipped, the original lengths, and the index of a message whose text was cut (or None)."""
     messages = harmonize_reasoning(models, record.messages)
     sid = record.sample_id
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise DataError(
+            f"sample {sid}: the conversation has no assistant message, so nothing would be "
+            f"distilled; drop the sample or add the assistant's answer."
+        )
     original = _chat_lengths(messages, models, sid)
     if all(n <= c for n, c in zip(original, capacities, strict=True)):
         return messages, False, original, None
@@ -283,14 +478,17 @@ def _manifest(
     rows: list[dict],
     lengths: np.ndarray,
     bins: list[np.ndarray],
+    same: list[bool],
 ) -> dict:
     names = model_names(len(models) - 1)
-    shapes = []
+    shapes = {}
     for k in range(len(models) - 1):
+        if same[k]:
+            continue
         counts = Counter()
         for row in rows:
             counts.update(SHAPE_NAMES[s] for s in row["aligned"][k].chunks.shape.tolist())
-        shapes.append({name: counts.get(name, 0) for name in SHAPE_NAMES})
+        shapes[names[k + 1]] = {name: counts.get(name, 0) for name in SHAPE_NAMES}
     fallback = [False] * len(models)
     for row in rows:
         fallback[0] |= row["student"].fallback_template
@@ -311,13 +509,14 @@ def _manifest(
                 "capacity": capacities[m],
                 "chatml_fallback": fallback[m],
                 "tokens": int(lengths[:, m].sum()),
+                **({} if m == 0 else {"same_tokenizer": same[m - 1]}),
             }
             for m, (name, tok) in enumerate(zip(names, models, strict=True))
         ],
         "nfc_normalized": nfc,
         "rows": len(rows),
         "clipped_rows": sum(bool(row["clipped"]) for row in rows),
-        "chunk_shapes": dict(zip(names[1:], shapes, strict=True)),
+        "chunk_shapes": shapes,
         "packing": {
             "packed": config.pack,
             "bins": len(bins),

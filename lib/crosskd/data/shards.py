@@ -1,5 +1,14 @@
 """Writing prepared rows as Parquet shards (fixed schema, whole packed rows per shard) into a
-staging folder, then publishing them and, last, the manifest."""
+staging folder, then publishing them and, last, the manifest.
+
+One row per sample. Columns: ``sample_id``, ``source``, ``row``, ``text`` / ``messages`` (JSON),
+``clipped``, ``original_lengths``, ``bin`` (packed row), ``student_ids``,
+``student_loss_mask`` (CE targets), and per teacher ``k``: ``teacher{k}_ids`` and its chunks
+``teacher{k}_chunk_{s0,s1,t0,t1}`` (token ranges within the sample), ``_shape``, ``_flags``
+(``FLAG_*`` bits), ``_region``, ``_message``. Every teacher has the same columns. For a
+same-tokenizer teacher (:mod:`crosskd.data.prepare`) ``teacher{k}_ids`` copies the student's ids,
+the four range columns are null and the other chunk columns hold one entry per student token.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +16,15 @@ import hashlib
 import io
 import json
 import uuid
+from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
 
 from crosskd.alignment import AlignedSample
+
+if TYPE_CHECKING:
+    from crosskd.data.prepare import SameTokenizerSample
 
 MANIFEST = "manifest.json"
 FLAG_CORRECT, FLAG_PREDICTION, FLAG_KD = 1, 2, 4
@@ -64,7 +77,16 @@ def _columns(rows: list[dict], order: np.ndarray, bin_of: np.ndarray, n_teachers
     return cols
 
 
-def _teacher_columns(cols: dict, name: str, aligned: AlignedSample) -> None:
+def _teacher_columns(cols: dict, name: str, aligned: AlignedSample | SameTokenizerSample) -> None:
+    if not isinstance(aligned, AlignedSample):  # same tokenizer: one entry per student token
+        cols[f"{name}_ids"].append(aligned.teacher.tokens.ids.astype(np.int32))
+        for suffix in ("s0", "s1", "t0", "t1"):
+            cols[f"{name}_chunk_{suffix}"].append(None)
+        cols[f"{name}_chunk_shape"].append(aligned.shape)
+        cols[f"{name}_chunk_flags"].append(aligned.flags)
+        cols[f"{name}_chunk_region"].append(aligned.region)
+        cols[f"{name}_chunk_message"].append(aligned.message)
+        return
     chunks = aligned.chunks
     flags = (
         chunks.is_correct * FLAG_CORRECT

@@ -4,12 +4,15 @@ Two steps, so that everything that depends only on the data and the teacher sign
 before the student's forward pass (in the collator or a data-loader worker):
 
 1. :func:`plan_loss` (numpy, no gradients): the CE targets, and per teacher the events of every
-   counted chunk (:func:`~crosskd.loss.events.build_events` for a cross-tokenizer teacher,
-   :func:`~crosskd.loss.tokens.build_token_events` for a same-tokenizer one), after applying the
-   teacher mode (``select`` narrows each teacher to the samples that chose it, ``average`` mixes
-   the signals into one). :attr:`LossPlan.counts` are this micro-batch's CE tokens and counted
-   chunks per teacher; sum them over the step's micro-batches (and, in the next issue, over
-   ranks) into the :class:`StepCounts` every micro-batch is normalised by.
+   counted chunk (:func:`~crosskd.loss.events.build_events` for a cross-tokenizer teacher) or
+   position (:func:`~crosskd.loss.tokens.build_token_events` for a same-tokenizer one, whose
+   batch is first turned into one entry per student token by
+   :func:`~crosskd.loss.tokens.token_positions`; every "chunk" below is then a position), after
+   applying the teacher mode (``select`` narrows each teacher to the samples that chose it,
+   ``average`` mixes the signals into one). :attr:`LossPlan.counts` are this micro-batch's CE
+   tokens and counted chunks per teacher; sum them over the step's micro-batches (and over the
+   data-parallel ranks: :func:`crosskd.loss.parallel.reduce_counts`) into the
+   :class:`StepCounts` every micro-batch is normalised by.
 2. :func:`compute_loss` (torch): CE and each teacher's KD from the student logits through one
    :class:`~crosskd.loss.logprobs.StudentLogProbs` per temperature (shared when ``tau = 1``),
    then ``kd_scale`` and the total. Summing the micro-batch losses' gradients gives the step's
@@ -38,7 +41,7 @@ from crosskd.loss.events import Events, build_events, to_numpy
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
 from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
-from crosskd.loss.tokens import build_token_events
+from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.tables import TablePair
 from crosskd.teacher import TeacherSignal
 
@@ -49,7 +52,8 @@ KD_FLOOR = 1e-8
 @dataclass(frozen=True)
 class TeacherBatch:
     """One teacher's side of a micro-batch: its ``input_ids`` int64 ``[B, L_t]``, its chunks
-    (from the collator) and its signal for the rows ``[B, L_t]``."""
+    (from the collator; for a same-tokenizer teacher its positions, or chunks that
+    :func:`plan_loss` turns into positions) and its signal for the rows ``[B, L_t]``."""
 
     input_ids: Tensor
     chunks: ChunkBatch
@@ -59,9 +63,9 @@ class TeacherBatch:
 @dataclass(frozen=True)
 class TeacherPlan:
     """One KD term of a micro-batch: its metrics ``name``, ``weight``, counted ``events``, and
-    for every chunk of the batch its shape and flags (numpy, for the skip reasons) and its first
-    prediction row (flat ``b * L_s + max(s0 - 1, 0)``: which rank of a sequence-parallel layout
-    evaluates it)."""
+    for every chunk of the batch (every position, for a ``same_tokenizer`` term) its shape and
+    flags (numpy, for the skip reasons) and its first prediction row (flat
+    ``b * L_s + max(s0 - 1, 0)``: which rank of a sequence-parallel layout evaluates it)."""
 
     name: str
     weight: float
@@ -177,7 +181,9 @@ def plan_loss(
         student_ids: int64 ``[B, L_s]``; ``loss_mask``: bool ``[B, L_s]`` (CE targets; never
             the first token of a sample).
         teachers: one :class:`TeacherBatch` per teacher.
-        pairs: per teacher its :class:`TablePair`, or None for a same-tokenizer teacher.
+        pairs: per teacher its :class:`TablePair`, or None for a same-tokenizer teacher (its
+            valid positions: a prediction, inside the KD mask, equal ids; see
+            :mod:`crosskd.loss.tokens`).
         student_vocab: ``V_S`` (the student's output rows).
         teacher_bytes: per teacher the UTF-8 length of each token id (int ``[V_T]``, e.g.
             ``LoadedTokenizer.bytes.lengths``); needed by ``select``, and when given the
@@ -185,6 +191,11 @@ def plan_loss(
     """
     _check_inputs(config, teachers, pairs, teacher_bytes)
     ids = student_ids.cpu().numpy()
+    teachers = [
+        t if pair is not None
+        else replace(t, chunks=token_positions(t.chunks, ids, to_numpy(t.input_ids)))
+        for t, pair in zip(teachers, pairs, strict=True)
+    ]  # fmt: skip
     mask = loss_mask.cpu().numpy().astype(bool)
     width = ids.shape[1]
     b, p = np.nonzero(mask)
@@ -364,6 +375,13 @@ def _check_inputs(
                 f"teachers[{i}] {what} in the config but {got}; load the pair from "
                 f"teachers[{i}].student_to_teacher / teacher_to_student (None for a "
                 f"same-tokenizer teacher)."
+            )
+        if pair is not None and teacher.chunks.same_tokenizer:
+            raise ConfigError(
+                f"teachers[{i}] has tables in the config, but the data was prepared with it as a "
+                f"same-tokenizer teacher (its tokenizer fingerprint equals the student's, so it "
+                f"has positions, not chunks); remove teachers[{i}].student_to_teacher and "
+                f"teacher_to_student to compare it token by token."
             )
         if pair is not None:
             vocab = pair.teacher_to_student.meta.src_vocab_size
