@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from crosskd.alignment import ChatOptions, align_chat, harmonize_reasoning, render
+from crosskd.alignment.own import student_tokens
 from crosskd.data.collate import ChunkBatch, collate, load_prepared
-from crosskd.data.prepare import PrepareConfig, prepare, student_tokens
+from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss

@@ -279,7 +279,7 @@ def align_chat(
         if messages[message].get("role") != "assistant":
             continue
         t_start, t_end = t_regions[message, region]
-        s_rows, t_rows = _rows(s, a, b), _rows(t, t_start, t_end)
+        s_rows, t_rows = token_rows(s, a, b), token_rows(t, t_start, t_end)
         if region in included:
             loss_mask[s_rows] = True
         if len(s_rows) and len(t_rows):
@@ -323,7 +323,7 @@ def _first_per_message(chunk_message: np.ndarray, counted: np.ndarray) -> np.nda
     return first
 
 
-def _rows(rendered: Rendered, start: int, end: int) -> np.ndarray:
+def token_rows(rendered: Rendered, start: int, end: int) -> np.ndarray:
     """Token indices whose end offset lies in ``(start, end]``."""
     ends = rendered.tokens.ends
     return np.flatnonzero((ends > start) & (ends <= end))
@@ -343,8 +343,8 @@ def _eot_pair(
 ) -> Chunks | None:
     """The first eot-role special after the answer (which ends at these characters) and before
     the next located region on each side, as one special chunk; None if either side has none."""
-    s_eot = _first_with_role(s, student_tok, "eot", s_answer_end)
-    t_eot = _first_with_role(t, teacher_tok, "eot", t_answer_end)
+    s_eot = first_with_role(s, student_tok, "eot", s_answer_end)
+    t_eot = first_with_role(t, teacher_tok, "eot", t_answer_end)
     if s_eot is None or t_eot is None:
         return None
     return Chunks(
@@ -353,7 +353,7 @@ def _eot_pair(
     )  # fmt: skip
 
 
-def _first_with_role(
+def first_with_role(
     rendered: Rendered, tok: LoadedTokenizer, role: str, after: int
 ) -> int | None:
     """Index of the first ``role`` token that ends after character ``after`` and before the

@@ -19,14 +19,14 @@ student's ids, the chunk range columns (``chunk_s0/s1/t0/t1``) are null, and
 ``chunk_shape/flags/region/message`` hold one entry per student token (token ``p`` is entry
 ``p``): shape ``1:1`` (``special`` for an added/special token), flags ``FLAG_CORRECT``,
 ``FLAG_PREDICTION`` unless ``p`` is the sample's first token, and ``FLAG_KD`` when the token is
-a KD position. KD positions (:func:`student_tokens`): plain text, every token; chat, the tokens
-the student's own CE loss mask covers (the included regions of every assistant message plus the
-end-of-turn token when ``answer`` is included: the tokens that the alignment of the student with
-itself marks ``FLAG_KD``), less, under ``drop_first_chunk``, the first position of each
-assistant message (one token, where that alignment would drop the whole first chunk, e.g. every
-byte piece of a leading emoji). The student's ``student_loss_mask`` is still the one the first
-teacher's alignment gives (for a same-tokenizer first teacher: the student's own mask, as
-above).
+a KD position. KD positions (:func:`crosskd.alignment.own.student_tokens`): plain text, every
+token; chat, the tokens the student's own CE loss mask covers (the included regions of every
+assistant message plus the end-of-turn token when ``answer`` is included: the tokens that the
+alignment of the student with itself marks ``FLAG_KD``), less, under ``drop_first_chunk``, the
+first position of each assistant message (one token, where that alignment would drop the whole
+first chunk, e.g. every byte piece of a leading emoji). The student's ``student_loss_mask`` (CE
+targets) is that own mask too, whatever the teachers (spec section 2: the student's assistant
+content tokens and its end-of-turn token, even when a teacher's template writes none).
 
 Output (any fsspec URI): ``part-NNNNN.parquet`` shards, rows sorted by packed row (``bin``) with
 whole bins per shard, and ``manifest.json`` (kind, format version, fingerprints, options, rows,
@@ -52,25 +52,25 @@ from tqdm.auto import tqdm
 
 from crosskd import __version__
 from crosskd.alignment import (
-    REGIONS,
-    SHAPE_1_1,
     SHAPE_NAMES,
-    SHAPE_SPECIAL,
     AlignedSample,
     ChatOptions,
-    Rendered,
     align_chat,
     align_text,
     harmonize_reasoning,
     render,
     render_text,
 )
-from crosskd.alignment.chat import _first_with_role, _rows
-from crosskd.alignment.sample import REGION_ANSWER, REGION_EOT, REGION_TEXT
+from crosskd.alignment.own import student_tokens
 from crosskd.data.clipping import clip_text
 from crosskd.data.packing import pack_lockstep, packing_efficiency
 from crosskd.data.records import Record, read_records
-from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION, MANIFEST, write_shards
+from crosskd.data.shards import (
+    MANIFEST,
+    SameTokenizerSample,
+    same_tokenizer_sample,
+    write_shards,
+)
 from crosskd.errors import ConfigError, DataError
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
@@ -161,108 +161,6 @@ def _text(key: str, value: object, allowed: str = "a non-empty string") -> None:
 def _count(key: str, value: object, allowed: str = "an integer >= 1") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{key} is {value!r}; it must be {allowed}.")
-
-
-@dataclass(frozen=True, eq=False)
-class StudentTokens:
-    """The student's own view of one sample, per student token (no teacher involved):
-    ``loss_mask`` (CE targets), ``kd`` (KD positions of a same-tokenizer teacher), ``region``
-    (index into :data:`~crosskd.alignment.REGIONS`; 0, ``text``, for plain text and outside
-    the assistant messages' regions) and ``message`` (the assistant message's index; 0 for
-    plain text and elsewhere)."""
-
-    loss_mask: np.ndarray
-    kd: np.ndarray
-    region: np.ndarray
-    message: np.ndarray
-
-
-@dataclass(frozen=True, eq=False)
-class SameTokenizerSample:
-    """A same-tokenizer teacher's side of one sample: no chunks. ``teacher`` is the student's
-    rendering (its ids are the teacher's), ``loss_mask`` the student's own CE mask, and per
-    student token ``shape`` / ``flags`` / ``region`` uint8 and ``message`` int32 (what the
-    shards store for it; module docstring)."""
-
-    teacher: Rendered
-    loss_mask: np.ndarray
-    shape: np.ndarray
-    flags: np.ndarray
-    region: np.ndarray
-    message: np.ndarray
-
-
-def student_tokens(
-    student_tok: LoadedTokenizer,
-    student: Rendered,
-    messages: list[dict] | None,
-    options: ChatOptions,
-    *,
-    sample_id: str,
-    clipped_message: int | None = None,
-) -> StudentTokens:
-    """The student's CE mask and KD positions of one sample, from its rendering alone.
-
-    Plain text (``messages`` None): every token is a KD position and every token but the first
-    a CE target. Chat: the rules :func:`~crosskd.alignment.align_chat` applies to the student
-    (a token is in a region iff its end offset lies in ``(start, end]``; the end-of-turn token
-    is the first ``eot``-role special after the answer and before the next region, none for a
-    message clipping cut short), with the student as its own counterpart: the CE mask is the
-    included regions of every assistant message plus the end-of-turn token when ``answer`` is
-    included; the KD positions are the same tokens, less the first of each assistant message
-    under ``drop_first_chunk``.
-    """
-    n = len(student.tokens)
-    region = np.full(n, REGION_TEXT, dtype=np.uint8)
-    message = np.zeros(n, dtype=np.int32)
-    if messages is None:
-        loss_mask = np.ones(n, dtype=bool)
-        loss_mask[:1] = False
-        return StudentTokens(loss_mask, np.ones(n, dtype=bool), region, message)
-    if not any(m.get("role") == "assistant" for m in messages):
-        raise DataError(
-            f"sample {sample_id}: the conversation has no assistant message, so nothing would be "
-            f"distilled; drop the sample or add the assistant's answer."
-        )
-    included = {REGIONS.index(name) for name in options.included_regions}
-    loss_mask = np.zeros(n, dtype=bool)
-    for index, kind, start, end in student.regions:
-        if messages[index].get("role") != "assistant":
-            continue
-        rows = _rows(student, start, end)
-        region[rows], message[rows] = kind, index
-        if kind in included:
-            loss_mask[rows] = True
-        if kind == REGION_ANSWER and index != clipped_message:
-            eot = _first_with_role(student, student_tok, "eot", end)
-            if eot is not None:
-                region[eot], message[eot] = REGION_EOT, index
-                if REGION_ANSWER in included:
-                    loss_mask[eot] = True
-    kd = loss_mask.copy()
-    if options.drop_first_chunk:
-        where = np.flatnonzero(kd)
-        if where.size:
-            owners = message[where]
-            leading = np.ones(where.size, dtype=bool)
-            leading[1:] = owners[1:] != owners[:-1]
-            kd[where[leading]] = False
-    return StudentTokens(loss_mask, kd, region, message)
-
-
-def same_tokenizer_sample(
-    student_tok: LoadedTokenizer, student: Rendered, own: StudentTokens
-) -> SameTokenizerSample:
-    """A same-tokenizer teacher's side of a sample from the student's rendering and
-    :func:`student_tokens` (module docstring)."""
-    ids = student.tokens.ids
-    shape = np.where(np.isin(ids, student_tok.special_ids), SHAPE_SPECIAL, SHAPE_1_1)
-    prediction = np.arange(len(ids)) > 0
-    flags = FLAG_CORRECT + prediction * FLAG_PREDICTION + own.kd * FLAG_KD
-    return SameTokenizerSample(
-        student, own.loss_mask, shape.astype(np.uint8), flags.astype(np.uint8), own.region,
-        own.message,
-    )  # fmt: skip
 
 
 def model_names(n_teachers: int) -> list[str]:
@@ -380,10 +278,8 @@ def _prepare_row(
         messages, clipped, original, cut = _fit_chat(record, models, capacities)
         s_view = render(student, messages, sample_id=record.sample_id)
         text = None
-    own = None
-    if any(same):
-        own = student_tokens(student, s_view, messages, options, sample_id=record.sample_id,
-                             clipped_message=cut)  # fmt: skip
+    own = student_tokens(student, s_view, messages, options, sample_id=record.sample_id,
+                         clipped_message=cut)  # fmt: skip
     aligned: list[AlignedSample | SameTokenizerSample] = []
     for k, t in enumerate(teachers):
         if same[k]:
@@ -402,6 +298,7 @@ def _prepare_row(
         "original_lengths": list(original),
         "lengths": lengths,
         "student": s_view,
+        "student_loss_mask": own.loss_mask,
         "aligned": aligned,
     }
 

@@ -16,19 +16,52 @@ import hashlib
 import io
 import json
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
 
-from crosskd.alignment import AlignedSample
+from crosskd.alignment import SHAPE_1_1, SHAPE_SPECIAL, AlignedSample, Rendered
 
 if TYPE_CHECKING:
-    from crosskd.data.prepare import SameTokenizerSample
+    from crosskd.alignment.own import StudentTokens
+    from crosskd.tokenization import LoadedTokenizer
 
 MANIFEST = "manifest.json"
 FLAG_CORRECT, FLAG_PREDICTION, FLAG_KD = 1, 2, 4
 """Bits of the ``chunk_flags`` column."""
+
+
+@dataclass(frozen=True, eq=False)
+class SameTokenizerSample:
+    """A same-tokenizer teacher's side of one sample: no chunks. ``teacher`` is the student's
+    rendering (its ids are the teacher's), ``loss_mask`` the student's own CE mask, and per
+    student token ``shape`` / ``flags`` / ``region`` uint8 and ``message`` int32 (what the
+    shards store for it; module docstring)."""
+
+    teacher: Rendered
+    loss_mask: np.ndarray
+    shape: np.ndarray
+    flags: np.ndarray
+    region: np.ndarray
+    message: np.ndarray
+
+
+def same_tokenizer_sample(
+    student_tok: LoadedTokenizer, student: Rendered, own: StudentTokens
+) -> SameTokenizerSample:
+    """A same-tokenizer teacher's side of a sample from the student's rendering and
+    :func:`crosskd.alignment.own.student_tokens` (module docstring of
+    :mod:`crosskd.data.prepare`)."""
+    ids = student.tokens.ids
+    shape = np.where(np.isin(ids, student_tok.special_ids), SHAPE_SPECIAL, SHAPE_1_1)
+    prediction = np.arange(len(ids)) > 0
+    flags = FLAG_CORRECT + prediction * FLAG_PREDICTION + own.kd * FLAG_KD
+    return SameTokenizerSample(
+        student, own.loss_mask, shape.astype(np.uint8), flags.astype(np.uint8), own.region,
+        own.message,
+    )  # fmt: skip
 
 
 def schema(n_teachers: int):
@@ -71,7 +104,7 @@ def _columns(rows: list[dict], order: np.ndarray, bin_of: np.ndarray, n_teachers
         cols["original_lengths"].append(row["original_lengths"])
         cols["bin"].append(int(bin_of[i]))
         cols["student_ids"].append(row["student"].tokens.ids.astype(np.int32))
-        cols["student_loss_mask"].append(row["aligned"][0].loss_mask)
+        cols["student_loss_mask"].append(row["student_loss_mask"])
         for k, aligned in enumerate(row["aligned"]):
             _teacher_columns(cols, f"teacher{k}", aligned)
     return cols
