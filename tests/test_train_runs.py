@@ -114,6 +114,49 @@ def test_two_teachers_at_tau_2_match_the_slow_reference(train_inputs, tmp_path):
     assert history[0]["teacher0/1:1/valid"] > 0 and history[0]["teacher1/1:1/valid"] > 0
 
 
+def test_a_same_tokenizer_teacher_trains_on_emoji_text(train_inputs, tmp_path):
+    """Spec 5, "Same tokenizer": no tables and no chunks; every valid position is compared,
+    including each byte piece of an emoji (the aligner would make one n:n chunk of them, and
+    that used to stop the run). The step's KD equals the slow same-tokenizer computation
+    (top K + REST against the student's log-softmax) worked out here."""
+    def jsd(s: torch.Tensor, t: torch.Tensor) -> float:
+        m = 0.5 * (s + t)
+        return float(0.5 * (t * (t / m).log()).sum() + 0.5 * (s * (s / m).log()).sum())
+
+    def with_rest(p: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p, (1 - p.sum()).clamp(min=1e-12)[None]])
+
+    loss = LossConfig(teachers=[TeacherLossConfig(k=16)])
+    config = train_config(train_inputs, tmp_path, data=train_inputs["data_same"], loss=loss,
+                          teachers=[train_inputs["cache_same"]], steps=2)  # fmt: skip
+    trainer = _trainer(config)
+    (micro,) = trainer.step_micro_batches(0)
+    rows = [trainer.rows[i] for i in micro]
+    assert any(ch in s["text"] for row in rows for s in row for ch in "🎉🙂🚀👍")
+    batch = collate(rows, n_teachers=1)
+    with torch.no_grad():
+        log_s = torch.log_softmax(trainer._forward(batch.models["student"]).double(), -1)
+    signal = trainer.teachers.sources[0].signal(batch, 0)
+    ids = batch.models["student"].input_ids
+    segments = batch.models["student"].segment_ids
+    total, n = 0.0, 0
+    for b in range(ids.shape[0]):
+        for p in range(1, ids.shape[1]):
+            if segments[b, p] < 0 or segments[b, p] != segments[b, p - 1]:
+                continue  # padding, or a sample's first token: no prediction
+            top = signal.ids[b, p - 1]
+            t = signal.log_probs[b, p - 1].double().exp()
+            s = log_s[b, p - 1, top].exp()
+            total += jsd(with_rest(s), with_rest(t))
+            n += 1
+    history = trainer.train()
+    trainer.close()
+    assert n > 0
+    assert history[0]["teacher0/token/valid"] == n
+    assert history[0]["kd"] == pytest.approx(total / n, rel=1e-5)
+    assert history[1]["kd"] > 0
+
+
 def test_inputs_that_do_not_belong_together_are_refused_by_name(train_inputs, tmp_path):
     """Tables of another teacher tokenizer (teacher B's, with teacher A's data and cache), a
     cache scored at another tau, an online teacher of another tokenizer."""
@@ -136,6 +179,9 @@ def test_inputs_that_do_not_belong_together_are_refused_by_name(train_inputs, tm
     same = LossConfig(teachers=[TeacherLossConfig(k=16)])
     with pytest.raises(ConfigError, match=r"no tables .* same-tokenizer teacher, but its tok"):
         _trainer(train_config(train_inputs, tmp_path / "d", loss=same))
+    with pytest.raises(ConfigError, match=r"loss.teachers\[0\] names tables, but .* same-tok"):
+        _trainer(train_config(train_inputs, tmp_path / "f", data=train_inputs["data_same"],
+                              teachers=[train_inputs["cache_same"]]))  # fmt: skip
     online = f"online:{train_inputs['teacher_b']}"
     with pytest.raises(ConfigError, match=r"teachers\[0\] online:.* prepared for teacher0"):
         _trainer(train_config(train_inputs, tmp_path / "e", teachers=[online]))

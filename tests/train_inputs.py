@@ -31,6 +31,12 @@ TEXTS = [
     "def add(a, b):\n    return a + b\n",
     "Once upon a time there was a little fox.",
 ] * 2
+EMOJI = [
+    "Party time 🎉🎉 at the café, naïve as ever ✓",
+    "日本語のテキストと絵文字 🙂 が混ざる文。",
+    "Rocket 🚀 launch at 3.14, crowd says 👍👍.",
+    "Plain words between emoji 🎉 and more plain words.",
+]
 HELDOUT = [
     "The lazy fox sleeps; the quick dog jumps over it twice.",
     "def mul(a, b):\n    return a * b\n",
@@ -61,22 +67,28 @@ def _jsonl(path: Path, texts: list[str], prefix: str) -> str:
 
 def make_train_inputs(root: Path) -> dict:
     """Student, two teachers, their tables; prepared data with teacher A (+ a held-out split)
-    and its top-16 cache at tau 1; prepared data with both teachers and their caches at tau 2.
-    """
+    and its top-16 cache at tau 1; prepared data with both teachers and their caches at tau 2;
+    emoji text prepared and scored for a teacher with the student's own tokenizer."""
     student = tiny_model(root / "student", TEXTS * 4, 330, seed=1)
     teacher = tiny_model(root / "teacher", [t.upper() + t for t in TEXTS] * 4, 420, seed=2,
                          initializer_range=0.5)  # fmt: skip
     teacher_b = tiny_model(root / "teacher-b", [t[::-1] + t for t in TEXTS] * 4, 380, seed=3,
                            initializer_range=0.5)  # fmt: skip
+    # The student's own tokenizer (not trained on emoji: byte pieces) with a sharp model.
+    teacher_same = init_llama(root / "teacher-same", str(student),
+                              {"hidden_size": 32, "intermediate_size": 64,
+                               "initializer_range": 0.5}, 4)  # fmt: skip
     s2t, t2s = tables(root, student, teacher, "a")
     s2t_b, t2s_b = tables(root, student, teacher_b, "b")
     data = _jsonl(root / "data.jsonl", TEXTS, "s")
     out = {"student": str(student), "teacher": str(teacher), "teacher_b": str(teacher_b),
-           "s2t": s2t, "t2s": t2s, "s2t_b": s2t_b, "t2s_b": t2s_b}  # fmt: skip
+           "teacher_same": str(teacher_same), "s2t": s2t, "t2s": t2s, "s2t_b": s2t_b,
+           "t2s_b": t2s_b}  # fmt: skip
     for name, source, teachers in (
         ("data", data, [teacher]),
         ("heldout", _jsonl(root / "heldout.jsonl", HELDOUT, "h"), [teacher]),
         ("data2", data, [teacher, teacher_b]),
+        ("data_same", _jsonl(root / "emoji.jsonl", EMOJI * 2, "e"), [teacher_same]),
     ):
         prepare(PrepareConfig(data=source, student_tokenizer=str(student),
                               teacher_tokenizers=[str(t) for t in teachers],
@@ -85,6 +97,9 @@ def make_train_inputs(root: Path) -> dict:
     out["cache"] = str(root / "cache")
     score(ScoreConfig(data=out["data"], teacher=str(teacher), output=out["cache"], k=16),
           progress=False)  # fmt: skip
+    out["cache_same"] = str(root / "cache-same")
+    score(ScoreConfig(data=out["data_same"], teacher=str(teacher_same),
+                      output=out["cache_same"], k=16), progress=False)  # fmt: skip
     for index, model in enumerate((teacher, teacher_b)):
         out[f"cache2_{index}"] = str(root / f"cache2-{index}")
         score(ScoreConfig(data=out["data2"], teacher=str(model), output=out[f"cache2_{index}"],

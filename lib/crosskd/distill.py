@@ -62,7 +62,7 @@ class DistillConfig:
     teacher_shape: dict = field(default_factory=dict)
     """Llama shape of an ``init`` teacher (keys ``hidden_size``, ``num_hidden_layers``, ...)."""
     student_tokenizer: str = "zoo:llama3"
-    """The student's tokenizer (must differ from the teacher's for CSD)."""
+    """The student's tokenizer (the teacher's own makes a same-tokenizer teacher: no tables)."""
     student_shape: dict = field(default_factory=dict)
     """Llama shape of the random-init student."""
     corpus_bytes: int = 200_000
@@ -143,13 +143,15 @@ def distill(config: DistillConfig, *, progress: bool = True) -> dict:
                                config.seed)  # fmt: skip
     s = load_tokenizer(str(student_init))
     t = load_tokenizer(teacher_tok, vocab_size=teacher.vocab_size)
-    s2t, t2s = build_table(s, t, progress=progress), build_table(t, s, progress=progress)
-    reports = validate_pair(s, t, s2t, t2s)
-    if not all(r.ok for r in reports):
-        raise ConfigError(f"the tables of {config.student_tokenizer} and {teacher_ref} do not "
-                          f"validate: {[r.violations[:3] for r in reports]}")  # fmt: skip
-    s2t = save_table(s2t, str(out / "tables" / "s2t.safetensors"))
-    t2s = save_table(t2s, str(out / "tables" / "t2s.safetensors"))
+    tables = None  # a teacher with the student's tokenizer needs none (compared per position)
+    if s.fingerprint != t.fingerprint:
+        s2t, t2s = build_table(s, t, progress=progress), build_table(t, s, progress=progress)
+        reports = validate_pair(s, t, s2t, t2s)
+        if not all(r.ok for r in reports):
+            raise ConfigError(f"the tables of {config.student_tokenizer} and {teacher_ref} do "
+                              f"not validate: {[r.violations[:3] for r in reports]}")  # fmt: skip
+        tables = (save_table(s2t, str(out / "tables" / "s2t.safetensors")).source,
+                  save_table(t2s, str(out / "tables" / "t2s.safetensors")).source)  # fmt: skip
     prepared = {}
     for name in ("train", "heldout"):
         target = out / f"prepared-{name}"
@@ -166,11 +168,11 @@ def distill(config: DistillConfig, *, progress: bool = True) -> dict:
                           tau=config.tau, encoding=config.encoding,
                           token_budget=config.token_budget, device="cpu"),
               progress=progress)  # fmt: skip
-    runs = {"kd": _train(config, student_init, prepared["train"], cache, s2t.source, t2s.source,
+    runs = {"kd": _train(config, student_init, prepared["train"], cache, tables,
                          out / "runs" / "kd", kd=True)}  # fmt: skip
     if config.compare_ce_only:
-        runs["ce"] = _train(config, student_init, prepared["train"], cache, s2t.source,
-                            t2s.source, out / "runs" / "ce", kd=False)  # fmt: skip
+        runs["ce"] = _train(config, student_init, prepared["train"], cache, tables,
+                            out / "runs" / "ce", kd=False)  # fmt: skip
     heldout = load_prepared(prepared["heldout"])
     student_seqs = prepared_sequences(heldout, "student")
     teacher_seqs = prepared_sequences(heldout, "teacher0")
@@ -190,11 +192,12 @@ def distill(config: DistillConfig, *, progress: bool = True) -> dict:
     return metrics
 
 
-def _train(config: DistillConfig, student: Path, data: str, cache: str, s2t: str, t2s: str,
-           output: Path, *, kd: bool) -> dict:  # fmt: skip
+def _train(config: DistillConfig, student: Path, data: str, cache: str,
+           tables: tuple[str, str] | None, output: Path, *, kd: bool) -> dict:  # fmt: skip
     loss_values = dict(config.loss)
     if not kd:
         loss_values.update(kd_weight=0.0, dynamic_kd_scale=False)
+    s2t, t2s = tables or (None, None)
     loss = LossConfig(**loss_values, tau=config.tau, teachers=[TeacherLossConfig(
         k=config.k, student_to_teacher=s2t, teacher_to_student=t2s)])  # fmt: skip
     trainer = Trainer(TrainConfig(

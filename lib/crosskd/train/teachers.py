@@ -5,7 +5,8 @@ For each teacher of the prepared data (``teacher0``, ``teacher1``, ...), in conf
 * its tokenizer is loaded from the reference the prepared data recorded and must still have the
   recorded fingerprint (and give each id's UTF-8 length, for ``select`` mode);
 * a teacher without tables must share the student's tokenizer
-  (:func:`crosskd.loss.config.check_teachers` names the fields that differ);
+  (:func:`crosskd.loss.config.check_teachers` names the fields that differ), and a teacher the
+  data holds as same-tokenizer (not aligned) must have no tables;
 * a table pair must have been built for exactly the student's and this teacher's tokenizers
   (:meth:`crosskd.tables.TablePair.check_tokenizers`): a pair built for another tokenizer of the
   same vocabulary size (Qwen2.5 tables with Qwen3 data) would give a silently wrong KD;
@@ -80,10 +81,16 @@ def load_teachers(
     tokenizers = [_prepared_tokenizer(config.data, entry) for entry in entries]
     check_teachers(config.loss, student, tokenizers)
     pairs: list[TablePair | None] = []
-    for entry, tok in zip(config.loss.teachers, tokenizers, strict=True):
+    for i, (entry, tok) in enumerate(zip(config.loss.teachers, tokenizers, strict=True)):
         if entry.same_tokenizer:
             pairs.append(None)
             continue
+        if entries[i].get("same_tokenizer"):
+            raise ConfigError(
+                f"loss.teachers[{i}] names tables, but {config.data} holds teacher{i} as a "
+                f"same-tokenizer teacher (its tokenizer is the student's: no chunks, compared "
+                f"position by position); remove student_to_teacher / teacher_to_student."
+            )
         pair = load_table_pair(entry.student_to_teacher, entry.teacher_to_student)
         pair.check_tokenizers(student, tok)
         pairs.append(pair)
