@@ -281,9 +281,37 @@ def test_two_process_ddp_equals_one_process_and_resumes_on_one(setup, tmp_path):
     _assert_same_curve(rest, want[2:], rel=1e-5)
 
 
+def test_a_rank_that_fails_alone_fails_every_rank_without_a_hang(setup, tmp_path):
+    """Rank 1 cannot serve its metrics (its port is taken): it raises a named error, rank 0
+    raises one pointing at it, and neither waits in a collective."""
+    import socket
+
+    with socket.socket() as busy:
+        while True:  # a free port whose next port we can take
+            base = free_port()
+            try:
+                busy.bind(("0.0.0.0", base + 1))
+                break
+            except OSError:
+                continue
+        busy.listen()
+        port = base + 1
+        config = _config(setup, tmp_path / "run", micro_batch_rows=1, metrics_port=base)
+        with pytest.raises(AssertionError) as info:
+            run_ddp([("fail", config, None)], tmp_path, timeout=120)
+    text = str(info.value)
+    assert f"metrics_host '0.0.0.0' / port {port}: cannot serve /metrics" in text
+    assert "another rank failed to serve its metrics" in text
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
+        ({"seed": 2**70}, r"seed is \d+; it must be < 2\*\*63"),
+        ({"student": "init", "student_tokenizer": "t", "student_shape": {"hidden_size": 0}},
+         r"student_shape.hidden_size is 0; it must be a positive integer"),
+        ({"loss": {"teachers": 5}}, r"loss: .*loss.teachers as a list of mappings"),
+        ({"collective_timeout_s": 0}, r"collective_timeout_s is 0"),
         ({"steps": 0}, r"steps is 0; it must be an integer >= 1"),
         ({"steps": "10"}, r"steps is '10'; it must be an integer >= 1"),
         ({"micro_batch_rows": 1.5}, r"micro_batch_rows is 1.5; it must be an integer"),

@@ -47,6 +47,8 @@ def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_pat
     packed = [row for row in trainer.rows if len(row) >= 2]
     rows = [packed[0], packed[1]]
     batch = collate(rows, n_teachers=1).models["student"]
+    # float32 on CPU; bf16 autocast on GPU rounds packed and lone forwards differently.
+    tolerance = 1e-5 if trainer.device.type == "cpu" else 5e-2
     with torch.no_grad():
         logits = trainer._forward(batch)
         for r, row in enumerate(rows):
@@ -54,7 +56,7 @@ def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_pat
             for sample in row:
                 alone = trainer._forward(collate([[sample]], n_teachers=1).models["student"])
                 n = len(sample["student_ids"])
-                assert (logits[r, start : start + n] - alone[0, :n]).abs().max() < 1e-5
+                assert (logits[r, start : start + n] - alone[0, :n]).abs().max() < tolerance
                 start += n
     trainer.close()
 
@@ -242,6 +244,42 @@ def test_heldout_evaluation_keeps_the_best_student(train_inputs, tmp_path):
     assert rows["final"]["bits_per_byte"] == pytest.approx(evaluated[6], rel=1e-6)
     assert rows["teacher"]["prepared_model"] == "teacher0"
     assert rows["best"]["prepared_model"] == "student"
+
+
+def test_best_is_the_lowest_heldout_and_survives_a_resume(train_inputs, tmp_path, monkeypatch):
+    """Held-out figures 3.0, 2.0, 2.5 at steps 2, 4, 6, with a stop (and resume) after step 4:
+    best/ is step 4 and stays so; final/ says which step it holds (4, then 6); only the
+    complete run counts as finished, and a finished run restarted with another seed is
+    refused."""
+    from crosskd.train import finished_model
+
+    figures = iter([3.0, 2.0, 2.5])
+    monkeypatch.setattr(Trainer, "heldout_bits_per_byte", lambda self: next(figures))
+    config = train_config(train_inputs, tmp_path / "run", steps=6, checkpoint_every=2,
+                          eval_data=train_inputs["heldout"])  # fmt: skip
+    run = tmp_path / "run"
+
+    def info(folder: str) -> dict:
+        return json.loads((run / folder / "crosskd-model.json").read_text())
+
+    first = _trainer(config)
+    first.train(stop_after=4)
+    first.save()
+    first.close()
+    assert (info("best")["step"], info("best")["heldout_bits_per_byte"]) == (4, 2.0)
+    assert info("final")["step"] == 4 and finished_model(config) is None
+    second = _trainer(config)
+    assert second.start == 4 and second.best == {"step": 4, "bits_per_byte": 2.0}
+    second.train()
+    second.save()
+    second.close()
+    assert info("best")["step"] == 4
+    assert info("final")["step"] == 6 and info("final")["heldout_bits_per_byte"] == 2.5
+    assert info("final")["best"] == {"step": 4, "bits_per_byte": 2.0}
+    assert finished_model(config)["step"] == 6
+    config.seed = 1
+    with pytest.raises(ConfigError, match=r"finished run with another data order \(seed 0 "):
+        finished_model(config)
 
 
 def _write_yaml(path, values: dict) -> str:

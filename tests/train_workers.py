@@ -103,17 +103,27 @@ def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None
     os._exit(0)
 
 
-def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: int = 2) -> None:
+def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: int = 2,
+            timeout: float = 600) -> None:  # fmt: skip
     """Run each ``(name, config, stop_after)`` in turn in ``world`` fresh gloo processes; rank
     r's history and micro-batches go to ``out/<name>-rank<r>.json``. Raises with the ranks'
-    tracebacks when one fails."""
+    tracebacks when one fails, or kills them and says so when they are not done in
+    ``timeout`` seconds (a hang)."""
     port = free_port()
     procs = [SPAWN.Process(target=_ddp_worker, args=(r, world, port, runs, out))
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(timeout=600)
+        p.join(timeout=max(deadline - time.monotonic(), 0))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if hung:
+        raise TimeoutError(f"ranks {hung} were still running after {timeout} s")
     errors = [f.read_text() for f in sorted(out.glob("error*.txt"))]
     if any(p.exitcode != 0 for p in procs):
         raise AssertionError("a training rank failed:\n" + "\n".join(errors))

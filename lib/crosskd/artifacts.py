@@ -68,13 +68,17 @@ def read_checked(
     return payload
 
 
-def move_folder(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+def move_folder(
+    fs: fsspec.AbstractFileSystem, src: str, dst: str, *, last: str | None = None
+) -> None:
     """Rename the folder ``src`` to ``dst`` (which must not exist) on ``fs``: one atomic rename
     on a local filesystem; on an object store (no folders, no rename) every file is copied,
-    then ``src`` deleted, so the caller publishes what points at ``dst`` only afterwards."""
+    the file named ``last`` after all others (so its presence at ``dst`` means the copy is
+    complete), then ``src`` deleted; the caller publishes what points at ``dst`` afterwards."""
     if isinstance(fs, LocalFileSystem):
         fs.mv(src, dst, recursive=True)
         return
-    for path in fs.find(src):
+    files = sorted(fs.find(src), key=lambda path: path.rsplit("/", 1)[-1] == last)
+    for path in files:
         fs.copy(path, dst + path[len(src) :])
     fs.rm(src, recursive=True)

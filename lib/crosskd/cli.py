@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -145,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:  # transformers' per-load progress bars (read when it is imported)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return _run(args)
     except CrosskdError as exc:
@@ -259,10 +262,12 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
     if trainer.rank == 0:
-        last = history[-1] if history else {}
-        summary = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "ce", "kd") if k in last)
-        _write(f"trained steps {trainer.start + 1}..{config.steps} into {final}"
-               + (f": {summary}" if summary else ""))  # fmt: skip
+        if not history:
+            _write(f"{config.output}: every step was in its last checkpoint; wrote {final}")
+            return 0
+        last = history[-1]
+        summary = ", ".join(f"{k} {last[k]:.4f}" for k in ("loss", "ce", "kd"))
+        _write(f"trained steps {trainer.start + 1}..{config.steps} into {final}: {summary}")
     return 0
 
 

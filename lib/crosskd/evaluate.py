@@ -118,6 +118,22 @@ class EvaluateConfig:
             self.token_budget < 1
         ):  # fmt: skip
             raise ConfigError(f"token_budget is {self.token_budget!r}; it must be an int >= 1.")
+        for key in ("output", "device", "dtype"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{key} is {value!r}; it must be a non-empty string or null.")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ConfigError(
+                    f"device is {self.device!r}, not a torch device ({exc}); write cpu, cuda "
+                    f"or cuda:N."
+                ) from exc
+        if not isinstance(self.trust_remote_code, bool):
+            raise ConfigError(
+                f"trust_remote_code is {self.trust_remote_code!r}; write true or false."
+            )
         if len(set(self.names)) != len(self.names):
             raise ConfigError(f"models {self.models}: two models have the same name; name them "
                               f"NAME=REF.")  # fmt: skip

@@ -10,8 +10,10 @@ implementations of transformers read the mask differently, so each gets what it 
 * ``sdpa`` takes a boolean mask ``[B, 1, L, L]`` (True where allowed);
 * ``flash_attention_2`` / ``flash_attention_3``: no mask; the samples are delimited by
   ``position_ids`` restarting at 0 (the varlen kernels), which also avoids the ``O(L^2)`` mask.
-  transformers derives the sample boundaries from ``position_ids`` only when no mask is given
-  and no cache is used, so every forward passes ``use_cache=False``.
+  transformers derives the sample boundaries from ``position_ids`` only for a batch of one row,
+  with no mask and no cache, so the batch is flattened to ``[1, B * L]`` (padding tokens sit at
+  position 0: each is a sequence of its own) and every forward passes ``use_cache=False``; the
+  caller reshapes the logits back to ``[B, L, V]``.
 
 Padding (``segment_ids`` -1) attends to itself only, so no row of a mask is empty; its logits
 are never read.
@@ -26,16 +28,18 @@ from crosskd.errors import ConfigError
 FLASH = ("flash_attention_2", "flash_attention_3")
 
 
-def packed_attention(
-    implementation: str, segment_ids: torch.Tensor, position_ids: torch.Tensor,
-    dtype: torch.dtype,
+def packed_inputs(
+    implementation: str, input_ids: torch.Tensor, segment_ids: torch.Tensor,
+    position_ids: torch.Tensor, dtype: torch.dtype,
 ) -> dict[str, torch.Tensor | None]:  # fmt: skip
-    """The ``attention_mask`` / ``position_ids`` keyword arguments of a packed batch for the
-    attention ``implementation``; ``segment_ids`` / ``position_ids`` int64 ``[B, L]`` (sample
-    index within the row, -1 in padding; position within the sample), ``dtype``: the model's
-    parameter dtype (for the additive mask)."""
+    """The ``input_ids`` / ``attention_mask`` / ``position_ids`` keyword arguments of a packed
+    batch for the attention ``implementation``; ``input_ids``, ``segment_ids`` (sample index
+    within the row, -1 in padding) and ``position_ids`` (position within the sample) are int64
+    ``[B, L]``, ``dtype`` the model's parameter dtype (for the additive mask). The logits of
+    the forward have ``B * L`` rows in order: reshape them to ``[B, L, V]``."""
     if implementation in FLASH:
-        return {"attention_mask": None, "position_ids": position_ids}
+        return {"input_ids": input_ids.reshape(1, -1), "attention_mask": None,
+                "position_ids": position_ids.reshape(1, -1)}  # fmt: skip
     width = segment_ids.shape[1]
     device = segment_ids.device
     causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
@@ -53,4 +57,4 @@ def packed_attention(
             f"attn_implementation {implementation!r}: packed rows are exact only with eager, "
             f"sdpa, {', '.join(FLASH)}; set attn_implementation to one of them."
         )
-    return {"attention_mask": mask, "position_ids": position_ids}
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}

@@ -28,7 +28,7 @@ from crosskd.errors import CrosskdError
 
 LATEST = "latest.json"
 STATE = "state.json"
-_NAME = re.compile(r"step-(\d{7})$")
+_NAME = re.compile(r"step-(\d{7,})$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -65,7 +65,7 @@ def save_checkpoint(
     final = f"{root}/{name}"
     if fs.exists(final):  # the same step saved again (a rerun): replace it, never nest into it
         fs.rm(final, recursive=True)
-    move_folder(fs, tmp, final)
+    move_folder(fs, tmp, final, last=STATE)
     fs.pipe_file(f"{root}/{LATEST}.tmp", json.dumps({"step": step, "path": name}).encode())
     fs.mv(f"{root}/{LATEST}.tmp", f"{root}/{LATEST}")
     if keep:
@@ -74,9 +74,9 @@ def save_checkpoint(
 
 
 def prune_checkpoints(uri: str, keep: int) -> list[int]:
-    """Delete every complete checkpoint under ``uri`` but the newest ``keep`` (never the one
-    ``latest.json`` names) and any temporary folder a killed write left; returns the deleted
-    steps."""
+    """Delete every complete checkpoint (one with its ``state.json``) under ``uri`` but the
+    newest ``keep`` (never the one ``latest.json`` names) and any temporary folder a killed
+    write left; returns the deleted steps."""
     fs, root = fsspec.core.url_to_fs(uri)
     latest = latest_step(uri)
     steps = []
@@ -84,8 +84,8 @@ def prune_checkpoints(uri: str, keep: int) -> list[int]:
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(".tmp-step-"):
             fs.rm(entry, recursive=True)
-        elif (match := _NAME.match(name)) is not None:
-            steps.append(int(match.group(1)))
+        elif (match := _NAME.match(name)) is not None and fs.exists(f"{entry}/{STATE}"):
+            steps.append(int(match.group(1)))  # complete: state.json is moved last
     doomed = [s for s in sorted(steps)[: max(len(steps) - keep, 0)] if s != latest]
     for step in doomed:
         fs.rm(f"{root}/{checkpoint_name(step)}", recursive=True)

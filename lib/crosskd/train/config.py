@@ -93,6 +93,9 @@ class TrainConfig:
     """The address the metrics endpoint binds to (all interfaces, for a PodMonitor)."""
     job: str = "crosskd"
     """The ``job`` label of the metrics."""
+    collective_timeout_s: int = 1800
+    """Seconds a collective (an all-reduce, or the wait while rank 0 writes a checkpoint to
+    object storage) may take before the process group gives up (torch's NCCL default is 600)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
@@ -127,6 +130,16 @@ class TrainConfig:
                 _int(key, getattr(self, key), 1)
         for key in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "seed"):
             _int(key, getattr(self, key), 0)
+        if self.seed >= 2**63:
+            raise ConfigError(f"seed is {self.seed}; it must be < 2**63.")
+        _int("collective_timeout_s", self.collective_timeout_s, 1)
+        for key, value in self.student_shape.items():
+            number = float if key == "initializer_range" else int
+            if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
+                raise ConfigError(
+                    f"student_shape.{key} is {value!r}; it must be a positive "
+                    f"{'number' if number is float else 'integer'}."
+                )
         if self.eval_every is not None:
             _int("eval_every", self.eval_every, 0)
         if self.metrics_port is not None:
@@ -208,6 +221,10 @@ def loss_from_mapping(values: dict[str, Any]) -> LossConfig:
         return LossConfig(**values)
     except ConfigError as exc:
         raise ConfigError(f"loss.{exc}") from exc
+    except (TypeError, AttributeError) as exc:  # e.g. teachers: 5 (not a list of mappings)
+        raise ConfigError(
+            f"loss: {exc}; give loss keys as a mapping, loss.teachers as a list of mappings."
+        ) from exc
 
 
 def _int(key: str, value: Any, minimum: int) -> None:

@@ -35,6 +35,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import fsspec
@@ -44,14 +45,14 @@ from tqdm.auto import tqdm
 
 from crosskd.artifacts import move_folder
 from crosskd.data.collate import Batch, collate, load_prepared
-from crosskd.errors import CrosskdError
+from crosskd.errors import ConfigError, CrosskdError
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
 from crosskd.metrics import JsonlLog, MetricsExporter
 from crosskd.teacher.model import model_folder
 from crosskd.tokenization import load_tokenizer
-from crosskd.train.attention import packed_attention
+from crosskd.train.attention import packed_inputs
 from crosskd.train.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from crosskd.train.config import INIT, TrainConfig
 from crosskd.train.order import DataOrder, rank_micro_batches, step_rows
@@ -80,7 +81,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 def finished_model(config: TrainConfig) -> dict | None:
     """The ``crosskd-model.json`` of the run's ``final/`` model when the run is complete (its
-    step is ``config.steps``), else None: a finished run started again has nothing to do."""
+    step is ``config.steps``), else None: a finished run started again has nothing to do. A
+    config with another seed, data or global batch than the finished run is refused."""
     fs, root = fsspec.core.url_to_fs(f"{config.output}/final/{MODEL_INFO}")
     if not fs.exists(root):
         return None
@@ -91,7 +93,19 @@ def finished_model(config: TrainConfig) -> dict | None:
             f"{config.output}/final/{MODEL_INFO} is damaged ({exc}); delete final/ and run "
             f"again to write it from the last checkpoint."
         ) from exc
-    return info if info.get("step") == config.steps else None
+    if info.get("step") != config.steps:
+        return None
+    recorded = info.get("data_order") or {}
+    now = {"seed": config.seed, "global_batch_rows": config.global_batch_rows,
+           "data_fingerprint": load_prepared(config.data).manifest["data_fingerprint"]}
+    differ = [f"{key} {recorded.get(key)!r} there, {value!r} now" for key, value in now.items()
+              if value is not None and recorded.get(key) != value]  # fmt: skip
+    if differ:
+        raise ConfigError(
+            f"{config.output} holds a finished run with another data order ({'; '.join(differ)});"
+            f" use a new output for a new run."
+        )
+    return info
 
 
 @dataclass
@@ -117,6 +131,7 @@ class Trainer:
         self._student()
         self.best: dict | None = None
         self.start = self._resume()
+        self.done = self.start
         self.order = DataOrder(self.global_batch, self.data.manifest["data_fingerprint"],
                                len(self.rows), cfg.seed)  # fmt: skip
         self.eval_sequences = None
@@ -127,11 +142,22 @@ class Trainer:
         self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
         self.exporter = MetricsExporter(cfg.job, self.rank, count_totals=self.rank == 0)
         if cfg.metrics_port is not None:
-            port = self.exporter.serve(
-                cfg.metrics_port + self.local_rank if cfg.metrics_port else 0,
-                host=cfg.metrics_host,
-            )  # fmt: skip
+            port = self._together("serve its metrics", self._serve_metrics)
             log.info("rank %d serves /metrics on port %d", self.rank, port)
+
+    def _serve_metrics(self) -> int:
+        cfg = self.config
+        port = cfg.metrics_port + self.local_rank if cfg.metrics_port else 0
+        if port > 65535:
+            raise ConfigError(f"metrics_port {cfg.metrics_port} + LOCAL_RANK {self.local_rank} "
+                              f"is past 65535; choose a lower metrics_port.")  # fmt: skip
+        try:
+            return self.exporter.serve(port, host=cfg.metrics_host)
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics_host {cfg.metrics_host!r} / port {port}: cannot serve /metrics "
+                f"({exc}); choose a free metrics_port (0: any) or another metrics_host."
+            ) from exc
 
     def _distributed(self) -> None:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -141,7 +167,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=self.config.collective_timeout_s))
         self.rank, self.world = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         )
@@ -179,27 +206,14 @@ class Trainer:
         broadcasts it; every rank loads it and checks the data order. Returns the step."""
         cfg = self.config
         uri = f"{cfg.output}/checkpoints"
-        step, failure = None, None
-        if self.rank == 0:
-            try:
-                step = latest_step(uri)
-            except CrosskdError as exc:
-                failure = exc
-        code = self._broadcast(-2 if failure else -1 if step is None else step)
-        if failure is not None:
-            raise failure
-        if code == -2:
-            raise TrainingError(f"rank 0 could not read {uri}/latest.json; see its error.")
+        step = self._on_rank0(f"read {uri}/latest.json", lambda: latest_step(uri))
+        code = self._broadcast(-1 if step is None else step)
         if code == -1:
             return 0
-        try:
-            state = load_checkpoint(uri, code, self.model, self.optimizer)
-        except CrosskdError:
-            self._all_ok(False)
-            raise
-        if not self._all_ok(True):
-            raise TrainingError(f"another rank could not load checkpoint step {code} of {uri}; "
-                                f"see its error.")  # fmt: skip
+        state = self._together(f"load checkpoint step {code} of {uri}",
+                               lambda: load_checkpoint(uri, code, self.model, self.optimizer))
+        for group in self.optimizer.param_groups:  # moments from the checkpoint, settings not
+            group["weight_decay"] = cfg.weight_decay
         recorded = state.get("data_order") or {}
         if cfg.global_batch_rows is None and cfg.grad_accum is None and recorded:
             # A restart without an explicit batch keeps the one the run was started with.
@@ -210,6 +224,25 @@ class Trainer:
         self.best = state.get("best")
         log.info("resumed from step %d", code)
         return code
+
+    def _on_rank0(self, what: str, work):
+        """``work()`` on rank 0 only (its result there, None elsewhere); if it raises, every
+        rank raises (rank 0 its error, the others one that points at it), none waits."""
+        return self._together(what, work if self.rank == 0 else lambda: None)
+
+    def _together(self, what: str, work):
+        """``work()`` on every rank, then agree: if it raised on any rank, every rank raises
+        (so no rank is left waiting in a collective); returns its result."""
+        failure = None
+        try:
+            result = work()
+        except Exception as exc:  # re-raised below, after the others know
+            failure, result = exc, None
+        if not self._all_ok(failure is None):
+            if failure is not None:
+                raise failure
+            raise TrainingError(f"another rank failed to {what}; see its error.")
+        return result
 
     def _broadcast(self, value: int) -> int:
         """Rank 0's ``value`` on every rank."""
@@ -301,14 +334,15 @@ class Trainer:
     def _forward(self, student) -> torch.Tensor:
         """Logits ``[B, L, V]`` of the student's side of a batch: the call every training step
         makes (packed rows, the attention inputs of the model's implementation, no cache)."""
-        ids = student.input_ids.to(self.device)
-        attention = packed_attention(
-            self.attention, student.segment_ids.to(self.device),
-            student.position_ids.to(self.device), next(self.model.parameters()).dtype,
+        inputs = packed_inputs(
+            self.attention, student.input_ids.to(self.device),
+            student.segment_ids.to(self.device), student.position_ids.to(self.device),
+            next(self.model.parameters()).dtype,
         )  # fmt: skip
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.device.type == "cuda"):  # fmt: skip
-            return self.wrapped(input_ids=ids, use_cache=False, **attention).logits
+            logits = self.wrapped(use_cache=False, **inputs).logits
+        return logits.reshape(*student.input_ids.shape, -1)
 
     def heldout_bits_per_byte(self) -> float:
         """The student's bits per byte on ``eval_data`` (each rank scores every world-th
@@ -333,7 +367,7 @@ class Trainer:
             started = time.perf_counter()
             metrics = self.train_step(step)
             seconds = time.perf_counter() - started
-            done = step + 1
+            done = self.done = step + 1
             if self.eval_sequences is not None and (
                 done == cfg.steps or (eval_every and done % eval_every == 0)
             ):  # fmt: skip
@@ -360,50 +394,49 @@ class Trainer:
             self._publish(f"{self.config.output}/best", step, bpb)
 
     def _checkpoint(self, step: int) -> None:
-        if self.rank == 0:
-            save_checkpoint(f"{self.config.output}/checkpoints", step, self.model,
-                            self.optimizer, {"seed": self.config.seed,
-                                             "data_order": self.order.to_json(),
-                                             "best": self.best},
-                            keep=self.config.keep_checkpoints)  # fmt: skip
-        if self.world > 1:
-            dist.barrier()
+        uri = f"{self.config.output}/checkpoints"
+        self._on_rank0(f"write checkpoint step {step} to {uri}", lambda: save_checkpoint(
+            uri, step, self.model, self.optimizer,
+            {"seed": self.config.seed, "data_order": self.order.to_json(), "best": self.best},
+            keep=self.config.keep_checkpoints,
+        ))  # fmt: skip
         self.exporter.checkpoint.set(step)
 
     def save(self) -> str:
-        """The final student as a Hugging Face folder (model, tokenizer, ``crosskd-model.json``)
-        under ``output/final`` (any fsspec URI); returns its path."""
+        """The student as a Hugging Face folder (model, tokenizer, ``crosskd-model.json`` with
+        the last step done: ``config.steps`` once the run is complete) under ``output/final``
+        (any fsspec URI); returns its path."""
         path = f"{self.config.output}/final"
         heldout = None
         if self.eval_sequences is not None:
             step, heldout = self.last_heldout
-            if step != self.config.steps:
+            if step != self.done:
                 heldout = self.heldout_bits_per_byte()
-        self._publish(path, self.config.steps, heldout)
+        self._publish(path, self.done, heldout)
         return path
 
     def _publish(self, path: str, step: int, heldout: float | None) -> None:
         """Write the student to ``path`` as a model folder: every file into ``path.tmp``, then
         renamed, ``crosskd-model.json`` last (rank 0; the others wait)."""
-        if self.rank == 0:
-            info = {"step": step, "heldout_bits_per_byte": heldout, "best": self.best,
-                    "data_fingerprint": self.data.manifest["data_fingerprint"]}  # fmt: skip
-            fs, root = fsspec.core.url_to_fs(path)
-            staging = f"{root}.tmp"
-            if fs.exists(staging):
-                fs.rm(staging, recursive=True)
-            fs.makedirs(staging, exist_ok=True)
-            with tempfile.TemporaryDirectory() as local:
-                self.model.save_pretrained(local, safe_serialization=True)
-                self.student_tok.hf.save_pretrained(local)
-                for file in sorted(Path(local).iterdir()):
-                    fs.put_file(str(file), f"{staging}/{file.name}")
-            if fs.exists(root):
-                fs.rm(root, recursive=True)
-            move_folder(fs, staging, root)
-            fs.pipe_file(f"{root}/{MODEL_INFO}", json.dumps(info, indent=1).encode())
-        if self.world > 1:
-            dist.barrier()
+        info = {"step": step, "heldout_bits_per_byte": heldout, "best": self.best,
+                "data_order": self.order.to_json()}  # fmt: skip
+        self._on_rank0(f"write the model folder {path}", lambda: self._write_model(path, info))
+
+    def _write_model(self, path: str, info: dict) -> None:
+        fs, root = fsspec.core.url_to_fs(path)
+        staging = f"{root}.tmp"
+        if fs.exists(staging):
+            fs.rm(staging, recursive=True)
+        fs.makedirs(staging, exist_ok=True)
+        with tempfile.TemporaryDirectory() as local:
+            self.model.save_pretrained(local, safe_serialization=True)
+            self.student_tok.hf.save_pretrained(local)
+            for file in sorted(Path(local).iterdir()):
+                fs.put_file(str(file), f"{staging}/{file.name}")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+        move_folder(fs, staging, root)
+        fs.pipe_file(f"{root}/{MODEL_INFO}", json.dumps(info, indent=1).encode())
 
     def close(self) -> None:
         """Stop the metrics endpoint (if setup got that far)."""
