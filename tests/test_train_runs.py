@@ -61,6 +61,25 @@ def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_pat
     trainer.close()
 
 
+def test_flash_attention_gets_the_micro_batch_as_one_row_of_packed_samples():
+    """No GPU here: the contract with transformers instead. Its flash-attention path finds the
+    samples in ``position_ids`` only for one row, so a micro-batch is flattened to [1, B * L]
+    and the logits reshape back."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    from crosskd.train.attention import packed_inputs
+
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]])
+    segments = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, -1, -1]])
+    positions = torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 0, 0]])
+    inputs = packed_inputs("flash_attention_2", ids, segments, positions, torch.bfloat16)
+    assert inputs["attention_mask"] is None
+    assert inputs["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 0, 0]]
+    assert inputs["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2, 0, 0]]
+    assert fa._is_packed_sequence(inputs["position_ids"], batch_size=1)
+    assert not fa._is_packed_sequence(positions, batch_size=2)  # why it is flattened
+
+
 def test_gradient_accumulation_equals_one_bigger_batch(train_inputs, tmp_path):
     """Two micro-batches of one row per step train exactly like one micro-batch of two rows
     (static kd_scale: the dynamic one is per micro-batch by definition)."""
