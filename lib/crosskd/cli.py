@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from crosskd.errors import CrosskdError
+from crosskd.errors import CrosskdError, Stopped
 
 if TYPE_CHECKING:
     from crosskd.tables import SubTokenTable
@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         "restarted run resumes from its last checkpoint",
     )  # fmt: skip
     tr.add_argument("--config", help="YAML file with TrainConfig keys")
+    tr.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                    help="run N worker processes under torch's elastic agent (a training pod's "
+                    "entry point; exit codes in docs/kubernetes.md); default: train in this "
+                    "process")  # fmt: skip
     tr.add_argument("overrides", nargs="*", metavar="key=value",
                     help="any TrainConfig field, e.g. steps=500 loss.kd_weight=0.5")  # fmt: skip
 
@@ -150,9 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return _run(args)
-    except CrosskdError as exc:
-        sys.stderr.write(f"crosskd: error: {exc}\n")
-        return 2
+    except (CrosskdError, Stopped) as exc:
+        sys.stderr.write(f"crosskd: {'error: ' if isinstance(exc, CrosskdError) else ''}{exc}\n")
+        return exc.exit_code
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -254,6 +258,13 @@ def _train(args: argparse.Namespace) -> int:
     if done is not None:
         _write(f"{config.output} is complete (final/ holds step {done['step']}); nothing to do")
         return 0
+    if args.nproc_per_node is not None:
+        from crosskd.train.launch import launch
+
+        if args.nproc_per_node < 1:
+            raise CrosskdError(f"--nproc-per-node is {args.nproc_per_node}; it must be >= 1.")
+        worker_args = [*(["--config", args.config] if args.config else []), *args.overrides]
+        return launch(config, worker_args, args.nproc_per_node)
     trainer = Trainer(config)
     try:
         trainer.setup()

@@ -1,12 +1,22 @@
 """The exceptions crosskd raises for bad input.
 
 Every message names the input, what is wrong with it and what to do. The CLI turns any
-:class:`CrosskdError` into one line on stderr and exit status 2; anything else is a bug.
+:class:`CrosskdError` into one line on stderr and its ``exit_code`` (2; 3 for a non-finite loss)
+and :class:`Stopped` into 143 (the table of :mod:`crosskd.train.launch`); anything else is a bug
+or a transient failure (a lost peer, a timeout) and keeps its traceback.
 """
 
 
 class CrosskdError(ValueError):
     """Bad input or a broken artifact; the message says which and what to do."""
+
+    exit_code = 2
+
+
+class Stopped(Exception):
+    """SIGTERM stopped a training run after a step, which was checkpointed (retryable)."""
+
+    exit_code = 143
 
 
 class TokenizerError(CrosskdError):

@@ -3,10 +3,17 @@ data order, packed attention inputs and checkpoints without pickle."""
 
 from crosskd.train.config import TrainConfig
 from crosskd.train.order import DataOrder, rank_micro_batches, step_rows
-from crosskd.train.trainer import Trainer, TrainingError, finished_model, lr_at
+from crosskd.train.trainer import (
+    NonFiniteLoss,
+    Trainer,
+    TrainingError,
+    finished_model,
+    lr_at,
+)
 
 __all__ = [
     "DataOrder",
+    "NonFiniteLoss",
     "TrainConfig",
     "Trainer",
     "TrainingError",

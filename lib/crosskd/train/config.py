@@ -93,6 +93,9 @@ class TrainConfig:
     """The address the metrics endpoint binds to (all interfaces, for a PodMonitor)."""
     job: str = "crosskd"
     """The ``job`` label of the metrics."""
+    max_restarts: int = 3
+    """``crosskd train --nproc-per-node``: retryable failures in a row without a new checkpoint
+    before the pod gives up with a permanent exit code (:mod:`crosskd.train.launch`)."""
     collective_timeout_s: int = 1800
     """Seconds a collective (an all-reduce, or the wait while rank 0 writes a checkpoint to
     object storage) may take before the process group gives up (torch's NCCL default is 600)."""
@@ -128,7 +131,8 @@ class TrainConfig:
         for key in ("global_batch_rows", "grad_accum"):
             if getattr(self, key) is not None:
                 _int(key, getattr(self, key), 1)
-        for key in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "seed"):
+        for key in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "seed",
+                    "max_restarts"):
             _int(key, getattr(self, key), 0)
         if self.seed >= 2**63:
             raise ConfigError(f"seed is {self.seed}; it must be < 2**63.")

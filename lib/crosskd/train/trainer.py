@@ -32,7 +32,9 @@ import json
 import logging
 import math
 import os
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,7 +47,7 @@ from tqdm.auto import tqdm
 
 from crosskd.artifacts import move_folder
 from crosskd.data.collate import Batch, collate, load_prepared
-from crosskd.errors import ConfigError, CrosskdError
+from crosskd.errors import ConfigError, CrosskdError, Stopped
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
@@ -65,7 +67,18 @@ MODEL_INFO = "crosskd-model.json"
 
 
 class TrainingError(CrosskdError):
-    """Training cannot go on (a non-finite loss, inputs that do not fit together)."""
+    """Training cannot go on (inputs that do not fit together, a non-finite loss)."""
+
+
+class NonFiniteLoss(TrainingError):
+    """A NaN or infinite loss term stopped the run before the optimizer step."""
+
+    exit_code = 3
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed (its own error says why); not classified here, so the rank with
+    the real error decides the pod's exit code (:mod:`crosskd.train.launch`)."""
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -106,6 +119,21 @@ def finished_model(config: TrainConfig) -> dict | None:
             f" use a new output for a new run."
         )
     return info
+
+
+@contextlib.contextmanager
+def _sigterm_flag():
+    """A flag set by SIGTERM while the block runs (in the main thread; elsewhere a flag that
+    stays clear); the previous handler is restored after."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -241,7 +269,7 @@ class Trainer:
         if not self._all_ok(failure is None):
             if failure is not None:
                 raise failure
-            raise TrainingError(f"another rank failed to {what}; see its error.")
+            raise PeerFailed(f"another rank failed to {what}; see its error.")
         return result
 
     def _broadcast(self, value: int) -> int:
@@ -314,7 +342,7 @@ class Trainer:
                 for term in ("loss", "ce", "kd"):
                     value = out.totals[term]
                     if not math.isfinite(value):
-                        raise TrainingError(
+                        raise NonFiniteLoss(
                             f"step {step + 1}: the {term} term is {value} (micro-batch {m}); "
                             f"stopping before the optimizer step. The last good checkpoint is "
                             f"kept; lower lr, check the data, or set kd_weight."
@@ -356,35 +384,49 @@ class Trainer:
 
     def train(self, *, stop_after: int | None = None) -> list[dict[str, float]]:
         """Run the steps from the resume point to ``config.steps`` (or stop after
-        ``stop_after`` steps of this call, for tests of resuming); returns their metrics."""
+        ``stop_after`` steps of this call, for tests of resuming); returns their metrics.
+
+        Raises:
+            Stopped: SIGTERM arrived (on any rank: the decision is all-reduced after every
+                step); every rank finished its step and the step was checkpointed.
+        """
         cfg = self.config
         history = []
         last = cfg.steps if stop_after is None else min(cfg.steps, self.start + stop_after)
         eval_every = cfg.checkpoint_every if cfg.eval_every is None else cfg.eval_every
         bar = tqdm(total=cfg.steps, initial=self.start, desc="train", unit="step",
                    disable=not self.progress or self.rank != 0)  # fmt: skip
-        for step in range(self.start, last):
-            started = time.perf_counter()
-            metrics = self.train_step(step)
-            seconds = time.perf_counter() - started
-            done = self.done = step + 1
-            if self.eval_sequences is not None and (
-                done == cfg.steps or (eval_every and done % eval_every == 0)
-            ):  # fmt: skip
-                metrics["heldout_bits_per_byte"] = self.heldout_bits_per_byte()
-            self.exporter.record(done, metrics, seconds)
-            if self.rank == 0:
-                self.log.write({"step": done, "seconds": seconds, **metrics})
-            history.append(metrics)
-            if "heldout_bits_per_byte" in metrics:
-                self.last_heldout = (done, metrics["heldout_bits_per_byte"])
-                self._keep_best(*self.last_heldout)
-            if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-                self._checkpoint(done)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-            log.info("step %d/%d loss %.4f ce %.4f kd %.4f", done, cfg.steps,
-                     metrics["loss"], metrics["ce"], metrics["kd"])  # fmt: skip
+        with _sigterm_flag() as stop:
+            for step in range(self.start, last):
+                started = time.perf_counter()
+                metrics = self.train_step(step)
+                seconds = time.perf_counter() - started
+                done = self.done = step + 1
+                if self.eval_sequences is not None and (
+                    done == cfg.steps or (eval_every and done % eval_every == 0)
+                ):  # fmt: skip
+                    metrics["heldout_bits_per_byte"] = self.heldout_bits_per_byte()
+                self.exporter.record(done, metrics, seconds)
+                if self.rank == 0:
+                    self.log.write({"step": done, "seconds": seconds, **metrics})
+                history.append(metrics)
+                if "heldout_bits_per_byte" in metrics:
+                    self.last_heldout = (done, metrics["heldout_bits_per_byte"])
+                    self._keep_best(*self.last_heldout)
+                saved = done == cfg.steps or (cfg.checkpoint_every
+                                              and done % cfg.checkpoint_every == 0)  # fmt: skip
+                if saved:
+                    self._checkpoint(done)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                log.info("step %d/%d loss %.4f ce %.4f kd %.4f", done, cfg.steps,
+                         metrics["loss"], metrics["ce"], metrics["kd"])  # fmt: skip
+                if not self._all_ok(not stop.is_set()):
+                    if not saved:
+                        self._checkpoint(done)
+                    bar.close()
+                    raise Stopped(f"stopped by SIGTERM after step {done} (checkpointed); run "
+                                  f"again to resume.")  # fmt: skip
         bar.close()
         return history
 
