@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--preset", choices=["tiny", "demo"], help="a shipped preset to start from")
     dist.add_argument("overrides", nargs="*", metavar="key=value",
                       help="any DistillConfig field, e.g. output=runs/demo steps=50")  # fmt: skip
+
+    from crosskd.k8s.cli import add_job_commands
+
+    add_job_commands(commands)
     return parser
 
 
@@ -160,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "job":
+        from crosskd.k8s.cli import run_job_command
+
+        return run_job_command(args)
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "inspect":
