@@ -100,13 +100,16 @@ def generated_files(root: Path) -> dict[Path, str]:
 
     base_config = root / JOB_FILE
     base = job_manifest(load_job_config(str(base_config)))
-    files = {root / BASE_FILE: manifest_yaml(base, GENERATED.format(source=f"{root}/{JOB_FILE}"))}
+    named = Path(root.resolve().name)  # the header is the same whichever way root is given
+    header = GENERATED.format(source=named / JOB_FILE)
+    files = {root / BASE_FILE: manifest_yaml(base, header)}
     for overlay in sorted((root / "overlays").glob(f"*/{JOB_FILE}")):
         values = yaml.safe_load(overlay.read_text(encoding="utf-8")) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{overlay}: expected a mapping of job keys to values.")
         job = job_manifest(load_job_config(str(base_config), values=values))
-        header = GENERATED.format(source=f"{base_config} and {overlay}")
+        source = f"{named / JOB_FILE} and {named / overlay.relative_to(root)}"
+        header = GENERATED.format(source=source)
         files[overlay.parent / PATCH_FILE] = manifest_yaml(json_patch(base, job), header)
     return files
 
