@@ -1,0 +1,710 @@
+"""FakeKubernetesApi: a fake speaking the subset of the Kubernetes REST API the launcher uses.
+
+It is **not** an API server and runs no controller: an ``http.server`` on 127.0.0.1 (one
+thread per request) that keeps PyTorchJobs and pods in memory and answers, with the shapes
+the real API server uses, exactly these requests:
+
+* ``POST /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs`` (201; 409 ``AlreadyExists``,
+  400 ``BadRequest`` for a namespace mismatch, 422 ``Invalid`` for a bad name/kind),
+* ``GET``/``DELETE /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/{name}`` (404
+  ``NotFound``), ``GET .../pytorchjobs`` (a ``PyTorchJobList``),
+* ``GET /api/v1/namespaces/{ns}/pods?labelSelector=k=v,...`` (equality selectors),
+* ``GET /api/v1/namespaces/{ns}/pods/{pod}/log?container=...&follow=true`` (chunked
+  ``text/plain``, one line per chunk as it is "written"; 400 while the container waits,
+  404 for a missing pod; ``previous=true`` gives the last ended instance; booleans are read
+  as the API server reads them, so the client's ``follow=True`` counts).
+
+Errors are ``Status`` objects (``kind: Status``, ``status: Failure``, ``reason``, ``code``,
+``details``). Job conditions are shaped as in the vendored CRD (``type``, ``status: "True"``,
+``reason``, ``message``, ``lastTransitionTime``, ``lastUpdateTime``) and replaced the way the
+Training Operator does (a new ``Succeeded``/``Failed`` turns ``Running`` to ``"False"``).
+
+The test drives a timeline: :meth:`FakeKubernetesApi.on_get` runs an action when a job has
+been read N times (before that read is answered), and the actions (:meth:`set_condition`,
+:meth:`start_master`, :meth:`log`, :meth:`restart_container`, :meth:`recreate_pod`,
+:meth:`finish_master`, :meth:`remove_job`) change the state as the operator and the kubelet
+would. Actions that end a container first wait until a log follower has been sent every line
+of it, so a test never depends on how fast the launcher polls. Anything that goes wrong in the
+server thread is recorded in :attr:`FakeKubernetesApi.errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import re
+import socket
+import threading
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+GROUP_VERSION = "kubeflow.org/v1"
+_JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/([^/]+))?$")
+_PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
+_POD_LOG = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_CONDITION_REASONS = {
+    "Created": ("PyTorchJobCreated", "PyTorchJob {ns}/{name} is created."),
+    "Running": ("PyTorchJobRunning", "PyTorchJob {ns}/{name} is running."),
+    "Restarting": ("PyTorchJobRestarting", "PyTorchJob {ns}/{name} is restarting."),
+    "Succeeded": ("PyTorchJobSucceeded", "PyTorchJob {ns}/{name} successfully completed."),
+    "Failed": ("PyTorchJobFailed", "PyTorchJob {ns}/{name} has failed."),
+}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _flag(value: str | None) -> bool:
+    """A boolean query parameter as the API server reads it (anything but "", 0, false)."""
+    return value is not None and value != "0" and value.lower() != "false"
+
+
+def status_object(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
+    """A ``Status`` as the API server returns it for an error."""
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "details": details,
+        "code": code,
+    }
+
+
+@dataclasses.dataclass
+class _Instance:
+    """One run of a container: its log lines, how many a follower was sent, whether it ended."""
+
+    lines: list[str] = dataclasses.field(default_factory=list)
+    ended: bool = False
+    delivered: int = 0
+    exit_code: int | None = None
+
+
+@dataclasses.dataclass
+class _Pod:
+    name: str
+    namespace: str
+    labels: dict[str, str]
+    uid: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
+    created: str = dataclasses.field(default_factory=_now)
+    container: str = "pytorch"
+    state: str = "waiting"  # waiting | running | terminated
+    instances: list[_Instance] = dataclasses.field(default_factory=lambda: [_Instance()])
+    drops: int = 0  # bumped to break open log streams (a lost connection)
+
+    @property
+    def current(self) -> _Instance:
+        return self.instances[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        restart_count = len(self.instances) - 1
+        if self.state == "running":
+            state: dict[str, Any] = {"running": {"startedAt": self.created}}
+        elif self.state == "terminated":
+            code = self.current.exit_code or 0
+            state = {
+                "terminated": {
+                    "exitCode": code,
+                    "reason": "Completed" if code == 0 else "Error",
+                    "startedAt": self.created,
+                    "finishedAt": _now(),
+                }
+            }
+        else:
+            state = {"waiting": {"reason": "ContainerCreating"}}
+        phase = {"running": "Running", "waiting": "Pending"}.get(self.state)
+        if phase is None:
+            phase = "Succeeded" if (self.current.exit_code or 0) == 0 else "Failed"
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self.uid,
+                "labels": dict(self.labels),
+                "creationTimestamp": self.created,
+            },
+            "spec": {"containers": [{"name": self.container, "image": "crosskd:test"}]},
+            "status": {
+                "phase": phase,
+                "containerStatuses": [
+                    {
+                        "name": self.container,
+                        "image": "crosskd:test",
+                        "imageID": "docker-pullable://crosskd@sha256:0",
+                        "ready": self.state == "running",
+                        "restartCount": restart_count,
+                        "state": state,
+                    }
+                ],
+            },
+        }
+
+
+class FakeKubernetesApi:
+    """A fake speaking the subset of the Kubernetes REST API the launcher uses (see module).
+
+    Use it as a context manager; :attr:`url` is the ``host`` for a
+    ``kubernetes.client.Configuration``.
+    """
+
+    def __init__(self, *, auto_created: bool = True, delivery_timeout: float = 10.0) -> None:
+        """``auto_created``: a new job gets the ``Created`` condition at once (as the operator
+        gives it within a reconcile); ``delivery_timeout``: seconds an action waits for a log
+        follower to be sent a container's lines before it records an error and goes on."""
+        self.auto_created = auto_created
+        self.delivery_timeout = delivery_timeout
+        self.cond = threading.Condition(threading.RLock())
+        self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pods: dict[tuple[str, str], _Pod] = {}
+        self.requests: list[tuple[str, str]] = []  # (method, path with query), in order
+        self.errors: list[str] = []
+        self.created_total = 0  # jobs this fake has created (a reattach must not add one)
+        self._gets: Counter[tuple[str, str]] = Counter()
+        self._hooks: dict[tuple[str, str], list[tuple[int, Callable[[FakeKubernetesApi], Any]]]]
+        self._hooks = defaultdict(list)
+        self._faults: list[tuple[str, str, int]] = []
+        self._closing = False
+        self._resource_version = 1000
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+
+    # -- lifecycle
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> FakeKubernetesApi:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self.cond:
+            self._closing = True
+            self.cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+    # -- what happened
+
+    def count(self, method: str, path_prefix: str = "") -> int:
+        """How many requests with ``method`` had a path starting with ``path_prefix``."""
+        with self.cond:
+            return sum(1 for m, p in self.requests if m == method and p.startswith(path_prefix))
+
+    def gets(self, namespace: str, name: str) -> int:
+        """How many times the job was read (GET of the object)."""
+        with self.cond:
+            return self._gets[(namespace, name)]
+
+    def job_path(self, namespace: str, name: str | None = None) -> str:
+        base = f"/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs"
+        return f"{base}/{name}" if name else base
+
+    # -- the timeline
+
+    def fail_next(self, method: str, path_prefix: str, code: int = 500) -> None:
+        """Answer the next ``method`` request under ``path_prefix`` with an error ``code``."""
+        with self.cond:
+            self._faults.append((method, path_prefix, code))
+
+    def on_get(
+        self, namespace: str, name: str, n: int, action: Callable[[FakeKubernetesApi], Any]
+    ) -> None:
+        """Run ``action(self)`` when job ``namespace/name`` is read for the ``n``-th time."""
+        with self.cond:
+            self._hooks[(namespace, name)].append((n, action))
+
+    def set_condition(
+        self,
+        namespace: str,
+        name: str,
+        kind: str,
+        *,
+        reason: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        """Give the job the condition ``kind`` (status "True") as the operator's setCondition."""
+        with self.cond:
+            job = self.jobs[(namespace, name)]
+            default_reason, default_message = _CONDITION_REASONS[kind]
+            now = _now()
+            kept = []
+            for c in job.setdefault("status", {}).get("conditions", []):
+                if c["type"] == kind:
+                    continue
+                if {kind, c["type"]} == {"Running", "Restarting"}:
+                    continue
+                if kind in ("Succeeded", "Failed") and c["type"] == "Running":
+                    c = {**c, "status": "False", "lastUpdateTime": now, "lastTransitionTime": now}
+                kept.append(c)
+            kept.append(
+                {
+                    "type": kind,
+                    "status": "True",
+                    "reason": reason or default_reason,
+                    "message": message or default_message.format(ns=namespace, name=name),
+                    "lastUpdateTime": now,
+                    "lastTransitionTime": now,
+                }
+            )
+            job["status"]["conditions"] = kept
+            if kind in ("Succeeded", "Failed"):
+                job["status"]["completionTime"] = now
+            self._bump(job)
+
+    def start_master(
+        self, namespace: str, name: str, lines: Iterable[str] = (), *, replica_type: str = "master"
+    ) -> str:
+        """Create the job's rank-0 pod, its container running with ``lines`` logged: the
+        Master's (plus a worker-1 pod the launcher must not follow), or worker 0's for a
+        Worker-only job (``replica_type="worker"``, which then has ``job-role=master``)."""
+        pod_name = f"{name}-{replica_type}-0"
+        labels = {
+            "training.kubeflow.org/job-name": name,
+            "training.kubeflow.org/operator-name": "pytorchjob-controller",
+            "training.kubeflow.org/replica-type": replica_type,
+            "training.kubeflow.org/replica-index": "0",
+            "training.kubeflow.org/job-role": "master",
+        }
+        with self.cond:
+            pod = _Pod(pod_name, namespace, labels, state="running")
+            pod.current.lines.extend(lines)
+            self.pods[(namespace, pod_name)] = pod
+            other = _Pod(
+                f"{name}-worker-{0 if replica_type == 'master' else 1}",
+                namespace,
+                {**labels, "training.kubeflow.org/replica-type": "worker"},
+                state="running",
+            )
+            other.labels["training.kubeflow.org/replica-index"] = other.name[-1]
+            del other.labels["training.kubeflow.org/job-role"]
+            other.current.lines.append("a worker line the launcher must not show")
+            self.pods[(namespace, other.name)] = other
+            self.cond.notify_all()
+        return pod_name
+
+    def log(self, namespace: str, pod: str, *lines: str) -> None:
+        """The pod's running container writes ``lines``."""
+        with self.cond:
+            self.pods[(namespace, pod)].current.lines.extend(lines)
+            self.cond.notify_all()
+
+    def wait_delivered(self, namespace: str, pod: str) -> bool:
+        """Wait until a log follower was sent every line of the pod's current container."""
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: (
+                    self._closing
+                    or (
+                        (p := self.pods.get((namespace, pod))) is None
+                        or p.current.delivered >= len(p.current.lines)
+                    )
+                ),
+                timeout=self.delivery_timeout,
+            )
+            if not ok:
+                p = self.pods[(namespace, pod)]
+                self.errors.append(
+                    f"{pod}: only {p.current.delivered} of {len(p.current.lines)} log lines "
+                    f"were streamed within {self.delivery_timeout} s"
+                )
+            return ok
+
+    def restart_container(
+        self, namespace: str, pod: str, lines: Iterable[str] = (), *, exit_code: int = 137
+    ) -> None:
+        """The container exits (after its lines were streamed) and the kubelet restarts it in
+        the same pod (``restartCount`` + 1), which then logs ``lines``."""
+        self.wait_delivered(namespace, pod)
+        with self.cond:
+            p = self.pods[(namespace, pod)]
+            p.current.ended, p.current.exit_code = True, exit_code
+            p.instances.append(_Instance(lines=list(lines)))
+            p.state = "running"
+            self.cond.notify_all()
+
+    def recreate_pod(
+        self, namespace: str, pod: str, lines: Iterable[str] = (), *, exit_code: int = 137
+    ) -> None:
+        """The container exits (after its lines were streamed), the operator deletes the pod
+        and creates a new one of the same name (a new ``uid``), which then logs ``lines``."""
+        self.wait_delivered(namespace, pod)
+        with self.cond:
+            old = self.pods.pop((namespace, pod))
+            old.current.ended, old.current.exit_code = True, exit_code
+            new = _Pod(old.name, namespace, dict(old.labels), state="running")
+            new.current.lines.extend(lines)
+            self.pods[(namespace, pod)] = new
+            self.cond.notify_all()
+
+    def finish_master(self, namespace: str, pod: str, *, exit_code: int = 0) -> None:
+        """The container exits with ``exit_code`` once its lines were streamed."""
+        self.wait_delivered(namespace, pod)
+        with self.cond:
+            p = self.pods[(namespace, pod)]
+            p.current.ended, p.current.exit_code = True, exit_code
+            p.state = "terminated"
+            self.cond.notify_all()
+
+    def drop_log_streams(self, namespace: str, pod: str) -> None:
+        """Break the open log streams of the pod (a lost connection; the container runs on)."""
+        with self.cond:
+            self.pods[(namespace, pod)].drops += 1
+            self.cond.notify_all()
+
+    def remove_job(self, namespace: str, name: str) -> None:
+        """Delete the job and its pods, as someone else's ``kubectl delete`` would."""
+        with self.cond:
+            self.jobs.pop((namespace, name), None)
+            self._delete_pods(namespace, name)
+
+    def add_job(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Store a job as if created earlier (e.g. by a launcher that then died)."""
+        with self.cond:
+            return self._create(manifest["metadata"]["namespace"], manifest)
+
+    # -- internals
+
+    def _bump(self, obj: dict[str, Any]) -> None:
+        self._resource_version += 1
+        obj["metadata"]["resourceVersion"] = str(self._resource_version)
+
+    def _create(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        job = json.loads(json.dumps(body))
+        meta = job.setdefault("metadata", {})
+        meta["namespace"] = namespace
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = _now()
+        meta["generation"] = 1
+        job["status"] = {}
+        self._bump(job)
+        self.jobs[(namespace, meta["name"])] = job
+        self.created_total += 1
+        if self.auto_created:
+            self.set_condition(namespace, meta["name"], "Created")
+        return job
+
+    def _delete_pods(self, namespace: str, name: str) -> None:
+        for key, pod in list(self.pods.items()):
+            if key[0] == namespace and pod.labels.get("training.kubeflow.org/job-name") == name:
+                pod.current.ended = True
+                del self.pods[key]
+        self.cond.notify_all()
+
+    def _run_hooks(self, namespace: str, name: str) -> None:
+        with self.cond:
+            self._gets[(namespace, name)] += 1
+            n = self._gets[(namespace, name)]
+            due = [action for at, action in self._hooks[(namespace, name)] if at == n]
+        for action in due:  # outside the lock: an action may wait for a log follower
+            try:
+                action(self)
+            except Exception as exc:  # recorded, so that the test fails with it
+                self.errors.append(f"timeline action at GET {n} of {name}: {exc!r}")
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()  # no Nagle delay between headers and body
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                fake._dispatch(self, "GET")
+
+            def do_POST(self) -> None:
+                fake._dispatch(self, "POST")
+
+            def do_DELETE(self) -> None:
+                fake._dispatch(self, "DELETE")
+
+        return Handler
+
+    def _dispatch(self, req: BaseHTTPRequestHandler, method: str) -> None:
+        url = urlsplit(req.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        length = int(req.headers.get("Content-Length") or 0)
+        raw = req.rfile.read(length) if length else b""
+        with self.cond:
+            self.requests.append((method, req.path))
+            fault = next(
+                (f for f in self._faults if f[0] == method and url.path.startswith(f[1])), None
+            )
+            if fault is not None:
+                self._faults.remove(fault)
+        if fault is not None:
+            reason = {
+                500: "InternalError",
+                503: "ServiceUnavailable",
+                429: "TooManyRequests",
+                403: "Forbidden",
+            }.get(fault[2], "InternalError")
+            self._send(req, fault[2], status_object(fault[2], reason, f"injected {fault[2]}"))
+            return
+        try:
+            if m := _JOBS.match(url.path):
+                self._jobs(req, method, m.group(1), m.group(2), raw)
+            elif (m := _PODS.match(url.path)) and method == "GET":
+                self._pods(req, m.group(1), query.get("labelSelector", ""))
+            elif (m := _POD_LOG.match(url.path)) and method == "GET":
+                self._log(req, m.group(1), m.group(2), query)
+            else:
+                self._send(
+                    req,
+                    404,
+                    status_object(
+                        404, "NotFound", "the server could not find the requested resource"
+                    ),
+                )
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as exc:
+            self.errors.append(f"{method} {req.path}: {exc!r}")
+            with contextlib.suppress(Exception):
+                self._send(req, 500, status_object(500, "InternalError", repr(exc)))
+
+    def _send(self, req: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        req.send_response(code)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        req.wfile.write(data)
+
+    def _jobs(self, req, method: str, ns: str, name: str | None, raw: bytes) -> None:
+        key = (ns, name or "")
+        gone = status_object(
+            404,
+            "NotFound",
+            f'pytorchjobs.kubeflow.org "{name}" not found',
+            name=name,
+            group="kubeflow.org",
+            kind="pytorchjobs",
+        )
+        if method == "POST" and name is None:
+            body = json.loads(raw or b"{}")
+            meta = body.get("metadata") or {}
+            job_name = meta.get("name") or ""
+            if body.get("apiVersion") != GROUP_VERSION or body.get("kind") != "PyTorchJob":
+                self._send(req, 400, status_object(400, "BadRequest", "wrong apiVersion/kind"))
+                return
+            if meta.get("namespace") not in (None, ns):
+                self._send(
+                    req,
+                    400,
+                    status_object(
+                        400,
+                        "BadRequest",
+                        "the namespace of the provided object does not match "
+                        "the namespace sent on the request",
+                    ),
+                )
+                return
+            if len(job_name) > 63 or not _NAME.match(job_name):
+                self._send(
+                    req,
+                    422,
+                    status_object(
+                        422,
+                        "Invalid",
+                        f'PyTorchJob.kubeflow.org "{job_name}" is invalid',
+                        name=job_name,
+                        group="kubeflow.org",
+                        kind="PyTorchJob",
+                    ),
+                )
+                return
+            with self.cond:
+                if (ns, job_name) in self.jobs:
+                    exists = status_object(
+                        409,
+                        "AlreadyExists",
+                        f'pytorchjobs.kubeflow.org "{job_name}" already exists',
+                        name=job_name,
+                        group="kubeflow.org",
+                        kind="pytorchjobs",
+                    )
+                    self._send(req, 409, exists)
+                    return
+                job = self._create(ns, body)
+                self._send(req, 201, job)
+            return
+        if method == "GET" and name is None:
+            with self.cond:
+                items = [j for (n, _), j in self.jobs.items() if n == ns]
+                self._send(
+                    req,
+                    200,
+                    {
+                        "apiVersion": GROUP_VERSION,
+                        "kind": "PyTorchJobList",
+                        "items": items,
+                        "metadata": {"resourceVersion": str(self._resource_version)},
+                    },
+                )
+            return
+        if method == "GET":
+            self._run_hooks(ns, name)
+            with self.cond:
+                job = self.jobs.get(key)
+                self._send(req, *((200, job) if job else (404, gone)))
+            return
+        if method == "DELETE" and name is not None:
+            with self.cond:
+                job = self.jobs.pop(key, None)
+                if job is None:
+                    self._send(req, 404, gone)
+                    return
+                self._delete_pods(ns, name)
+                self._send(
+                    req,
+                    200,
+                    status_object(200, "", "")
+                    | {
+                        "status": "Success",
+                        "details": {
+                            "name": name,
+                            "group": "kubeflow.org",
+                            "kind": "pytorchjobs",
+                            "uid": job["metadata"]["uid"],
+                        },
+                    },
+                )
+            return
+        self._send(req, 405, status_object(405, "MethodNotAllowed", f"{method} not allowed"))
+
+    def _pods(self, req, ns: str, selector: str) -> None:
+        wanted = {}
+        for term in filter(None, selector.split(",")):
+            k, _, v = term.replace("==", "=").partition("=")
+            wanted[k.strip()] = v.strip()
+        with self.cond:
+            items = [
+                p.to_json()
+                for (n, _), p in self.pods.items()
+                if n == ns and all(p.labels.get(k) == v for k, v in wanted.items())
+            ]
+            rv = str(self._resource_version)
+        self._send(
+            req,
+            200,
+            {
+                "apiVersion": "v1",
+                "kind": "PodList",
+                "items": items,
+                "metadata": {"resourceVersion": rv},
+            },
+        )
+
+    def _log(self, req, ns: str, pod_name: str, query: dict[str, str]) -> None:
+        follow = _flag(query.get("follow"))
+        with self.cond:
+            pod = self.pods.get((ns, pod_name))
+            if pod is None:
+                self._send(
+                    req,
+                    404,
+                    status_object(
+                        404, "NotFound", f'pods "{pod_name}" not found', name=pod_name, kind="pods"
+                    ),
+                )
+                return
+            container = query.get("container", pod.container)
+            if container != pod.container:
+                self._send(
+                    req,
+                    400,
+                    status_object(
+                        400, "BadRequest", f"container {container} is not valid for pod {pod_name}"
+                    ),
+                )
+                return
+            if _flag(query.get("previous")):
+                if len(pod.instances) < 2:
+                    self._send(
+                        req,
+                        400,
+                        status_object(400, "BadRequest", "previous terminated container not found"),
+                    )
+                    return
+                instance, follow = pod.instances[-2], False
+            elif pod.state == "waiting":
+                self._send(
+                    req,
+                    400,
+                    status_object(
+                        400,
+                        "BadRequest",
+                        f'container "{container}" in pod "{pod_name}" is waiting '
+                        "to start: ContainerCreating",
+                    ),
+                )
+                return
+            else:
+                instance = pod.current
+            drops = pod.drops
+        req.send_response(200)
+        req.send_header("Content-Type", "text/plain")
+        req.send_header("Transfer-Encoding", "chunked")
+        req.end_headers()
+        sent = 0
+        while True:
+            with self.cond:
+                self.cond.wait_for(
+                    lambda sent=sent: (
+                        sent < len(instance.lines)
+                        or instance.ended
+                        or self._closing
+                        or pod.drops != drops
+                        or not follow
+                    ),
+                    timeout=0.5,
+                )
+                batch = instance.lines[sent:]
+                broken = pod.drops != drops
+                over = instance.ended or self._closing or not follow
+            if broken:  # a dropped connection: no final chunk
+                req.close_connection = True
+                with contextlib.suppress(OSError):
+                    req.connection.shutdown(2)
+                return
+            for line in batch:
+                data = (line + "\n").encode()
+                req.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            req.wfile.flush()
+            sent += len(batch)
+            if batch:
+                with self.cond:
+                    instance.delivered = max(instance.delivered, sent)
+                    self.cond.notify_all()
+            if over and sent >= len(instance.lines):
+                break
+        req.wfile.write(b"0\r\n\r\n")
+        req.wfile.flush()
