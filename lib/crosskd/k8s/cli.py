@@ -11,7 +11,18 @@ manifests] [--check]`` regenerates the files of the kustomize tree from its job 
   another length are replaced whole), so what the base's kustomization resolved (the
   ConfigMap's hash-suffixed name) stays untouched.
 
-``--check`` writes nothing and exits 1 naming the stale files. Bad config: one line, exit 2.
+``--check`` writes nothing and exits 1 naming the stale files.
+
+``crosskd job submit --config job.yaml [key=value ...]`` submits the job of a config to the
+cluster of the kube-config (or the pod's service account) and waits for it
+(:func:`crosskd.k8s.launcher.submit`: reattaches to a job of the same name, streams the Master's
+log, exits 0 only when the job succeeded); ``--local --train-config train.yaml`` runs the same
+job on this machine instead (:func:`crosskd.k8s.local.run_local_job`). ``crosskd job run-local
+FILE ...`` runs rendered manifests (``crosskd job render`` or ``kubectl kustomize`` output) on
+this machine the way the Training Operator would (:mod:`crosskd.k8s.local`).
+
+Bad config: one line, exit 2. A job that failed, timed out or disappeared: one line, exit 1.
+SIGTERM to ``submit``: its job is deleted (unless ``--keep-on-sigterm``), exit 143.
 """
 
 from __future__ import annotations
@@ -52,6 +63,88 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if a file is stale"
     )
+    sub = actions.add_parser(
+        "submit", help="submit the PyTorchJob of a config (or reattach to it) and wait for it"
+    )
+    sub.add_argument("--config", help="YAML file with JobConfig keys")
+    sub.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="any JobConfig field, e.g. nodes=4"
+    )
+    sub.add_argument(
+        "--namespace",
+        help="default: the config's namespace, else the kube-config context's (the pod's own "
+        "in a cluster), else 'default'",
+    )
+    sub.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=float("inf"),
+        metavar="SECONDS",
+        help="give up waiting after this long, queueing included; the job is left running for "
+        "a retried launcher (default: no limit)",
+    )
+    sub.add_argument("--manifest", metavar="FILE", help="keep the submitted manifest here")
+    sub.add_argument(
+        "--keep-on-sigterm",
+        action="store_true",
+        help="leave the job running when this launcher gets SIGTERM",
+    )
+    sub.add_argument(
+        "--delete-when-done",
+        action="store_true",
+        help="delete the job once it has finished (default: its TTL does)",
+    )
+    sub.add_argument("--final-model-uri", help="the final model's URI, printed on success")
+    sub.add_argument(
+        "--poll-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between two reads of the job's status",
+    )
+    sub.add_argument(
+        "--local",
+        action="store_true",
+        help="run the job on this machine (as crosskd job run-local) instead of a cluster",
+    )
+    sub.add_argument(
+        "--train-config", metavar="FILE", help="--local: the train config the ConfigMap holds"
+    )
+    sub.add_argument(
+        "--workdir",
+        default="crosskd-local-job",
+        help="--local: one folder per replica (log.txt, mounted files)",
+    )
+    local = actions.add_parser(
+        "run-local", help="run rendered PyTorchJob manifests on this machine like the operator"
+    )
+    local.add_argument(
+        "files", nargs="+", metavar="FILE", help="YAML: one PyTorchJob and its ConfigMaps"
+    )
+    local.add_argument(
+        "--train-config",
+        metavar="FILE",
+        help="the train config, when the files hold no ConfigMap for it",
+    )
+    local.add_argument(
+        "--workdir",
+        default="crosskd-local-job",
+        help="one folder per replica: log.txt, mounted files (default: %(default)s)",
+    )
+    local.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop and fail the job after this long (default: no limit)",
+    )
+    local.add_argument(
+        "--max-recreations",
+        type=int,
+        default=10,
+        metavar="N",
+        help="recreated replicas the whole job may have (default: %(default)s)",
+    )
 
 
 def run_job_command(args: argparse.Namespace) -> int:
@@ -60,6 +153,10 @@ def run_job_command(args: argparse.Namespace) -> int:
         return _render(args)
     if args.action == "manifests":
         return _manifests(Path(args.root), check=args.check)
+    if args.action == "submit":
+        return _submit(args)
+    if args.action == "run-local":
+        return _run_local(args)
     raise ConfigError(f"crosskd job {args.action}: unknown action.")
 
 
@@ -123,6 +220,74 @@ def _render(args: argparse.Namespace) -> int:
         log.info("wrote %s", args.output)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from crosskd.k8s.job import job_manifest, load_job_config
+    from crosskd.k8s.launcher import submit
+
+    config = load_job_config(args.config, args.overrides)
+    manifest = job_manifest(config)
+    if args.local:
+        if not args.train_config:
+            raise ConfigError("--local needs --train-config FILE (the ConfigMap's train.yaml).")
+        from crosskd.k8s.local import run_local_job, train_config_map
+
+        if args.manifest:
+            Path(args.manifest).write_text(manifest_yaml(manifest), encoding="utf-8")
+        wait = None if args.wait_timeout == float("inf") else args.wait_timeout
+        documents = [train_config_map(manifest, args.train_config), manifest]
+        result = run_local_job(documents, args.workdir, wait_timeout=wait)
+    else:
+        namespace = args.namespace or config.namespace or _current_namespace()
+        result = submit(
+            manifest, namespace=namespace, wait_timeout=args.wait_timeout,
+            manifest_path=args.manifest, delete_on_sigterm=not args.keep_on_sigterm,
+            delete_when_done=args.delete_when_done, poll_interval=args.poll_interval,
+            final_model_uri=args.final_model_uri,
+        )  # fmt: skip
+    final = args.final_model_uri or result.final_model_uri
+    sys.stdout.write(
+        f"PyTorchJob {result.namespace}/{result.name} succeeded in {result.elapsed_s:.0f} s"
+        f"{' (reattached)' if result.reattached else ''}"
+        f"{f'; final model: {final}' if final else ''}\n"
+    )
+    return 0
+
+
+def _current_namespace() -> str:
+    """The namespace of the kube-config's current context, else the pod's own (in a cluster),
+    else ``default``."""
+    from kubernetes import config as kube_config
+
+    try:
+        _, context = kube_config.list_kube_config_contexts()
+        namespace = (context or {}).get("context", {}).get("namespace")
+        if namespace:
+            return namespace
+    except (kube_config.ConfigException, OSError):
+        pass
+    own = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    return own.read_text().strip() if own.is_file() else "default"
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from crosskd.k8s.local import load_documents, run_local_job, train_config_map
+
+    documents = [d for path in args.files for d in load_documents(path)]
+    jobs = [d for d in documents if d.get("kind") == "PyTorchJob"]
+    if len(jobs) != 1:
+        raise ConfigError(f"{', '.join(args.files)} hold {len(jobs)} PyTorchJob objects; give "
+                          f"exactly one.")  # fmt: skip
+    if args.train_config:
+        documents.append(train_config_map(jobs[0], args.train_config))
+    if args.max_recreations < 0:
+        raise ConfigError(f"--max-recreations is {args.max_recreations}; it must be >= 0.")
+    result = run_local_job(documents, args.workdir, wait_timeout=args.timeout,
+                           max_recreations=args.max_recreations)  # fmt: skip
+    sys.stdout.write(f"PyTorchJob {result.name} succeeded locally in {result.elapsed_s:.0f} s: "
+                     f"{result.message}\n")  # fmt: skip
     return 0
 
 

@@ -148,13 +148,19 @@ class LauncherError(CrosskdError):
 class JobFailed(LauncherError):
     """The job reached the condition ``Failed``."""
 
+    exit_code = 1
+
 
 class JobTimeout(LauncherError):
     """``wait_timeout`` passed before the job finished; the job is left running."""
 
+    exit_code = 1
+
 
 class JobDisappeared(LauncherError):
     """The job was deleted (404) while the launcher waited on it."""
+
+    exit_code = 1
 
 
 class JobCancelled(LauncherError):

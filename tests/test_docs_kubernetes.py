@@ -1,0 +1,128 @@
+"""The commands of ``docs/kubernetes.md`` run as written: section 2 ("Try it on one machine")
+in a fresh folder with its two YAML files, through the local executor; of section 1, every
+``crosskd`` command: ``crosskd job manifests`` on a copy of ``manifests/`` (nothing stale) and
+``crosskd job submit`` against FakeKubernetesApi (``tests/k8s_fake.py``, a fake speaking the
+subset of the Kubernetes REST API the launcher uses), which the real client reaches through a
+kube-config. ``kubectl`` and ``docker`` lines need a real API server or engine and are not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from k8s_fake import FakeKubernetesApi
+
+from crosskd.k8s.job import job_name
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "kubernetes.md"
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def _section(title: str) -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
+
+
+def _blocks(section: str, lang: str) -> list[tuple[str, str]]:
+    """(the paragraph before, the block) for each ``lang`` block of ``section``."""
+    out = []
+    for match in BLOCK.finditer(section):
+        if match.group(1) == lang:
+            before = section[: match.start()].rstrip().rsplit("\n\n", 1)[-1]
+            out.append((before, match.group(2)))
+    return out
+
+
+def _commands(block: str) -> list[str]:
+    """The block's commands: continuation lines joined, comments dropped."""
+    joined = block.replace("\\\n", " ")
+    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
+
+
+def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
+    return done
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def test_section_2_runs_as_written(tmp_path):
+    section = _section("2. Try it on one machine")
+    for before, text in _blocks(section, "yaml"):
+        names = re.findall(r"`([\w.-]+\.yaml)`", before)
+        assert names, before
+        (tmp_path / names[-1]).write_text(text)
+    assert {"job-local.yaml", "train-local.yaml"} <= {p.name for p in tmp_path.iterdir()}
+    commands = [c for _, b in _blocks(section, "sh") for c in _commands(b)]
+    assert [c.split()[:3] for c in commands] == [
+        ["crosskd", "distill", "--preset"], ["crosskd", "job", "render"],
+        ["crosskd", "job", "run-local"], ["crosskd", "job", "submit"],
+    ]  # fmt: skip
+    outputs = [_run(c, tmp_path, _env()).stdout for c in commands]
+    # The job trained the train config's steps, both replicas, and the final model is there.
+    records = [json.loads(x) for x in (tmp_path / "tiny/job-run/metrics-rank0.jsonl")
+               .read_text().splitlines()]  # fmt: skip
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert (tmp_path / "tiny/job-run/final/config.json").is_file()
+    assert "rank 1 serves /metrics" in (tmp_path / "local-job/worker-0/log.txt").read_text()
+    assert "succeeded locally" in outputs[2]
+    # The launcher's local mode found the finished run: it succeeds at once, nothing retrained.
+    assert "succeeded" in outputs[3]
+    assert len((tmp_path / "tiny/job-run/metrics-rank0.jsonl").read_text().splitlines()) == 8
+
+
+def test_section_1_crosskd_commands_run_as_written(tmp_path):
+    section = _section("1. From an empty namespace to a finished job")
+    commands = [c for _, b in _blocks(section, "sh") for c in _commands(b)
+                if c.startswith("crosskd ")]  # fmt: skip
+    manifests, submit = commands
+    assert manifests == "crosskd job manifests"
+    tree = tmp_path / "repo"
+    shutil.copytree(ROOT / "manifests", tree / "manifests")
+    before = {p: p.read_bytes() for p in (tree / "manifests").rglob("*") if p.is_file()}
+    _run(manifests, tree, _env())
+    assert {p: p.read_bytes() for p in before} == before  # the committed files are fresh
+
+    assert submit.startswith("crosskd job submit --config job.yaml --namespace ml")
+    shutil.copy(ROOT / "manifests" / "job.yaml", tree / "job.yaml")
+    name = job_name(yaml.safe_load((tree / "job.yaml").read_text())["run_id"])
+    with FakeKubernetesApi() as fake:
+        fake.on_get("ml", name, 1, lambda f: (
+            f.set_condition("ml", name, "Running"),
+            f.start_master("ml", name, ["step 1/1000 loss 10.1"])))  # fmt: skip
+
+        def finish(f: FakeKubernetesApi) -> None:
+            f.finish_master("ml", f"{name}-master-0")
+            f.set_condition("ml", name, "Succeeded")
+
+        fake.on_get("ml", name, 2, finish)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
+            "users": [{"name": "fake", "user": {"token": "not-a-secret"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+        }))  # fmt: skip
+        done = _run(submit, tree, _env(KUBECONFIG=str(kubeconfig)))
+        assert fake.errors == []
+        assert fake.count("POST", fake.job_path("ml")) == 1
+    assert f"PyTorchJob ml/{name} succeeded" in done.stdout
+    assert "step 1/1000 loss 10.1" in done.stderr  # the Master's log, streamed
+    kept = yaml.safe_load((tree / "submitted.yaml").read_text())
+    assert kept["kind"] == "PyTorchJob" and kept["metadata"]["namespace"] == "ml"

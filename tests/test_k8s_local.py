@@ -1,0 +1,213 @@
+"""The local Training-Operator executor on the job spec ``crosskd job render`` makes: the
+manifest's own command line, the operator's environment, its result and restart rules, with
+real processes (2 replicas x 1 worker, gloo) and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from crosskd.k8s.job import JobConfig, job_manifest
+from crosskd.k8s.local import _replicas, pod_processes, run_local
+
+STEPS = 30
+
+
+def _documents(train_inputs: dict, output: Path, **train) -> list[dict]:
+    values = {
+        "student": train_inputs["student"], "data": train_inputs["data"],
+        "output": str(output), "teachers": [train_inputs["cache"]],
+        "loss": {"dynamic_kd_scale": True, "teachers": [{
+            "k": 16, "student_to_teacher": train_inputs["s2t"],
+            "teacher_to_student": train_inputs["t2s"]}]},
+        "steps": STEPS, "micro_batch_rows": 1, "global_batch_rows": 2, "lr": 3e-3,
+        "warmup_steps": 2, "checkpoint_every": 5,
+    } | train  # fmt: skip
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "crosskd-train"},
+                  "data": {"train.yaml": yaml.safe_dump(values)}}  # fmt: skip
+    job = job_manifest(JobConfig(run_id="local-test", image="crosskd:test", nodes=2,
+                                 env={"OMP_NUM_THREADS": "1"}, grace_seconds=60))  # fmt: skip
+    return [config_map, job]
+
+
+@pytest.fixture(scope="module")
+def reference(train_inputs, tmp_path_factory) -> list[dict]:
+    """The uninterrupted one-process curve (one micro-batch of 2 rows per step), from
+    ``crosskd train`` in a process of its own (no later test forks after a Trainer ran here)."""
+    root = tmp_path_factory.mktemp("one")
+    values = yaml.safe_load(_documents(train_inputs, root / "run")[0]["data"]["train.yaml"])
+    # One process takes the global batch's 2 rows in one micro-batch (the dynamic kd_scale is
+    # per micro-batch, as it is per step of the 2-rank job).
+    (root / "train.yaml").write_text(yaml.safe_dump(values | {"micro_batch_rows": 2}))
+    crosskd = str(Path(sys.executable).parent / "crosskd")
+    done = subprocess.run([crosskd, "train", "--config", str(root / "train.yaml")],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _curve(root / "run")
+
+
+def _curve(output: Path) -> list[dict]:
+    """The run's logged steps, the last record of each step winning (a resumed run logs the
+    steps after its checkpoint again)."""
+    by_step = {}
+    for line in (output / "metrics-rank0.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _assert_curve(output: Path, want: list[dict]) -> None:
+    got = _curve(output)
+    assert [g["step"] for g in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "ce", "kd", "kd_scale"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5), (g["step"], key)
+
+
+def test_the_operators_environment_and_nothing_more(train_inputs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SOME_HOST_VARIABLE", "not in a container")
+    documents = _documents(train_inputs, tmp_path / "run")
+    job = documents[1]
+    replicas = _replicas(job, {"crosskd-train": documents[0]}, tmp_path / "work")
+    assert [(r.kind, r.index, r.rank) for r in replicas] == [("Master", 0, 0), ("Worker", 0, 1)]
+    master, worker = (r.env for r in replicas)
+    for env, rank in ((master, "0"), (worker, "1")):
+        assert (env["RANK"], env["PET_NODE_RANK"], env["WORLD_SIZE"]) == (rank, rank, "2")
+        assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("2", "1")
+        assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "127.0.0.1"
+        assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == master["MASTER_PORT"]
+        assert "SOME_HOST_VARIABLE" not in env and "LOCAL_RANK" not in env
+        assert env["OMP_NUM_THREADS"] == "1" and env["CROSSKD_GRACE_SECONDS"] == "60"
+    # The manifest's own command, with the mounted config file mapped to the run's copy and
+    # the metrics port moved for the second replica on this host.
+    command = replicas[1].command
+    assert Path(command[0]).name == "crosskd" and command[1:3] == ["train", "--config"]
+    assert Path(command[3]).read_text() == documents[0]["data"]["train.yaml"]
+    assert command[4:] == ["--nproc-per-node", "1", "metrics_port=9401"]
+    assert replicas[0].command[-1] == "metrics_port=9400"
+
+
+def test_a_two_replica_job_trains_like_one_process(train_inputs, reference, tmp_path):
+    started = time.perf_counter()
+    result = run_local(_documents(train_inputs, tmp_path / "run"), tmp_path / "work",
+                       timeout=600)  # fmt: skip
+    seconds = time.perf_counter() - started
+    assert result.succeeded, (result, (tmp_path / "work/master-0/log.txt").read_text()[-3000:])
+    assert result.exit_codes == {"master-0": [0], "worker-0": [0]}
+    _assert_curve(tmp_path / "run", reference)
+    print(f"2-replica local job: {seconds:.1f} s")  # shown with -s; recorded in the docs
+
+
+def _act_at(work: Path, output: Path, steps: int, action) -> threading.Thread:
+    """Call ``action(pids)`` (the replicas' entry-point pids, which are also their process
+    groups) once the run has logged ``steps`` steps. The pids are found before training starts,
+    and an action that must land mid-run first stops the Master's processes (SIGSTOP), so
+    a run of ~30 ms a step cannot finish under it."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        pids: dict[str, int] = {}
+        while time.monotonic() < deadline and len(pids) < 2:
+            pids = {r: p for r in ("master-0", "worker-0") if (p := _pid_of(work, r))}
+            time.sleep(0.02)
+        log = output / "metrics-rank0.jsonl"
+        while time.monotonic() < deadline:
+            if log.exists() and len(log.read_text().splitlines()) >= steps:
+                action(pids)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _signal_pod(work: Path, replica: str, sig: int) -> None:
+    """``sig`` to every process of a local replica (its agent and the workers, which torch
+    starts in sessions of their own)."""
+    for pid in pod_processes(work / replica / "log.txt"):
+        os.kill(pid, sig)
+
+
+def _pid_of(work: Path, replica: str) -> int | None:
+    """The process (the pod's entry point) of a running replica, from /proc: the one whose
+    command line holds the replica's copy of the mounted train config."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--nproc-per-node" in cmdline and any(
+            arg.startswith(bytes(work / replica) + b"/") for arg in cmdline
+        ):
+            return int(entry.name)
+    return None
+
+
+def test_a_sigkilled_replica_is_recreated_and_the_job_ends_on_the_curve(train_inputs, reference,
+                                                                        tmp_path):  # fmt: skip
+    work, output = tmp_path / "work", tmp_path / "run"
+    killed = []
+
+    def kill(pids: dict[str, int]) -> None:
+        _signal_pod(work, "worker-0", signal.SIGSTOP)
+        try:
+            _signal_pod(work, "master-0", signal.SIGKILL)  # the pod: agent and workers
+            killed.append(len((output / "metrics-rank0.jsonl").read_text().splitlines()))
+        finally:
+            _signal_pod(work, "worker-0", signal.SIGCONT)
+
+    watcher = _act_at(work, output, 12, kill)
+    result = run_local(_documents(train_inputs, output), work, timeout=600)
+    watcher.join()
+    assert killed and killed[0] < STEPS, killed
+    assert result.succeeded, (result, (work / "master-0/log.txt").read_text()[-3000:])
+    assert result.exit_codes["master-0"][0] < 0 and result.exit_codes["master-0"][-1] == 0
+    assert result.exit_codes["worker-0"][0] == 200  # it lost its peer: retryable, recreated
+    _assert_curve(output, reference)
+
+
+def test_sigterm_to_the_master_checkpoints_and_retries_never_a_succeeded_job(
+    train_inputs, reference, tmp_path
+):
+    work, output = tmp_path / "work", tmp_path / "run"
+    stopped = []
+
+    def sigterm(pids: dict[str, int]) -> None:
+        _signal_pod(work, "master-0", signal.SIGSTOP)
+        try:
+            os.kill(pids["master-0"], signal.SIGTERM)  # the kubelet signals PID 1, the agent
+            stopped.append(len((output / "metrics-rank0.jsonl").read_text().splitlines()))
+        finally:
+            _signal_pod(work, "master-0", signal.SIGCONT)
+
+    watcher = _act_at(work, output, 12, sigterm)
+    result = run_local(_documents(train_inputs, output), work, timeout=600)
+    watcher.join()
+    assert stopped and stopped[0] < STEPS, stopped
+    assert result.succeeded
+    assert result.exit_codes["master-0"] == [143, 0]  # stopped, retried, then finished
+    assert result.exit_codes["worker-0"][0] == 143  # the stop was all-reduced
+    _assert_curve(output, reference)
+
+
+def test_a_config_error_fails_the_job_once_without_restarts(train_inputs, tmp_path):
+    documents = _documents(train_inputs, tmp_path / "run", steps=0)
+    result = run_local(documents, tmp_path / "work", timeout=300)
+    assert result.condition == "Failed"
+    assert result.exit_codes["master-0"] == [2]
+    assert all(len(codes) <= 1 for codes in result.exit_codes.values())
+    log = (tmp_path / "work" / "master-0" / "log.txt").read_text()
+    assert "steps is 0; it must be an integer >= 1" in log
