@@ -156,24 +156,35 @@ def _pid_of(work: Path, replica: str) -> int | None:
     return None
 
 
-def test_a_sigkilled_replica_is_recreated_and_the_job_ends_on_the_curve(train_inputs, reference,
-                                                                        tmp_path):  # fmt: skip
+def _run_and_act(train_inputs, tmp_path: Path, paused: str, act) -> tuple:
+    """Run the 2-replica job; after 12 logged steps pause replica ``paused`` (SIGSTOP to all
+    its processes), call ``act(pids)``, resume it; checks that it acted mid-run and that the
+    job succeeded. Returns the result and the run's output folder."""
     work, output = tmp_path / "work", tmp_path / "run"
-    killed = []
+    acted = []
 
-    def kill(pids: dict[str, int]) -> None:
-        _signal_pod(work, "worker-0", signal.SIGSTOP)
+    def action(pids: dict[str, int]) -> None:
+        _signal_pod(work, paused, signal.SIGSTOP)
         try:
-            _signal_pod(work, "master-0", signal.SIGKILL)  # the pod: agent and workers
-            killed.append(len((output / "metrics-rank0.jsonl").read_text().splitlines()))
+            act(pids)
+            acted.append(len((output / "metrics-rank0.jsonl").read_text().splitlines()))
         finally:
-            _signal_pod(work, "worker-0", signal.SIGCONT)
+            _signal_pod(work, paused, signal.SIGCONT)
 
-    watcher = _act_at(work, output, 12, kill)
+    watcher = _act_at(work, output, 12, action)
     result = run_local(_documents(train_inputs, output), work, timeout=600)
     watcher.join()
-    assert killed and killed[0] < STEPS, killed
+    assert acted and acted[0] < STEPS, acted  # it landed mid-run
     assert result.succeeded, (result, (work / "master-0/log.txt").read_text()[-3000:])
+    return result, output
+
+
+def test_a_sigkilled_replica_is_recreated_and_the_job_ends_on_the_curve(train_inputs, reference,
+                                                                        tmp_path):  # fmt: skip
+    def kill(pids: dict[str, int]) -> None:  # the Master's pod: its agent and workers
+        _signal_pod(tmp_path / "work", "master-0", signal.SIGKILL)
+
+    result, output = _run_and_act(train_inputs, tmp_path, "worker-0", kill)
     assert result.exit_codes["master-0"][0] < 0 and result.exit_codes["master-0"][-1] == 0
     assert result.exit_codes["worker-0"][0] == 200  # it lost its peer: retryable, recreated
     _assert_curve(output, reference)
@@ -182,22 +193,10 @@ def test_a_sigkilled_replica_is_recreated_and_the_job_ends_on_the_curve(train_in
 def test_sigterm_to_the_master_checkpoints_and_retries_never_a_succeeded_job(
     train_inputs, reference, tmp_path
 ):
-    work, output = tmp_path / "work", tmp_path / "run"
-    stopped = []
+    def sigterm(pids: dict[str, int]) -> None:  # the kubelet signals PID 1, the agent
+        os.kill(pids["master-0"], signal.SIGTERM)
 
-    def sigterm(pids: dict[str, int]) -> None:
-        _signal_pod(work, "master-0", signal.SIGSTOP)
-        try:
-            os.kill(pids["master-0"], signal.SIGTERM)  # the kubelet signals PID 1, the agent
-            stopped.append(len((output / "metrics-rank0.jsonl").read_text().splitlines()))
-        finally:
-            _signal_pod(work, "master-0", signal.SIGCONT)
-
-    watcher = _act_at(work, output, 12, sigterm)
-    result = run_local(_documents(train_inputs, output), work, timeout=600)
-    watcher.join()
-    assert stopped and stopped[0] < STEPS, stopped
-    assert result.succeeded
+    result, output = _run_and_act(train_inputs, tmp_path, "master-0", sigterm)
     assert result.exit_codes["master-0"] == [143, 0]  # stopped, retried, then finished
     assert result.exit_codes["worker-0"][0] == 143  # the stop was all-reduced
     _assert_curve(output, reference)
