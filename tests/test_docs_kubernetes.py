@@ -1,5 +1,5 @@
 """The commands of ``docs/kubernetes.md`` run as written: section 2 ("Try it on one machine")
-in a fresh folder with its two YAML files, through the local executor; of section 1, every
+in a fresh folder with its YAML file, through the local executor; of section 1, every
 ``crosskd`` command: ``crosskd job manifests`` on a copy of ``manifests/`` (nothing stale) and
 ``crosskd job submit`` against FakeKubernetesApi (``tests/k8s_fake.py``, a fake speaking the
 subset of the Kubernetes REST API the launcher uses), which the real client reaches through a
@@ -68,7 +68,7 @@ def test_section_2_runs_as_written(tmp_path):
         names = re.findall(r"`([\w.-]+\.yaml)`", before)
         assert names, before
         (tmp_path / names[-1]).write_text(text)
-    assert {"job-local.yaml", "train-local.yaml"} <= {p.name for p in tmp_path.iterdir()}
+    assert {"job-local.yaml"} <= {p.name for p in tmp_path.iterdir()}
     commands = [c for _, b in _blocks(section, "sh") for c in _commands(b)]
     assert [c.split()[:3] for c in commands] == [
         ["crosskd", "distill", "--preset"], ["crosskd", "job", "render"],

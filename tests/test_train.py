@@ -397,7 +397,7 @@ def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):
 
     code = main(["distill", "--preset", "tiny", f"output={tmp_path}", "loss={tau: 2.0}"])
     assert code == 2
-    assert "loss.tau is set; distill sets it from the top-level keys" in capsys.readouterr().err
+    assert "loss.tau is set; the run sets it from the top-level keys" in capsys.readouterr().err
 
 
 def test_online_teacher_trains_like_the_cache(setup, tmp_path):

@@ -142,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="any DistillConfig field, e.g. output=runs/demo steps=50")  # fmt: skip
 
     from crosskd.k8s.cli import add_job_commands
+    from crosskd.pipeline.cli import add_pipeline_commands
 
     add_job_commands(commands)
+    add_pipeline_commands(commands)
     return parser
 
 
@@ -168,6 +170,10 @@ def _run(args: argparse.Namespace) -> int:
         from crosskd.k8s.cli import run_job_command
 
         return run_job_command(args)
+    if args.command == "pipeline":
+        from crosskd.pipeline.cli import run_pipeline_command
+
+        return run_pipeline_command(args)
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "inspect":
@@ -314,7 +320,7 @@ def _distill(args: argparse.Namespace) -> int:
     config = load_distill_config(args.config, args.preset, args.overrides)
     metrics = distill(config)
     bpb = metrics["bits_per_byte"]
-    lines = [f"report: {config.output}/report/index.html", "held-out bits per byte:"]
+    lines = [f"report: {metrics['report']}", "held-out bits per byte:"]
     lines += [f"  {name:14} {value:.4f}" for name, value in bpb.items()]
     _write("\n".join(lines))
     return 0

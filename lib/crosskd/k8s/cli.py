@@ -240,7 +240,7 @@ def _submit(args: argparse.Namespace) -> int:
         documents = [train_config_map(manifest, args.train_config), manifest]
         result = run_local_job(documents, args.workdir, wait_timeout=wait)
     else:
-        namespace = args.namespace or config.namespace or _current_namespace()
+        namespace = args.namespace or config.namespace or current_namespace()
         result = submit(
             manifest, namespace=namespace, wait_timeout=args.wait_timeout,
             manifest_path=args.manifest, delete_on_sigterm=not args.keep_on_sigterm,
@@ -256,7 +256,7 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _current_namespace() -> str:
+def current_namespace() -> str:
     """The namespace of the kube-config's current context, else the pod's own (in a cluster),
     else ``default``."""
     from kubernetes import config as kube_config

@@ -26,7 +26,9 @@ The job's shape:
   crosskd`` and ``crosskd.dev/run: <run_id>`` (or the operator's
   ``training.kubeflow.org/job-name``) and scrapes ``metrics-0`` ... ``metrics-{N-1}``.
 * The train config is the ConfigMap ``train_config_map`` (key ``train.yaml``) mounted at
-  ``/etc/crosskd/train.yaml``; S3 credentials come only from ``secretKeyRef`` env.
+  ``/etc/crosskd/train.yaml``, or, with ``train_config_uri``, a file on object storage (the
+  pipeline's training step writes it next to the run); S3 credentials come only from
+  ``secretKeyRef`` env.
 """
 
 from __future__ import annotations
@@ -146,6 +148,10 @@ class JobConfig:
     """The ConfigMap whose key ``train.yaml`` is the train config (``crosskd train`` keys),
     mounted at ``/etc/crosskd/train.yaml``. Its ``metrics_port`` is overridden on the command
     line by this job's."""
+    train_config_uri: str | None = None
+    """Read the train config from this fsspec URI (e.g. ``s3://bucket/runs/RUN/kd/train.yaml``,
+    written by the pipeline's training step) instead of the ConfigMap: no ConfigMap is mounted.
+    None: the ConfigMap ``train_config_map``."""
     train_overrides: list[str] = field(default_factory=list)
     """``key=value`` overrides appended to the train command (e.g. ``steps=2000``)."""
     metrics_port: int = 9400
@@ -247,6 +253,11 @@ class JobConfig:
                 )
         for key in ("gpu_resource", "train_config_map"):
             _str(key, getattr(self, key))
+        if self.train_config_uri is not None:
+            _str("train_config_uri", self.train_config_uri)
+            if any(c.isspace() for c in self.train_config_uri):
+                raise ConfigError(f"train_config_uri is {self.train_config_uri!r}; it must not "
+                                  f"contain spaces.")  # fmt: skip
         for key in (
             "namespace",
             "priority_class",
@@ -387,7 +398,7 @@ def job_manifest(config: JobConfig) -> dict[str, Any]:
 def train_command(config: JobConfig) -> list[str]:
     """The container's command: the pod's entry point around ``procs_per_node`` workers."""
     return [
-        "crosskd", "train", "--config", TRAIN_CONFIG_PATH,
+        "crosskd", "train", "--config", config.train_config_uri or TRAIN_CONFIG_PATH,
         "--nproc-per-node", str(config.procs_per_node),
         f"metrics_port={config.metrics_port}", *config.train_overrides,
     ]  # fmt: skip
@@ -398,6 +409,9 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
     if config.gpus_per_node:
         limits[config.gpu_resource] = str(config.gpus_per_node)
     ports = [k8s.V1ContainerPort(name="pytorchjob-port", container_port=OPERATOR_PORT)]
+    config_mount = [] if config.train_config_uri else [
+        k8s.V1VolumeMount(name="train-config", mount_path=TRAIN_CONFIG_DIR, read_only=True)
+    ]  # fmt: skip
     ports += [
         k8s.V1ContainerPort(name=f"metrics-{i}", container_port=config.metrics_port + i)
         for i in range(config.procs_per_node)
@@ -414,7 +428,7 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
         ),
         volume_mounts=[
             k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
-            k8s.V1VolumeMount(name="train-config", mount_path=TRAIN_CONFIG_DIR, read_only=True),
+            *config_mount,
             k8s.V1VolumeMount(name="home", mount_path=HOME),
             k8s.V1VolumeMount(name="cache", mount_path=CACHE),
         ],
@@ -429,9 +443,10 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
     volumes = [
         k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
             medium="Memory", size_limit=config.shm_size)),
-        k8s.V1Volume(name="train-config", config_map=k8s.V1ConfigMapVolumeSource(
-            name=config.train_config_map,
-            items=[k8s.V1KeyToPath(key=TRAIN_CONFIG_KEY, path=TRAIN_CONFIG_KEY)])),
+        *([] if config.train_config_uri else [k8s.V1Volume(
+            name="train-config", config_map=k8s.V1ConfigMapVolumeSource(
+                name=config.train_config_map,
+                items=[k8s.V1KeyToPath(key=TRAIN_CONFIG_KEY, path=TRAIN_CONFIG_KEY)]))]),
         k8s.V1Volume(name="home", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit="1Gi")),
         k8s.V1Volume(name="cache", empty_dir=k8s.V1EmptyDirVolumeSource(
             size_limit=config.cache_size)),

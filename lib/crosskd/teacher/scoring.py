@@ -51,6 +51,8 @@ KIND = "crosskd-teacher-cache"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 RUN = "run.json"
+PARTS = "parts"
+"""Folder of the per-range records that :func:`merge_cache` joins into the manifest."""
 
 
 @dataclass
@@ -172,10 +174,31 @@ def budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def score(config: ScoreConfig, *, progress: bool = True) -> dict:
-    """Score every sample of the prepared data and write the cache; returns its manifest."""
+    """Score every sample of the prepared data and write the cache; returns its manifest
+    (:func:`score_shards` over every shard, then :func:`merge_cache`)."""
+    score_shards(config, progress=progress)
+    return merge_cache(config.output)
+
+
+def score_shards(
+    config: ScoreConfig, start: int = 0, stop: int | None = None, *, progress: bool = True
+) -> dict:
+    """Score the prepared shards ``start .. stop - 1`` (``stop`` None: to the last) into the
+    cache at ``config.output`` and record them in ``parts/START-STOP.json`` (written last);
+    returns that record. Several of these, over ranges that cover every shard once (one per
+    pod), followed by :func:`merge_cache`, write the same cache as :func:`score`. A range whose
+    record exists returns it once the run's values are checked (the teacher is loaded); an
+    interrupted one keeps its finished shards."""
     config.check()
     fs, root = fsspec.core.url_to_fs(config.output)
     prepared = load_prepared(config.data)
+    total = len(prepared.manifest["shards"])
+    stop = total if stop is None else stop
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= total):
+        raise CrosskdError(
+            f"shard range {start}..{stop} of {config.data}: it has {total} shards; give "
+            f"0 <= start < stop <= {total}."
+        )
     name = f"teacher{config.teacher_index}"
     models = {m["name"]: m for m in prepared.manifest["models"]}
     if name not in models:
@@ -192,12 +215,19 @@ def score(config: ScoreConfig, *, progress: bool = True) -> dict:
            "teacher_fingerprint": teacher.fingerprint, "device_type": teacher.device.type,
            "dtype": str(teacher.dtype), "token_budget": config.token_budget}  # fmt: skip
     _start_run(fs, root, config.output, run)
+    part_path = f"{root}/{PARTS}/{start:05d}-{stop:05d}.json"
+    if fs.exists(part_path):
+        log.info("shards %d..%d of %s are scored already (%s)", start, stop - 1, config.output,
+                 part_path)  # fmt: skip
+        return json.loads(fs.cat_file(part_path))
     bytes_of = tokenizer.bytes.lengths
     shards, index = [], {}
-    bar = tqdm(total=models[name]["tokens"], desc=f"score {name}", unit="tok", unit_scale=True,
-               disable=not progress)  # fmt: skip
+    whole = (start, stop) == (0, total)
+    bar = tqdm(total=models[name]["tokens"] if whole else None, desc=f"score {name}", unit="tok",
+               unit_scale=True, disable=not progress)  # fmt: skip
     nll_bits, predicted_bytes = 0.0, 0
-    for i, shard in enumerate(prepared.manifest["shards"]):
+    for i in range(start, stop):
+        shard = prepared.manifest["shards"][i]
         path = f"{root}/{shard['path']}"
         samples = prepared.shard_samples(i)
         ids = [np.asarray(s[f"{name}_ids"], dtype=np.int64) for s in samples]
@@ -223,24 +253,75 @@ def score(config: ScoreConfig, *, progress: bool = True) -> dict:
         })  # fmt: skip
         bar.update(shards[-1]["tokens"])
     bar.close()
-    tokens = sum(s["tokens"] for s in shards)
-    manifest = {
-        "kind": KIND, "format_version": FORMAT_VERSION, "created_by": f"crosskd {__version__}",
+    part = {
+        "start": start, "stop": stop, "total": total,
         "teacher": {"name": config.teacher, "fingerprint": teacher.fingerprint,
                     "vocab_size": teacher.vocab_size},
         "tokenizer": {"name": models[name]["tokenizer"], "fingerprint": tokenizer.fingerprint},
         "data": {"uri": config.data, "fingerprint": prepared.manifest["data_fingerprint"],
                  "teacher": name},
         "config": asdict(config) | {"fingerprint": config.fingerprint()},
-        "k": config.k, "tau": float(config.tau), "encoding": config.encoding,
-        "value_dtype": "float32" if config.encoding == "lossless" else "uint8 steps of 1/16 nat",
+        "nll_bits": nll_bits, "predicted_bytes": predicted_bytes,
+        "shards": shards, "samples": index,
+    }  # fmt: skip
+    fs.makedirs(f"{root}/{PARTS}", exist_ok=True)
+    fs.pipe_file(part_path, json.dumps(part).encode("utf-8"))
+    log.info("scored shards %d..%d (%d samples) into %s", start, stop - 1, len(index),
+             config.output)  # fmt: skip
+    return part
+
+
+def merge_cache(output: str) -> dict:
+    """Write the cache manifest at ``output`` from the range records of :func:`score_shards`,
+    which must cover every shard of the data once; returns the manifest (at once when it
+    exists)."""
+    fs, root = fsspec.core.url_to_fs(output)
+    if fs.exists(f"{root}/{MANIFEST}"):
+        return json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
+    paths = sorted(fs.glob(f"{root}/{PARTS}/*.json"))
+    if not paths:
+        raise CrosskdError(f"teacher cache {output}: no scored shard ranges under {PARTS}/; run "
+                           f"`crosskd score` (or the score step) first.")  # fmt: skip
+    parts = sorted((json.loads(fs.cat_file(p)) for p in paths), key=lambda p: p["start"])
+    total, covered = parts[0]["total"], 0
+    ranges = ", ".join(f"{p['start']}..{p['stop'] - 1}" for p in parts)
+    for part in parts:
+        if part["start"] != covered or part["total"] != total:
+            raise CrosskdError(
+                f"teacher cache {output}: the scored ranges {ranges} do not cover the "
+                f"{total} shards once (a gap or an overlap at shard {covered}); "
+                f"score the missing range."
+            )
+        for key in ("teacher", "tokenizer", "data", "config"):
+            if part[key] != parts[0][key]:
+                raise CrosskdError(
+                    f"teacher cache {output}: shard ranges were scored with another {key}; "
+                    f"delete the cache and score it again."
+                )
+        covered = part["stop"]
+    if covered != total:
+        raise CrosskdError(f"teacher cache {output}: shards {covered}..{total - 1} are not "
+                           f"scored yet; score that range, then merge.")  # fmt: skip
+    first = parts[0]
+    shards = [s for p in parts for s in p["shards"]]
+    tokens = sum(s["tokens"] for s in shards)
+    nll_bits = sum(p["nll_bits"] for p in parts)
+    predicted_bytes = sum(p["predicted_bytes"] for p in parts)
+    config = first["config"]
+    manifest = {
+        "kind": KIND, "format_version": FORMAT_VERSION, "created_by": f"crosskd {__version__}",
+        "teacher": first["teacher"], "tokenizer": first["tokenizer"], "data": first["data"],
+        "config": config, "k": config["k"], "tau": float(config["tau"]),
+        "encoding": config["encoding"],
+        "value_dtype": "float32" if config["encoding"] == "lossless"
+        else "uint8 steps of 1/16 nat",
         "bits_per_byte": nll_bits / predicted_bytes if predicted_bytes else None,
         "tokens": tokens,
         "bytes_per_token": sum(s["bytes"] for s in shards) / max(tokens, 1),
-        "shards": shards, "samples": index,
+        "shards": shards, "samples": {k: v for p in parts for k, v in p["samples"].items()},
     }  # fmt: skip
     fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=1).encode("utf-8"))
-    log.info("scored %d samples into %s (%.1f bytes/token)", len(index), config.output,
+    log.info("merged %d shard range(s) into %s (%.1f bytes/token)", len(parts), output,
              manifest["bytes_per_token"])  # fmt: skip
     return manifest
 

@@ -138,11 +138,11 @@ class TrainConfig:
             raise ConfigError(f"seed is {self.seed}; it must be < 2**63.")
         _int("collective_timeout_s", self.collective_timeout_s, 1)
         for key, value in self.student_shape.items():
-            number = float if key == "initializer_range" else int
+            number = int | float if key == "initializer_range" else int
             if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
                 raise ConfigError(
                     f"student_shape.{key} is {value!r}; it must be a positive "
-                    f"{'number' if number is float else 'integer'}."
+                    f"{'integer' if number is int else 'number'}."
                 )
         if self.eval_every is not None:
             _int("eval_every", self.eval_every, 0)

@@ -1,0 +1,39 @@
+"""KFP component ``evaluate``: :func:`crosskd.steps.evaluate_models`."""
+
+from kfp import dsl
+
+from components import IMAGE
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def evaluate(
+    plan: dict,
+    prepared: dict,
+    runs: list,
+    run_id: str,
+    scoring: dict,
+    evaluation: dsl.Output[dsl.Artifact],
+    figures: dsl.Output[dsl.Metrics],
+) -> dict:
+    """Held-out bits per byte of the teachers and of the student before and after training."""
+    from pathlib import Path
+
+    from crosskd.steps import evaluate_models, models_to_evaluate, run_folder
+    from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
+
+    start_step("evaluate")
+    plan = from_kfp(plan)
+    prepared = from_kfp(prepared)
+    runs = from_kfp(runs)
+    scoring = from_kfp(scoring)
+    result = evaluate_models(
+        prepared["heldout"], models_to_evaluate(plan, runs),
+        f"{run_folder(plan['root'], run_id)}/evaluation.json",
+        token_budget=int(scoring["token_budget"]), device=scoring.get("device"),
+    )  # fmt: skip
+    for name, value in result["bits_per_byte"].items():
+        figures.log_metric(f"bits_per_byte_{name}", float(value))
+    Path(figures.path).write_text(str(result["bits_per_byte"]))
+    evaluation.metadata.update(write_pointer(evaluation.path, result["uri"], {
+        "bits_per_byte": result["bits_per_byte"]}))  # fmt: skip
+    return drop_none({"uri": result["uri"], "bits_per_byte": result["bits_per_byte"]})

@@ -1,0 +1,18 @@
+"""KFP component ``merge_cache``: :func:`crosskd.steps.merge_caches`."""
+
+from kfp import dsl
+
+from components import IMAGE
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def merge_cache(parts: list, caches: dsl.Output[dsl.Artifact]) -> list:
+    """Join the scored shard ranges into one cache manifest per teacher."""
+    from crosskd.steps import merge_caches
+    from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
+
+    start_step("merge_cache")
+    parts = from_kfp(parts)
+    merged = merge_caches(parts)
+    caches.metadata.update(write_pointer(caches.path, merged[0]["cache"], {"caches": merged}))
+    return drop_none(merged)

@@ -1,0 +1,29 @@
+"""KFP component ``prepare``: :func:`crosskd.steps.prepare_data`."""
+
+from kfp import dsl
+
+from components import IMAGE
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def prepare(
+    plan: dict,
+    preparing: dict,
+    train: dsl.Output[dsl.Artifact],
+    heldout: dsl.Output[dsl.Artifact],
+) -> dict:
+    """Clip, align and lockstep-pack the training and held-out rows (content-addressed)."""
+    from crosskd.steps import prepare_data
+    from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
+
+    start_step("prepare")
+    plan = from_kfp(plan)
+    preparing = from_kfp(preparing)
+    prepared = prepare_data(plan, max_length=int(preparing["max_length"]),
+                            shard_rows=int(preparing["shard_rows"]), progress=False)  # fmt: skip
+    for split, artifact in (("train", train), ("heldout", heldout)):
+        artifact.metadata.update(write_pointer(artifact.path, prepared[split], {
+            "rows": prepared["rows"][split],
+            "data_fingerprint": prepared["data_fingerprint"][split],
+        }))  # fmt: skip
+    return drop_none(prepared)

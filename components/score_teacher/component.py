@@ -1,0 +1,21 @@
+"""KFP component ``score_teacher``: :func:`crosskd.steps.score_teacher` (the GPU step)."""
+
+from kfp import dsl
+
+from components import CUDA_IMAGE
+
+
+@dsl.component(base_image=CUDA_IMAGE, install_kfp_package=False)
+def score_teacher(job: dict, gpus: int, part: dsl.Output[dsl.Artifact]) -> dict:
+    """Score one shard range of the prepared training data with one teacher into its
+    content-addressed top-K cache, on the pod's GPU (``gpus`` > 0), else on the CPU."""
+    from crosskd.steps import score_teacher
+    from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
+
+    start_step("score_teacher")
+    job = from_kfp(job)
+    if not gpus and not job["scoring"].get("device"):
+        job["scoring"]["device"] = "cpu"
+    scored = score_teacher(job, progress=False)
+    part.metadata.update(write_pointer(part.path, scored["cache"], scored))
+    return drop_none(scored)

@@ -1,0 +1,47 @@
+"""KFP component ``train``: :func:`crosskd.steps.train` through the PyTorchJob launcher (a
+CPU-only pod; the GPUs go to the job)."""
+
+from kfp import dsl
+
+from components import IMAGE
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def train(
+    item: dict,
+    executor: str,
+    image: str,
+    gpus_per_node: int,
+    nodes: int,
+    job: dict,
+    pipeline_job_id: str,
+    task_name: str,
+    model: dsl.Output[dsl.Model],
+    figures: dsl.Output[dsl.Metrics],
+) -> dict:
+    """Train one run as a PyTorchJob named after the pipeline job and this task (so a retried
+    launcher reattaches) and wait for it."""
+    import hashlib
+    from pathlib import Path
+
+    from crosskd.steps import train
+    from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
+
+    start_step("train")
+    item = from_kfp(item)
+    job = from_kfp(job)
+    run_id = f"{task_name}-{item['variant']}-{pipeline_job_id}"
+    if len(run_id) > 63:
+        run_id = f"{run_id[:50]}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
+    settings = {**job, "image": image, "gpus_per_node": gpus_per_node, "nodes": nodes}
+    workdir = str(Path(figures.path).parent / "replicas")
+    result = train(item, executor=executor, job=settings, run_id=run_id, workdir=workdir,
+                   progress=False)  # fmt: skip
+    model.metadata.update(write_pointer(model.path, result["model"], {
+        "variant": result["variant"], "steps": result["steps"]}))  # fmt: skip
+    if result["history"]:
+        last = result["history"][-1]
+        for key in ("loss", "ce", "kd"):
+            figures.log_metric(f"{result['variant']}_final_{key}", float(last[key]))
+    Path(figures.path).write_text(str(result["history"][-1:]))
+    return drop_none(result)

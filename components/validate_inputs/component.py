@@ -1,0 +1,53 @@
+"""KFP component ``validate_inputs``: :func:`crosskd.steps.validate_inputs`."""
+
+from typing import NamedTuple
+
+from kfp import dsl
+
+from components import IMAGE
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def validate_inputs(
+    output_root: str,
+    teachers: list,
+    student: str,
+    train_data: str,
+    heldout_data: str,
+    k: int,
+    tau: float,
+    steps: int,
+    compare_ce_only: bool,
+    score_pods: int,
+    options: dict,
+    executor: str,
+    image: str,
+    gpus_per_node: int,
+    nodes: int,
+    job: dict,
+    inputs: dsl.Output[dsl.Artifact],
+) -> NamedTuple("Outputs", plan=dict, preparing=dict, scoring=dict, run_config=dict):
+    """Check every input and setting in seconds and resolve references into URIs. ``plan``,
+    ``preparing`` and ``scoring`` feed the pure steps (only what changes their outputs, so
+    KFP's cache hits when anything else changes); ``run_config`` (every RunConfig key) feeds
+    training, evaluation and the report."""
+    from collections import namedtuple
+    from dataclasses import asdict
+
+    from crosskd.steps import RunConfig, validate_inputs
+    from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
+
+    start_step("validate_inputs")
+    teachers = from_kfp(teachers)
+    options = from_kfp(options)
+    job = from_kfp(job)
+    config = RunConfig(
+        output=output_root, teachers=list(teachers), student=student, train_data=train_data,
+        heldout_data=heldout_data, k=k, tau=tau, steps=steps, compare_ce_only=compare_ce_only,
+        score_pods=score_pods, **options,
+    )  # fmt: skip
+    settings = {**job, "image": image, "gpus_per_node": gpus_per_node, "nodes": nodes}
+    plan = validate_inputs(config, job=settings if executor != "inprocess" else None)
+    inputs.metadata.update(write_pointer(inputs.path, plan["root"], {"plan": plan}))
+    outputs = namedtuple("Outputs", ["plan", "preparing", "scoring", "run_config"])
+    return outputs(*drop_none([plan, config.preparing(), config.scoring(), asdict(config)]))

@@ -1,0 +1,3 @@
+"""``crosskd pipeline ...``: compile the KFP pipeline of ``pipelines/distill.py``, run it on this
+machine under ``kfp.local``, or submit it to a Kubeflow Pipelines server (:mod:`.submit`). kfp is
+imported only inside these functions (the ``kfp`` extra)."""

@@ -1,0 +1,116 @@
+"""``crosskd pipeline compile|run-local|submit``.
+
+* ``compile [--output FILE] [--image IMAGE] [--params FILE]``: the pipeline of
+  ``pipelines/distill.py`` as KFP YAML (default ``pipelines/distill.yaml`` of the checkout);
+  ``--params`` makes a parameter set (YAML mapping) the compiled defaults.
+* ``run-local (--preset NAME | --config FILE) [key=value ...] [--local-root DIR]
+  [--no-cache]``: the whole DAG on this machine under ``kfp.local``, the training step through
+  the local PyTorchJob executor; prints the held-out bits-per-byte table and the report path.
+* ``submit --host URL [--namespace NS] [--experiment NAME] [--package FILE] [--wait
+  [--timeout S]] [param=value ...]``: a run of the compiled package on a Kubeflow Pipelines
+  server with the kfp client. The token comes from ``$KFP_TOKEN`` or the service-account token
+  file ``$KF_PIPELINES_SA_TOKEN_PATH`` (never from the command line). Prints the run's URL; with
+  ``--wait`` exits 1 when the run does not succeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from crosskd.errors import ConfigError
+
+
+def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
+    """Add ``crosskd pipeline compile|run-local|submit`` to the ``crosskd`` parser."""
+    pipeline = commands.add_parser("pipeline", help="the Kubeflow pipeline (compile, run, submit)")
+    actions = pipeline.add_subparsers(dest="action", required=True)
+    comp = actions.add_parser("compile", help="compile pipelines/distill.py to KFP YAML")
+    comp.add_argument("--output", help="default: pipelines/distill.yaml of the checkout")
+    comp.add_argument("--image", help="the components' image (default: components/__init__.py)")
+    comp.add_argument("--params", help="YAML mapping of pipeline parameters: compiled defaults")
+    local = actions.add_parser("run-local", help="run the whole pipeline here under kfp.local")
+    local.add_argument("--preset", choices=["tiny", "demo"], help="a shipped run preset")
+    local.add_argument("--config", help="YAML file with run keys (crosskd distill's)")
+    local.add_argument("--local-root", help="kfp.local's own files (default: "
+                       "<output>/kfp-local for a local output)")  # fmt: skip
+    local.add_argument("--no-cache", action="store_true", help="run every step again")
+    local.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="any run key, e.g. output=demo-out steps=50")  # fmt: skip
+    sub = actions.add_parser("submit", help="submit the compiled pipeline to a KFP server")
+    sub.add_argument("--host", required=True, help="the KFP API URL (http[s]://...)")
+    sub.add_argument("--namespace", help="the Kubeflow profile namespace (multi-user KFP)")
+    sub.add_argument("--experiment", default="crosskd", help="default: %(default)s")
+    sub.add_argument("--run-name", help="the run's display name")
+    sub.add_argument("--package", help="compiled YAML (default: pipelines/distill.yaml)")
+    sub.add_argument("--wait", action="store_true", help="wait; exit 1 unless it succeeds")
+    sub.add_argument("--timeout", type=float, metavar="SECONDS", help="with --wait: give up")
+    sub.add_argument(
+        "arguments", nargs="*", metavar="param=value",
+        help="pipeline parameters, e.g. steps=2000 'teachers=[s3://b/qwen3]'",
+    )  # fmt: skip
+
+
+def run_pipeline_command(args: argparse.Namespace) -> int:
+    """Run a ``crosskd pipeline`` subcommand parsed by :func:`add_pipeline_commands`."""
+    if args.action == "compile":
+        return _compile(args)
+    if args.action == "run-local":
+        return _run_local(args)
+    return _submit(args)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from crosskd.pipeline.run import COMPILED_FILE, compile_pipeline, source_root
+
+    parameters = None
+    if args.params:
+        parameters = yaml.safe_load(Path(args.params).read_text(encoding="utf-8")) or {}
+        if not isinstance(parameters, dict):
+            raise ConfigError(f"--params {args.params}: expected a mapping of pipeline "
+                              f"parameters to values.")  # fmt: skip
+    output = args.output or str(source_root() / COMPILED_FILE)
+    compile_pipeline(output, image=args.image, parameters=parameters)
+    sys.stdout.write(f"compiled {output}\n")
+    return 0
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from crosskd.pipeline.run import preset_arguments, run_local
+    from crosskd.steps.config import load_run_config
+
+    if not args.preset and not args.config:
+        raise ConfigError("run-local needs --preset NAME or --config FILE (and output=DIR).")
+    config = load_run_config(args.config, args.preset, args.overrides)
+    result = run_local(preset_arguments(config), local_root=args.local_root,
+                       cache=not args.no_cache)  # fmt: skip
+    lines = [f"report: {result['report']}", "held-out bits per byte:"]
+    lines += [f"  {name:14} {value:.4f}" for name, value in result["bits_per_byte"].items()]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from crosskd.pipeline.run import COMPILED_FILE, source_root
+    from crosskd.pipeline.submit import run_failed, submit_pipeline
+
+    arguments = {}
+    for item in args.arguments:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"argument {item!r}: write it as param=value.")
+        arguments[key] = value
+    package = args.package or str(source_root() / COMPILED_FILE)
+    run = submit_pipeline(package, host=args.host, arguments=arguments, namespace=args.namespace,
+                          experiment=args.experiment, run_name=args.run_name, wait=args.wait,
+                          timeout_s=args.timeout)  # fmt: skip
+    state = f" {run.state}" if run.state else ""
+    sys.stdout.write(f"run {run.run_id}{state}: {run.url}\n")
+    if run_failed(run):
+        sys.stderr.write(f"crosskd: error: run {run.run_id} ended {run.state}"
+                         f"{f': {run.error}' if run.error else ''}\n")  # fmt: skip
+        return 1
+    return 0

@@ -1,0 +1,138 @@
+"""Compiling the pipeline and running it locally.
+
+The pipeline's source (``pipelines/distill.py`` and ``components/``) lives in the repository,
+not in the installed package: :func:`source_root` finds the checkout this package runs from (an
+editable install) or the current directory. :func:`preset_arguments` turns a run config (a
+preset) into the pipeline's parameters; :func:`run_local` runs the whole DAG under
+``kfp.local`` (each step a subprocess of this Python, the training step through the local
+PyTorchJob executor)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from crosskd.errors import ConfigError
+from crosskd.steps.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+PIPELINE_FILE = "pipelines/distill.py"
+COMPILED_FILE = "pipelines/distill.yaml"
+TOP_LEVEL = ("teachers", "student", "train_data", "heldout_data", "k", "tau", "steps",
+             "compare_ce_only", "score_pods")  # fmt: skip
+"""RunConfig keys that are pipeline parameters of their own; the rest go into ``options``."""
+LOCAL_JOB = {"cpu": "1", "memory": "2Gi", "grace_seconds": 30, "env": {"OMP_NUM_THREADS": "1"}}
+"""The local executor's PyTorchJob settings (one CPU process, no GPU)."""
+
+
+def source_root() -> Path:
+    """The checkout holding ``pipelines/distill.py``: the one this package was installed from
+    (editable), else the current directory."""
+    for candidate in (Path(__file__).resolve().parents[3], Path.cwd()):
+        if (candidate / PIPELINE_FILE).is_file() and (candidate / "components").is_dir():
+            return candidate
+    raise ConfigError(
+        f"{PIPELINE_FILE} not found; run crosskd pipeline from a crosskd checkout (the pipeline "
+        f"and its components are source files, not installed)."
+    )
+
+
+def load_pipeline(image: str | None = None) -> Callable[..., Any]:
+    """The pipeline function of ``pipelines/distill.py`` (the checkout's root is put first on
+    ``sys.path``); ``image`` replaces the components' image (``CROSSKD_IMAGE``)."""
+    root = str(source_root())
+    if image:
+        os.environ["CROSSKD_IMAGE"] = image
+        os.environ.setdefault("CROSSKD_CUDA_IMAGE", f"{image}-cuda")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from pipelines.distill import distill
+
+    return distill
+
+
+def compile_pipeline(output: str, *, image: str | None = None,
+                     parameters: dict[str, Any] | None = None) -> str:  # fmt: skip
+    """Compile the pipeline into ``output`` (YAML), with ``parameters`` as the defaults of those
+    pipeline parameters; returns ``output``."""
+    from kfp import compiler
+
+    pipeline = load_pipeline(image)
+    compiler.Compiler().compile(pipeline, output, pipeline_parameters=parameters or None)
+    return output
+
+
+def preset_arguments(config: RunConfig) -> dict[str, Any]:
+    """The pipeline arguments of a run config for a local run: its keys (the ones that are not
+    parameters of their own go into ``options``) with the local executor and no GPU."""
+    values = {k: v for k, v in asdict(config).items() if v is not None}
+    output = values.pop("output")
+    arguments = {key: values.pop(key) for key in TOP_LEVEL}
+    return {
+        "output_root": output, **arguments, "options": values, "executor": "local",
+        "image": "crosskd:local", "gpus_per_node": 0, "nodes": 1, "score_gpus": 0,
+        "score_tolerations": [], "job": dict(LOCAL_JOB),
+    }  # fmt: skip
+
+
+def run_local(arguments: dict[str, Any], *, local_root: str | None = None,
+              cache: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Run the pipeline with ``arguments`` under ``kfp.local`` (``SubprocessRunner`` in this
+    Python, no new virtual environment); KFP's own records (artifact files, its cache) go under
+    ``local_root`` (default: ``<output_root>/kfp-local`` for a local output root), the workspace
+    into a temporary folder kfp deletes. Returns the report step's output (``report``,
+    ``bits_per_byte``); a failed step raises :class:`crosskd.errors.CrosskdError` with its
+    message."""
+    import warnings
+
+    from kfp import local
+
+    from crosskd.errors import CrosskdError
+    from crosskd.steps.locations import is_local
+    from crosskd.steps.runtime import ERRORS_ENV
+
+    output_root = str(arguments["output_root"])
+    if local_root is None:
+        if not is_local(output_root):
+            raise ConfigError(f"output_root {output_root} is not a local folder; give "
+                              f"--local-root DIR for kfp.local's own files.")  # fmt: skip
+        local_root = f"{output_root.rstrip('/')}/kfp-local"
+    pipeline = load_pipeline()
+    Path(local_root).mkdir(parents=True, exist_ok=True)
+    workspace = tempfile.mkdtemp(prefix="crosskd-kfp-workspace-")
+    errors = Path(tempfile.mkdtemp(prefix="crosskd-step-errors-"))
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=local_root,
+               workspace_root=workspace, enable_caching=cache, raise_on_error=True)  # fmt: skip
+    with warnings.catch_warnings():
+        # kfp.local ignores resources and Kubernetes settings, and warns about each.
+        warnings.simplefilter("ignore")
+        previous = os.environ.get(ERRORS_ENV)
+        os.environ[ERRORS_ENV] = str(errors)  # the steps' processes inherit it
+        try:
+            task = pipeline(**arguments)
+        except RuntimeError as exc:
+            found = sorted(errors.glob("*.txt"), key=lambda p: p.stat().st_mtime)
+            message = found[0].read_text() if found else " ".join(_plain(str(exc)).split())
+            raise CrosskdError(message) from None
+        finally:
+            if previous is None:
+                os.environ.pop(ERRORS_ENV, None)
+            else:
+                os.environ[ERRORS_ENV] = previous
+            shutil.rmtree(errors, ignore_errors=True)
+    return dict(task.output)
+
+
+def _plain(text: str) -> str:
+    """``text`` without the terminal colour codes kfp.local puts in its messages."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -1,0 +1,159 @@
+"""The configuration of one distillation run (:class:`RunConfig`): what ``crosskd distill`` and
+the pipeline's parameters set. Presets ship with the package (``tiny``, ``demo``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from crosskd.config import load_config
+from crosskd.errors import ConfigError
+from crosskd.train.config import loss_from_mapping
+
+PRESETS = ("tiny", "demo")
+INIT = "init"
+"""A model reference meaning a random-init Llama (of the ``*_shape`` for the ``*_tokenizer``)."""
+STDLIB = ""
+"""``train_data`` unset: text from this machine's Python standard library (``corpus_bytes``)."""
+
+
+@dataclass
+class RunConfig:
+    """A whole distillation run. Lengths are token counts; URIs are any fsspec URI or path."""
+
+    output: str
+    """Root of the run's outputs. Pure steps write under content-addressed prefixes here
+    (``tables/<key>``, ``prepared/<key>``, ``cache/<key>``, ``inputs/...``: the same inputs give
+    the same URIs); a run's own outputs go to its run folder (``crosskd distill``: this folder;
+    the pipeline: ``runs/<run id>``)."""
+    teachers: list[str] = field(default_factory=lambda: ["zoo:smollm2"])
+    """Teacher model references (HF folder, fsspec URI of one, ``zoo:NAME``, cached hub id), or
+    ``init``: a random-init Llama of ``teacher_shape`` for ``teacher_tokenizer``."""
+    teacher_tokenizer: str = "tiny:420"
+    """Tokenizer of an ``init`` teacher (any tokenizer reference, or ``tiny:N``: a byte-level BPE
+    of N tokens trained on the training data)."""
+    teacher_shape: dict = field(default_factory=dict)
+    """Llama shape of an ``init`` teacher (``hidden_size``, ``num_hidden_layers``, ...)."""
+    student: str = INIT
+    """The student: a pretrained model reference, or ``init`` (``student_shape`` for
+    ``student_tokenizer``)."""
+    student_tokenizer: str = "zoo:llama3"
+    """Tokenizer of an ``init`` student (a teacher's own makes a same-tokenizer teacher: no
+    tables); unused for a pretrained student (its own)."""
+    student_shape: dict = field(default_factory=dict)
+    """Llama shape of an ``init`` student."""
+    train_data: str = STDLIB
+    """Training rows (JSONL, Parquet, a ``datasets`` folder, a folder or glob of shards; text or
+    chat). Empty: ``corpus_bytes`` of Python standard-library text."""
+    heldout_data: str = ""
+    """Held-out rows (same formats). Empty: ``heldout_fraction`` of the training rows."""
+    heldout_fraction: float = 0.1
+    """Without ``heldout_data``: the share of training rows held out, chosen by a hash of each
+    row's id (the same rows whatever the order or the machine)."""
+    corpus_bytes: int = 200_000
+    """Size of the standard-library corpus (``train_data`` empty)."""
+    heldout_every: int = 10
+    """Standard-library corpus: every ``heldout_every``-th document is held out."""
+    max_length: int = 256
+    """Student capacity (longest sample, packed row length); teachers get twice as much."""
+    shard_rows: int = 4096
+    """Samples per prepared shard (the unit teacher scoring is split by)."""
+    k: int = 32
+    """Top-K of the teacher cache."""
+    tau: float = 1.0
+    """Distillation temperature."""
+    encoding: str = "lossless"
+    """Teacher cache encoding: ``lossless`` or ``lossy``."""
+    score_pods: int = 1
+    """Scoring of each teacher is split over this many shard ranges (pods in the pipeline)."""
+    steps: int = 100
+    """Optimizer steps of each training run."""
+    micro_batch_rows: int = 4
+    """Packed rows per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    seed: int = 0
+    """Seed of the data order and of random-init models (teacher ``i``: ``seed + 1 + i``)."""
+    loss: dict = field(default_factory=dict)
+    """LossConfig keys (``tau`` and the teacher entries are filled in from the other keys)."""
+    compare_ce_only: bool = True
+    """Also train the same student with CE only (kd_weight 0) on the same budget."""
+    token_budget: int = 2048
+    """Padded tokens per forward batch when scoring and evaluating."""
+    device: str | None = None
+    """Device of scoring and evaluation (``cpu``, ``cuda``; default: CUDA when available)."""
+
+    def __post_init__(self) -> None:
+        for key in ("tau", "teachers"):
+            if key in self.loss:
+                raise ConfigError(
+                    f"loss.{key} is set; the run sets it from the top-level keys (tau, k and "
+                    f"the built tables). Remove loss.{key}."
+                )
+        loss_from_mapping(self.loss)  # every other loss key is checked now, not after scoring
+        if not isinstance(self.teachers, list) or not self.teachers or not all(
+            isinstance(t, str) and t for t in self.teachers
+        ):  # fmt: skip
+            raise ConfigError(f"teachers is {self.teachers!r}; give a list of one or more "
+                              f"teacher model references (or init).")  # fmt: skip
+        for key in ("corpus_bytes", "heldout_every", "max_length", "shard_rows", "k",
+                    "score_pods", "steps", "micro_batch_rows", "grad_accum",
+                    "token_budget"):  # fmt: skip
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key} is {value!r}; it must be an integer >= 1.")
+        fraction = self.heldout_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not (
+            0 < fraction < 1
+        ):  # fmt: skip
+            raise ConfigError(f"heldout_fraction is {fraction!r}; it must be a number between 0 "
+                              f"and 1 (exclusive).")  # fmt: skip
+        if not isinstance(self.compare_ce_only, bool):
+            raise ConfigError(f"compare_ce_only is {self.compare_ce_only!r}; write true or false.")
+
+
+    def scoring(self) -> dict[str, Any]:
+        """What changes a teacher cache: ``k``, ``tau``, ``encoding``, ``token_budget``,
+        ``device``."""
+        return {"k": self.k, "tau": self.tau, "encoding": self.encoding,
+                "token_budget": self.token_budget, "device": self.device}  # fmt: skip
+
+    def preparing(self) -> dict[str, Any]:
+        """What changes prepared data besides the inputs: ``max_length``, ``shard_rows``."""
+        return {"max_length": self.max_length, "shard_rows": self.shard_rows}
+
+
+def preset_path(name: str) -> str:
+    """The YAML file of a shipped preset."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset {name!r} does not exist; choose one of {', '.join(PRESETS)}.")
+    return str(resources.files("crosskd") / "presets" / f"{name}.yaml")
+
+
+def preset_values(name: str) -> dict[str, Any]:
+    """The keys a shipped preset sets."""
+    return yaml.safe_load(Path(preset_path(name)).read_text()) or {}
+
+
+def load_run_config(path: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
+    """A preset (or none), then the file, then ``key=value`` overrides."""
+    values: dict[str, Any] = {}
+    for source in (preset_path(preset) if preset else None, path):
+        if source is None:
+            continue
+        loaded = yaml.safe_load(Path(source).read_text()) or {}
+        known = set(RunConfig.__dataclass_fields__)
+        unknown = sorted(set(loaded) - known)
+        if unknown:
+            raise ConfigError(f"config {source}: unknown key(s) {', '.join(unknown)}; known keys: "
+                              f"{', '.join(sorted(known))}.")  # fmt: skip
+        values.update(loaded)
+    return load_config(RunConfig, None, overrides, flags=values)

@@ -1,0 +1,220 @@
+"""Step ``validate_inputs``: check a run's inputs in seconds, before any GPU step, and resolve
+every reference the later steps need into a URI.
+
+Checked: every config value the later steps would refuse (prepare, score, train, loss, the
+PyTorchJob's), that the data exist, that every model folder has a ``config.json`` and a
+tokenizer crosskd supports. Resolved (written once, under content-addressed prefixes of the
+run's root, so a rerun finds them): the standard-library corpus when no data is given, ``tiny:N``
+tokenizers trained on the training rows, and ``init`` models (random-init Llamas, seeded).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from crosskd.errors import ConfigError
+from crosskd.steps.config import INIT, STDLIB, RunConfig
+from crosskd.steps.locations import content_uri, exists, materialize
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("kd", "ce")
+"""Training runs of a run: ``kd`` (CSD), ``ce`` (CE only, the comparison)."""
+
+
+def variants(config: RunConfig) -> list[str]:
+    """The training runs of ``config``: ``["kd"]``, with ``compare_ce_only`` ``["kd", "ce"]``."""
+    return list(VARIANTS if config.compare_ce_only else VARIANTS[:1])
+
+
+def model_tokenizer(ref: str) -> str:
+    """The tokenizer reference of a model reference: its local folder (``zoo:`` models built,
+    URIs copied into the cache), which holds the tokenizer files."""
+    from crosskd.teacher.model import model_folder
+
+    return str(model_folder(ref, role="model"))
+
+
+def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check ``config`` (and the PyTorchJob settings ``job``, JobConfig keys, when training runs
+    as a job) and resolve its references; returns the run's plan: ``{"root", "student",
+    "student_fingerprint", "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}],
+    "train_data", "heldout_data", "heldout_fraction"}`` (URIs; ``heldout_fraction`` None when
+    ``heldout_data`` is given)."""
+    from crosskd.tokenization import load_tokenizer
+
+    _check_step_configs(config, job)
+    root = config.output.rstrip("/")
+    train_data, heldout_data = config.train_data, config.heldout_data
+    if train_data == STDLIB:
+        train_data, heldout_data = _stdlib_corpus(config, root)
+    for key, uri in (("train_data", train_data), ("heldout_data", heldout_data)):
+        if uri and not _data_exists(uri):
+            raise ConfigError(f"{key} {uri}: no such file, folder or glob; check the URI (and "
+                              f"the S3 credentials in the environment).")  # fmt: skip
+    docs: list[str] | None = None
+
+    def tokenizer_ref(ref: str) -> str:
+        nonlocal docs
+        if not ref.startswith("tiny:"):
+            return ref
+        if docs is None:
+            docs = _texts(train_data)
+        size = _tiny_size(ref)
+        uri = content_uri(root, "inputs/tokenizers", {"vocab": size, "docs": len(docs),
+                                                      "data": _text_digest(docs)})  # fmt: skip
+        from crosskd.zoo import train_tiny_bpe
+
+        return materialize(uri, lambda folder: train_tiny_bpe(docs, size, folder))
+
+    def model_ref(ref: str, tokenizer: str, shape: dict, seed: int, role: str) -> str:
+        if ref != INIT:
+            _check_model(ref, role)
+            return ref
+        tok_ref = tokenizer_ref(tokenizer)
+        fingerprint = load_tokenizer(tok_ref).fingerprint
+        uri = content_uri(root, "inputs/models", {"tokenizer": fingerprint, "shape": shape,
+                                                  "seed": seed})  # fmt: skip
+        from crosskd.zoo.models import init_llama
+
+        return materialize(uri, lambda folder: init_llama(folder, tok_ref, shape, seed) and None)
+
+    student = model_ref(config.student, config.student_tokenizer, config.student_shape,
+                        config.seed, "student")  # fmt: skip
+    student_fp = load_tokenizer(model_tokenizer(student)).fingerprint
+    teachers = []
+    for i, ref in enumerate(config.teachers):
+        resolved = model_ref(ref, config.teacher_tokenizer, config.teacher_shape,
+                             config.seed + 1 + i, f"teacher {i}")  # fmt: skip
+        fingerprint = load_tokenizer(model_tokenizer(resolved)).fingerprint
+        teachers.append({"index": i, "ref": resolved, "fingerprint": fingerprint,
+                         "same_tokenizer": fingerprint == student_fp})  # fmt: skip
+    plan = {
+        "root": root, "student": student, "student_fingerprint": student_fp,
+        "teachers": teachers, "train_data": train_data, "heldout_data": heldout_data,
+        "heldout_fraction": None if heldout_data else float(config.heldout_fraction),
+    }  # fmt: skip
+    log.info("inputs: student %s, %d teacher(s) (%s), data %s", student, len(teachers),
+             ", ".join(t["ref"] for t in teachers), train_data)  # fmt: skip
+    return plan
+
+
+def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
+    """Build every later step's config from ``config`` so a value they would refuse is refused
+    now, naming the key."""
+    from crosskd.data.prepare import PrepareConfig
+    from crosskd.teacher.scoring import ScoreConfig
+    from crosskd.train import TrainConfig
+
+    n = len(config.teachers)
+    PrepareConfig(data="-", student_tokenizer="-", teacher_tokenizers=["-"] * n, output="-",
+                  max_length=config.max_length, teacher_max_length=2 * config.max_length,
+                  shard_rows=config.shard_rows)  # fmt: skip
+    ScoreConfig(data="-", teacher="-", output="-", k=config.k, tau=config.tau,
+                encoding=config.encoding, token_budget=config.token_budget).check()  # fmt: skip
+    TrainConfig(**train_values(config, student="-", data="-", output="-", caches=["-"] * n,
+                               tables=[None] * n, kd=True))  # fmt: skip
+    if job is not None:
+        from crosskd.k8s.job import load_job_config
+
+        load_job_config(values={"run_id": "validate", **job})
+
+
+def train_values(
+    config: RunConfig, *, student: str, data: str, output: str, caches: list[str],
+    tables: list[dict | None], kd: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The ``crosskd train`` keys of one training run of ``config`` (``kd`` False: CE only)."""
+    loss = dict(config.loss)
+    if not kd:
+        loss.update(kd_weight=0.0, dynamic_kd_scale=False)
+    loss["tau"] = config.tau
+    loss["teachers"] = [
+        {"k": config.k, "student_to_teacher": (t or {}).get("s2t"),
+         "teacher_to_student": (t or {}).get("t2s")}
+        for t in tables
+    ]  # fmt: skip
+    return {
+        "student": student, "data": data, "output": output, "teachers": list(caches),
+        "loss": loss, "steps": config.steps, "micro_batch_rows": config.micro_batch_rows,
+        "grad_accum": config.grad_accum, "lr": config.lr, "warmup_steps": config.warmup_steps,
+        "seed": config.seed,
+    }  # fmt: skip
+
+
+def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:
+    """The standard-library corpus as ``train.jsonl`` / ``heldout.jsonl`` (every
+    ``heldout_every``-th document held out)."""
+    import json
+
+    from crosskd.alignment.corpus import benchmark_corpus
+
+    def build(folder: Path) -> None:
+        documents = benchmark_corpus(config.corpus_bytes)
+        splits = {"train": [d for i, d in enumerate(documents) if i % config.heldout_every],
+                  "heldout": [d for i, d in enumerate(documents)
+                              if not i % config.heldout_every]}  # fmt: skip
+        for name, docs in splits.items():
+            (folder / f"{name}.jsonl").write_text("".join(
+                json.dumps({"id": f"{name}-{i}", "text": d}) + "\n" for i, d in enumerate(docs)
+            ))  # fmt: skip
+        log.info("corpus: %d training and %d held-out documents", len(splits["train"]),
+                 len(splits["heldout"]))  # fmt: skip
+
+    uri = content_uri(root, "inputs/corpus", {"bytes": config.corpus_bytes,
+                                              "every": config.heldout_every})  # fmt: skip
+    materialize(uri, build)
+    return f"{uri}/train.jsonl", f"{uri}/heldout.jsonl"
+
+
+def _data_exists(uri: str) -> bool:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs.exists(path) or bool(fs.glob(path))
+
+
+def _texts(uri: str) -> list[str]:
+    """The text of every row (chat rows: their messages' content) of the data at ``uri``."""
+    from crosskd.data.records import read_records
+
+    texts = []
+    for record in read_records(uri):
+        if record.text is not None:
+            texts.append(record.text)
+        else:
+            texts.append("\n".join(str(m.get("content") or "") for m in record.messages or []))
+    return texts
+
+
+def _text_digest(texts: list[str]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode("utf-8") + b"\0")
+    return digest.hexdigest()
+
+
+def _tiny_size(ref: str) -> int:
+    try:
+        size = int(ref[len("tiny:") :])
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ConfigError(f"tokenizer {ref!r}: write tiny:N with N the vocabulary size (>= 1).")
+    return size
+
+
+def _check_model(ref: str, role: str) -> None:
+    """A model reference must name a folder with ``config.json`` and a tokenizer."""
+    from crosskd.errors import CrosskdError
+
+    try:
+        model_tokenizer(ref)
+    except CrosskdError as exc:
+        raise ConfigError(f"{role}: {exc}") from exc
+    if "://" in ref and not exists(f"{ref.rstrip('/')}/config.json"):
+        raise ConfigError(f"{role} {ref}: no config.json there; give a model folder.")

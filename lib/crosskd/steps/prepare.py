@@ -1,0 +1,95 @@
+"""Step ``prepare``: the run's training and held-out rows clipped, aligned and lockstep-packed
+for the student and every teacher (:func:`crosskd.data.prepare.prepare`), under a prefix keyed by
+the data's content, the tokenizers' fingerprints and the options."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import fsspec
+
+from crosskd.steps.inputs import model_tokenizer
+from crosskd.steps.locations import content_uri, data_fingerprint
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "heldout")
+
+
+def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 4096,
+                 progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Prepare ``plan["train_data"]`` and the held-out rows (``plan["heldout_data"]``, else the
+    ``plan["heldout_fraction"]`` of the training rows whose id hashes below it) for the plan's
+    student and teachers (teachers get ``2 * max_length``) under
+    ``<root>/prepared/<key>/{train,heldout}``; returns ``{"uri", "train", "heldout",
+    "train_shards", "rows": {split: n}, "data_fingerprint": {split: sha256}}``. A split whose
+    manifest exists is not prepared again."""
+    from crosskd.data.prepare import PrepareConfig, prepare
+    from crosskd.tokenization import load_tokenizer
+
+    student = model_tokenizer(plan["student"])
+    teachers = [model_tokenizer(t["ref"]) for t in plan["teachers"]]
+    sources = {"train": plan["train_data"], "heldout": plan["heldout_data"] or None}
+    key = {
+        "data": {k: data_fingerprint(v) for k, v in sources.items() if v},
+        "heldout_fraction": plan.get("heldout_fraction"),
+        "tokenizers": [load_tokenizer(t).fingerprint for t in [student, *teachers]],
+        "max_length": max_length, "shard_rows": shard_rows,
+    }  # fmt: skip
+    uri = content_uri(plan["root"], "prepared", key)
+    if sources["heldout"] is None:
+        sources = _split(sources["train"], float(plan.get("heldout_fraction", 0.1)),
+                         f"{uri}/rows")  # fmt: skip
+    result: dict[str, Any] = {"uri": uri, "rows": {}, "data_fingerprint": {}}
+    for split in SPLITS:
+        target = f"{uri}/{split}"
+        fs, path = fsspec.core.url_to_fs(target)
+        if fs.exists(f"{path}/manifest.json"):
+            log.info("prepared %s data exist at %s", split, target)
+            manifest = json.loads(fs.cat_file(f"{path}/manifest.json"))
+        else:
+            manifest = prepare(PrepareConfig(
+                data=sources[split], student_tokenizer=student, teacher_tokenizers=teachers,
+                output=target, max_length=max_length, teacher_max_length=2 * max_length,
+                shard_rows=shard_rows,
+            ), progress=progress)  # fmt: skip
+        result[split] = target
+        result["rows"][split] = manifest["rows"]
+        result["data_fingerprint"][split] = manifest["data_fingerprint"]
+        if split == "train":
+            result["train_shards"] = len(manifest["shards"])
+    return result
+
+
+def held_out(sample_id: str, fraction: float) -> bool:
+    """Whether the row ``sample_id`` is held out: the first 8 bytes of its sha256 as a number in
+    [0, 1) fall below ``fraction`` (the same rows on every machine, whatever the order)."""
+    value = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big")
+    return value / 2**64 < fraction
+
+
+def _split(data: str, fraction: float, folder: str) -> dict[str, str]:
+    """Write the training rows of ``data`` as ``train.jsonl`` and ``heldout.jsonl`` under
+    ``folder`` (ids kept) by :func:`held_out`; returns their URIs."""
+    from crosskd.data.records import read_records
+    from crosskd.errors import DataError
+
+    lines: dict[str, list[str]] = {split: [] for split in SPLITS}
+    for record in read_records(data):
+        row = {"id": record.sample_id}
+        row |= {"text": record.text} if record.text is not None else {"messages": record.messages}
+        lines["heldout" if held_out(record.sample_id, fraction) else "train"].append(
+            json.dumps(row, ensure_ascii=False) + "\n")  # fmt: skip
+    for split, rows in lines.items():
+        if not rows:
+            raise DataError(f"data {data}: heldout_fraction {fraction} leaves no {split} rows "
+                            f"of {sum(map(len, lines.values()))}; give heldout_data or another "
+                            f"fraction.")  # fmt: skip
+    fs, path = fsspec.core.url_to_fs(folder)
+    fs.makedirs(path, exist_ok=True)
+    for split, rows in lines.items():
+        fs.pipe_file(f"{path}/{split}.jsonl", "".join(rows).encode("utf-8"))
+    return {split: f"{folder}/{split}.jsonl" for split in SPLITS}

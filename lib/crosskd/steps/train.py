@@ -1,0 +1,149 @@
+"""Steps ``plan_training`` and ``train``: the training runs of a run (``kd``: CSD; ``ce``: CE
+only on the same budget) and running one, in this process, as a PyTorchJob on the cluster (the
+launcher: create or reattach, wait, stream the master's log) or through the local executor that
+runs a rendered job the way the Training Operator would."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import yaml
+
+from crosskd.errors import ConfigError
+from crosskd.steps.config import RunConfig
+from crosskd.steps.inputs import train_values, variants
+
+log = logging.getLogger(__name__)
+
+EXECUTORS = ("inprocess", "local", "cluster")
+"""``inprocess``: the Trainer in this process; ``local``: the rendered PyTorchJob on this
+machine (:mod:`crosskd.k8s.local`); ``cluster``: the PyTorchJob on the cluster."""
+TRAIN_FILE = "train.yaml"
+
+
+def plan_training(config: RunConfig, plan: dict[str, Any], prepared: dict[str, Any],
+                  tables: list[dict[str, Any]], caches: list[dict[str, Any]],
+                  run_dir: str) -> list[dict[str, Any]]:  # fmt: skip
+    """One item per training run (:func:`crosskd.steps.inputs.variants`): ``{"variant",
+    "train": crosskd train keys}`` with the output ``<run_dir>/<variant>``; ``tables`` and
+    ``caches`` (any order) are matched to teachers by their ``index``."""
+    by_index = {int(t["index"]): t for t in tables}
+    cache_of = {int(c["index"]): c["cache"] for c in caches}
+    n = len(plan["teachers"])
+    if sorted(by_index) != list(range(n)) or sorted(cache_of) != list(range(n)):
+        raise ConfigError(
+            f"plan_training: tables for teachers {sorted(by_index)} and caches for "
+            f"{sorted(cache_of)}; every one of the {n} teachers needs both."
+        )
+    items = []
+    for variant in variants(config):
+        values = train_values(
+            config, student=plan["student"], data=prepared["train"],
+            output=f"{run_dir.rstrip('/')}/{variant}", caches=[cache_of[i] for i in range(n)],
+            tables=[None if by_index[i]["same_tokenizer"] else by_index[i] for i in range(n)],
+            kd=variant == "kd",
+        )  # fmt: skip
+        items.append({"variant": variant, "train": values})
+    return items
+
+
+def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, Any] | None = None,
+          run_id: str | None = None, workdir: str | None = None, wait_timeout: float | None = None,
+          progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Run the training item of :func:`plan_training` with ``executor`` (:data:`EXECUTORS`);
+    ``job`` (JobConfig keys) and ``run_id`` (the job's name derives from it, so a retried
+    launcher reattaches) for ``local`` and ``cluster``; ``workdir``: the local executor's replica
+    folders. The train config is written to ``<output>/train.yaml`` first. Returns
+    ``{"variant", "output", "model", "steps", "history"}`` (``history``: the per-step metrics of
+    rank 0). A finished run returns at once; an interrupted one resumes from its checkpoint."""
+    from crosskd.train import TrainConfig, finished_model
+
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor is {executor!r}; choose one of {', '.join(EXECUTORS)}.")
+    values = item["train"]
+    config = TrainConfig(**values)
+    output = values["output"].rstrip("/")
+    fs, path = fsspec.core.url_to_fs(output)
+    fs.makedirs(path, exist_ok=True)
+    config_uri = f"{output}/{TRAIN_FILE}"
+    fs.pipe_file(f"{path}/{TRAIN_FILE}", yaml.safe_dump(values, sort_keys=False).encode())
+    if finished_model(config) is not None:
+        log.info("training run %s is complete: nothing to do", output)
+    elif executor == "inprocess":
+        _train_here(config, progress)
+    else:
+        _train_as_job(config_uri, executor, job or {}, run_id, workdir, wait_timeout)
+    return {"variant": item["variant"], "output": output, "model": f"{output}/final",
+            "steps": config.steps, "history": run_history(output)}
+
+
+def run_history(output: str) -> list[dict[str, Any]]:
+    """The per-step metrics of rank 0 of the run at ``output`` (the last record of each step,
+    so an invocation resumed after a crash counts each step once), in step order."""
+    import json
+
+    fs, path = fsspec.core.url_to_fs(f"{output}/metrics-rank0.jsonl")
+    if not fs.exists(path):
+        return []
+    records = [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line]
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def job_documents(config_uri: str, job: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
+    """The PyTorchJob of one training run: the JobConfig keys ``job`` with ``run_id`` and the
+    train config read from ``config_uri``. A job that asks for GPUs (``gpus_per_node``) but whose
+    rendered pods request none is refused."""
+    from crosskd.k8s.job import job_manifest, load_job_config
+
+    config = load_job_config(values={**job, "run_id": run_id, "train_config_uri": config_uri})
+    manifest = job_manifest(config)
+    if config.gpus_per_node:
+        specs = manifest["spec"]["pytorchReplicaSpecs"].values()
+        limits = [c.get("resources", {}).get("limits", {}).get(config.gpu_resource)
+                  for s in specs for c in s["template"]["spec"]["containers"]]  # fmt: skip
+        if any(limit != str(config.gpus_per_node) for limit in limits):
+            raise ConfigError(f"gpus_per_node is {config.gpus_per_node} but the rendered job "
+                              f"requests {limits} {config.gpu_resource}; fix the job "
+                              f"config.")  # fmt: skip
+    return [manifest]
+
+
+def _train_here(config: Any, progress: bool) -> None:
+    from crosskd.train import Trainer
+
+    trainer = Trainer(config, progress=progress)
+    try:
+        trainer.setup()
+        trainer.train()
+        trainer.save()
+    finally:
+        trainer.close()
+
+
+def _train_as_job(config_uri: str, executor: str, job: dict[str, Any], run_id: str | None,
+                  workdir: str | None, wait_timeout: float | None) -> None:  # fmt: skip
+    if not run_id:
+        raise ConfigError("a training job needs a run id (its name derives from it).")
+    if executor == "local":  # several local jobs may run at once: any free metrics port
+        job = {**job, "train_overrides": [*job.get("train_overrides", []), "metrics_port=0"]}
+    documents = job_documents(config_uri, job, run_id)
+    if executor == "local":
+        from crosskd.k8s.local import run_local_job
+
+        folder = Path(workdir or "crosskd-local-job")
+        result = run_local_job(documents, folder, wait_timeout=wait_timeout)
+    else:
+        import math
+
+        from crosskd.k8s.cli import current_namespace
+        from crosskd.k8s.launcher import submit
+
+        namespace = job.get("namespace") or current_namespace()
+        result = submit(documents[0], namespace=namespace,
+                        wait_timeout=wait_timeout or math.inf)  # fmt: skip
+    log.info("PyTorchJob %s/%s succeeded in %.0f s", result.namespace, result.name,
+             result.elapsed_s)  # fmt: skip

@@ -1,0 +1,1 @@
+"""The crosskd pipeline graph(s) (``distill.py``) and their compiled YAML."""

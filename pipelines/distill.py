@@ -1,0 +1,154 @@
+"""The distillation pipeline (KFP v2): validate inputs -> prepare -> per teacher: tables ->
+validate; scoring fanned out over teachers x shard ranges -> merge -> per run (kd, ce): train as
+a PyTorchJob -> evaluate -> report. ``crosskd pipeline compile`` writes ``distill.yaml``.
+
+Per-task settings: caching on for the pure steps (their outputs are content-addressed), off for
+validation, training, evaluation and the report; retries with backoff on I/O-bound steps only;
+the scoring step is the GPU step (accelerator, CPU and memory requests, node selector and
+tolerations from parameters, ``/dev/shm`` in memory, a timeout); every step gets the S3
+credentials from the Secret named by ``s3_secret``. The training task is a CPU-only launcher:
+its GPUs, nodes, tolerations and node selector go into the PyTorchJob it renders (``job``).
+"""
+
+from kfp import dsl, kubernetes
+
+from components.build_tables.component import build_tables
+from components.evaluate.component import evaluate
+from components.merge_cache.component import merge_cache
+from components.plan_scoring.component import plan_scoring
+from components.plan_tables.component import plan_tables
+from components.plan_training.component import plan_training
+from components.prepare.component import prepare
+from components.report.component import report
+from components.score_teacher.component import score_teacher
+from components.train.component import train
+from components.validate_inputs.component import validate_inputs
+from components.validate_tables.component import validate_tables
+
+GPU = "nvidia.com/gpu"
+TRAIN_WAIT = "1209600s"
+"""How long a retried training launcher may keep reattaching (two weeks: longer than a job)."""
+
+
+def _secrets(task: dsl.PipelineTask, secret: str) -> dsl.PipelineTask:
+    """S3 credentials (and, when the Secret has them, endpoint and region) as env from the
+    Secret ``secret``: never as parameters."""
+    kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={
+        "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+    })  # fmt: skip
+    kubernetes.use_secret_as_env(task, secret_name=secret, optional=True, secret_key_to_env={
+        "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION": "AWS_DEFAULT_REGION",
+    })  # fmt: skip
+    return task
+
+
+def _cpu(task: dsl.PipelineTask, cpu: str, memory: str, *, cache: bool,
+         retries: int = 0) -> dsl.PipelineTask:  # fmt: skip
+    task.set_cpu_request(cpu).set_memory_request(memory).set_caching_options(cache)
+    if retries:
+        task.set_retry(retries, backoff_duration="30s", backoff_factor=2.0,
+                       backoff_max_duration="3600s")  # fmt: skip
+    return task
+
+
+@dsl.pipeline(
+    name="crosskd-distill",
+    description="Cross-tokenizer distillation (Common-Support Distillation): tables, data, "
+    "teacher scoring, student training as a PyTorchJob, evaluation and report.",
+)
+def distill(
+    output_root: str = "s3://crosskd/distill",
+    teachers: list = ["zoo:smollm2"],  # noqa: B006 (a KFP default, never mutated)
+    student: str = "init",
+    train_data: str = "",
+    heldout_data: str = "",
+    k: int = 32,
+    tau: float = 1.0,
+    steps: int = 120,
+    compare_ce_only: bool = True,
+    options: dict = {  # noqa: B006
+        "student_tokenizer": "zoo:llama3",
+        "student_shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
+        "corpus_bytes": 120000, "max_length": 128, "micro_batch_rows": 4, "lr": 0.003,
+        "warmup_steps": 10, "loss": {"dynamic_kd_scale": True}, "token_budget": 2048,
+    },
+    score_pods: int = 1,
+    score_gpus: int = 1,
+    score_node_selector: dict = {},  # noqa: B006
+    score_tolerations: list = [  # noqa: B006
+        {"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
+    ],
+    executor: str = "cluster",
+    image: str = "ghcr.io/crosskd/crosskd:0.1.0-cuda",
+    gpus_per_node: int = 8,
+    nodes: int = 1,
+    job: dict = {  # noqa: B006
+        "s3_secret": "crosskd-s3",
+        "tolerations": [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}],
+    },
+    s3_secret: str = "crosskd-s3",
+) -> dict:
+    """One distillation run. ``options``: any other RunConfig key (``docs/config.md``);
+    ``job``: any other JobConfig key of the training PyTorchJob (tolerations, node selector,
+    s3_secret, ...); ``executor``: ``cluster`` (a PyTorchJob) or ``local`` (this machine)."""
+    inputs = validate_inputs(
+        output_root=output_root, teachers=teachers, student=student, train_data=train_data,
+        heldout_data=heldout_data, k=k, tau=tau, steps=steps, compare_ce_only=compare_ce_only,
+        score_pods=score_pods, options=options, executor=executor, image=image,
+        gpus_per_node=gpus_per_node, nodes=nodes, job=job,
+    )  # fmt: skip
+    _secrets(_cpu(inputs, "1", "4Gi", cache=False), s3_secret)
+    plan = inputs.outputs["plan"]
+    prepared = prepare(plan=plan, preparing=inputs.outputs["preparing"])
+    _secrets(_cpu(prepared, "8", "32Gi", cache=True, retries=2), s3_secret)
+    pairs = plan_tables(plan=plan)
+    _secrets(_cpu(pairs, "1", "1Gi", cache=True), s3_secret)
+    # kfp.local hands a loop body only its item and pipeline parameters: items are self-contained.
+    with dsl.ParallelFor(pairs.output, name="teachers") as pair:
+        built = build_tables(item=pair)
+        _secrets(_cpu(built, "4", "16Gi", cache=True, retries=2), s3_secret)
+        checked = validate_tables(item=pair, tables=built.outputs["Output"])
+        _secrets(_cpu(checked, "2", "8Gi", cache=True), s3_secret)
+    jobs = plan_scoring(plan=plan, prepared=prepared.outputs["Output"],
+                        scoring=inputs.outputs["scoring"], score_pods=score_pods)  # fmt: skip
+    _secrets(_cpu(jobs, "1", "1Gi", cache=True), s3_secret)
+    with dsl.ParallelFor(jobs.output, name="scoring") as scoring_job:
+        scored = score_teacher(job=scoring_job, gpus=score_gpus)
+        _secrets(_cpu(scored, "8", "64Gi", cache=True), s3_secret)
+        scored.set_accelerator_type(GPU).set_accelerator_limit(score_gpus)
+        kubernetes.add_node_selector_json(scored, score_node_selector)
+        kubernetes.add_toleration_json(scored, score_tolerations)
+        kubernetes.empty_dir_mount(scored, volume_name="dshm", mount_path="/dev/shm",
+                                   medium="Memory", size_limit="16Gi")  # fmt: skip
+        kubernetes.set_timeout(scored, 24 * 3600)
+    merged = merge_cache(parts=dsl.Collected(scored.outputs["Output"]))
+    _secrets(_cpu(merged, "2", "8Gi", cache=True, retries=2), s3_secret)
+    runs = plan_training(
+        run_config=inputs.outputs["run_config"], plan=plan, prepared=prepared.outputs["Output"],
+        tables=dsl.Collected(checked.outputs["Output"]), caches=merged.outputs["Output"],
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    )  # fmt: skip
+    _secrets(_cpu(runs, "1", "1Gi", cache=False), s3_secret)
+    with dsl.ParallelFor(runs.output, name="runs") as run:
+        trained = train(
+            item=run, executor=executor, image=image, gpus_per_node=gpus_per_node, nodes=nodes,
+            job=job, pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+        )  # fmt: skip
+        # A CPU-only launcher: create or reattach to the PyTorchJob and wait for it.
+        _secrets(_cpu(trained, "1", "2Gi", cache=False), s3_secret)
+        trained.set_retry(3, backoff_duration="60s", backoff_factor=2.0,
+                          backoff_max_duration=TRAIN_WAIT)  # fmt: skip
+    evaluation = evaluate(
+        plan=plan, prepared=prepared.outputs["Output"],
+        runs=dsl.Collected(trained.outputs["Output"]), run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        scoring=inputs.outputs["scoring"],
+    )  # fmt: skip
+    _secrets(_cpu(evaluation, "8", "32Gi", cache=False, retries=2), s3_secret)
+    shown = report(
+        plan=plan, evaluation=evaluation.outputs["Output"],
+        runs=dsl.Collected(trained.outputs["Output"]), run_config=inputs.outputs["run_config"],
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    )  # fmt: skip
+    _secrets(_cpu(shown, "1", "2Gi", cache=False, retries=2), s3_secret)
+    return shown.outputs["Output"]
