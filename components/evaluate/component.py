@@ -12,10 +12,12 @@ def evaluate(
     runs: list,
     run_id: str,
     scoring: dict,
+    gpus: int,
     evaluation: dsl.Output[dsl.Artifact],
     figures: dsl.Output[dsl.Metrics],
 ) -> dict:
-    """Held-out bits per byte of the teachers and of the student before and after training."""
+    """Held-out bits per byte of the teachers and of the student before and after training, on
+    the pod's GPU (``gpus`` > 0), else on the CPU."""
     from pathlib import Path
 
     from crosskd.steps import evaluate_models, models_to_evaluate, run_folder
@@ -29,7 +31,7 @@ def evaluate(
     result = evaluate_models(
         prepared["heldout"], models_to_evaluate(plan, runs),
         f"{run_folder(plan['root'], run_id)}/evaluation.json",
-        token_budget=int(scoring["token_budget"]), device=scoring.get("device"),
+        token_budget=int(scoring["token_budget"]), device="cpu" if not gpus else None,
     )  # fmt: skip
     for name, value in result["bits_per_byte"].items():
         figures.log_metric(f"bits_per_byte_{name}", float(value))

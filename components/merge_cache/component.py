@@ -7,12 +7,13 @@ from components import IMAGE
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def merge_cache(parts: list, caches: dsl.Output[dsl.Artifact]) -> list:
-    """Join the scored shard ranges into one cache manifest per teacher."""
+    """Join the scored shard ranges into one cache manifest per teacher (the artifact lists
+    every teacher's cache URI in its metadata)."""
     from crosskd.steps import merge_caches
     from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
 
     start_step("merge_cache")
     parts = from_kfp(parts)
     merged = merge_caches(parts)
-    caches.metadata.update(write_pointer(caches.path, merged[0]["cache"], {"caches": merged}))
+    caches.metadata.update(write_pointer(caches.path, None, {"caches": merged}))
     return drop_none(merged)

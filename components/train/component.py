@@ -14,13 +14,15 @@ def train(
     gpus_per_node: int,
     nodes: int,
     job: dict,
+    s3_secret: str,
     pipeline_job_id: str,
     task_name: str,
     model: dsl.Output[dsl.Model],
     figures: dsl.Output[dsl.Metrics],
 ) -> dict:
     """Train one run as a PyTorchJob named after the pipeline job and this task (so a retried
-    launcher reattaches) and wait for it."""
+    launcher reattaches) and wait for it; its pods read S3 credentials from the Secret
+    ``s3_secret`` (unless ``job`` names another; empty: none)."""
     import hashlib
     from pathlib import Path
 
@@ -34,14 +36,15 @@ def train(
     if len(run_id) > 63:
         run_id = f"{run_id[:50]}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
     settings = {**job, "image": image, "gpus_per_node": gpus_per_node, "nodes": nodes}
+    if s3_secret:
+        settings.setdefault("s3_secret", s3_secret)
     workdir = str(Path(figures.path).parent / "replicas")
     result = train(item, executor=executor, job=settings, run_id=run_id, workdir=workdir,
                    progress=False)  # fmt: skip
     model.metadata.update(write_pointer(model.path, result["model"], {
         "variant": result["variant"], "steps": result["steps"]}))  # fmt: skip
-    if result["history"]:
-        last = result["history"][-1]
-        for key in ("loss", "ce", "kd"):
-            figures.log_metric(f"{result['variant']}_final_{key}", float(last[key]))
-    Path(figures.path).write_text(str(result["history"][-1:]))
+    for key in ("loss", "ce", "kd"):
+        if key in result["last"]:
+            figures.log_metric(f"{result['variant']}_final_{key}", float(result["last"][key]))
+    Path(figures.path).write_text(str(result["last"]))
     return drop_none(result)

@@ -34,20 +34,21 @@ def validate_inputs(
     from collections import namedtuple
     from dataclasses import asdict
 
-    from crosskd.steps import RunConfig, validate_inputs
+    from crosskd.steps import run_config_from_parameters, validate_inputs
     from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
 
     start_step("validate_inputs")
     teachers = from_kfp(teachers)
     options = from_kfp(options)
     job = from_kfp(job)
-    config = RunConfig(
-        output=output_root, teachers=list(teachers), student=student, train_data=train_data,
-        heldout_data=heldout_data, k=k, tau=tau, steps=steps, compare_ce_only=compare_ce_only,
-        score_pods=score_pods, **options,
-    )  # fmt: skip
+    parameters = {
+        "output": output_root, "teachers": list(teachers), "student": student,
+        "train_data": train_data, "heldout_data": heldout_data, "k": k, "tau": tau,
+        "steps": steps, "compare_ce_only": compare_ce_only, "score_pods": score_pods,
+    }  # fmt: skip
+    config = run_config_from_parameters(parameters, options)
     settings = {**job, "image": image, "gpus_per_node": gpus_per_node, "nodes": nodes}
-    plan = validate_inputs(config, job=settings if executor != "inprocess" else None)
+    plan = validate_inputs(config, job=settings, executor=executor)
     inputs.metadata.update(write_pointer(inputs.path, plan["root"], {"plan": plan}))
     outputs = namedtuple("Outputs", ["plan", "preparing", "scoring", "run_config"])
     return outputs(*drop_none([plan, config.preparing(), config.scoring(), asdict(config)]))

@@ -1,5 +1,7 @@
 """``crosskd pipeline compile|run-local|submit``.
 
+* ``graph [--package FILE] [--output FILE]``: the compiled pipeline's graph as SVG (default
+  ``docs/pipeline.svg``).
 * ``compile [--output FILE] [--image IMAGE] [--params FILE]``: the pipeline of
   ``pipelines/distill.py`` as KFP YAML (default ``pipelines/distill.yaml`` of the checkout);
   ``--params`` makes a parameter set (YAML mapping) the compiled defaults.
@@ -32,6 +34,9 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     comp.add_argument("--output", help="default: pipelines/distill.yaml of the checkout")
     comp.add_argument("--image", help="the components' image (default: components/__init__.py)")
     comp.add_argument("--params", help="YAML mapping of pipeline parameters: compiled defaults")
+    graph = actions.add_parser("graph", help="draw the compiled pipeline's graph as SVG")
+    graph.add_argument("--package", help="compiled YAML (default: pipelines/distill.yaml)")
+    graph.add_argument("--output", help="default: docs/pipeline.svg of the checkout")
     local = actions.add_parser("run-local", help="run the whole pipeline here under kfp.local")
     local.add_argument("--preset", choices=["tiny", "demo"], help="a shipped run preset")
     local.add_argument("--config", help="YAML file with run keys (crosskd distill's)")
@@ -47,6 +52,8 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--run-name", help="the run's display name")
     sub.add_argument("--package", help="compiled YAML (default: pipelines/distill.yaml)")
     sub.add_argument("--wait", action="store_true", help="wait; exit 1 unless it succeeds")
+    sub.add_argument("--no-cache", action="store_true",
+                     help="run every step again (KFP's cache off for this run)")  # fmt: skip
     sub.add_argument("--timeout", type=float, metavar="SECONDS", help="with --wait: give up")
     sub.add_argument(
         "arguments", nargs="*", metavar="param=value",
@@ -58,9 +65,22 @@ def run_pipeline_command(args: argparse.Namespace) -> int:
     """Run a ``crosskd pipeline`` subcommand parsed by :func:`add_pipeline_commands`."""
     if args.action == "compile":
         return _compile(args)
+    if args.action == "graph":
+        return _graph(args)
     if args.action == "run-local":
         return _run_local(args)
     return _submit(args)
+
+
+def _graph(args: argparse.Namespace) -> int:
+    from crosskd.pipeline.graph import pipeline_svg
+    from crosskd.pipeline.run import COMPILED_FILE, source_root
+
+    package = args.package or str(source_root() / COMPILED_FILE)
+    output = args.output or str(source_root() / "docs" / "pipeline.svg")
+    Path(output).write_text(pipeline_svg(package), encoding="utf-8")
+    sys.stdout.write(f"wrote {output}\n")
+    return 0
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -81,6 +101,7 @@ def _compile(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from crosskd.pipeline.run import preset_arguments, run_local
     from crosskd.steps.config import load_run_config
+    from crosskd.steps.evaluate import in_order
 
     if not args.preset and not args.config:
         raise ConfigError("run-local needs --preset NAME or --config FILE (and output=DIR).")
@@ -88,7 +109,8 @@ def _run_local(args: argparse.Namespace) -> int:
     result = run_local(preset_arguments(config), local_root=args.local_root,
                        cache=not args.no_cache)  # fmt: skip
     lines = [f"report: {result['report']}", "held-out bits per byte:"]
-    lines += [f"  {name:14} {value:.4f}" for name, value in result["bits_per_byte"].items()]
+    bpb = in_order(result["bits_per_byte"])
+    lines += [f"  {name:14} {value:.4f}" for name, value in bpb.items()]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
@@ -106,7 +128,8 @@ def _submit(args: argparse.Namespace) -> int:
     package = args.package or str(source_root() / COMPILED_FILE)
     run = submit_pipeline(package, host=args.host, arguments=arguments, namespace=args.namespace,
                           experiment=args.experiment, run_name=args.run_name, wait=args.wait,
-                          timeout_s=args.timeout)  # fmt: skip
+                          timeout_s=args.timeout,
+                          enable_caching=False if args.no_cache else None)  # fmt: skip
     state = f" {run.state}" if run.state else ""
     sys.stdout.write(f"run {run.run_id}{state}: {run.url}\n")
     if run_failed(run):

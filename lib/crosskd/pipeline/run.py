@@ -47,16 +47,20 @@ def source_root() -> Path:
 
 def load_pipeline(image: str | None = None) -> Callable[..., Any]:
     """The pipeline function of ``pipelines/distill.py`` (the checkout's root is put first on
-    ``sys.path``); ``image`` replaces the components' image (``CROSSKD_IMAGE``)."""
+    ``sys.path``); ``image`` replaces the components' image (``CROSSKD_IMAGE``, and
+    ``<image>-cuda`` for the GPU steps): the components are imported afresh, since they read
+    it when imported."""
+    import importlib
+
     root = str(source_root())
     if image:
         os.environ["CROSSKD_IMAGE"] = image
-        os.environ.setdefault("CROSSKD_CUDA_IMAGE", f"{image}-cuda")
+        os.environ["CROSSKD_CUDA_IMAGE"] = f"{image}-cuda"
+        for name in [m for m in sys.modules if m.split(".")[0] in ("components", "pipelines")]:
+            del sys.modules[name]
     if root not in sys.path:
         sys.path.insert(0, root)
-    from pipelines.distill import distill
-
-    return distill
+    return importlib.import_module("pipelines.distill").distill
 
 
 def compile_pipeline(output: str, *, image: str | None = None,
@@ -72,14 +76,20 @@ def compile_pipeline(output: str, *, image: str | None = None,
 
 def preset_arguments(config: RunConfig) -> dict[str, Any]:
     """The pipeline arguments of a run config for a local run: its keys (the ones that are not
-    parameters of their own go into ``options``) with the local executor and no GPU."""
+    parameters of their own go into ``options``) with the local executor and no GPU. When this
+    machine's environment has S3 credentials (``AWS_ACCESS_KEY_ID``), the training job reads
+    them as a pod would read its Secret (the local executor takes ``secretKeyRef`` values from
+    the environment)."""
     values = {k: v for k, v in asdict(config).items() if v is not None}
     output = values.pop("output")
     arguments = {key: values.pop(key) for key in TOP_LEVEL}
+    job = dict(LOCAL_JOB)
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        job["s3_secret"] = "crosskd-s3"
     return {
         "output_root": output, **arguments, "options": values, "executor": "local",
         "image": "crosskd:local", "gpus_per_node": 0, "nodes": 1, "score_gpus": 0,
-        "score_tolerations": [], "job": dict(LOCAL_JOB),
+        "score_tolerations": [], "job": job,
     }  # fmt: skip
 
 

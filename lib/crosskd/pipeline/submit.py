@@ -114,6 +114,7 @@ def submit_pipeline(
     timeout_s: float | None = None,
     poll_s: float = 5.0,
     token_env: str = "KFP_TOKEN",
+    enable_caching: bool | None = None,
 ) -> SubmittedRun:
     """Create a run of the compiled pipeline ``package`` on the KFP server at ``host``.
 
@@ -133,6 +134,8 @@ def submit_pipeline(
         timeout_s: Bound of the whole wait, in seconds; ``None`` waits as long as it takes.
         poll_s: Seconds between two reads of the run while waiting.
         token_env: Name of the environment variable holding a bearer token.
+        enable_caching: False runs every step again (KFP's cache off for this run); None keeps
+            each task's compiled setting.
 
     Returns:
         The run, with its final state and error message when ``wait`` is true.
@@ -164,6 +167,7 @@ def submit_pipeline(
             run_name=run_name,
             experiment_id=exp.experiment_id,
             namespace=namespace,
+            enable_caching=enable_caching,
         )
     run = SubmittedRun(
         run_id=result.run_id, url=f"{host}/#/runs/details/{result.run_id}",

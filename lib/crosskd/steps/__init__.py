@@ -13,7 +13,12 @@ scoring) write under content-addressed prefixes of the run's root (:func:`conten
 same inputs give the same URIs, run after run.
 """
 
-from crosskd.steps.config import RunConfig, load_run_config, preset_values
+from crosskd.steps.config import (
+    RunConfig,
+    load_run_config,
+    preset_values,
+    run_config_from_parameters,
+)
 from crosskd.steps.evaluate import evaluate_models, models_to_evaluate, report
 from crosskd.steps.inputs import validate_inputs
 from crosskd.steps.locations import content_uri, run_folder
@@ -25,7 +30,6 @@ from crosskd.steps.train import plan_training, train
 __all__ = [
     "RunConfig", "build_tables", "content_uri", "evaluate_models", "load_run_config",
     "merge_caches", "models_to_evaluate", "plan_scoring", "plan_tables", "plan_training",
-    "prepare_data",
-    "preset_values", "report", "run_folder", "score_teacher", "train", "validate_inputs",
-    "validate_tables",
+    "prepare_data", "preset_values", "report", "run_config_from_parameters", "run_folder",
+    "score_teacher", "train", "validate_inputs", "validate_tables",
 ]  # fmt: skip

@@ -131,6 +131,22 @@ class RunConfig:
         return {"max_length": self.max_length, "shard_rows": self.shard_rows}
 
 
+def run_config_from_parameters(parameters: dict[str, Any], options: dict[str, Any]) -> RunConfig:
+    """The RunConfig of the pipeline's parameters: the keys that are parameters of their own
+    (``parameters``) and every other key (``options``); an unknown key, or one given twice,
+    is a :class:`ConfigError` naming it."""
+    known = set(RunConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"options: unknown key(s) {', '.join(unknown)}; known keys: "
+                          f"{', '.join(sorted(known - set(parameters)))}.")  # fmt: skip
+    twice = sorted(set(options) & set(parameters))
+    if twice:
+        raise ConfigError(f"options sets {', '.join(twice)}, which the pipeline takes as "
+                          f"parameter(s) of their own; set them there.")  # fmt: skip
+    return load_config(RunConfig, None, [], flags={**options, **parameters})
+
+
 def preset_path(name: str) -> str:
     """The YAML file of a shipped preset."""
     if name not in PRESETS:

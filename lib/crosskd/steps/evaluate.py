@@ -25,6 +25,17 @@ def models_to_evaluate(plan: dict[str, Any], runs: list[dict[str, Any]]) -> dict
     return models
 
 
+def in_order(bits_per_byte: dict[str, float]) -> dict[str, float]:
+    """``bits_per_byte`` in the report's order: teachers, ``student_init``, ``student_kd``,
+    ``student_ce``, then the rest by name (a dict that went through KFP lost its order)."""
+    rank = {"student_init": 1, "student_kd": 2, "student_ce": 3}
+
+    def key(name: str) -> tuple[int, str]:
+        return (0 if name.startswith("teacher") else rank.get(name, 4), name)
+
+    return {name: bits_per_byte[name] for name in sorted(bits_per_byte, key=key)}
+
+
 def evaluate_models(data: str, models: dict[str, str], output: str, *, token_budget: int = 4096,
                     device: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Bits per byte of each model of ``models`` on the held-out prepared data ``data``, written
@@ -56,10 +67,11 @@ def report(evaluation: dict[str, Any], runs: list[dict[str, Any]], config: dict[
     ``evaluation`` from :func:`evaluate_models`, ``runs`` from :func:`crosskd.steps.train.train`;
     returns ``{"uri", "html", "markdown", "bits_per_byte"}``."""
     from crosskd.metrics.report import report_markdown, write_report
+    from crosskd.steps.train import run_history
 
-    metrics = {"bits_per_byte": evaluation["bits_per_byte"], "config": config,
-               "runs": {r["variant"]: r["history"] for r in sorted(
-                   runs, key=lambda r: ["kd", "ce"].index(r["variant"]))}}  # fmt: skip
+    order = sorted(runs, key=lambda r: ["kd", "ce"].index(r["variant"]))
+    metrics = {"bits_per_byte": in_order(evaluation["bits_per_byte"]), "config": config,
+               "runs": {r["variant"]: run_history(r["output"]) for r in order}}  # fmt: skip
     page = write_report(folder, metrics)
     log.info("report: %s", page)
     return {"uri": folder, "html": page, "markdown": report_markdown(metrics),

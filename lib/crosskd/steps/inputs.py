@@ -37,15 +37,20 @@ def model_tokenizer(ref: str) -> str:
     return str(model_folder(ref, role="model"))
 
 
-def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Check ``config`` (and the PyTorchJob settings ``job``, JobConfig keys, when training runs
-    as a job) and resolve its references; returns the run's plan: ``{"root", "student",
-    "student_fingerprint", "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}],
-    "train_data", "heldout_data", "heldout_fraction"}`` (URIs; ``heldout_fraction`` None when
+def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
+                    executor: str = "inprocess") -> dict[str, Any]:  # fmt: skip
+    """Check ``config``, the training ``executor`` (:data:`crosskd.steps.train.EXECUTORS`)
+    and, for a job, its PyTorchJob settings ``job`` (JobConfig keys), and resolve its
+    references; returns the run's plan: ``{"root", "student", "student_fingerprint",
+    "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}], "train_data",
+    "heldout_data", "heldout_fraction"}`` (URIs; ``heldout_fraction`` None when
     ``heldout_data`` is given)."""
+    from crosskd.steps.train import EXECUTORS
     from crosskd.tokenization import load_tokenizer
 
-    _check_step_configs(config, job)
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor is {executor!r}; choose one of {', '.join(EXECUTORS)}.")
+    _check_step_configs(config, job if executor != "inprocess" else None)
     root = config.output.rstrip("/")
     train_data, heldout_data = config.train_data, config.heldout_data
     if train_data == STDLIB:

@@ -57,8 +57,9 @@ def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, A
     ``job`` (JobConfig keys) and ``run_id`` (the job's name derives from it, so a retried
     launcher reattaches) for ``local`` and ``cluster``; ``workdir``: the local executor's replica
     folders. The train config is written to ``<output>/train.yaml`` first. Returns
-    ``{"variant", "output", "model", "steps", "history"}`` (``history``: the per-step metrics of
-    rank 0). A finished run returns at once; an interrupted one resumes from its checkpoint."""
+    ``{"variant", "output", "model", "steps", "last"}`` (``last``: rank 0's metrics of the last
+    step; the whole curve stays in the run's ``metrics-rank0.jsonl``, :func:`run_history`). A
+    finished run returns at once; an interrupted one resumes from its checkpoint."""
     from crosskd.train import TrainConfig, finished_model
 
     if executor not in EXECUTORS:
@@ -76,8 +77,9 @@ def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, A
         _train_here(config, progress)
     else:
         _train_as_job(config_uri, executor, job or {}, run_id, workdir, wait_timeout)
+    history = run_history(output)
     return {"variant": item["variant"], "output": output, "model": f"{output}/final",
-            "steps": config.steps, "history": run_history(output)}
+            "steps": config.steps, "last": history[-1] if history else {}}
 
 
 def run_history(output: str) -> list[dict[str, Any]]:

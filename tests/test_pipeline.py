@@ -1,0 +1,250 @@
+"""The KFP pipeline (``pipelines/distill.py``) and its components: the compiled YAML is fresh;
+every shipped parameter set compiles with the GPU step's accelerator, tolerations, node
+selector, secrets, ``/dev/shm`` and timeout and a CPU-only training launcher; the components
+import with nothing but the standard library and kfp; the ``tiny`` preset runs through the whole
+DAG under ``kfp.local`` with data, caches and outputs on a moto S3 server, hits KFP's cache on
+the pure steps when run again, misses it where an input changed, and a failing step fails the
+pipeline with the step's own message; ``crosskd pipeline submit`` against FakeKfpApi."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from crosskd.pipeline.run import COMPILED_FILE, compile_pipeline, preset_arguments, run_local
+from crosskd.steps.config import load_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PURE = ("plan-tables", "build-tables", "validate-tables", "prepare", "plan-scoring",
+        "score-teacher", "merge-cache")  # fmt: skip
+
+
+def _compiled(path: Path) -> tuple[dict, dict]:
+    spec, platform = yaml.safe_load_all(path.read_text())
+    return spec, platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def test_compiled_yaml_is_fresh(tmp_path, monkeypatch):
+    monkeypatch.delenv("CROSSKD_IMAGE", raising=False)
+    monkeypatch.delenv("CROSSKD_CUDA_IMAGE", raising=False)
+    out = tmp_path / "distill.yaml"
+    compile_pipeline(str(out))
+    # The documents, not the text: kfp's header comment prints dict defaults in hash order.
+    fresh = list(yaml.safe_load_all(out.read_text()))
+    committed = list(yaml.safe_load_all((ROOT / COMPILED_FILE).read_text()))
+    assert fresh == committed, "pipelines/distill.yaml is stale: run `crosskd pipeline compile`"
+
+
+@pytest.mark.parametrize("params", sorted((ROOT / "pipelines" / "params").glob("*.yaml")),
+                         ids=lambda p: p.stem)  # fmt: skip
+def test_every_parameter_set_compiles_with_its_platform_settings(params, tmp_path):
+    values = yaml.safe_load(params.read_text())
+    out = tmp_path / "p.yaml"
+    compile_pipeline(str(out), parameters=values)
+    spec, executors = _compiled(out)
+    defaults = {k: v.get("defaultValue") for k, v in
+                spec["root"]["inputDefinitions"]["parameters"].items()}  # fmt: skip
+    assert {k: defaults[k] for k in values} == values
+    # The GPU step: accelerator from score_gpus, node selector and tolerations from parameters,
+    # /dev/shm in memory, a deadline, S3 credentials from the Secret named by s3_secret.
+    container = spec["deploymentSpec"]["executors"]["exec-score-teacher"]["container"]
+    accelerator = container["resources"]["accelerator"]
+    assert accelerator["resourceType"] == "nvidia.com/gpu"
+    assert "score_gpus" in accelerator["resourceCount"]
+    score = executors["exec-score-teacher"]
+    assert score["nodeSelector"]["nodeSelectorJson"]["componentInputParameter"].endswith(
+        "score_node_selector")
+    assert score["tolerations"][0]["tolerationJson"]["componentInputParameter"].endswith(
+        "score_tolerations")
+    assert score["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm",
+                                        "sizeLimit": "16Gi", "volumeName": "dshm"}]  # fmt: skip
+    assert int(score["activeDeadlineSeconds"]) == 24 * 3600
+    for name in spec["deploymentSpec"]["executors"]:
+        secrets = executors[name]["secretAsEnv"]
+        assert {e["envVar"] for s in secrets for e in s["keyToEnv"]} >= {
+            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        assert all(s["secretNameParameter"]["componentInputParameter"].endswith("s3_secret")
+                   for s in secrets)  # fmt: skip
+    # The training task is a CPU-only launcher: no accelerator, no toleration; the GPUs and
+    # nodes reach the PyTorchJob as parameters of the component.
+    train = spec["deploymentSpec"]["executors"]["exec-train"]["container"]
+    assert "accelerator" not in train["resources"] and "tolerations" not in executors["exec-train"]
+    loop = next(c for c in spec["components"].values()
+                if "train" in c.get("dag", {}).get("tasks", {}))  # fmt: skip
+    task = loop["dag"]["tasks"]["train"]
+    assert {"gpus_per_node", "nodes", "image", "job"} <= set(task["inputs"]["parameters"])
+    assert task["retryPolicy"]["backoffMaxDuration"] == "1209600s"
+    assert not task.get("cachingOptions", {}).get("enableCache")
+    # No credential anywhere in the compiled spec.
+    assert "AWS_SECRET_ACCESS_KEY:" not in out.read_text().replace("secretKey: AWS_SECRET", "")
+
+
+def test_components_import_without_crosskd_torch_or_transformers():
+    """Every component.py imports where crosskd, torch and transformers cannot be imported."""
+    files = sorted(str(p) for p in (ROOT / "components").glob("*/component.py"))
+    assert len(files) >= 9
+    code = (
+        "import importlib.util, sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('crosskd', 'torch', 'transformers'):\n"
+        "            raise ImportError(f'blocked: {name}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"for f in {files!r}:\n"
+        "    name = 'components.' + f.split('/')[-2] + '.component'\n"
+        "    __import__(name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('crosskd', 'torch', 'transformers')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": ""})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(s3, tmp_path_factory):
+    """The tiny preset through the whole pipeline, everything on S3 (moto); KFP's own files in a
+    local folder kept across the runs of this module."""
+    local_root = tmp_path_factory.mktemp("kfp-local")
+    config = load_run_config(None, "tiny", ["output=s3://crosskd-test/pipeline", "steps=4",
+                                            "shard_rows=2", "score_pods=2"])  # fmt: skip
+    return {"arguments": preset_arguments(config), "local_root": str(local_root)}
+
+
+def _run(tiny_run, caplog, **changes):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        result = run_local({**tiny_run["arguments"], **changes},
+                           local_root=tiny_run["local_root"])  # fmt: skip
+    hits = {name for name in PURE if any(f"{name}" in r.getMessage() and "cache hit" in
+                                         r.getMessage() for r in caplog.records)}  # fmt: skip
+    return result, hits
+
+
+def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, caplog):
+    result, hits = _run(tiny_run, caplog)
+    assert not hits
+    bpb = result["bits_per_byte"]
+    assert set(bpb) == {"teacher", "student_init", "student_kd", "student_ce"}
+    assert all(0 < v < 16 for v in bpb.values())
+    report = result["report"]
+    assert report.startswith("s3://crosskd-test/pipeline/runs/") and report.endswith(
+        "/report/index.html")
+    page = s3.cat_file(report[len("s3://"):]).decode()
+    assert "data:image/png;base64," in page and "student_kd" in page
+    run = report[len("s3://"): -len("/report/index.html")]
+    evaluation = json.loads(s3.cat_file(f"{run}/evaluation.json"))
+    assert {n: m["bits_per_byte"] for n, m in evaluation["models"].items()} == bpb
+    for variant in ("kd", "ce"):
+        assert s3.exists(f"{run}/{variant}/final/model.safetensors")
+        lines = s3.cat_file(f"{run}/{variant}/metrics-rank0.jsonl").decode().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+    # Scoring was split over two pods' shard ranges and merged into one manifest per teacher.
+    (cache,) = s3.ls("crosskd-test/pipeline/cache")
+    parts = s3.ls(f"{cache}/parts")
+    assert len(parts) == 2
+    manifest = json.loads(s3.cat_file(f"{cache}/manifest.json"))
+    assert [s["path"] for s in manifest["shards"]] == sorted(s["path"] for s in
+                                                             manifest["shards"])  # fmt: skip
+    # Pure outputs sit under content-addressed prefixes of the root.
+    assert {p.rsplit("/", 1)[-1] for p in s3.ls("crosskd-test/pipeline")} >= {
+        "inputs", "tables", "prepared", "cache", "runs"}
+
+
+def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, caplog):
+    _, hits = _run(tiny_run, caplog)
+    assert hits == set(PURE)
+    result, hits = _run(tiny_run, caplog, k=8)
+    # k changes the teacher caches (and what follows), not the tables or the prepared data.
+    assert {"build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
+    assert "score-teacher" not in hits and "merge-cache" not in hits
+    assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd",
+                                            "student_ce"}  # fmt: skip
+
+
+def test_a_failing_step_fails_the_pipeline_with_its_own_message(tiny_run, capsys):
+    from crosskd.cli import main
+
+    code = main(["pipeline", "run-local", "--preset", "tiny", "--local-root",
+                 tiny_run["local_root"], "output=s3://crosskd-test/pipeline-bad",
+                 "teachers=[s3://crosskd-test/no-such-teacher]"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert err.startswith("crosskd: error: step validate_inputs failed: ConfigError: teacher 0")
+    assert "no-such-teacher" in err
+
+
+@pytest.mark.parametrize("state, code", [("SUCCEEDED", 0), ("FAILED", 1)])
+def test_cli_submits_the_committed_pipeline(state, code, monkeypatch, tmp_path, capsys):
+    """``crosskd pipeline submit`` sends ``pipelines/distill.yaml`` with typed parameters and the
+    bearer token from the environment to FakeKfpApi (a fake speaking the subset of the KFP
+    v2beta1 REST API that kfp.Client uses), prints the run's URL and, with ``--wait``, exits
+    non-zero when the run fails."""
+    import kfp.client.client as kfp_client_module
+    from kfp_fake import FakeKfpApi
+
+    from crosskd.cli import main
+
+    monkeypatch.setattr(kfp_client_module.Client, "_LOCAL_KFP_CONTEXT",
+                        str(tmp_path / "kfp-context.json"))  # fmt: skip
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "no-token-file"))
+    monkeypatch.setenv("KFP_TOKEN", "t0ken-from-env")
+    with FakeKfpApi() as fake:
+        fake.run_states = ["RUNNING", state]
+        fake.run_error = "train failed: JobFailed" if state == "FAILED" else None
+        argv = ["pipeline", "submit", "--host", fake.host, "--namespace", "ml", "--wait",
+                "--experiment", "crosskd-test", "steps=50", "teachers=[s3://b/qwen3]",
+                "output_root=s3://b/out"]  # fmt: skip
+        assert main(argv) == code
+        (created,) = fake.requests_to("POST", "/runs")
+    out = capsys.readouterr().out
+    assert f"{fake.host}/#/runs/details/" in out and state in out
+    body = created.body
+    # Both documents: the pipeline spec and the Kubernetes platform spec (GPUs, secrets, shm).
+    spec, platform = yaml.safe_load_all((ROOT / COMPILED_FILE).read_text())
+    assert body["pipeline_spec"] == {"pipeline_spec": spec, "platform_spec": platform}
+    assert body["runtime_config"]["parameters"] == {
+        "steps": 50, "teachers": ["s3://b/qwen3"], "output_root": "s3://b/out"}
+    assert created.headers["authorization"] == "Bearer t0ken-from-env"
+    assert "t0ken-from-env" not in out
+
+
+def test_components_called_as_plain_functions(tmp_path):
+    """The components' bodies called directly (``python_func``), outside KFP: the planners'
+    self-contained items, and a same-tokenizer teacher's tables (none) passed through
+    validation with a pointer artifact."""
+    from kfp import dsl
+
+    sys.path.insert(0, str(ROOT))
+    from components.build_tables.component import build_tables
+    from components.plan_scoring.component import plan_scoring
+    from components.plan_tables.component import plan_tables
+    from components.validate_tables.component import validate_tables
+
+    teacher = {"index": 0, "ref": "m", "fingerprint": "f", "same_tokenizer": True}
+    plan = {"root": str(tmp_path), "student": "s", "teachers": [teacher]}
+    assert plan_tables.python_func(plan=plan) == [{"root": str(tmp_path), "student": "s",
+                                                   "teacher": teacher}]  # fmt: skip
+    prepared = {"train": "p/train", "train_shards": 5.0}  # KFP hands ints back as floats
+    scoring = {"k": 16.0, "tau": 1.0, "encoding": "lossless", "token_budget": 1024.0}
+    jobs = plan_scoring.python_func(plan=plan, prepared=prepared, scoring=scoring, score_pods=2)
+    assert [(j["start"], j["stop"]) for j in jobs] == [(0, 2), (2, 5)]
+    assert jobs[0]["scoring"]["k"] == 16 and isinstance(jobs[0]["scoring"]["k"], int)
+    assert jobs[0]["data"] == "p/train" and jobs[0]["root"] == str(tmp_path)
+    artifact = dsl.Artifact(uri=str(tmp_path / "tables"))
+    item = {"root": str(tmp_path), "student": "s", "teacher": teacher}
+    built = build_tables.python_func(item=item, tables=artifact)
+    assert built == {"index": 0, "same_tokenizer": True, "sha256": {}}
+    assert json.loads(Path(artifact.path).read_text()) == built
+    figures = dsl.Metrics(uri=str(tmp_path / "figures"))
+    checked = validate_tables.python_func(item=item, tables=built, figures=figures)
+    assert checked == {**built, "validated": True}
