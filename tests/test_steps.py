@@ -1,0 +1,177 @@
+"""The step functions (:mod:`crosskd.steps`) that the components, ``crosskd distill`` and the
+local pipeline call: planning invariants, content addresses, the held-out split, merging scored
+ranges (and refusing gaps), up-front validation, and ``crosskd distill`` on user inputs (a
+pretrained student, two teachers of which one shares the student's tokenizer, a JSONL file with a
+held-out fraction)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from crosskd import steps
+from crosskd.errors import ConfigError, CrosskdError
+from crosskd.steps.prepare import held_out
+
+
+@given(shards=st.integers(1, 60), pods=st.integers(1, 20), teachers=st.integers(1, 3))
+def test_scoring_ranges_cover_every_shard_once_per_teacher(shards, pods, teachers):
+    plan = {"root": "r", "teachers": [{"index": i, "ref": f"t{i}"} for i in range(teachers)]}
+    jobs = steps.plan_scoring(plan, {"train": "d", "train_shards": shards}, {"k": 4}, pods)
+    for i in range(teachers):
+        ranges = [(j["start"], j["stop"]) for j in jobs if j["teacher"]["index"] == i]
+        assert len(ranges) == min(pods, shards)
+        assert ranges[0][0] == 0 and ranges[-1][1] == shards
+        assert all(a < b for a, b in ranges)
+        assert all(ranges[n][1] == ranges[n + 1][0] for n in range(len(ranges) - 1))
+        sizes = [b - a for a, b in ranges]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_content_uri_depends_on_the_key_only():
+    a = steps.content_uri("s3://b/root/", "tables", {"student": "x", "teacher": "y"})
+    assert a == steps.content_uri("s3://b/root", "tables", {"teacher": "y", "student": "x"})
+    assert a.startswith("s3://b/root/tables/") and len(a.rsplit("/", 1)[1]) == 20
+    assert a != steps.content_uri("s3://b/root", "tables", {"student": "x", "teacher": "z"})
+    assert steps.run_folder("s3://b/root/", "1234") == "s3://b/root/runs/1234"
+    with pytest.raises(ConfigError, match="run id"):
+        steps.run_folder("r", "a/b")
+
+
+@given(ids=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=40, unique=True),
+       fraction=st.floats(0.01, 0.99))  # fmt: skip
+def test_held_out_rows_do_not_depend_on_order(ids, fraction):
+    chosen = {i for i in ids if held_out(i, fraction)}
+    assert chosen == {i for i in reversed(ids) if held_out(i, fraction)}
+    assert all(held_out(i, 1.0) for i in ids) and not any(held_out(i, 0.0) for i in ids)
+
+
+def _part(start: int, stop: int, total: int, **extra) -> dict:
+    header = {"teacher": {"name": "t", "fingerprint": "f", "vocab_size": 5},
+              "tokenizer": {"name": "t", "fingerprint": "g"},
+              "data": {"uri": "d", "fingerprint": "h", "teacher": "teacher0"},
+              "config": {"k": 4, "tau": 1.0, "encoding": "lossless"}}  # fmt: skip
+    shards = [{"path": f"part-{i:05d}.parquet", "samples": 1, "tokens": 10 * (i + 1),
+               "sha256": str(i), "bytes": 100} for i in range(start, stop)]  # fmt: skip
+    return {"start": start, "stop": stop, "total": total, **header,
+            "nll_bits": 8.0 * (stop - start), "predicted_bytes": 4 * (stop - start),
+            "shards": shards,
+            "samples": {f"s{i}": [i, 0] for i in range(start, stop)}} | extra  # fmt: skip
+
+
+def _write_parts(folder: Path, parts: list[dict]) -> str:
+    (folder / "parts").mkdir(parents=True)
+    for p in parts:
+        (folder / "parts" / f"{p['start']:05d}-{p['stop']:05d}.json").write_text(json.dumps(p))
+    return str(folder)
+
+
+def test_merging_scored_ranges_writes_one_manifest(tmp_path):
+    uri = _write_parts(tmp_path / "c", [_part(2, 3, 3), _part(0, 2, 3)])
+    (merged,) = steps.merge_caches([{"index": 0, "cache": uri}, {"index": 0, "cache": uri}])
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert [s["path"] for s in manifest["shards"]] == [f"part-{i:05d}.parquet" for i in range(3)]
+    assert manifest["tokens"] == 10 + 20 + 30 == merged["tokens"]
+    assert manifest["bits_per_byte"] == pytest.approx(24.0 / 12) == merged["bits_per_byte"]
+    assert manifest["samples"] == {"s0": [0, 0], "s1": [1, 0], "s2": [2, 0]}
+    assert (manifest["k"], manifest["tau"], manifest["encoding"]) == (4, 1.0, "lossless")
+
+
+@pytest.mark.parametrize("parts, message", [
+    ([(0, 1), (2, 3)], r"do not cover the 3 shards once \(a gap or an overlap at shard 1\)"),
+    ([(0, 2), (1, 3)], r"a gap or an overlap at shard 2"),
+    ([(0, 2)], r"shards 2..2 are not scored yet"),
+])  # fmt: skip
+def test_merging_refuses_gaps_overlaps_and_missing_ranges(tmp_path, parts, message):
+    uri = _write_parts(tmp_path / "c", [_part(a, b, 3) for a, b in parts])
+    with pytest.raises(CrosskdError, match=message):
+        steps.merge_caches([{"index": 0, "cache": uri}])
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_merging_refuses_ranges_of_another_teacher(tmp_path):
+    other = {"teacher": {"name": "t", "fingerprint": "OTHER", "vocab_size": 5}}
+    uri = _write_parts(tmp_path / "c", [_part(0, 1, 2), _part(1, 2, 2, **other)])
+    with pytest.raises(CrosskdError, match="scored with another teacher"):
+        steps.merge_caches([{"index": 0, "cache": uri}])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"stepz": 3}, r"options: unknown key\(s\) stepz"),
+    ({"steps": 3}, r"options sets steps, which the pipeline takes as parameter"),
+    ({"max_length": 0}, r"max_length is 0; it must be an integer >= 1"),
+    ({"loss": {"kd_weight": -1}}, r"loss\.kd_weight"),
+])  # fmt: skip
+def test_pipeline_options_are_refused_by_name(options, message):
+    with pytest.raises(ConfigError, match=message):
+        steps.run_config_from_parameters({"output": "o", "steps": 2}, options)
+
+
+def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
+    config = steps.RunConfig(output=str(tmp_path), teachers=["init"], student="init",
+                             train_data=str(tmp_path / "missing.jsonl"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"train_data .*missing\.jsonl: no such file"):
+        steps.validate_inputs(config)
+    with pytest.raises(ConfigError, match="executor is 'kubernetes'; choose one of"):
+        steps.validate_inputs(config, executor="kubernetes")
+    with pytest.raises(ConfigError, match="gpus_per_node is -1"):
+        steps.validate_inputs(config, job={"image": "i", "gpus_per_node": -1}, executor="local")
+    with pytest.raises(ConfigError, match=r"teacher 0: .*nowhere"):
+        steps.validate_inputs(steps.RunConfig(output=str(tmp_path),
+                                              teachers=[str(tmp_path / "nowhere")]))  # fmt: skip
+
+
+def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch):
+    import importlib
+
+    train_step = importlib.import_module("crosskd.steps.train")  # the module, not the function
+    (job,) = train_step.job_documents("s3://b/t.yaml", {"image": "i", "gpus_per_node": 8}, "r")
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert container["command"][:4] == ["crosskd", "train", "--config", "s3://b/t.yaml"]
+    import crosskd.k8s.job as job_module
+
+    real = job_module.job_manifest
+
+    def without_gpus(config):
+        manifest = real(config)
+        for spec in manifest["spec"]["pytorchReplicaSpecs"].values():
+            spec["template"]["spec"]["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu")
+        return manifest
+
+    monkeypatch.setattr(job_module, "job_manifest", without_gpus)
+    with pytest.raises(ConfigError, match="gpus_per_node is 8 but the rendered job requests"):
+        train_step.job_documents("s3://b/t.yaml", {"image": "i", "gpus_per_node": 8}, "r")
+
+
+def test_distill_on_user_inputs(train_inputs, tmp_path):
+    """A pretrained student, two teachers (the second with the student's tokenizer: no tables),
+    a JSONL file split by a held-out fraction: the same steps as the pipeline."""
+    from crosskd.distill import distill
+
+    data = Path(train_inputs["student"]).parent / "data.jsonl"
+    config = steps.RunConfig(
+        output=str(tmp_path / "run"), teachers=[train_inputs["teacher"],
+                                                train_inputs["teacher_same"]],
+        student=train_inputs["student"], train_data=str(data), heldout_fraction=0.25,
+        max_length=48, k=8, steps=2, compare_ce_only=False, token_budget=512,
+    )  # fmt: skip
+    result = distill(config, progress=False)
+    assert set(result["bits_per_byte"]) == {"teacher0", "teacher1", "student_init", "student_kd"}
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    (split,) = (tmp_path / "run" / "prepared").iterdir()
+    held = [json.loads(x)["id"] for x in (split / "rows" / "heldout.jsonl").read_text()
+            .splitlines()]  # fmt: skip
+    assert held == [r["id"] for r in rows if held_out(r["id"], 0.25)] and held
+    (tables,) = (tmp_path / "run" / "tables").iterdir()  # one pair: teacher 1 needs none
+    assert sorted(p.name for p in tables.iterdir()) == ["s2t.safetensors", "t2s.safetensors"]
+    train = yaml.safe_load((tmp_path / "run" / "kd" / "train.yaml").read_text())
+    assert train["loss"]["teachers"][1].get("student_to_teacher") is None
+    assert train["student"] == train_inputs["student"]
+    # A rerun finds every output: nothing is computed again.
+    assert distill(config, progress=False)["bits_per_byte"] == result["bits_per_byte"]
