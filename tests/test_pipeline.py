@@ -21,6 +21,9 @@ import yaml
 from crosskd.pipeline.run import COMPILED_FILE, compile_pipeline, preset_arguments, run_local
 from crosskd.steps.config import load_run_config
 
+# One xdist worker for this module's tests, in order: the cache tests continue the first run.
+pytestmark = pytest.mark.xdist_group("pipeline")
+
 ROOT = Path(__file__).resolve().parents[1]
 PURE = ("plan-tables", "build-tables", "validate-tables", "prepare", "plan-scoring",
         "score-teacher", "merge-cache")  # fmt: skip
@@ -54,18 +57,20 @@ def test_every_parameter_set_compiles_with_its_platform_settings(params, tmp_pat
     assert {k: defaults[k] for k in values} == values
     # The GPU step: accelerator from score_gpus, node selector and tolerations from parameters,
     # /dev/shm in memory, a deadline, S3 credentials from the Secret named by s3_secret.
-    container = spec["deploymentSpec"]["executors"]["exec-score-teacher"]["container"]
-    accelerator = container["resources"]["accelerator"]
-    assert accelerator["resourceType"] == "nvidia.com/gpu"
-    assert "score_gpus" in accelerator["resourceCount"]
-    score = executors["exec-score-teacher"]
-    assert score["nodeSelector"]["nodeSelectorJson"]["componentInputParameter"].endswith(
-        "score_node_selector")
-    assert score["tolerations"][0]["tolerationJson"]["componentInputParameter"].endswith(
-        "score_tolerations")
-    assert score["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm",
-                                        "sizeLimit": "16Gi", "volumeName": "dshm"}]  # fmt: skip
-    assert int(score["activeDeadlineSeconds"]) == 24 * 3600
+    for gpu_step in ("exec-score-teacher", "exec-evaluate"):
+        container = spec["deploymentSpec"]["executors"][gpu_step]["container"]
+        accelerator = container["resources"]["accelerator"]
+        assert accelerator["resourceType"] == "nvidia.com/gpu"
+        assert "score_gpus" in accelerator["resourceCount"]
+        assert container["image"].endswith("-cuda")
+        score = executors[gpu_step]
+        assert score["nodeSelector"]["nodeSelectorJson"]["componentInputParameter"].endswith(
+            "score_node_selector")
+        assert score["tolerations"][0]["tolerationJson"]["componentInputParameter"].endswith(
+            "score_tolerations")
+        assert score["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm",
+                                            "sizeLimit": "16Gi", "volumeName": "dshm"}]  # fmt: skip
+        assert int(score["activeDeadlineSeconds"]) == 24 * 3600
     for name in spec["deploymentSpec"]["executors"]:
         secrets = executors[name]["secretAsEnv"]
         assert {e["envVar"] for s in secrets for e in s["keyToEnv"]} >= {
@@ -248,3 +253,21 @@ def test_components_called_as_plain_functions(tmp_path):
     figures = dsl.Metrics(uri=str(tmp_path / "figures"))
     checked = validate_tables.python_func(item=item, tables=built, figures=figures)
     assert checked == {**built, "validated": True}
+
+
+def test_preset_arguments_for_a_local_run(monkeypatch):
+    """A preset as pipeline arguments: the local executor, no GPU anywhere, every run key that is
+    not a parameter of its own in ``options``, and the S3 Secret only when this machine has S3
+    credentials (the local executor reads a Secret's keys from the environment)."""
+    config = load_run_config(None, "demo", ["output=out", "steps=7"])
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    arguments = preset_arguments(config)
+    assert arguments["s3_secret"] == ""
+    assert (arguments["executor"], arguments["gpus_per_node"], arguments["score_gpus"]) == (
+        "local", 0, 0)
+    assert arguments["output_root"] == "out" and arguments["steps"] == 7
+    assert arguments["teachers"] == ["zoo:smollm2"] and "steps" not in arguments["options"]
+    assert arguments["options"]["student_tokenizer"] == "zoo:llama3"
+    assert "device" not in arguments["options"]  # None is left out: KFP carries no nulls
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    assert preset_arguments(config)["s3_secret"] == "crosskd-s3"

@@ -2,10 +2,10 @@
 
 from kfp import dsl
 
-from components import IMAGE
+from components import CUDA_IMAGE
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
+@dsl.component(base_image=CUDA_IMAGE, install_kfp_package=False)
 def evaluate(
     plan: dict,
     prepared: dict,
@@ -31,7 +31,8 @@ def evaluate(
     result = evaluate_models(
         prepared["heldout"], models_to_evaluate(plan, runs),
         f"{run_folder(plan['root'], run_id)}/evaluation.json",
-        token_budget=int(scoring["token_budget"]), device="cpu" if not gpus else None,
+        token_budget=int(scoring["token_budget"]),
+        device=scoring.get("device") if gpus else "cpu",
     )  # fmt: skip
     for name, value in result["bits_per_byte"].items():
         figures.log_metric(f"bits_per_byte_{name}", float(value))

@@ -1,4 +1,4 @@
-"""``crosskd pipeline compile|run-local|submit``.
+"""``crosskd pipeline compile|graph|run-local|submit``.
 
 * ``graph [--package FILE] [--output FILE]``: the compiled pipeline's graph as SVG (default
   ``docs/pipeline.svg``).
@@ -8,11 +8,11 @@
 * ``run-local (--preset NAME | --config FILE) [key=value ...] [--local-root DIR]
   [--no-cache]``: the whole DAG on this machine under ``kfp.local``, the training step through
   the local PyTorchJob executor; prints the held-out bits-per-byte table and the report path.
-* ``submit --host URL [--namespace NS] [--experiment NAME] [--package FILE] [--wait
-  [--timeout S]] [param=value ...]``: a run of the compiled package on a Kubeflow Pipelines
-  server with the kfp client. The token comes from ``$KFP_TOKEN`` or the service-account token
-  file ``$KF_PIPELINES_SA_TOKEN_PATH`` (never from the command line). Prints the run's URL; with
-  ``--wait`` exits 1 when the run does not succeed.
+* ``submit --host URL [--namespace NS] [--experiment NAME] [--run-name NAME] [--package FILE]
+  [--no-cache] [--wait [--timeout S]] [param=value ...]``: a run of the compiled package on a
+  Kubeflow Pipelines server with the kfp client. The token comes from ``$KFP_TOKEN`` or the
+  service-account token file ``$KF_PIPELINES_SA_TOKEN_PATH`` (never from the command line).
+  Prints the run's URL; with ``--wait`` exits 1 when the run does not succeed.
 """
 
 from __future__ import annotations

@@ -83,13 +83,11 @@ def preset_arguments(config: RunConfig) -> dict[str, Any]:
     values = {k: v for k, v in asdict(config).items() if v is not None}
     output = values.pop("output")
     arguments = {key: values.pop(key) for key in TOP_LEVEL}
-    job = dict(LOCAL_JOB)
-    if os.environ.get("AWS_ACCESS_KEY_ID"):
-        job["s3_secret"] = "crosskd-s3"
     return {
         "output_root": output, **arguments, "options": values, "executor": "local",
         "image": "crosskd:local", "gpus_per_node": 0, "nodes": 1, "score_gpus": 0,
-        "score_tolerations": [], "job": job,
+        "score_tolerations": [], "job": dict(LOCAL_JOB),
+        "s3_secret": "crosskd-s3" if os.environ.get("AWS_ACCESS_KEY_ID") else "",
     }  # fmt: skip
 
 

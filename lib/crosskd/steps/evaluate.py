@@ -30,8 +30,11 @@ def in_order(bits_per_byte: dict[str, float]) -> dict[str, float]:
     ``student_ce``, then the rest by name (a dict that went through KFP lost its order)."""
     rank = {"student_init": 1, "student_kd": 2, "student_ce": 3}
 
-    def key(name: str) -> tuple[int, str]:
-        return (0 if name.startswith("teacher") else rank.get(name, 4), name)
+    def key(name: str) -> tuple[int, int, str]:
+        if name.startswith("teacher"):
+            return (0, int(name[len("teacher"):] or 0) if name[len("teacher"):].isdigit() else 0,
+                    name)  # fmt: skip
+        return (rank.get(name, 4), 0, name)
 
     return {name: bits_per_byte[name] for name in sorted(bits_per_byte, key=key)}
 
