@@ -26,7 +26,7 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: venv
 	$(PY) benchmarks/tables.py

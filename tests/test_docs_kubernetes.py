@@ -16,14 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 from k8s_fake import FakeKubernetesApi
 
 from crosskd.k8s.job import job_name
-
-# One xdist worker for these tests: jobs serve metrics on the JobConfig's default port 9400.
-pytestmark = pytest.mark.xdist_group("fixed-ports")
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "kubernetes.md"

@@ -19,9 +19,6 @@ import yaml
 from crosskd.k8s.job import JobConfig, job_manifest
 from crosskd.k8s.local import _replicas, pod_processes, run_local
 
-# One xdist worker for these tests: jobs serve metrics on the JobConfig's default port 9400.
-pytestmark = pytest.mark.xdist_group("fixed-ports")
-
 STEPS = 30
 
 

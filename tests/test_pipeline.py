@@ -9,7 +9,6 @@ pipeline with the step's own message; ``crosskd pipeline submit`` against FakeKf
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -20,9 +19,6 @@ import yaml
 
 from crosskd.pipeline.run import COMPILED_FILE, compile_pipeline, preset_arguments, run_local
 from crosskd.steps.config import load_run_config
-
-# One xdist worker for this module's tests, in order: the cache tests continue the first run.
-pytestmark = pytest.mark.xdist_group("pipeline")
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE = ("plan-tables", "build-tables", "validate-tables", "prepare", "plan-scoring",
@@ -125,18 +121,20 @@ def tiny_run(s3, tmp_path_factory):
     return {"arguments": preset_arguments(config), "local_root": str(local_root)}
 
 
-def _run(tiny_run, caplog, **changes):
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        result = run_local({**tiny_run["arguments"], **changes},
-                           local_root=tiny_run["local_root"])  # fmt: skip
-    hits = {name for name in PURE if any(f"{name}" in r.getMessage() and "cache hit" in
-                                         r.getMessage() for r in caplog.records)}  # fmt: skip
-    return result, hits
+def _run(tiny_run, **changes):
+    """Run the pipeline; returns its result and the pure steps that hit KFP's cache: kfp.local
+    logs "Task NAME cache hit" for them, and an executed task leaves its folder (with
+    ``executor_output.json``) in the run's folder under the local root, a cache hit none."""
+    root = Path(tiny_run["local_root"])
+    before = set(root.glob("crosskd-distill-*"))
+    result = run_local({**tiny_run["arguments"], **changes}, local_root=str(root))
+    (run,) = set(root.glob("crosskd-distill-*")) - before
+    executed = {p.parent.name for p in run.rglob("executor_output.json")}
+    return result, set(PURE) - executed
 
 
-def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, caplog):
-    result, hits = _run(tiny_run, caplog)
+def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3):
+    result, hits = _run(tiny_run)
     assert not hits
     bpb = result["bits_per_byte"]
     assert set(bpb) == {"teacher", "student_init", "student_kd", "student_ce"}
@@ -165,10 +163,10 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, caplog):
         "inputs", "tables", "prepared", "cache", "runs"}
 
 
-def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, caplog):
-    _, hits = _run(tiny_run, caplog)
+def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run):
+    _, hits = _run(tiny_run)
     assert hits == set(PURE)
-    result, hits = _run(tiny_run, caplog, k=8)
+    result, hits = _run(tiny_run, k=8)
     # k changes the teacher caches (and what follows), not the tables or the prepared data.
     assert {"build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
     assert "score-teacher" not in hits and "merge-cache" not in hits
