@@ -2,11 +2,6 @@
 shell over one function of :mod:`crosskd.steps`. Only the standard library and ``kfp`` are
 imported at module top; ``crosskd`` is imported inside the component's body, in the image.
 
-``IMAGE`` / ``CUDA_IMAGE`` are the images the components run on (``images/``); set
-``CROSSKD_IMAGE`` (and ``CROSSKD_CUDA_IMAGE``) before compiling to use your registry's
-(``crosskd pipeline compile --image ...`` does)."""
-
-import os
-
-IMAGE = os.environ.get("CROSSKD_IMAGE", "ghcr.io/crosskd/crosskd:0.1.0")
-CUDA_IMAGE = os.environ.get("CROSSKD_CUDA_IMAGE", f"{IMAGE}-cuda")
+Each component's image is read when it is imported: ``CROSSKD_IMAGE`` (default
+``ghcr.io/crosskd/crosskd:0.1.0``), and ``CROSSKD_CUDA_IMAGE`` (default ``$CROSSKD_IMAGE-cuda``)
+for the GPU steps; ``crosskd pipeline compile --image ...`` sets both."""

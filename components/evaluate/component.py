@@ -1,8 +1,14 @@
 """KFP component ``evaluate``: :func:`crosskd.steps.evaluate_models`."""
 
+import os
+
 from kfp import dsl
 
-from components import CUDA_IMAGE
+# The CUDA variant of the project image; crosskd pipeline compile --image sets it.
+CUDA_IMAGE = os.environ.get(
+    "CROSSKD_CUDA_IMAGE",
+    os.environ.get("CROSSKD_IMAGE", "ghcr.io/crosskd/crosskd:0.1.0") + "-cuda",
+)
 
 
 @dsl.component(base_image=CUDA_IMAGE, install_kfp_package=False)

@@ -1,8 +1,11 @@
 """KFP component ``plan_tables``: :func:`crosskd.steps.plan_tables`."""
 
+import os
+
 from kfp import dsl
 
-from components import IMAGE
+# The project image (images/); crosskd pipeline compile --image sets CROSSKD_IMAGE.
+IMAGE = os.environ.get("CROSSKD_IMAGE", "ghcr.io/crosskd/crosskd:0.1.0")
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)

@@ -1,9 +1,12 @@
 """KFP component ``train``: :func:`crosskd.steps.train` through the PyTorchJob launcher (a
 CPU-only pod; the GPUs go to the job)."""
 
+import os
+
 from kfp import dsl
 
-from components import IMAGE
+# The project image (images/); crosskd pipeline compile --image sets CROSSKD_IMAGE.
+IMAGE = os.environ.get("CROSSKD_IMAGE", "ghcr.io/crosskd/crosskd:0.1.0")
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)

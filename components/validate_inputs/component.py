@@ -1,10 +1,12 @@
 """KFP component ``validate_inputs``: :func:`crosskd.steps.validate_inputs`."""
 
+import os
 from typing import NamedTuple
 
 from kfp import dsl
 
-from components import IMAGE
+# The project image (images/); crosskd pipeline compile --image sets CROSSKD_IMAGE.
+IMAGE = os.environ.get("CROSSKD_IMAGE", "ghcr.io/crosskd/crosskd:0.1.0")
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
