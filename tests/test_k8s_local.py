@@ -206,7 +206,11 @@ def test_a_config_error_fails_the_job_once_without_restarts(train_inputs, tmp_pa
     documents = _documents(train_inputs, tmp_path / "run", steps=0)
     result = run_local(documents, tmp_path / "work", timeout=300)
     assert result.condition == "Failed"
-    assert result.exit_codes["master-0"] == [2]
-    assert all(len(codes) <= 1 for codes in result.exit_codes.values())
-    log = (tmp_path / "work" / "master-0" / "log.txt").read_text()
+    # every replica refuses the config; whichever exits first fails the job, the others are
+    # stopped with it: no replica is ever recreated
+    failed = {name: codes for name, codes in result.exit_codes.items() if codes}
+    assert failed and all(codes == [2] for codes in failed.values()), result
+    first = next(iter(failed))
+    assert f"{first} exited 2 (permanent under ExitCode)" in result.message
+    log = (tmp_path / "work" / first / "log.txt").read_text()
     assert "steps is 0; it must be an integer >= 1" in log
