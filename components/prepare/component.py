@@ -12,10 +12,12 @@ IMAGE = os.environ.get("CROSSKD_IMAGE", "ghcr.io/crosskd/crosskd:0.1.0")
 def prepare(
     plan: dict,
     preparing: dict,
+    metrics_port: int,
     train: dsl.Output[dsl.Artifact],
     heldout: dsl.Output[dsl.Artifact],
 ) -> dict:
-    """Clip, align and lockstep-pack the training and held-out rows (content-addressed)."""
+    """Clip, align and lockstep-pack the training and held-out rows (content-addressed),
+    serving the rows prepared and clipped on ``metrics_port`` (-1: not served)."""
     from crosskd.steps import prepare_data
     from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
 
@@ -23,7 +25,8 @@ def prepare(
     plan = from_kfp(plan)
     preparing = from_kfp(preparing)
     prepared = prepare_data(plan, max_length=int(preparing["max_length"]),
-                            shard_rows=int(preparing["shard_rows"]), progress=False)  # fmt: skip
+                            shard_rows=int(preparing["shard_rows"]), progress=False,
+                            metrics_port=None if metrics_port < 0 else metrics_port)  # fmt: skip
     for split, artifact in (("train", train), ("heldout", heldout)):
         artifact.metadata.update(write_pointer(artifact.path, prepared[split], {
             "rows": prepared["rows"][split],

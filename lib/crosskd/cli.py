@@ -1,10 +1,10 @@
 """The ``crosskd`` command line.
 
 ``crosskd tables build|validate|inspect``, ``crosskd prepare``, ``crosskd inspect pair``,
-``crosskd score``, ``crosskd train``, ``crosskd evaluate``, ``crosskd distill``. Bad input (a
-config, data or artifact error, a training run stopped by a non-finite loss) exits with status 2
-and one line on stderr that says what is wrong and what to do; a table that fails validation
-exits 1.
+``crosskd score``, ``crosskd train``, ``crosskd evaluate``, ``crosskd distill``,
+``crosskd dashboards`` (the Grafana dashboards as JSON). Bad input (a config, data or artifact
+error, a training run stopped by a non-finite loss) exits with status 2 and one line on stderr
+that says what is wrong and what to do; a table that fails validation exits 1.
 """
 
 from __future__ import annotations
@@ -141,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("overrides", nargs="*", metavar="key=value",
                       help="any DistillConfig field, e.g. output=runs/demo steps=50")  # fmt: skip
 
+    dashboards = commands.add_parser(
+        "dashboards", help="write the Grafana dashboards (training, teacher scoring) as JSON"
+    )
+    dashboards.add_argument(
+        "--output", required=True, metavar="DIR",
+        help="folder for the crosskd-*.json files (created if missing)",
+    )  # fmt: skip
+
     from crosskd.k8s.cli import add_job_commands
     from crosskd.pipeline.cli import add_pipeline_commands
 
@@ -186,6 +194,8 @@ def _run(args: argparse.Namespace) -> int:
         return _train(args)
     if args.command == "evaluate":
         return _evaluate(args)
+    if args.command == "dashboards":
+        return _dashboards(args)
     from crosskd import tables
 
     if args.action == "build":
@@ -323,6 +333,14 @@ def _distill(args: argparse.Namespace) -> int:
     lines = [f"report: {metrics['report']}", "held-out bits per byte:"]
     lines += [f"  {name:14} {value:.4f}" for name, value in bpb.items()]
     _write("\n".join(lines))
+    return 0
+
+
+def _dashboards(args: argparse.Namespace) -> int:
+    from crosskd.metrics.dashboards import write_dashboards
+
+    paths = write_dashboards(args.output)
+    _write("\n".join(f"wrote {path}" for path in paths))
     return 0
 
 

@@ -44,6 +44,7 @@ import json
 import logging
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import fsspec
@@ -168,8 +169,10 @@ def model_names(n_teachers: int) -> list[str]:
     return ["student", *(f"teacher{k}" for k in range(n_teachers))]
 
 
-def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
-    """Run the preparation; returns the manifest that was written."""
+def prepare(config: PrepareConfig, *, progress: bool = True,
+            on_row: Callable[[str | None], None] | None = None) -> dict:  # fmt: skip
+    """Run the preparation; returns the manifest that was written. ``on_row`` is called once
+    per prepared row with why it was clipped (``text``, ``turns``, ``message``; None: whole)."""
     config.check()
     fs, root = fsspec.core.url_to_fs(config.output)
     if fs.exists(f"{root}/{MANIFEST}"):
@@ -200,6 +203,8 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> dict:
     rows = []
     for record in tqdm(records, desc="align", unit="row", disable=not progress):
         rows.append(_prepare_row(record, models, capacities, nfc, strip, options, same))
+        if on_row is not None:
+            on_row(rows[-1]["clip_reason"])
     lengths = np.array([row["lengths"] for row in rows], dtype=np.int64)
     bins = (
         pack_lockstep(lengths, capacities)
@@ -295,6 +300,8 @@ def _prepare_row(
         "text": text,
         "messages": messages,
         "clipped": clipped,
+        "clip_reason": None if not clipped else (
+            "text" if messages is None else "turns" if cut is None else "message"),
         "original_lengths": list(original),
         "lengths": lengths,
         "student": s_view,

@@ -1,86 +1,108 @@
 """Prometheus metrics of a training run (one exporter per rank) and the JSONL log.
 
 Every rank serves ``/metrics`` from its own ``CollectorRegistry`` (never the process-global
-default one), with labels ``job``, ``rank`` and, where it makes sense, ``teacher`` and ``shape``;
-the step is a value (``crosskd_train_step``), never a label, so series do not multiply. Metric
-names: ``crosskd_train_loss``, ``crosskd_train_kd_loss``, ``crosskd_train_ce_loss``,
-``crosskd_kd_scale``, ``crosskd_learning_rate``, ``crosskd_train_step``, ``crosskd_tokens_total``,
-``crosskd_chunks_total{teacher, shape}``, ``crosskd_step_seconds`` (histogram),
-``crosskd_heldout_bits_per_byte`` (the last held-out evaluation) and
-``crosskd_last_checkpoint_step``.
+default one; :class:`~crosskd.metrics.serving.MetricsServer`). The process labels its series
+with ``rank`` and, where it makes sense, ``teacher`` and ``shape``; the scrape adds ``job``,
+``namespace`` and ``pod`` (the PodMonitors in ``manifests/monitoring``), so the process never
+exports a ``job`` label of its own. The step is a value (``crosskd_train_step``), never a label,
+so series do not multiply. Every metric is listed in ``docs/metrics.md``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from crosskd.loss.metrics import SHAPES
+from crosskd.metrics.serving import MetricsServer
+
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+"""Buckets of ``crosskd_train_step_seconds`` (seconds)."""
+CHECKPOINT_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+"""Buckets of ``crosskd_train_checkpoint_seconds`` (seconds)."""
 
 
-class MetricsExporter:
-    """The metrics of one rank; ``serve(port)`` starts the HTTP endpoint (port 0: any free
-    port; the chosen one is :attr:`port`). The step's values are complete (reduced over all
-    ranks), so the counters ``crosskd_tokens_total`` and ``crosskd_chunks_total`` are counted
-    by one rank only (``count_totals``), and summing them over ranks gives the run's totals."""
+class MetricsExporter(MetricsServer):
+    """The training metrics of one rank. The step's values are complete (reduced over all
+    ranks), so the counters ``crosskd_train_tokens_total`` and ``crosskd_train_chunks_total``
+    are counted by one rank only (``count_totals``): summing them over ranks gives the run's
+    totals. ``teachers``: the teachers' names (the ``teacher`` label of the KD terms)."""
 
-    def __init__(self, job: str, rank: int, *, count_totals: bool = True) -> None:
+    def __init__(self, rank: int, teachers: list[str], *, planned_steps: int,
+                 count_totals: bool = True) -> None:  # fmt: skip
+        super().__init__(CollectorRegistry())
         self.count_totals = count_totals
-        self.registry = CollectorRegistry()
-        labels = {"job": job, "rank": str(rank)}
-        self._labels = labels
-        names = list(labels)
+        self._rank = str(rank)
+        registry = self.registry
 
         def gauge(name: str, text: str) -> Gauge:
-            return Gauge(name, text, names, registry=self.registry).labels(**labels)
+            return Gauge(name, text, ["rank"], registry=registry).labels(rank=self._rank)
 
-        self.loss = gauge("crosskd_train_loss", "Total loss of the last step")
-        self.kd = gauge("crosskd_train_kd_loss", "KD term of the last step (before kd_scale)")
-        self.ce = gauge("crosskd_train_ce_loss", "Student CE of the last step")
-        self.kd_scale = gauge("crosskd_kd_scale", "kd_scale of the last micro-batch")
-        self.lr = gauge("crosskd_learning_rate", "Learning rate of the last step")
-        self.step = gauge("crosskd_train_step", "Optimizer steps done")
-        self.heldout = gauge("crosskd_heldout_bits_per_byte",
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, ["rank"], registry=registry).labels(rank=self._rank)
+
+        self.loss = gauge("crosskd_train_loss", "Total loss of the last optimizer step")
+        self.ce = gauge("crosskd_train_ce_loss", "Student cross-entropy of the last step, "
+                                                 "nats per token")  # fmt: skip
+        self._kd = Gauge("crosskd_train_kd_loss", "Each teacher's CSD KD term of the last step "
+                         "(before kd_scale)", ["rank", "teacher"], registry=registry)  # fmt: skip
+        self.kd = {name: self._kd.labels(rank=self._rank, teacher=name) for name in teachers}
+        self.kd_scale = gauge("crosskd_train_kd_scale", "kd_scale of the last micro-batch")
+        self.lr = gauge("crosskd_train_learning_rate", "Learning rate of the last step")
+        self.grad_norm = gauge("crosskd_train_grad_norm",
+                               "L2 norm of the gradient before clipping, last step")  # fmt: skip
+        self.step = gauge("crosskd_train_step", "Optimizer steps done in the run")
+        self.planned = gauge("crosskd_train_planned_steps", "The run's configured steps")
+        self.planned.set(planned_steps)
+        self.steps = counter("crosskd_train_steps", "Optimizer steps done by this process")
+        self.heldout = gauge("crosskd_train_heldout_bits_per_byte",
                              "Student bits per byte on the held-out data, last evaluation")
-        self.checkpoint = gauge("crosskd_last_checkpoint_step",
+        self.checkpoint = gauge("crosskd_train_last_checkpoint_step",
                                 "Step of the last complete checkpoint")  # fmt: skip
-        self.tokens = Counter("crosskd_tokens_total", "Student CE tokens trained on", names,
-                              registry=self.registry).labels(**labels)  # fmt: skip
-        self._chunks = Counter("crosskd_chunks_total", "Counted KD chunks by teacher and shape",
-                               [*names, "teacher", "shape"], registry=self.registry)  # fmt: skip
+        self.checkpoint_seconds = Histogram(
+            "crosskd_train_checkpoint_seconds", "Wall seconds to write one checkpoint", ["rank"],
+            buckets=CHECKPOINT_BUCKETS, registry=registry,
+        ).labels(rank=self._rank)  # fmt: skip
+        self.nonfinite = counter("crosskd_train_nonfinite_stops",
+                                 "Runs stopped by a NaN or infinite loss term")  # fmt: skip
+        self.resumed = gauge("crosskd_train_resumed_step",
+                             "The step this process resumed from (0: a fresh start)")
+        self.started = gauge("crosskd_train_start_time_seconds",
+                             "Unix time this process started training")  # fmt: skip
+        self.tokens = counter("crosskd_train_tokens",
+                              "Student CE tokens trained on (counted by rank 0 only)")
+        self._chunks = Counter("crosskd_train_chunks", "KD chunks counted, by teacher and shape "
+                               "(counted by rank 0 only)", ["rank", "teacher", "shape"],
+                               registry=registry)  # fmt: skip
         self.seconds = Histogram(
-            "crosskd_step_seconds", "Wall seconds per optimizer step", names,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=self.registry,
-        ).labels(**labels)  # fmt: skip
-        self.port: int | None = None
-        self._server = None
+            "crosskd_train_step_seconds", "Wall seconds per optimizer step", ["rank"],
+            buckets=STEP_BUCKETS, registry=registry,
+        ).labels(rank=self._rank)  # fmt: skip
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` on ``host:port`` (port 0: a free one); returns the port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = self._server.server_port
-        return self.port
-
-    def close(self) -> None:
-        """Stop the HTTP endpoint."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+    def start(self, resumed_step: int) -> None:
+        """Mark the start of training in this process, resumed from ``resumed_step``."""
+        self.resumed.set(resumed_step)
+        self.step.set(resumed_step)
+        self.started.set(time.time())
 
     def record(self, step: int, metrics: dict[str, float], seconds: float) -> None:
-        """Update every metric from one step's values (``loss``, ``ce``, ``kd``, ``kd_scale``,
-        ``lr``, ``tokens``, ``{teacher}/{shape}/valid`` chunk counts, and
-        ``heldout_bits_per_byte`` on a step that evaluated)."""
+        """Update every metric from one step's values (``loss``, ``ce``, ``kd/{teacher}``,
+        ``kd_scale``, ``lr``, ``grad_norm``, ``tokens``, ``{teacher}/{shape}/valid`` chunk
+        counts, and ``heldout_bits_per_byte`` on a step that evaluated)."""
         self.loss.set(metrics["loss"])
         self.ce.set(metrics["ce"])
-        self.kd.set(metrics["kd"])
+        for name, gauge in self.kd.items():
+            gauge.set(metrics.get(f"kd/{name}", math.nan))
         self.kd_scale.set(metrics["kd_scale"])
         self.lr.set(metrics["lr"])
+        self.grad_norm.set(metrics.get("grad_norm", math.nan))
         self.step.set(step)
+        self.steps.inc()
         self.seconds.observe(seconds)
         if "heldout_bits_per_byte" in metrics:
             self.heldout.set(metrics["heldout_bits_per_byte"])
@@ -90,7 +112,17 @@ class MetricsExporter:
         for key, value in metrics.items():
             parts = key.split("/")
             if len(parts) == 3 and parts[2] == "valid" and parts[1] in SHAPES:
-                self._chunks.labels(**self._labels, teacher=parts[0], shape=parts[1]).inc(value)
+                self._chunks.labels(rank=self._rank, teacher=parts[0], shape=parts[1]).inc(value)
+
+    def stopped_by(self, term: str, value: float) -> None:
+        """A non-finite ``term`` (``loss``, ``ce`` or ``kd``) stopped the run: its gauge shows
+        the value and ``crosskd_train_nonfinite_stops_total`` counts the stop."""
+        gauges = {"loss": self.loss, "ce": self.ce}
+        for gauge in ([gauges[term]] if term in gauges else list(self.kd.values())):
+            gauge.set(value)
+        if term != "loss":
+            self.loss.set(value)
+        self.nonfinite.inc()
 
 
 class JsonlLog:

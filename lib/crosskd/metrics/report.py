@@ -1,6 +1,6 @@
-"""The report of a distillation run: ``metrics.json``, ``loss_curves.png``, ``index.html`` (one
-self-contained page: the plot is inlined as a base64 PNG, so it shows in the KFP UI's sandboxed
-iframe as well as from the folder) and ``summary.md``."""
+"""The report of a distillation run: ``metrics.json``, ``loss_curves.png``, ``speed.png``,
+``index.html`` (one self-contained page: the plots are inlined as base64 PNGs, so it shows in the
+KFP UI's sandboxed iframe as well as from the folder, with no network) and ``summary.md``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import base64
 import html
 import io
 import json
+import math
 
 import fsspec
 
@@ -19,26 +20,64 @@ def write_report(folder: str, metrics: dict) -> str:
     fs, root = fsspec.core.url_to_fs(folder)
     fs.makedirs(root, exist_ok=True)
     png = loss_curves_png(metrics["runs"])
+    speed = speed_png(metrics["runs"])
     fs.pipe_file(f"{root}/metrics.json", json.dumps(metrics, indent=1, default=str).encode())
     fs.pipe_file(f"{root}/loss_curves.png", png)
-    fs.pipe_file(f"{root}/index.html", report_html(metrics, png).encode("utf-8"))
+    fs.pipe_file(f"{root}/speed.png", speed)
+    fs.pipe_file(f"{root}/index.html", report_html(metrics, png, speed).encode("utf-8"))
     fs.pipe_file(f"{root}/summary.md", report_markdown(metrics).encode("utf-8"))
     return f"{folder.rstrip('/')}/index.html"
 
 
 def loss_curves_png(runs: dict[str, list[dict]]) -> bytes:
     """Student CE and KD term per optimizer step of every run, as PNG bytes."""
+    lines = []
+    for name, history in runs.items():
+        steps = [h.get("step", i + 1) for i, h in enumerate(history)]
+        lines += [(0, steps, [h["ce"] for h in history], f"{name}: CE"),
+                  (1, steps, [h["kd"] for h in history], f"{name}: KD")]  # fmt: skip
+    return _two_plots(("student CE (nats/token)", "CSD KD term"), lines)
+
+
+def speed(history: list[dict]) -> dict[str, float]:
+    """A run's throughput from its per-step records (``tokens``, ``seconds``): ``tokens_per_s``
+    (all tokens over all step seconds), ``step_seconds_p50`` and ``step_seconds_p95`` (nearest
+    rank). Empty where the records carry no step times."""
+    timed = [h for h in history if h.get("seconds")]
+    if not timed:
+        return {}
+    seconds = sorted(float(h["seconds"]) for h in timed)
+
+    def rank(q: float) -> float:
+        return seconds[max(0, math.ceil(q * len(seconds)) - 1)]
+
+    return {"tokens_per_s": sum(float(h.get("tokens", 0)) for h in timed) / sum(seconds),
+            "step_seconds_p50": rank(0.5), "step_seconds_p95": rank(0.95)}  # fmt: skip
+
+
+def speed_png(runs: dict[str, list[dict]]) -> bytes:
+    """Tokens per second and seconds per optimizer step of every run, as PNG bytes."""
+    lines = []
+    for name, history in runs.items():
+        timed = [h for h in history if h.get("seconds")]
+        steps = [h.get("step", i + 1) for i, h in enumerate(timed)]
+        lines += [(0, steps, [h.get("tokens", 0) / h["seconds"] for h in timed], name),
+                  (1, steps, [h["seconds"] for h in timed], name)]  # fmt: skip
+    return _two_plots(("student tokens per second", "seconds per optimizer step"), lines)
+
+
+def _two_plots(titles: tuple[str, str], lines: list[tuple[int, list, list, str]]) -> bytes:
+    """Two plots side by side over the optimizer step, as PNG bytes; ``lines``: (plot index,
+    steps, values, label)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, history in runs.items():
-        steps = [h.get("step", i + 1) for i, h in enumerate(history)]
-        axes[0].plot(steps, [h["ce"] for h in history], label=f"{name}: CE")
-        axes[1].plot(steps, [h["kd"] for h in history], label=f"{name}: KD")
-    for ax, title in zip(axes, ("student CE (nats/token)", "CSD KD term"), strict=True):
+    for index, steps, values, label in lines:
+        axes[index].plot(steps, values, label=label)
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.legend()
@@ -49,13 +88,20 @@ def loss_curves_png(runs: dict[str, list[dict]]) -> bytes:
     return buffer.getvalue()
 
 
-def report_html(metrics: dict, png: bytes) -> str:
-    """The report page: bits-per-byte table, the loss curves inline, the configuration."""
+def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
+    """The report page: bits-per-byte table, the loss curves inline, each run's tokens/s and
+    step time (a table and a plot), the configuration."""
     rows = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{value:.4f}</td></tr>"
         for name, value in metrics["bits_per_byte"].items()
     )
+    speeds = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{s['tokens_per_s']:.1f}</td>"
+        f"<td>{s['step_seconds_p50']:.3f}</td><td>{s['step_seconds_p95']:.3f}</td></tr>"
+        for name, s in ((n, speed(h)) for n, h in metrics["runs"].items()) if s
+    )
     image = base64.b64encode(png).decode("ascii")
+    speed_image = base64.b64encode(speed_plot).decode("ascii")
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>crosskd report</title></head>"
         "<body><h1>crosskd distillation report</h1>"
@@ -63,6 +109,10 @@ def report_html(metrics: dict, png: bytes) -> str:
         f"<table border='1' cellpadding='4'><tr><th>model</th><th>bits/byte</th></tr>{rows}"
         "</table><h2>Loss curves</h2>"
         f"<img src='data:image/png;base64,{image}' alt='loss curves (loss_curves.png)'>"
+        "<h2>Speed</h2><table border='1' cellpadding='4'><tr><th>run</th><th>tokens/s</th>"
+        f"<th>step seconds p50</th><th>step seconds p95</th></tr>{speeds}</table>"
+        f"<img src='data:image/png;base64,{speed_image}' alt='tokens/s and step time "
+        "(speed.png)'>"
         "<h2>Configuration</h2><pre>"
         f"{html.escape(json.dumps(metrics.get('config', {}), indent=1, default=str))}</pre>"
         "</body></html>"

@@ -4,6 +4,7 @@ the data's content, the tokenizers' fingerprints and the options."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -20,14 +21,18 @@ SPLITS = ("train", "heldout")
 
 
 def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 4096,
-                 progress: bool = True) -> dict[str, Any]:  # fmt: skip
+                 progress: bool = True, metrics_port: int | None = None,
+                 final_scrape_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
     """Prepare ``plan["train_data"]`` and the held-out rows (``plan["heldout_data"]``, else the
     ``plan["heldout_fraction"]`` of the training rows whose id hashes below it) for the plan's
     student and teachers (teachers get ``2 * max_length``) under
     ``<root>/prepared/<key>/{train,heldout}``; returns ``{"uri", "train", "heldout",
     "train_shards", "rows": {split: n}, "data_fingerprint": {split: sha256}}``. A split whose
-    manifest exists is not prepared again."""
+    manifest exists is not prepared again. ``metrics_port``: serve the rows prepared and
+    clipped (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it runs (0: a free
+    port; None: not served), ``final_scrape_s`` seconds at most for a last scrape."""
     from crosskd.data.prepare import PrepareConfig, prepare
+    from crosskd.metrics.steps import PrepareMetrics, served
     from crosskd.tokenization import load_tokenizer
 
     student = model_tokenizer(plan["student"])
@@ -44,23 +49,24 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
         sources = _split(sources["train"], float(plan.get("heldout_fraction", 0.1)),
                          f"{uri}/rows")  # fmt: skip
     result: dict[str, Any] = {"uri": uri, "rows": {}, "data_fingerprint": {}}
-    for split in SPLITS:
-        target = f"{uri}/{split}"
-        fs, path = fsspec.core.url_to_fs(target)
-        if fs.exists(f"{path}/manifest.json"):
-            log.info("prepared %s data exist at %s", split, target)
-            manifest = json.loads(fs.cat_file(f"{path}/manifest.json"))
-        else:
-            manifest = prepare(PrepareConfig(
-                data=sources[split], student_tokenizer=student, teacher_tokenizers=teachers,
-                output=target, max_length=max_length, teacher_max_length=2 * max_length,
-                shard_rows=shard_rows,
-            ), progress=progress)  # fmt: skip
-        result[split] = target
-        result["rows"][split] = manifest["rows"]
-        result["data_fingerprint"][split] = manifest["data_fingerprint"]
-        if split == "train":
-            result["train_shards"] = len(manifest["shards"])
+    with served(PrepareMetrics(), metrics_port, "prepare", final_scrape_s) as metrics:
+        for split in SPLITS:
+            target = f"{uri}/{split}"
+            fs, path = fsspec.core.url_to_fs(target)
+            if fs.exists(f"{path}/manifest.json"):
+                log.info("prepared %s data exist at %s", split, target)
+                manifest = json.loads(fs.cat_file(f"{path}/manifest.json"))
+            else:
+                manifest = prepare(PrepareConfig(
+                    data=sources[split], student_tokenizer=student, teacher_tokenizers=teachers,
+                    output=target, max_length=max_length, teacher_max_length=2 * max_length,
+                    shard_rows=shard_rows,
+                ), progress=progress, on_row=functools.partial(metrics.row, split))  # fmt: skip
+            result[split] = target
+            result["rows"][split] = manifest["rows"]
+            result["data_fingerprint"][split] = manifest["data_fingerprint"]
+            if split == "train":
+                result["train_shards"] = len(manifest["shards"])
     return result
 
 

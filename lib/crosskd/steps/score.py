@@ -49,10 +49,14 @@ def cache_uri(root: str, data: str, teacher: dict[str, Any], *, k: int, tau: flo
     return content_uri(root, "cache", key)
 
 
-def score_teacher(job: dict[str, Any], *, progress: bool = True) -> dict[str, Any]:
+def score_teacher(job: dict[str, Any], *, progress: bool = True, metrics_port: int | None = None,
+                  final_scrape_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
     """Score the shard range of ``job`` (:func:`plan_scoring`) with the job's teacher into its
     cache (:func:`cache_uri`); returns ``{"index", "cache", "start", "stop", "samples"}``. A
-    range scored before returns at once; an interrupted one resumes."""
+    range scored before returns at once; an interrupted one resumes. ``metrics_port``: serve
+    the scoring metrics (:class:`crosskd.metrics.steps.ScoringMetrics`) there while it runs
+    (0: a free port; None: not served), ``final_scrape_s`` seconds at most for a last scrape."""
+    from crosskd.metrics.steps import ScoringMetrics, served
     from crosskd.teacher.scoring import ScoreConfig, score_shards
 
     teacher, options = job["teacher"], job["scoring"]
@@ -64,7 +68,10 @@ def score_teacher(job: dict[str, Any], *, progress: bool = True) -> dict[str, An
     config = ScoreConfig(data=job["data"], teacher=teacher["ref"], output=uri,
                          teacher_index=int(teacher["index"]), k=k, tau=tau, encoding=encoding,
                          token_budget=budget, device=device)  # fmt: skip
-    part = score_shards(config, int(job["start"]), int(job["stop"]), progress=progress)
+    metrics = ScoringMetrics(f"teacher{int(teacher['index'])}")
+    with served(metrics, metrics_port, "score_teacher", final_scrape_s):
+        part = score_shards(config, int(job["start"]), int(job["stop"]), progress=progress,
+                            metrics=metrics)  # fmt: skip
     return {"index": int(teacher["index"]), "cache": uri, "start": part["start"],
             "stop": part["stop"], "samples": len(part["samples"])}  # fmt: skip
 

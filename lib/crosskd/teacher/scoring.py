@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import fsspec
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from crosskd import __version__
 from crosskd.data.collate import ModelBatch, load_prepared
 from crosskd.errors import CrosskdError
+from crosskd.metrics.steps import ScoringMetrics
 from crosskd.teacher.model import LoadedTeacher, load_teacher
 from crosskd.teacher.signal import SignalError, TeacherSignal, signal_from_logits
 from crosskd.teacher.storage import (
@@ -181,14 +183,15 @@ def score(config: ScoreConfig, *, progress: bool = True) -> dict:
 
 
 def score_shards(
-    config: ScoreConfig, start: int = 0, stop: int | None = None, *, progress: bool = True
+    config: ScoreConfig, start: int = 0, stop: int | None = None, *, progress: bool = True,
+    metrics: ScoringMetrics | None = None,
 ) -> dict:
     """Score the prepared shards ``start .. stop - 1`` (``stop`` None: to the last) into the
     cache at ``config.output`` and record them in ``parts/START-STOP.json`` (written last);
     returns that record. Several of these, over ranges that cover every shard once (one per
     pod), followed by :func:`merge_cache`, write the same cache as :func:`score`. A range whose
     record exists returns it once the run's values are checked (the teacher is loaded); an
-    interrupted one keeps its finished shards."""
+    interrupted one keeps its finished shards. ``metrics``: counted as shards are scored."""
     config.check()
     fs, root = fsspec.core.url_to_fs(config.output)
     prepared = load_prepared(config.data)
@@ -216,7 +219,11 @@ def score_shards(
            "dtype": str(teacher.dtype), "token_budget": config.token_budget}  # fmt: skip
     _start_run(fs, root, config.output, run)
     part_path = f"{root}/{PARTS}/{start:05d}-{stop:05d}.json"
+    if metrics is not None:
+        metrics.shards.set(stop - start)
     if fs.exists(part_path):
+        if metrics is not None:
+            metrics.shards_done.set(stop - start)
         log.info("shards %d..%d of %s are scored already (%s)", start, stop - 1, config.output,
                  part_path)  # fmt: skip
         return json.loads(fs.cat_file(part_path))
@@ -237,11 +244,17 @@ def score_shards(
             log.info("shard %s exists (from an earlier run); skipping it", shard["path"])
             signals = [sig for _, sig in decode(payload, config.encoding, config.k)]
         else:
+            started = time.perf_counter()
             signals = _score_shard(teacher, ids, config)
             payload = encode(sample_ids, signals, config.encoding)
             tmp = f"{root}/.tmp-{shard['path']}"
             fs.pipe_file(tmp, payload)
             fs.mv(tmp, path)
+            if metrics is not None:
+                metrics.samples.inc(len(ids))
+                metrics.tokens.inc(sum(len(x) for x in ids))
+                metrics.bytes.inc(len(payload))
+                metrics.shard_seconds.observe(time.perf_counter() - started)
         for seq, sig in zip(ids, signals, strict=True):
             nll_bits -= float(sig.realized_t1.astype(np.float64).sum()) / math.log(2)
             predicted_bytes += int(bytes_of[seq[1:]].sum())
@@ -252,6 +265,8 @@ def score_shards(
             "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
         })  # fmt: skip
         bar.update(shards[-1]["tokens"])
+        if metrics is not None:
+            metrics.shards_done.inc()
     bar.close()
     part = {
         "start": start, "stop": stop, "total": total,

