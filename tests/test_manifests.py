@@ -18,7 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kube_tools import kubectl
+from kube_tools import kubectl, strict_schema
 
 from crosskd.config import load_config
 from crosskd.k8s.cli import JOB_FILE, generated_files
@@ -54,25 +54,13 @@ def _one(docs: tuple[dict, ...], kind: str) -> dict:
     return doc
 
 
-def _strict(schema: object) -> object:
-    """The schema with ``additionalProperties: false`` wherever ``properties`` are listed."""
-    if isinstance(schema, dict):
-        out = {k: _strict(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema:
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
 @functools.cache
 def _validator() -> jsonschema.Draft7Validator:
     if not CRD.is_file():
         pytest.skip(f"{CRD} is absent (the vendored Training Operator CRD lives outside the repo)")
     crd = yaml.safe_load(CRD.read_text(encoding="utf-8"))
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return jsonschema.Draft7Validator(_strict(v1["schema"]["openAPIV3Schema"]))
+    return jsonschema.Draft7Validator(strict_schema(v1["schema"]["openAPIV3Schema"]))
 
 
 def _errors(job: dict) -> list[str]:
