@@ -52,6 +52,24 @@ def alert_rules() -> list[dict]:
             for rule in group["rules"] if "alert" in rule]  # fmt: skip
 
 
+def relabel(labels: dict[str, str], configs: list[dict]) -> dict[str, str] | None:
+    """Prometheus's relabeling (actions keep, drop and replace) of one target's labels."""
+    labels = dict(labels)
+    for config in configs:
+        action = config.get("action", "replace")
+        value = config.get("separator", ";").join(labels.get(s, "")
+                                                  for s in config.get("sourceLabels", []))
+        match = re.fullmatch(config.get("regex", "(.*)"), value)
+        if (action == "keep" and not match) or (action == "drop" and match):
+            return None
+        if action == "replace" and match:
+            template = re.sub(r"\$\{(\w+)\}|\$(\w+)", r"\\g<\1\2>",
+                              config.get("replacement", "$1"))  # fmt: skip
+            labels[config["targetLabel"]] = match.expand(template)
+        assert action in ("keep", "drop", "replace"), action
+    return labels
+
+
 def _skip_string(expr: str, i: int) -> int:
     """The index after the string literal that starts at ``expr[i]``."""
     quote = expr[i]

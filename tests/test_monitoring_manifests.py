@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 import yaml
 from kube_tools import kubectl, strict_schema
+from monitoring import relabel
 
 from crosskd.k8s.job import JobConfig, job_manifest
 
@@ -34,6 +35,7 @@ JOBS = {  # name: (JobConfig keys, local ranks per pod)
     "cpu-1x1": ({"cpu_procs_per_node": 1}, 1),
     "cpu-2x2": ({"nodes": 2, "cpu_procs_per_node": 2}, 2),
     "gpu-4x8": ({"nodes": 4, "gpus_per_node": 8}, 8),
+    "cpu-1x12": ({"cpu_procs_per_node": 12}, 12),  # more ranks than a GPU node has
 }
 
 
@@ -117,8 +119,8 @@ def test_training_monitor_spec():
     assert spec["jobLabel"] == "training.kubeflow.org/job-name"
     assert spec["podTargetLabels"] == ["app.kubernetes.io/name", "app.kubernetes.io/component",
                                        *OPERATOR_LABELS[1:]]  # fmt: skip
-    assert spec["podMetricsEndpoints"] == [{"port": f"metrics-{i}", "interval": "15s"}
-                                           for i in range(8)]  # fmt: skip
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert not {"port", "portNumber", "targetPort"} & set(endpoint)  # every declared port
 
 
 @pytest.mark.parametrize("name", JOBS)
@@ -126,7 +128,7 @@ def test_training_monitor_selects_the_training_pods_and_scrapes_every_rank(name)
     keys, ranks = JOBS[name]
     monitors = _monitors()
     training = monitors["crosskd-training"]
-    scraped = {e["port"] for e in training["spec"]["podMetricsEndpoints"]}
+    (endpoint,) = training["spec"]["podMetricsEndpoints"]
     pods = _training_pods(keys)
     assert len(pods) == (2 if keys.get("nodes", 1) > 1 else 1)
     for labels, container in pods:
@@ -138,7 +140,13 @@ def test_training_monitor_selects_the_training_pods_and_scrapes_every_rank(name)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]
                  if p["name"].startswith("metrics-")}  # fmt: skip
         assert ports == {f"metrics-{i}": 9400 + i for i in range(ranks)}
-        assert set(ports) <= scraped
+        # pod discovery: one target per declared port; the relabelings keep the metrics ports
+        targets = [{"__address__": f"10.0.0.5:{p['containerPort']}",
+                    "__meta_kubernetes_pod_container_port_name": p["name"]}
+                   for p in container["ports"]]  # fmt: skip
+        kept = [t for t in (relabel(t, endpoint["relabelings"]) for t in targets) if t]
+        assert {t["endpoint"]: t["__address__"] for t in kept} == {
+            name: f"10.0.0.5:{port}" for name, port in ports.items()}
 
 
 def test_steps_monitor_selects_the_scoring_and_prepare_pods():
@@ -168,24 +176,6 @@ def test_steps_port_is_the_pipelines_metrics_port():
     assert replacements >= {f"${{1}}:{STEP_PORT}", f"[${{1}}]:{STEP_PORT}", str(STEP_PORT)}
 
 
-def _relabel(labels: dict[str, str], configs: list[dict]) -> dict[str, str] | None:
-    """Prometheus's relabeling (actions keep, drop and replace) of one target's labels."""
-    labels = dict(labels)
-    for config in configs:
-        action = config.get("action", "replace")
-        value = config.get("separator", ";").join(labels.get(s, "")
-                                                  for s in config.get("sourceLabels", []))
-        match = re.fullmatch(config.get("regex", "(.*)"), value)
-        if (action == "keep" and not match) or (action == "drop" and match):
-            return None
-        if action == "replace" and match:
-            template = re.sub(r"\$\{(\w+)\}|\$(\w+)", r"\\g<\1\2>",
-                              config.get("replacement", "$1"))  # fmt: skip
-            labels[config["targetLabel"]] = match.expand(template)
-        assert action in ("keep", "drop", "replace"), action
-    return labels
-
-
 def _kfp_pod_targets(pod_ip: str) -> list[dict[str, str]]:
     """What Prometheus's pod discovery gives for a KFP task pod (Argo containers `main` and
     `wait`, init containers `init` and `kfp-launcher`, none declaring a port): one target per
@@ -203,7 +193,7 @@ def _kfp_pod_targets(pod_ip: str) -> list[dict[str, str]]:
 ])  # fmt: skip
 def test_steps_relabelings_give_one_target_per_pod(pod_ip, address):
     (endpoint,) = _monitors()["crosskd-steps"]["spec"]["podMetricsEndpoints"]
-    kept = [t for t in (_relabel(t, endpoint["relabelings"]) for t in _kfp_pod_targets(pod_ip))
+    kept = [t for t in (relabel(t, endpoint["relabelings"]) for t in _kfp_pod_targets(pod_ip))
             if t is not None]  # fmt: skip
     assert len(kept) == 1
     assert kept[0]["__meta_kubernetes_pod_container_name"] == "main"
@@ -215,9 +205,9 @@ def test_relabel_emulation_keeps_drops_and_replaces():
     configs = [{"action": "drop", "sourceLabels": ["a"], "regex": "x"},
                {"sourceLabels": ["a", "b"], "regex": "(.*);(.*)", "targetLabel": "c",
                 "replacement": "${2}-$1"}]  # fmt: skip
-    assert _relabel({"a": "x"}, configs) is None
-    assert _relabel({"a": "y", "b": "z"}, configs)["c"] == "z-y"
-    assert _relabel({"a": "ab"}, [{"action": "keep", "sourceLabels": ["a"], "regex": "a"}]) is None
+    assert relabel({"a": "x"}, configs) is None
+    assert relabel({"a": "y", "b": "z"}, configs)["c"] == "z-y"
+    assert relabel({"a": "ab"}, [{"action": "keep", "sourceLabels": ["a"], "regex": "a"}]) is None
 
 
 def _snake(value: object) -> object:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from monitoring import alert_rules, metric_selectors
+from monitoring import alert_rules, metric_selectors, relabel
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from train_workers import free_port
 
@@ -78,14 +78,25 @@ def _selects(monitor: dict, pod_labels: dict[str, str]) -> bool:
 
 
 def _target_labels(pod_labels: dict[str, str], pod: str, container: str,
-                   endpoint: str) -> dict[str, str]:  # fmt: skip
-    """The target labels prometheus-operator gives a pod's endpoint under the one PodMonitor
-    that selects the pod: ``job`` from ``jobLabel``, namespace, pod, container, endpoint and
-    the ``podTargetLabels`` (names sanitised as Prometheus does)."""
+                   port: str | None) -> dict[str, str]:  # fmt: skip
+    """The target labels prometheus-operator gives one discovered target (a pod's container,
+    and its declared ``port`` name, if any) under the one PodMonitor that selects the pod:
+    ``job`` from ``jobLabel``, namespace, pod, container, ``endpoint`` from the endpoint's
+    relabelings (which must keep the target) and the ``podTargetLabels`` (names sanitised as
+    Prometheus does)."""
     chosen = [m for m in _podmonitors().values() if _selects(m, pod_labels)]
     assert len(chosen) == 1, f"{len(chosen)} PodMonitors select a pod labelled {pod_labels}"
     spec = chosen[0]["spec"]
-    labels = {"namespace": NAMESPACE, "pod": pod, "container": container, "endpoint": endpoint}
+    (endpoint,) = spec["podMetricsEndpoints"]
+    discovered = {"__address__": "10.0.0.5", "__meta_kubernetes_pod_ip": "10.0.0.5",
+                  "__meta_kubernetes_pod_container_name": container,
+                  "__meta_kubernetes_pod_container_init": "false"}  # fmt: skip
+    if port is not None:
+        discovered["__meta_kubernetes_pod_container_port_name"] = port
+    kept = relabel(discovered, endpoint.get("relabelings", []))
+    assert kept is not None, f"{chosen[0]['metadata']['name']} drops {discovered}"
+    labels = {"namespace": NAMESPACE, "pod": pod, "container": container,
+              "endpoint": kept["endpoint"]}  # fmt: skip
     labels["job"] = pod_labels[spec["jobLabel"]]
     for name in spec.get("podTargetLabels", []):
         if name in pod_labels:
@@ -224,9 +235,9 @@ def scraped(tmp_path_factory):
         for i, port in enumerate(train_ports[:2])
     ]
     step_targets = {
-        # the step PodMonitor's relabelings: Argo's container `main`, endpoint "9400"
+        # a KFP task pod: Argo's container `main`, no declared port
         component: _target_labels(_step_pod_labels(component, job_label),
-                                  f"crosskd-distill-x7k2p-{component}-1234", "main", "9400")
+                                  f"crosskd-distill-x7k2p-{component}-1234", "main", None)
         for component in ("prepare", "score-teacher")
     }  # fmt: skip
     scrape_configs = [
@@ -346,6 +357,7 @@ def test_prometheus_scrapes_every_endpoint_with_the_podmonitor_labels(scraped):
     shards = prometheus.series("crosskd_scoring_shards", start, end)
     assert float(scored[0]["values"][-1][1]) == float(shards[0]["values"][-1][1]) >= 1
     assert step_targets["score-teacher"]["app_kubernetes_io_component"] == "score-teacher"
+    assert step_targets["score-teacher"]["endpoint"] == "9400"  # the pipeline's metrics_port
 
 
 def test_every_dashboard_query_returns_series(scraped):
