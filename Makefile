@@ -34,6 +34,7 @@ bench: venv
 	$(PY) benchmarks/loss.py
 	$(PY) benchmarks/sharded_loss.py
 	$(PY) benchmarks/teacher.py
+	$(PY) benchmarks/metrics.py
 
 lint: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines

@@ -67,7 +67,7 @@ class MetricsServer:
             return
         with self._scrapes.changed:
             seen = self._scrapes.count
-            if seen:
+            if seen and final_scrape_s > 0:
                 deadline = time.monotonic() + final_scrape_s
                 while self._scrapes.count == seen and time.monotonic() < deadline:
                     self._scrapes.changed.wait(deadline - time.monotonic())
