@@ -264,6 +264,7 @@ def test_preset_arguments_for_a_local_run(monkeypatch):
     assert (arguments["executor"], arguments["gpus_per_node"], arguments["score_gpus"]) == (
         "local", 0, 0)
     assert arguments["output_root"] == "out" and arguments["steps"] == 7
+    assert arguments["metrics_port"] == 0  # a free port: 9400 may be taken on this machine
     assert arguments["teachers"] == ["zoo:smollm2"] and "steps" not in arguments["options"]
     assert arguments["options"]["student_tokenizer"] == "zoo:llama3"
     assert "device" not in arguments["options"]  # None is left out: KFP carries no nulls

@@ -76,7 +76,8 @@ def compile_pipeline(output: str, *, image: str | None = None,
 
 def preset_arguments(config: RunConfig) -> dict[str, Any]:
     """The pipeline arguments of a run config for a local run: its keys (the ones that are not
-    parameters of their own go into ``options``) with the local executor and no GPU. When this
+    parameters of their own go into ``options``) with the local executor, no GPU and the steps'
+    metrics on free ports (nothing scrapes them here; a fixed port could be taken). When this
     machine's environment has S3 credentials (``AWS_ACCESS_KEY_ID``), the training job reads
     them as a pod would read its Secret (the local executor takes ``secretKeyRef`` values from
     the environment)."""
@@ -86,7 +87,7 @@ def preset_arguments(config: RunConfig) -> dict[str, Any]:
     return {
         "output_root": output, **arguments, "options": values, "executor": "local",
         "image": "crosskd:local", "gpus_per_node": 0, "nodes": 1, "score_gpus": 0,
-        "score_tolerations": [], "job": dict(LOCAL_JOB),
+        "score_tolerations": [], "job": dict(LOCAL_JOB), "metrics_port": 0,
         "s3_secret": "crosskd-s3" if os.environ.get("AWS_ACCESS_KEY_ID") else "",
     }  # fmt: skip
 
