@@ -253,12 +253,13 @@ def scraped(tmp_path_factory):
     prometheus = _Prometheus(folder, scrape_configs)
     start = time.time()
     try:
-        train_yaml = _steps_with_metrics(folder / "run", step_ports)
+        train_yaml, heldout = _steps_with_metrics(folder / "run", step_ports)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         trained = subprocess.run(
             [str(Path(sys.executable).parent / "crosskd"), "train", "--nproc-per-node", "2",
              "--config", str(train_yaml), f"steps={STEPS}", f"metrics_port={base}",
-             "checkpoint_every=10", "metrics_host=127.0.0.1", "metrics_final_scrape_s=20"],
+             "checkpoint_every=10", "eval_every=20", "metrics_host=127.0.0.1",
+             "metrics_final_scrape_s=20", f"eval_data={heldout}"],
             env=env, timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         assert trained.returncode == 0, trained.stdout[-3000:]
@@ -289,11 +290,11 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _steps_with_metrics(root: Path, ports: dict[str, int]) -> Path:
+def _steps_with_metrics(root: Path, ports: dict[str, int]) -> tuple[Path, str]:
     """The tiny preset's steps up to the KD run's train config; a preparation and the scoring
     of the training split run with their metrics served on ``ports`` (``prepare``,
     ``score-teacher``); each waits for Prometheus's first scrape, so even these short steps
-    show a start and an end."""
+    show a start and an end. Returns the train config and the prepared held-out data."""
     config = load_run_config(None, "tiny", [f"output={root}", "device=cpu"])
     plan = steps.validate_inputs(config)
     tables = []
@@ -330,7 +331,7 @@ def _steps_with_metrics(root: Path, ports: dict[str, int]) -> Path:
                                                 str(root)) if i["variant"] == "kd")  # fmt: skip
     path = root / "kd-train.yaml"
     path.write_text(yaml.safe_dump(item["train"]))
-    return path
+    return path, prepared["heldout"]
 
 
 def test_prometheus_scrapes_every_endpoint_with_the_podmonitor_labels(scraped):

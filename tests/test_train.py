@@ -248,6 +248,8 @@ def test_metrics_are_served_over_http_during_the_run(setup, tmp_path):
         shape = key.split('shape="')[1].split('"')[0]
         assert value == sum(r.get(f"teacher0/{shape}/valid", 0) for r in records)
     assert not any("step=" in k or "job=" in k for k in values)
+    # no held-out data: no held-out series (rather than a misleading 0)
+    assert not any(k.startswith("crosskd_train_heldout_bits_per_byte") for k in values)
     trainer.close()
 
 

@@ -252,7 +252,7 @@ def test_heldout_evaluation_keeps_the_best_student(train_inputs, tmp_path):
     best = json.loads((tmp_path / "run" / "best" / "crosskd-model.json").read_text())
     assert best["step"] == best_step
     assert best["heldout_bits_per_byte"] == pytest.approx(evaluated[best_step])
-    assert trainer.exporter.heldout._value.get() == pytest.approx(evaluated[6])
+    assert trainer.exporter.heldout.labels(rank="0")._value.get() == pytest.approx(evaluated[6])
     info = json.loads((tmp_path / "run" / "final" / "crosskd-model.json").read_text())
     assert info["step"] == 6 and info["best"]["step"] == best_step
     out = evaluate(EvaluateConfig(data=train_inputs["heldout"],

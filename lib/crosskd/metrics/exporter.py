@@ -60,8 +60,10 @@ class MetricsExporter(MetricsServer):
         self.planned = gauge("crosskd_train_planned_steps", "The run's configured steps")
         self.planned.set(planned_steps)
         self.steps = counter("crosskd_train_steps", "Optimizer steps done by this process")
-        self.heldout = gauge("crosskd_train_heldout_bits_per_byte",
-                             "Student bits per byte on the held-out data, last evaluation")
+        # Exported from the first evaluation on (a run without held-out data has no series,
+        # rather than a misleading 0).
+        self.heldout = Gauge("crosskd_train_heldout_bits_per_byte", "Student bits per byte on "
+                             "the held-out data, last evaluation", ["rank"], registry=registry)
         self.checkpoint = gauge("crosskd_train_last_checkpoint_step",
                                 "Step of the last complete checkpoint")  # fmt: skip
         self.checkpoint_seconds = Histogram(
@@ -105,7 +107,7 @@ class MetricsExporter(MetricsServer):
         self.steps.inc()
         self.seconds.observe(seconds)
         if "heldout_bits_per_byte" in metrics:
-            self.heldout.set(metrics["heldout_bits_per_byte"])
+            self.heldout.labels(rank=self._rank).set(metrics["heldout_bits_per_byte"])
         if not self.count_totals:
             return
         self.tokens.inc(metrics["tokens"])
