@@ -25,6 +25,8 @@ from crosskd.loss.events import CsdOptions
 from crosskd.tokenization import LoadedTokenizer, fingerprint_fields
 
 TEACHER_MODES = ("sum", "select", "average")
+KD_METHODS = ("csd", "uld")
+"""The KD terms ``LossConfig.kd`` can name."""
 
 
 @dataclass
@@ -69,6 +71,11 @@ class TeacherLossConfig:
 class LossConfig:
     """The student's loss: ``ce_weight * CE + kd_scale * KD``."""
 
+    kd: str = "csd"
+    """The KD term: ``csd`` (Common-Support Distillation, chunk by chunk) or ``uld`` (Universal
+    Logit Distillation, the baseline: sorted probability vectors of index-paired positions
+    compared by L1; :mod:`crosskd.loss.uld`). ``divergence``, ``beta`` and the chunk options
+    (``keep_realized`` .. ``drop_unrealized_topk``) apply to ``csd`` only."""
     divergence: str = "jsd"
     """``jsd`` (generalised JSD with ``beta``), ``forward_kl`` KL(T||S) or ``reverse_kl``
     KL(S||T)."""
@@ -110,6 +117,8 @@ class LossConfig:
 
     def check(self) -> None:
         """Refuse any bad value with a message naming its key."""
+        if self.kd not in KD_METHODS:
+            raise ConfigError(f"kd is {self.kd!r}; choose one of {', '.join(KD_METHODS)}.")
         if self.divergence not in DIVERGENCES:
             raise ConfigError(
                 f"divergence is {self.divergence!r}; choose one of {', '.join(DIVERGENCES)}."

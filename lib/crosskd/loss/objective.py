@@ -1,4 +1,5 @@
-"""The student's whole loss: ``ce_weight * CE + kd_scale * KD`` (spec sections 5 and 6).
+"""The student's whole loss: ``ce_weight * CE + kd_scale * KD`` (spec sections 5 and 6), with
+KD the CSD term or, under ``loss.kd: uld``, the ULD baseline (:mod:`crosskd.loss.uld`).
 
 Two steps, so that everything that depends only on the data and the teacher signals happens
 before the student's forward pass (in the collator or a data-loader worker):
@@ -42,6 +43,7 @@ from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
 from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events, token_positions
+from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
 from crosskd.tables import TablePair
 from crosskd.teacher import TeacherSignal
 
@@ -75,6 +77,11 @@ class TeacherPlan:
     chunk_first_row: np.ndarray
     same_tokenizer: bool
 
+    @property
+    def n_counted(self) -> int:
+        """The chunks this term counts (the normaliser's share of this micro-batch)."""
+        return self.events.n_chunks
+
 
 @dataclass(frozen=True)
 class StepCounts:
@@ -97,7 +104,8 @@ class LossPlan:
 
     ``width``: the student batch's ``L_s``; ``vocab``: ``V_S``; ``ce_rows`` / ``ce_ids`` int64
     ``[M]``: each CE
-    target's flat row (``b * L_s + position - 1``) and token id; ``terms``: the KD terms;
+    target's flat row (``b * L_s + position - 1``) and token id; ``terms``: the KD terms (CSD
+    :class:`TeacherPlan` or, under ``kd: uld``, :class:`~crosskd.loss.uld.UldTerm`);
     ``sums``: metric sums known before the forward pass (teachers' bits and bytes, selections).
     """
 
@@ -105,13 +113,13 @@ class LossPlan:
     vocab: int
     ce_rows: np.ndarray
     ce_ids: np.ndarray
-    terms: list[TeacherPlan]
+    terms: list[TeacherPlan] | list[UldTerm]
     sums: dict[str, float]
 
     @property
     def counts(self) -> StepCounts:
-        """This micro-batch's CE tokens and counted chunks per KD term."""
-        return StepCounts(len(self.ce_rows), tuple(t.events.n_chunks for t in self.terms))
+        """This micro-batch's CE tokens and counted chunks (ULD: pairs) per KD term."""
+        return StepCounts(len(self.ce_rows), tuple(t.n_counted for t in self.terms))
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,8 @@ class Ownership:
         """One process: everything is evaluated here; nothing to reduce."""
         return cls(
             np.ones(len(plan.ce_rows), dtype=bool),
-            [np.ones(len(t.chunk_shape), dtype=bool) for t in plan.terms], True, lambda x: x,
+            [np.ones(len(t.chunk_shape) if isinstance(t, TeacherPlan) else t.n_counted,
+                     dtype=bool) for t in plan.terms], True, lambda x: x,
         )  # fmt: skip
 
 
@@ -206,6 +215,7 @@ def plan_loss(
         )
     sums: dict[str, float] = {}
     valid = [to_numpy(t.chunks.valid).astype(bool) for t in teachers]
+    chosen_by = [None] * len(teachers)  # under select: the chunks of samples that chose it
     if teacher_bytes is not None:
         n_samples = 1 + max(int(to_numpy(t.chunks.sample).max(initial=-1)) for t in teachers)
         bits = np.zeros((len(teachers), n_samples))
@@ -220,7 +230,8 @@ def plan_loss(
         if config.teacher_mode == "select":
             chosen = select_teachers(bits, n_bytes)
             for i, teacher in enumerate(teachers):
-                valid[i] &= chosen[to_numpy(teacher.chunks.sample)] == i
+                chosen_by[i] = chosen[to_numpy(teacher.chunks.sample)] == i
+                valid[i] &= chosen_by[i]
                 sums[f"teacher{i}/selected_samples"] = float((chosen == i).sum())
     options = config.csd_options()
     plans = []
@@ -230,6 +241,9 @@ def plan_loss(
         pairs, names = pairs[:1], ["average"]
     else:
         names = [f"teacher{i}" for i in range(len(teachers))]
+    if config.kd == "uld":
+        terms = _uld_terms(config, teachers, names, mask, chosen_by, width, sums)
+        return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], terms, sums)
     for i, (teacher, pair, name) in enumerate(zip(teachers, pairs, names, strict=True)):
         ch = teacher.chunks
         t_ids = to_numpy(teacher.input_ids)
@@ -246,6 +260,25 @@ def plan_loss(
             name, weight, events, to_numpy(ch.shape), to_numpy(ch.flags), first_row, pair is None,
         ))  # fmt: skip
     return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], plans, sums)
+
+
+def _uld_terms(config: LossConfig, teachers: Sequence[TeacherBatch], names: list[str],
+               loss_mask: np.ndarray, chosen_by: list[np.ndarray | None], width: int,
+               sums: dict[str, float]) -> list[UldTerm]:  # fmt: skip
+    """One :class:`UldTerm` per KD term (the paper's pairing over the student's ``loss_mask``
+    ``[B, L_s]``); adds each term's pair counts to ``sums``."""
+    terms = []
+    for i, (teacher, name) in enumerate(zip(teachers, names, strict=True)):
+        rows, s_pos, t_pos, unpaired_s, unpaired_t = paired_positions(
+            teacher.chunks, loss_mask, chosen_by[i])
+        weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
+        terms.append(UldTerm(name, weight, rows * width + s_pos - 1,
+                             teacher_sorted_probs(teacher.signal, rows, t_pos),
+                             unpaired_s, unpaired_t))  # fmt: skip
+        sums[f"{name}/uld_pairs"] = float(len(rows))
+        sums[f"{name}/uld_unpaired_student"] = float(unpaired_s)
+        sums[f"{name}/uld_unpaired_teacher"] = float(unpaired_t)
+    return terms
 
 
 def compute_loss(
@@ -297,6 +330,10 @@ def loss_from_logprobs(
     def tensor(array: np.ndarray) -> Tensor:
         return torch.from_numpy(array).to(device)
 
+    if config.kd == "uld":
+        return _uld_loss(plain, tempered, plan, config, counts, own, tensor(plan.ce_rows),
+                         tensor(plan.ce_ids), device)  # fmt: skip
+
     kd_rows = [t.events.term_row for t in plan.terms]
     kd_ids = [t.events.term_id for t in plan.terms]
     sizes = [len(r) for r in kd_rows]
@@ -326,6 +363,37 @@ def loss_from_logprobs(
             term_plan.name, events, term, term_plan.chunk_shape[owned],
             term_plan.chunk_flags[owned], same_tokenizer=term_plan.same_tokenizer,
         ))  # fmt: skip
+    return _complete(ce, kd, kd_terms, sums, plan, config, own, device)
+
+
+def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
+              config: LossConfig, counts: StepCounts, own: Ownership, ce_rows: Tensor,
+              ce_ids: Tensor, device: torch.device | str) -> LossOutput:  # fmt: skip
+    """:func:`loss_from_logprobs` under ``kd: uld``: CE as always, each teacher's ULD sum over
+    its pairs divided by the step's pairs (this process's logits hold whole rows)."""
+    if not isinstance(tempered, LocalLogProbs) or not own.ce.all():
+        raise ConfigError(
+            "loss.kd is 'uld', which the sharded (sequence- or vocabulary-parallel) loss does "
+            "not support: ULD sorts every paired row's whole distribution, which no shard "
+            "holds. Use kd: csd, or train data-parallel only."
+        )
+    ce = -plain.log_prob(ce_rows, ce_ids).sum() / max(counts.tokens, 1)
+    kd = ce.new_zeros(())
+    kd_terms: dict[str, Tensor] = {}
+    sums = dict(plan.sums) if own.leader else {}
+    for term, n_total in zip(plan.terms, counts.chunks, strict=True):
+        total = uld_sum(tempered.logits, term, config.tau, tempered.block_rows)
+        kd_terms[term.name] = total / max(n_total, 1)
+        kd = kd + term.weight * kd_terms[term.name]
+        sums[f"{term.name}/uld_sum_l1"] = sums.get(f"{term.name}/uld_sum_l1", 0.0) + total.item()
+    return _complete(ce, kd, kd_terms, sums, plan, config, own, device)
+
+
+def _complete(ce: Tensor, kd: Tensor, kd_terms: dict[str, Tensor], sums: dict[str, float],
+              plan: LossPlan, config: LossConfig, own: Ownership,
+              device: torch.device | str) -> LossOutput:  # fmt: skip
+    """The :class:`LossOutput` of this rank's terms: the reported values all-reduced (one
+    vector), ``kd_scale`` from them, the total."""
     names = [t.name for t in plan.terms]
     keys = sum_keys(names, len(config.teachers))
     local = torch.tensor(

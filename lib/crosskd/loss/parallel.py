@@ -244,6 +244,12 @@ def sharded_loss(
     """One micro-batch's loss on this rank from its logits ``[B, L / cp, V / tp]`` (the plan
     of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's
     ``loss``; the reported values are complete and identical on every rank."""
+    if config.kd != "csd":
+        raise ConfigError(
+            f"loss.kd is {config.kd!r}, which the sharded (sequence- or vocabulary-parallel) "
+            f"loss does not support: ULD sorts every paired row's whole distribution, which no "
+            f"shard holds. Use kd: csd, or train data-parallel only."
+        )
     plain = ShardedLogProbs(logits, mesh, plan.width, tau=1.0, vocab_size=plan.vocab)
     tempered = plain if config.tau == 1 else ShardedLogProbs(
         logits, mesh, plan.width, config.tau, vocab_size=plan.vocab
