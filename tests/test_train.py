@@ -5,6 +5,7 @@ after this process has run a Trainer are fresh interpreters (:mod:`train_workers
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -298,6 +299,28 @@ def test_two_process_ddp_equals_one_process_and_resumes_on_one(setup, tmp_path):
     rest = resumed.train()
     resumed.close()
     _assert_same_curve(rest, want[2:], rel=1e-5)
+
+
+def test_uld_trains_and_two_processes_equal_one(setup, tmp_path):
+    """``loss.kd: uld``: the KD term is the ULD mean over the step's pairs (its pair count
+    reduced over the ranks first), so 2 gloo processes give the one-process curve."""
+    loss = dataclasses.replace(_config(setup, tmp_path).loss, kd="uld")
+    single = Trainer(_config(setup, tmp_path / "one", micro_batch_rows=2, loss=loss),
+                     progress=False)  # fmt: skip
+    single.setup()
+    want = single.train()
+    single.close()
+    assert all(math.isfinite(h["loss"]) for h in want) and 0 < want[0]["kd"] <= 2
+    assert want[0]["teacher0/uld_pairs"] > 0 and not any(k.endswith("/valid") for k in want[0])
+    assert want[0]["kd/teacher0"] == pytest.approx(
+        want[0]["teacher0/uld_sum_l1"] / want[0]["teacher0/uld_pairs"])
+    run_ddp([("two", _config(setup, tmp_path / "two", micro_batch_rows=1, loss=loss), None)],
+            tmp_path)  # fmt: skip
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"two-rank{rank}.json").read_text())
+        for g, w in zip(got["history"], want, strict=True):
+            for key in ("loss", "ce", "kd", "kd_scale", "teacher0/uld_pairs"):
+                assert g[key] == pytest.approx(w[key], rel=1e-5), key
 
 
 def test_a_rank_that_fails_alone_fails_every_rank_without_a_hang(setup, tmp_path):
