@@ -16,7 +16,7 @@ seeds) in one plot, and the teacher and the untrained students for reference. A 
 student's initialisation and the data order. Everything is written under ``--out``
 (``results.json``, ``curves.png``); the table is printed.
 
-    python benchmarks/quality.py [--quick] [--seeds 3] [--steps 150] [--out DIR]
+    python benchmarks/quality.py [--quick] [--seeds 3] [--steps 120] [--out DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
     "csd-k8": (8, {}),
     "csd-k128": (128, {}),
 }
-FULL = {"corpus_bytes": 400_000, "ood_bytes": 40_000, "steps": 150, "seeds": 3,
+FULL = {"corpus_bytes": 400_000, "ood_bytes": 40_000, "steps": 120, "seeds": 3,
         "shape": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
                   "num_attention_heads": 4, "num_key_value_heads": 2}}  # fmt: skip
 QUICK = {"corpus_bytes": 40_000, "ood_bytes": 8_000, "steps": 12, "seeds": 1,

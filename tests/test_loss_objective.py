@@ -4,6 +4,7 @@ teachers and micro-batches, on hand-made batches with numbers worked out by hand
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -343,3 +344,24 @@ def test_average_mode_is_one_kd_against_the_mixture():
     log_s = torch.log_softmax(student, -1)
     kl = (p_mix * (p_mix.log() - log_s)).sum(-1)[:, :-1]
     assert out.kd.item() == pytest.approx(kl[mask[:, 1:]].mean().item(), rel=1e-6)
+
+
+def test_uld_under_select_pairs_each_sample_with_its_chosen_teacher_only():
+    """``kd: uld`` with ``select``: teacher 0 pairs only row 0's three predicted positions,
+    teacher 1 only row 1's; in ``sum`` mode both pair all six; KD = sum_t weight_t ULD_t."""
+    ids, mask, chunks, signals = _two_teacher_batch()
+    teachers = [TeacherLossConfig(k=2), TeacherLossConfig(k=2, weight=3.0)]
+    config = LossConfig(kd="uld", teacher_mode="select", teachers=teachers)
+    batches = [TeacherBatch(ids, chunks, s) for s in signals]
+    lengths = np.array([1, 1, 1])
+    plan = plan_loss(config, ids, mask, batches, [None, None], student_vocab=3,
+                     teacher_bytes=[lengths, lengths])  # fmt: skip
+    assert plan.counts.chunks == (3, 3)
+    assert [sorted(set(t.student_rows // 4)) for t in plan.terms] == [[0], [1]]
+    student = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    out = compute_loss(student, plan, config)
+    assert out.kd.item() == pytest.approx(out.kd_terms["teacher0"].item()
+                                          + 3.0 * out.kd_terms["teacher1"].item())  # fmt: skip
+    both = plan_loss(replace(config, teacher_mode="sum"), ids, mask, batches, [None, None],
+                     student_vocab=3)  # fmt: skip
+    assert both.counts.chunks == (6, 6)
