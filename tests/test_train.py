@@ -354,6 +354,8 @@ def test_a_rank_that_fails_alone_fails_every_rank_without_a_hang(setup, tmp_path
          r"student_shape.hidden_size is 0; it must be a positive integer"),
         ({"loss": {"teachers": 5}}, r"loss: .*loss.teachers as a list of mappings"),
         ({"collective_timeout_s": 0}, r"collective_timeout_s is 0"),
+        ({"student": "init", "student_tokenizer": "t", "student_shape": {"hiden_size": 64}},
+         r"student_shape has unknown key\(s\) hiden_size; known: hidden_size, "),
         ({"metrics_final_scrape_s": -1}, r"metrics_final_scrape_s is -1; it must be a finite"),
         ({"steps": 0}, r"steps is 0; it must be an integer >= 1"),
         ({"steps": "10"}, r"steps is '10'; it must be an integer >= 1"),
@@ -433,6 +435,28 @@ def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
         load_checkpoint(str(tmp_path), 5, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
     with pytest.raises(CrosskdError, match=r"step-0000006 cannot be read here .* storage all"):
         load_checkpoint(str(tmp_path), 6, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+
+
+def test_a_checkpoint_for_another_optimizer_or_without_param_groups_is_refused(tmp_path):
+    from crosskd.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    save_checkpoint(str(tmp_path), 5, model, optimizer, {})
+    other = torch.nn.Linear(3, 2)
+    two_groups = torch.optim.AdamW([{"params": [other.weight]}, {"params": [other.bias]}])
+    with pytest.raises(CrosskdError, match=r"step-0000005: its optimizer state does not fit "
+                                           r"this model's optimizer"):  # fmt: skip
+        load_checkpoint(str(tmp_path), 5, other, two_groups)
+    state_file = tmp_path / "step-0000005" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["param_groups"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(CrosskdError, match=r"incomplete or damaged \(state.json has no "
+                                           r"param_groups list\)"):  # fmt: skip
+        load_checkpoint(str(tmp_path), 5, other, torch.optim.AdamW(other.parameters()))
 
 
 def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):

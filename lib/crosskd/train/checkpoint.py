@@ -131,6 +131,8 @@ def load_checkpoint(
         model_bytes = fs.cat_file(f"{folder}/model.safetensors")
         tensors = load(fs.cat_file(f"{folder}/optimizer.safetensors"))
         state = json.loads(fs.cat_file(f"{folder}/{STATE}"))
+        if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
+            raise ValueError(f"{STATE} has no param_groups list")
         _load_model_bytes(model, model_bytes)
     except CrosskdError:
         raise
@@ -142,9 +144,16 @@ def load_checkpoint(
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("state."):
-            _, index, name = key.split(".", 2)
-            per_param.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+            _, index, field = key.split(".", 2)
+            per_param.setdefault(int(index), {})[field] = value
+    try:
+        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CrosskdError(
+            f"checkpoint {uri}/{name}: its optimizer state does not fit this model's "
+            f"optimizer ({exc}); it was written for another model or optimizer. Start a new "
+            f"output, or delete the checkpoints to train from scratch."
+        ) from exc
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])

@@ -18,6 +18,7 @@ from typing import Any
 
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig
+from crosskd.zoo.models import SHAPE_KEYS
 
 INIT = "init"
 """The ``student`` value of a random-init student (``student_tokenizer`` + ``student_shape``)."""
@@ -139,6 +140,10 @@ class TrainConfig:
         if self.seed >= 2**63:
             raise ConfigError(f"seed is {self.seed}; it must be < 2**63.")
         _int("collective_timeout_s", self.collective_timeout_s, 1)
+        unknown = sorted(set(self.student_shape) - set(SHAPE_KEYS))
+        if unknown:
+            raise ConfigError(f"student_shape has unknown key(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
         for key, value in self.student_shape.items():
             number = int | float if key == "initializer_range" else int
             if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
