@@ -412,14 +412,22 @@ def test_distill_tiny_preset_end_to_end(tmp_path, capsys):
     assert "unknown key(s) stepz" in capsys.readouterr().err
 
 
-def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
-    from crosskd.train.checkpoint import load_checkpoint, save_checkpoint
+def _saved_linear(folder) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A Linear(3, 2) after one AdamW step, checkpointed as step 5 under ``folder``."""
+    from crosskd.train.checkpoint import save_checkpoint
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    save_checkpoint(str(tmp_path), 5, model, optimizer, {})
+    save_checkpoint(str(folder), 5, model, optimizer, {})
+    return model, optimizer
+
+
+def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
+    from crosskd.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer = _saved_linear(tmp_path)
     with torch.no_grad():
         model.weight.add_(1.0)
     save_checkpoint(str(tmp_path), 5, model, optimizer, {"note": "again"})
@@ -438,13 +446,9 @@ def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
 
 
 def test_a_checkpoint_for_another_optimizer_or_without_param_groups_is_refused(tmp_path):
-    from crosskd.train.checkpoint import load_checkpoint, save_checkpoint
+    from crosskd.train.checkpoint import load_checkpoint
 
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
-    save_checkpoint(str(tmp_path), 5, model, optimizer, {})
+    _saved_linear(tmp_path)
     other = torch.nn.Linear(3, 2)
     two_groups = torch.optim.AdamW([{"params": [other.weight]}, {"params": [other.bias]}])
     with pytest.raises(CrosskdError, match=r"step-0000005: its optimizer state does not fit "
