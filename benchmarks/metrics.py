@@ -23,6 +23,7 @@ import yaml
 
 from crosskd import steps
 from crosskd.config import load_config
+from crosskd.distill import checked_tables, teacher_caches
 from crosskd.metrics import MetricsExporter
 from crosskd.steps.config import load_run_config
 from crosskd.train import TrainConfig, Trainer
@@ -32,12 +33,9 @@ def kd_train_config(root: Path) -> Path:
     """The tiny preset's steps up to the KD run's train config (written under ``root``)."""
     config = load_run_config(None, "tiny", [f"output={root}", "device=cpu"])
     plan = steps.validate_inputs(config)
-    tables = []
-    for item in steps.plan_tables(plan):
-        tables.append(steps.build_tables(item, progress=False))
+    tables = checked_tables(plan, progress=False)
     prepared = steps.prepare_data(plan, max_length=config.max_length, progress=False)
-    jobs = steps.plan_scoring(plan, prepared, config.scoring(), 1)
-    caches = steps.merge_caches([steps.score_teacher(job, progress=False) for job in jobs])
+    caches = teacher_caches(plan, prepared, config.scoring(), 1, progress=False)
     item = next(i for i in steps.plan_training(config, plan, prepared, tables, caches, str(root))
                 if i["variant"] == "kd")  # fmt: skip
     path = root / "kd-train.yaml"

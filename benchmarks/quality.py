@@ -35,6 +35,7 @@ from pathlib import Path
 from crosskd import steps
 from crosskd.alignment.corpus import benchmark_corpus
 from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.distill import checked_tables, teacher_caches
 from crosskd.steps.config import RunConfig
 from crosskd.steps.inputs import model_tokenizer
 from crosskd.steps.train import run_history
@@ -115,9 +116,7 @@ def main() -> None:
         loss={"dynamic_kd_scale": True}, token_budget=2048, device="cpu",
     )  # fmt: skip
     plan = steps.validate_inputs(base)
-    tables = [steps.build_tables(item, progress=False) for item in steps.plan_tables(plan)]
-    for item, built in zip(steps.plan_tables(plan), tables, strict=True):
-        steps.validate_tables(item, built)
+    tables = checked_tables(plan, progress=False)
     prepared = steps.prepare_data(plan, max_length=base.max_length, progress=False)
     ood = str(out / "work" / "ood-prepared")
     if not (Path(ood) / "manifest.json").exists():
@@ -126,10 +125,8 @@ def main() -> None:
                                                   for t in plan["teachers"]],
                               output=ood, max_length=base.max_length,
                               teacher_max_length=2 * base.max_length), progress=False)  # fmt: skip
-    caches = {}
-    for k in sorted({k for k, _ in ARMS.values()}):
-        jobs = steps.plan_scoring(plan, prepared, {**base.scoring(), "k": k}, 1)
-        caches[k] = steps.merge_caches([steps.score_teacher(j, progress=False) for j in jobs])
+    caches = {k: teacher_caches(plan, prepared, {**base.scoring(), "k": k}, 1, progress=False)
+              for k in sorted({k for k, _ in ARMS.values()})}  # fmt: skip
     log.info("inputs ready after %.0f s", time.perf_counter() - started)
     results: dict = {"arms": {}, "reference": {}, "config": {
         "steps": n_steps, "seeds": seeds, "shape": size["shape"], "corpus_bytes":

@@ -34,6 +34,7 @@ from train_workers import free_port
 
 from crosskd import steps
 from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.distill import checked_tables
 from crosskd.k8s.job import JobConfig, job_manifest
 from crosskd.metrics.dashboards import build_dashboards, panel_queries, render_query
 from crosskd.metrics.steps import PrepareMetrics, ScoringMetrics
@@ -297,11 +298,7 @@ def _steps_with_metrics(root: Path, ports: dict[str, int]) -> tuple[Path, str]:
     show a start and an end. Returns the train config and the prepared held-out data."""
     config = load_run_config(None, "tiny", [f"output={root}", "device=cpu"])
     plan = steps.validate_inputs(config)
-    tables = []
-    for item in steps.plan_tables(plan):
-        built = steps.build_tables(item, progress=False)
-        steps.validate_tables(item, built)
-        tables.append(built)
+    tables = checked_tables(plan, progress=False)
     prepared = steps.prepare_data(plan, max_length=config.max_length, shard_rows=8,
                                   progress=False)  # fmt: skip
     metrics = PrepareMetrics()

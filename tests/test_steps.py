@@ -107,7 +107,8 @@ def test_merging_refuses_ranges_of_another_teacher(tmp_path):
     ({"max_length": 0}, r"max_length is 0; it must be an integer >= 1"),
     ({"loss": {"kd_weight": -1}}, r"loss\.kd_weight"),
     ({"student_shape": {"layers": 4}}, r"student_shape has unknown key\(s\) layers; known: "),
-    ({"teacher_shape": [64]}, r"teacher_shape is \[64\]; give a mapping"),
+    ({"teacher_shape": [64]}, r"teacher_shape is \[64\]; it must be a mapping"),
+    ({"student_shape": {"hidden_size": 0}}, r"student_shape.hidden_size is 0; it must be a "),
     ({"loss": {"kd": "uldx"}}, r"kd is 'uldx'; choose one of csd, uld"),
 ])  # fmt: skip
 def test_pipeline_options_are_refused_by_name(options, message):

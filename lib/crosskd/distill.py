@@ -29,7 +29,8 @@ from crosskd.steps.config import PRESETS, RunConfig, load_run_config, preset_pat
 log = logging.getLogger(__name__)
 
 DistillConfig = RunConfig
-__all__ = ["PRESETS", "DistillConfig", "distill", "load_distill_config", "preset_path"]
+__all__ = ["PRESETS", "DistillConfig", "checked_tables", "distill", "load_distill_config",
+           "preset_path", "teacher_caches"]
 
 
 def load_distill_config(path: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
@@ -42,16 +43,11 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     (``bits_per_byte``, ``report``: the page's URI)."""
     root = config.output.rstrip("/")
     plan = steps.validate_inputs(config)
-    tables = []
-    for item in steps.plan_tables(plan):
-        built = steps.build_tables(item, progress=progress)
-        steps.validate_tables(item, built)
-        tables.append(built)
+    tables = checked_tables(plan, progress=progress)
     prepared = steps.prepare_data(plan, max_length=config.max_length,
                                   shard_rows=config.shard_rows, progress=progress)  # fmt: skip
-    jobs = steps.plan_scoring(plan, prepared, config.scoring(), config.score_pods)
-    parts = [steps.score_teacher(job, progress=progress) for job in jobs]
-    caches = steps.merge_caches(parts)
+    caches = teacher_caches(plan, prepared, config.scoring(), config.score_pods,
+                            progress=progress)  # fmt: skip
     items = steps.plan_training(config, plan, prepared, tables, caches, root)
     runs = [steps.train(item, executor="inprocess", progress=progress) for item in items]
     evaluation = steps.evaluate_models(
@@ -60,3 +56,23 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     )  # fmt: skip
     result = steps.report(evaluation, runs, asdict(config), f"{root}/report")
     return {"bits_per_byte": result["bits_per_byte"], "report": result["html"]}
+
+
+def checked_tables(plan: dict[str, Any], *, progress: bool = True) -> list[dict[str, Any]]:
+    """The tables of every cross-tokenizer teacher of ``plan`` (steps ``plan_tables``,
+    ``build_tables``, ``validate_tables``), in this process; the outputs of ``build_tables``."""
+    tables = []
+    for item in steps.plan_tables(plan):
+        built = steps.build_tables(item, progress=progress)
+        steps.validate_tables(item, built)
+        tables.append(built)
+    return tables
+
+
+def teacher_caches(plan: dict[str, Any], prepared: dict[str, Any], scoring: dict[str, Any],
+                   pods: int, *, progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+    """Every teacher's cache of the prepared training data (steps ``plan_scoring`` over
+    ``pods`` shard ranges, ``score_teacher``, ``merge_caches``), in this process; the output of
+    ``merge_caches``. ``scoring``: ``RunConfig.scoring()`` keys."""
+    jobs = steps.plan_scoring(plan, prepared, scoring, pods)
+    return steps.merge_caches([steps.score_teacher(job, progress=progress) for job in jobs])

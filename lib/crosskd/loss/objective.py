@@ -235,12 +235,11 @@ def plan_loss(
                 sums[f"teacher{i}/selected_samples"] = float((chosen == i).sum())
     options = config.csd_options()
     plans = []
+    names = term_names(config, len(teachers))
     if config.teacher_mode == "average":
         signal = mix_signals([t.signal for t in teachers], [e.weight for e in config.teachers])
         teachers = [TeacherBatch(teachers[0].input_ids, teachers[0].chunks, signal)]
-        pairs, names = pairs[:1], ["average"]
-    else:
-        names = [f"teacher{i}" for i in range(len(teachers))]
+        pairs = pairs[:1]
     if config.kd == "uld":
         terms = _uld_terms(config, teachers, names, mask, chosen_by, width, sums)
         return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], terms, sums)
@@ -260,6 +259,14 @@ def plan_loss(
             name, weight, events, to_numpy(ch.shape), to_numpy(ch.flags), first_row, pair is None,
         ))  # fmt: skip
     return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], plans, sums)
+
+
+def term_names(config: LossConfig, n_teachers: int) -> list[str]:
+    """The KD terms' names (the ``teacher`` label of their metrics): ``teacher0``,
+    ``teacher1``, ... one per teacher, or the one ``average`` term of that mode."""
+    if config.teacher_mode == "average" and n_teachers:
+        return ["average"]
+    return [f"teacher{i}" for i in range(n_teachers)]
 
 
 def _uld_terms(config: LossConfig, teachers: Sequence[TeacherBatch], names: list[str],
@@ -385,7 +392,7 @@ def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
         total = uld_sum(tempered.logits, term, config.tau, tempered.block_rows)
         kd_terms[term.name] = total / max(n_total, 1)
         kd = kd + term.weight * kd_terms[term.name]
-        sums[f"{term.name}/uld_sum_l1"] = sums.get(f"{term.name}/uld_sum_l1", 0.0) + total.item()
+        sums[f"{term.name}/uld_sum_l1"] = total.item()
     return _complete(ce, kd, kd_terms, sums, plan, config, own, device)
 
 

@@ -117,13 +117,12 @@ class MetricsExporter(MetricsServer):
                 self._chunks.labels(rank=self._rank, teacher=parts[0], shape=parts[1]).inc(value)
 
     def stopped_by(self, term: str, value: float) -> None:
-        """A non-finite ``term`` (``loss``, ``ce`` or ``kd``) stopped the run: its gauge shows
-        the value and ``crosskd_train_nonfinite_stops_total`` counts the stop."""
-        gauges = {"loss": self.loss, "ce": self.ce}
-        for gauge in ([gauges[term]] if term in gauges else list(self.kd.values())):
+        """A non-finite ``term`` (``loss``, ``ce`` or ``kd``) stopped the run: the loss and the
+        term's gauges show the value and ``crosskd_train_nonfinite_stops_total`` counts the
+        stop."""
+        gauges = {"ce": [self.ce], "kd": list(self.kd.values())}.get(term, [])
+        for gauge in [self.loss, *gauges]:
             gauge.set(value)
-        if term != "loss":
-            self.loss.set(value)
         self.nonfinite.inc()
 
 

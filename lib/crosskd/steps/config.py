@@ -13,7 +13,7 @@ import yaml
 from crosskd.config import load_config
 from crosskd.errors import ConfigError
 from crosskd.train.config import loss_from_mapping
-from crosskd.zoo.models import SHAPE_KEYS
+from crosskd.zoo.models import check_shape
 
 PRESETS = ("tiny", "demo")
 INIT = "init"
@@ -120,14 +120,7 @@ class RunConfig:
         if not isinstance(self.compare_ce_only, bool):
             raise ConfigError(f"compare_ce_only is {self.compare_ce_only!r}; write true or false.")
         for key in ("teacher_shape", "student_shape"):
-            shape = getattr(self, key)
-            if not isinstance(shape, dict):
-                raise ConfigError(f"{key} is {shape!r}; give a mapping such as "
-                                  f"{{hidden_size: 256, num_hidden_layers: 4}}.")  # fmt: skip
-            unknown = sorted(set(shape) - set(SHAPE_KEYS))
-            if unknown:
-                raise ConfigError(f"{key} has unknown key(s) {', '.join(unknown)}; known: "
-                                  f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
+            check_shape(key, getattr(self, key))
 
 
     def scoring(self) -> dict[str, Any]:

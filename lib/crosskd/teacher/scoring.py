@@ -191,7 +191,8 @@ def score_shards(
     returns that record. Several of these, over ranges that cover every shard once (one per
     pod), followed by :func:`merge_cache`, write the same cache as :func:`score`. A range whose
     record exists returns it once the run's values are checked (the teacher is loaded); an
-    interrupted one keeps its finished shards. ``metrics``: counted as shards are scored."""
+    interrupted one keeps its finished shards. ``metrics``: counted as shards are scored (and
+    served by the caller; default: counted, not served)."""
     config.check()
     fs, root = fsspec.core.url_to_fs(config.output)
     prepared = load_prepared(config.data)
@@ -203,6 +204,7 @@ def score_shards(
             f"0 <= start < stop <= {total}."
         )
     name = f"teacher{config.teacher_index}"
+    metrics = ScoringMetrics(name) if metrics is None else metrics
     models = {m["name"]: m for m in prepared.manifest["models"]}
     if name not in models:
         raise CrosskdError(
@@ -219,11 +221,9 @@ def score_shards(
            "dtype": str(teacher.dtype), "token_budget": config.token_budget}  # fmt: skip
     _start_run(fs, root, config.output, run)
     part_path = f"{root}/{PARTS}/{start:05d}-{stop:05d}.json"
-    if metrics is not None:
-        metrics.shards.set(stop - start)
+    metrics.shards.set(stop - start)
     if fs.exists(part_path):
-        if metrics is not None:
-            metrics.shards_done.set(stop - start)
+        metrics.shards_done.set(stop - start)
         log.info("shards %d..%d of %s are scored already (%s)", start, stop - 1, config.output,
                  part_path)  # fmt: skip
         return json.loads(fs.cat_file(part_path))
@@ -250,11 +250,10 @@ def score_shards(
             tmp = f"{root}/.tmp-{shard['path']}"
             fs.pipe_file(tmp, payload)
             fs.mv(tmp, path)
-            if metrics is not None:
-                metrics.samples.inc(len(ids))
-                metrics.tokens.inc(sum(len(x) for x in ids))
-                metrics.bytes.inc(len(payload))
-                metrics.shard_seconds.observe(time.perf_counter() - started)
+            metrics.samples.inc(len(ids))
+            metrics.tokens.inc(sum(len(x) for x in ids))
+            metrics.bytes.inc(len(payload))
+            metrics.shard_seconds.observe(time.perf_counter() - started)
         for seq, sig in zip(ids, signals, strict=True):
             nll_bits -= float(sig.realized_t1.astype(np.float64).sum()) / math.log(2)
             predicted_bytes += int(bytes_of[seq[1:]].sum())
@@ -265,8 +264,7 @@ def score_shards(
             "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
         })  # fmt: skip
         bar.update(shards[-1]["tokens"])
-        if metrics is not None:
-            metrics.shards_done.inc()
+        metrics.shards_done.inc()
     bar.close()
     part = {
         "start": start, "stop": stop, "total": total,

@@ -18,7 +18,7 @@ from typing import Any
 
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig
-from crosskd.zoo.models import SHAPE_KEYS
+from crosskd.zoo.models import check_shape
 
 INIT = "init"
 """The ``student`` value of a random-init student (``student_tokenizer`` + ``student_shape``)."""
@@ -124,11 +124,6 @@ class TrainConfig:
             )
         if not isinstance(self.loss, LossConfig):
             raise ConfigError(f"loss is {self.loss!r}; it must be a mapping of loss keys.")
-        if not isinstance(self.student_shape, dict):
-            raise ConfigError(
-                f"student_shape is {self.student_shape!r}; it must be a mapping such as "
-                f"{{hidden_size: 256, num_hidden_layers: 4}}."
-            )
         for key in ("steps", "micro_batch_rows"):
             _int(key, getattr(self, key), 1)
         for key in ("global_batch_rows", "grad_accum"):
@@ -140,17 +135,7 @@ class TrainConfig:
         if self.seed >= 2**63:
             raise ConfigError(f"seed is {self.seed}; it must be < 2**63.")
         _int("collective_timeout_s", self.collective_timeout_s, 1)
-        unknown = sorted(set(self.student_shape) - set(SHAPE_KEYS))
-        if unknown:
-            raise ConfigError(f"student_shape has unknown key(s) {', '.join(unknown)}; known: "
-                              f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
-        for key, value in self.student_shape.items():
-            number = int | float if key == "initializer_range" else int
-            if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
-                raise ConfigError(
-                    f"student_shape.{key} is {value!r}; it must be a positive "
-                    f"{'integer' if number is int else 'number'}."
-                )
+        check_shape("student_shape", self.student_shape)
         if self.eval_every is not None:
             _int("eval_every", self.eval_every, 0)
         if self.metrics_port is not None:

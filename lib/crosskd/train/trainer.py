@@ -51,6 +51,7 @@ from crosskd.errors import ConfigError, CrosskdError, Stopped
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
+from crosskd.loss.objective import term_names
 from crosskd.metrics import JsonlLog, MetricsExporter
 from crosskd.teacher.model import model_folder
 from crosskd.tokenization import load_tokenizer
@@ -168,8 +169,7 @@ class Trainer:
             heldout = load_prepared(cfg.eval_data, fingerprints=fingerprints)
             self.eval_sequences = prepared_sequences(heldout, "student")
         self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
-        names = (["average"] if cfg.loss.teacher_mode == "average" and self.teachers.sources
-                 else [f"teacher{i}" for i in range(len(self.teachers.sources))])  # fmt: skip
+        names = term_names(cfg.loss, len(self.teachers.sources))
         self.exporter = MetricsExporter(self.rank, names, planned_steps=cfg.steps,
                                         count_totals=self.rank == 0)  # fmt: skip
         self.exporter.start(self.start)

@@ -38,6 +38,25 @@ SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
 """Keys of a random-init Llama's shape (``initializer_range``: the weights' init std; a larger
 one makes sharper next-token distributions, for stand-in teachers in tests)."""
 ZOO_MODELS = ("smollm2",)
+
+
+def check_shape(key: str, shape: object) -> None:
+    """Refuse a random-init Llama shape that :func:`new_llama` could not build, naming the
+    config ``key`` (``student_shape``, ``teacher_shape``): not a mapping, a key outside
+    :data:`SHAPE_KEYS`, or a value that is not a positive integer (``initializer_range``: a
+    positive number)."""
+    if not isinstance(shape, dict):
+        raise ConfigError(f"{key} is {shape!r}; it must be a mapping such as "
+                          f"{{hidden_size: 256, num_hidden_layers: 4}}.")  # fmt: skip
+    unknown = sorted(set(shape) - set(SHAPE_KEYS))
+    if unknown:
+        raise ConfigError(f"{key} has unknown key(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
+    for name, value in shape.items():
+        number = int | float if name == "initializer_range" else int
+        if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
+            raise ConfigError(f"{key}.{name} is {value!r}; it must be a positive "
+                              f"{'integer' if number is int else 'number'}.")  # fmt: skip
 GGUF_HINT = "pip install 'crosskd[gguf]'"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -97,10 +116,7 @@ def new_llama(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    unknown = sorted(set(shape) - set(SHAPE_KEYS))
-    if unknown:
-        raise ConfigError(f"model shape: unknown key(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
+    check_shape("model shape", shape)
     values = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2} | shape  # fmt: skip
     config = LlamaConfig(
