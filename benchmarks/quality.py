@@ -28,19 +28,17 @@ import json
 import logging
 import statistics
 import time
-import unicodedata
 from dataclasses import replace
 from pathlib import Path
 
 from crosskd import steps
-from crosskd.alignment.corpus import benchmark_corpus
+from crosskd.alignment.corpus import benchmark_corpus, licence_documents
 from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.distill import checked_tables, teacher_caches
 from crosskd.steps.config import RunConfig
 from crosskd.steps.inputs import model_tokenizer
 from crosskd.steps.train import run_history
 
-LICENSES = Path("/usr/share/common-licenses")
 ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
     "ce": (32, None),
     "uld": (32, {"kd": "uld", "kd_weight": 1.5, "dynamic_kd_scale": False}),
@@ -74,23 +72,6 @@ def write_corpora(folder: Path, corpus_bytes: int, ood_bytes: int) -> dict[str, 
         log.info("%s: %d documents, %d bytes", name, len(docs),
                  sum(len(d.encode()) for d in docs))  # fmt: skip
     return uris
-
-
-def licence_documents(target_bytes: int, document_bytes: int = 4096) -> list[str]:
-    """About ``target_bytes`` of the licence texts, in documents of whole lines."""
-    if not LICENSES.is_dir():
-        raise SystemExit(f"{LICENSES} is absent: the out-of-domain text is Debian's licences")
-    documents, current, total = [], "", 0
-    for path in sorted(p for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink()):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines(True):
-            if len(current.encode()) + len(line.encode()) > document_bytes and current.strip():
-                documents.append(unicodedata.normalize("NFC", current))
-                total += len(current.encode())
-                current = ""
-                if total >= target_bytes:
-                    return documents
-            current += line
-    return documents
 
 
 def main() -> None:

@@ -88,6 +88,7 @@ def distill(
     student: str = "init",
     train_data: str = "",
     heldout_data: str = "",
+    ood_data: str = "",
     k: int = 16,
     tau: float = 1.0,
     steps: int = 12,
@@ -121,9 +122,9 @@ def distill(
     it; 0: a free port, -1: not served)."""
     inputs = validate_inputs(
         output_root=output_root, teachers=teachers, student=student, train_data=train_data,
-        heldout_data=heldout_data, k=k, tau=tau, steps=steps, compare_ce_only=compare_ce_only,
-        score_pods=score_pods, options=options, executor=executor, image=image,
-        gpus_per_node=gpus_per_node, nodes=nodes, job=job,
+        heldout_data=heldout_data, ood_data=ood_data, k=k, tau=tau, steps=steps,
+        compare_ce_only=compare_ce_only, score_pods=score_pods, options=options,
+        executor=executor, image=image, gpus_per_node=gpus_per_node, nodes=nodes, job=job,
     )  # fmt: skip
     _secrets(_cpu(inputs, "1", "4Gi", cache=False), s3_secret)
     plan = inputs.outputs["plan"]

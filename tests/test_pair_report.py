@@ -273,3 +273,20 @@ def test_cli_inspect_pair_matches_the_aligners_own_chunks(tmp_path, zoo, zoo_cac
     assert derived["one_to_one_student_share"] == pytest.approx(
         one_to_one / sum(len(s) for s in students)
     )
+
+
+def test_licence_documents_hand_checked(tmp_path):
+    from crosskd.alignment.corpus import licence_documents
+    from crosskd.errors import DataError
+
+    (tmp_path / "a").write_text("one\ntwo\n")
+    (tmp_path / "b").write_text("three\nfour\n")
+    (tmp_path / "0").symlink_to(tmp_path / "b")  # first by name, but a link: skipped
+    # Lines of 4, 4, 6 and 5 bytes in windows of at most 10: "one\ntwo\n" (8 bytes, below the
+    # target of 10), then "three\n" reaches it.
+    assert licence_documents(10, document_bytes=10, folder=tmp_path) == ["one\ntwo\n",
+                                                                         "three\n"]
+    assert licence_documents(100, document_bytes=10, folder=tmp_path) == [
+        "one\ntwo\n", "three\n", "four\n"]  # all there is
+    with pytest.raises(DataError, match=r"nowhere: no licence texts there .* give ood_data"):
+        licence_documents(10, folder=tmp_path / "nowhere")

@@ -117,7 +117,9 @@ def tiny_run(s3, tmp_path_factory):
     local folder kept across the runs of this module."""
     local_root = tmp_path_factory.mktemp("kfp-local")
     config = load_run_config(None, "tiny", ["output=s3://crosskd-test/pipeline", "steps=4",
-                                            "shard_rows=2", "score_pods=2"])  # fmt: skip
+                                            "shard_rows=2", "score_pods=2",
+                                            "ood_data=machine:licences",
+                                            "ood_bytes=3000"])  # fmt: skip
     return {"arguments": preset_arguments(config), "local_root": str(local_root)}
 
 
@@ -147,6 +149,13 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3):
     run = report[len("s3://"): -len("/report/index.html")]
     evaluation = json.loads(s3.cat_file(f"{run}/evaluation.json"))
     assert {n: m["bits_per_byte"] for n, m in evaluation["models"].items()} == bpb
+    # The out-of-domain rows (the machine's licence texts) prepared, evaluated and reported.
+    ood = json.loads(s3.cat_file(f"{run}/evaluation_ood.json"))
+    assert {n: m["bits_per_byte"] for n, m in ood["models"].items()} == result[
+        "ood_bits_per_byte"]
+    assert set(result["ood_bits_per_byte"]) == set(bpb)
+    assert ood["data"].endswith("/ood") and ood["data"] != evaluation["data"]
+    assert "out-of-domain bits/byte" in page
     for variant in ("kd", "ce"):
         assert s3.exists(f"{run}/{variant}/final/model.safetensors")
         lines = s3.cat_file(f"{run}/{variant}/metrics-rank0.jsonl").decode().splitlines()

@@ -34,3 +34,39 @@ def test_the_page_shows_speed_and_needs_no_network(tmp_path):
     assert all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)
     assert not re.search(r"(src|href)=['\"]?(https?:)?//", page)  # nothing fetched
     assert (tmp_path / "report" / "speed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_out_of_domain_column_and_the_distilled_student_against_ce_only(tmp_path):
+    from crosskd.metrics.report import report_markdown
+    from crosskd.steps.evaluate import bits_per_byte_table
+
+    metrics = {"bits_per_byte": {"teacher": 1.25, "student_init": 4.0, "student_kd": 3.0,
+                                 "student_ce": 3.5},
+               "ood_bits_per_byte": {"student_ce": 3.75, "teacher": 1.5, "student_init": 4.0,
+                                     "student_kd": 3.25},
+               "runs": {"kd": [], "ce": []}, "config": {}}  # fmt: skip
+    markdown = report_markdown(metrics)
+    assert "| model | in-domain bits/byte | out-of-domain bits/byte |" in markdown
+    assert "| student_ce | 3.5000 | 3.7500 |" in markdown
+    # 3.25 - 3.75 = -0.5 against CE-only; CE-only 3.75 - 4.0 = -0.25 from the untrained student.
+    assert ("Out of domain: the distilled student is at 3.2500 bits per byte, -0.5000 against "
+            "the CE-only student (3.7500); the untrained student is at 4.0000 (the CE-only "
+            "student -0.2500 from it).") in markdown
+    assert "In domain: the distilled student is at 3.0000 bits per byte, -0.5000" in markdown
+    write_report(str(tmp_path / "r"), metrics)
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "<tr><td>teacher</td><td>1.2500</td><td>1.5000</td></tr>" in page
+    assert "<th>out-of-domain bits/byte</th>" in page
+    assert bits_per_byte_table(metrics["bits_per_byte"], metrics["ood_bits_per_byte"]) == [
+        "held-out bits per byte:",
+        "                  in-domain  out-of-domain",
+        "  teacher            1.2500         1.5000",
+        "  student_init       4.0000         4.0000",
+        "  student_kd         3.0000         3.2500",
+        "  student_ce         3.5000         3.7500",
+    ]
+    # Without out-of-domain rows: one column, no comparison without both trained students.
+    assert bits_per_byte_table({"student_kd": 3.0, "teacher": 1.0}) == [
+        "held-out bits per byte:", "  teacher        1.0000", "  student_kd     3.0000"]
+    plain = report_markdown({"bits_per_byte": {"student_kd": 3.0}, "runs": {}, "config": {}})
+    assert "| model | bits/byte |" in plain and "against the CE-only" not in plain

@@ -7,6 +7,7 @@ held-out fraction)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,23 @@ def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
                                               teachers=[str(tmp_path / "nowhere")]))  # fmt: skip
 
 
+def test_the_machine_licence_text_is_resolved_once_under_a_content_address(tmp_path):
+    from crosskd.alignment.corpus import licence_documents
+
+    config = steps.RunConfig(output=str(tmp_path), teachers=["init"], corpus_bytes=3000,
+                             teacher_tokenizer="tiny:300", student_tokenizer="tiny:280",
+                             ood_data="machine:licences", ood_bytes=2000)  # fmt: skip
+    plan = steps.validate_inputs(config)
+    rows = [json.loads(x) for x in Path(plan["ood_data"]).read_text().splitlines()]
+    assert [r["text"] for r in rows] == licence_documents(2000, document_bytes=3 * 256)
+    assert len({r["id"] for r in rows}) == len(rows)
+    assert steps.validate_inputs(config)["ood_data"] == plan["ood_data"]
+    assert steps.validate_inputs(replace(config, ood_bytes=3000))["ood_data"] != plan["ood_data"]
+    assert steps.validate_inputs(replace(config, ood_data=""))["ood_data"] is None
+    with pytest.raises(ConfigError, match=r"ood_data .*nowhere\.jsonl: no such file"):
+        steps.validate_inputs(replace(config, ood_data=str(tmp_path / "nowhere.jsonl")))
+
+
 def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch):
     import importlib
 
@@ -155,19 +173,25 @@ def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch):
 
 def test_distill_on_user_inputs(train_inputs, tmp_path):
     """A pretrained student, two teachers (the second with the student's tokenizer: no tables),
-    a JSONL file split by a held-out fraction: the same steps as the pipeline."""
+    a JSONL file split by a held-out fraction: the same steps as the pipeline. The out-of-domain
+    rows are the held-out rows themselves, so their bits per byte must be the same numbers."""
     from crosskd.distill import distill
 
     data = Path(train_inputs["student"]).parent / "data.jsonl"
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    ood = tmp_path / "ood.jsonl"
+    ood.write_text("".join(json.dumps(r) + "\n" for r in rows if held_out(r["id"], 0.25)))
     config = steps.RunConfig(
         output=str(tmp_path / "run"), teachers=[train_inputs["teacher"],
                                                 train_inputs["teacher_same"]],
         student=train_inputs["student"], train_data=str(data), heldout_fraction=0.25,
-        max_length=48, k=8, steps=2, compare_ce_only=False, token_budget=512,
+        ood_data=str(ood), max_length=48, k=8, steps=2, compare_ce_only=False, token_budget=512,
     )  # fmt: skip
     result = distill(config, progress=False)
     assert set(result["bits_per_byte"]) == {"teacher0", "teacher1", "student_init", "student_kd"}
-    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    assert result["ood_bits_per_byte"] == result["bits_per_byte"]
+    summary = (tmp_path / "run" / "report" / "summary.md").read_text()
+    assert "| model | in-domain bits/byte | out-of-domain bits/byte |" in summary
     (split,) = (tmp_path / "run" / "prepared").iterdir()
     held = [json.loads(x)["id"] for x in (split / "rows" / "heldout.jsonl").read_text()
             .splitlines()]  # fmt: skip
@@ -178,4 +202,4 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
     assert train["loss"]["teachers"][1].get("student_to_teacher") is None
     assert train["student"] == train_inputs["student"]
     # A rerun finds every output: nothing is computed again.
-    assert distill(config, progress=False)["bits_per_byte"] == result["bits_per_byte"]
+    assert distill(config, progress=False) == result

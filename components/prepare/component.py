@@ -15,9 +15,11 @@ def prepare(
     metrics_port: int,
     train: dsl.Output[dsl.Artifact],
     heldout: dsl.Output[dsl.Artifact],
+    ood: dsl.Output[dsl.Artifact],
 ) -> dict:
-    """Clip, align and lockstep-pack the training and held-out rows (content-addressed),
-    serving the rows prepared and clipped on ``metrics_port`` (-1: not served)."""
+    """Clip, align and lockstep-pack the training, held-out and out-of-domain rows
+    (content-addressed), serving the rows prepared and clipped on ``metrics_port`` (-1: not
+    served). ``ood`` points at nothing when the run has no out-of-domain rows."""
     from crosskd.steps import prepare_data
     from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
 
@@ -27,9 +29,9 @@ def prepare(
     prepared = prepare_data(plan, max_length=int(preparing["max_length"]),
                             shard_rows=int(preparing["shard_rows"]), progress=False,
                             metrics_port=None if metrics_port < 0 else metrics_port)  # fmt: skip
-    for split, artifact in (("train", train), ("heldout", heldout)):
-        artifact.metadata.update(write_pointer(artifact.path, prepared[split], {
-            "rows": prepared["rows"][split],
-            "data_fingerprint": prepared["data_fingerprint"][split],
+    for split, artifact in (("train", train), ("heldout", heldout), ("ood", ood)):
+        artifact.metadata.update(write_pointer(artifact.path, prepared.get(split), {
+            "rows": prepared["rows"].get(split),
+            "data_fingerprint": prepared["data_fingerprint"].get(split),
         }))  # fmt: skip
     return drop_none(prepared)

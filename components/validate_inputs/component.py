@@ -16,6 +16,7 @@ def validate_inputs(
     student: str,
     train_data: str,
     heldout_data: str,
+    ood_data: str,
     k: int,
     tau: float,
     steps: int,
@@ -45,7 +46,8 @@ def validate_inputs(
     job = from_kfp(job)
     parameters = {
         "output": output_root, "teachers": list(teachers), "student": student,
-        "train_data": train_data, "heldout_data": heldout_data, "k": k, "tau": tau,
+        "train_data": train_data, "heldout_data": heldout_data, "ood_data": ood_data, "k": k,
+        "tau": tau,
         "steps": steps, "compare_ce_only": compare_ce_only, "score_pods": score_pods,
     }  # fmt: skip
     config = run_config_from_parameters(parameters, options)

@@ -326,12 +326,12 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _distill(args: argparse.Namespace) -> int:
     from crosskd.distill import distill, load_distill_config
+    from crosskd.steps.evaluate import bits_per_byte_table
 
     config = load_distill_config(args.config, args.preset, args.overrides)
     metrics = distill(config)
-    bpb = metrics["bits_per_byte"]
-    lines = [f"report: {metrics['report']}", "held-out bits per byte:"]
-    lines += [f"  {name:14} {value:.4f}" for name, value in bpb.items()]
+    lines = [f"report: {metrics['report']}",
+             *bits_per_byte_table(metrics["bits_per_byte"], metrics.get("ood_bits_per_byte"))]
     _write("\n".join(lines))
     return 0
 

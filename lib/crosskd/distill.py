@@ -1,10 +1,11 @@
 """``crosskd distill``: a whole run on one machine, the pipeline's steps called in order
 (:mod:`crosskd.steps`; ``crosskd pipeline run-local`` runs the same steps as the KFP DAG).
 
-validate inputs -> tables (built and validated, per teacher) -> prepare (train and held-out) ->
-score each teacher -> train the student with CSD (and, to compare, with CE only on the same
-budget) -> evaluate (held-out bits per byte of the teachers and of the student before and
-after) -> report (``metrics.json``, ``loss_curves.png``, ``index.html``, ``summary.md`` under
+validate inputs -> tables (built and validated, per teacher) -> prepare (train, held-out and
+out-of-domain rows) -> score each teacher -> train the student with CSD (and, to compare, with
+CE only on the same budget) -> evaluate (held-out bits per byte of the teachers and of the
+student before and after, in domain and, with ``ood_data``, out of domain) -> report
+(``metrics.json``, ``loss_curves.png``, ``index.html``, ``summary.md`` under
 ``output/report``).
 
 Without data, the corpus is text already on the machine: Python standard-library docstrings and
@@ -40,7 +41,8 @@ def load_distill_config(path: str | None, preset: str | None, overrides: list[st
 
 def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Run every step in this process (training in-process); returns the report's metrics
-    (``bits_per_byte``, ``report``: the page's URI)."""
+    (``bits_per_byte``, ``ood_bits_per_byte`` with out-of-domain rows, ``report``: the page's
+    URI)."""
     root = config.output.rstrip("/")
     plan = steps.validate_inputs(config)
     tables = checked_tables(plan, progress=progress)
@@ -50,12 +52,10 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
                             progress=progress)  # fmt: skip
     items = steps.plan_training(config, plan, prepared, tables, caches, root)
     runs = [steps.train(item, executor="inprocess", progress=progress) for item in items]
-    evaluation = steps.evaluate_models(
-        prepared["heldout"], steps.models_to_evaluate(plan, runs), f"{root}/evaluation.json",
-        token_budget=config.token_budget, device=config.device,
-    )  # fmt: skip
+    evaluation = steps.evaluate_run(prepared, steps.models_to_evaluate(plan, runs), root,
+                                    token_budget=config.token_budget, device=config.device)
     result = steps.report(evaluation, runs, asdict(config), f"{root}/report")
-    return {"bits_per_byte": result["bits_per_byte"], "report": result["html"]}
+    return {"report": result["html"], **{k: result[k] for k in result if "bits_per_byte" in k}}
 
 
 def checked_tables(plan: dict[str, Any], *, progress: bool = True) -> list[dict[str, Any]]:

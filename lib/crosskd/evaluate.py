@@ -1,12 +1,16 @@
 """Held-out bits per byte of causal LMs on prepared data: comparable across tokenizers.
 
 Each sample is scored alone (right-padded batches by a token budget, attention masked); the
-negative log likelihood of every token after the first, in bits (nats / ln 2), is divided by
-those tokens' UTF-8 bytes. :func:`nll_bits_and_bytes` gives both sums, so shares computed by
-several processes add up; :func:`bits_per_byte` is their ratio. :func:`evaluate` (``crosskd
-evaluate``) scores any number of models and teachers on prepared data, each on the token ids of
-the prepared model whose tokenizer it has, and writes one JSON file; ``crosskd distill`` and the
-trainer's held-out evaluation report the same figure.
+negative log likelihood of its target tokens, in bits (nats / ln 2), is divided by those tokens'
+UTF-8 bytes. The targets (:func:`prepared_targets`) of a text sample are every token after the
+first; of a chat sample, the tokens of its assistant turns (each model's own tokens of the same
+characters, so the bytes agree across tokenizers) without special tokens such as the end of
+turn (no bytes; templates differ): the bits per byte of the answers.
+:func:`nll_bits_and_bytes` gives both sums, so shares computed by several processes add up;
+:func:`bits_per_byte` is their ratio. :func:`evaluate` (``crosskd evaluate``) scores any number
+of models and teachers on prepared data, each on the token ids of the prepared model whose
+tokenizer it has, and writes one JSON file; ``crosskd distill`` and the trainer's held-out
+evaluation report the same figure.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
 import torch
 
 from crosskd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from crosskd.tokenization import LoadedTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +41,13 @@ def nll_bits_and_bytes(
     *,
     device: torch.device | str = "cpu",
     token_budget: int = 4096,
+    targets: list[np.ndarray] | None = None,
 ) -> tuple[float, int]:
-    """The summed negative log likelihood in bits of every token after the first of each of
+    """The summed negative log likelihood in bits of the target tokens of each of
     ``sequences`` (int token ids ``[L_i]``), and those tokens' UTF-8 bytes; ``token_bytes`` int
-    ``[V]``: each id's UTF-8 length."""
+    ``[V]``: each id's UTF-8 length; ``targets``: bool ``[L_i]`` per sequence, the tokens that
+    count (their first entry is ignored: the first token has no prediction); None: every token
+    after the first."""
     from crosskd.teacher.scoring import budget_batches
 
     was_training = model.training
@@ -47,16 +58,19 @@ def nll_bits_and_bytes(
         width = max(len(s) for s in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for b, seq in enumerate(batch):
+        counted = torch.zeros(len(batch), width, dtype=torch.bool)
+        for b, i in enumerate(group):
+            seq = sequences[i]
             ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[b, : len(seq)] = 1
+            counted[b, : len(seq)] = True if targets is None else torch.as_tensor(targets[i])
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
         # logit - logsumexp: float32 log_softmax can lose the small entries' mass next to a
         # dominant logit (up to ~5e-4 nats); logsumexp stays within a few ulps.
         picked = logits.gather(-1, ids[:, 1:, None])[..., 0].float()
         lp = picked - torch.logsumexp(logits.float(), dim=-1)
-        keep = mask[:, 1:].bool()
+        keep = counted[:, 1:].to(lp.device)
         bits -= lp[keep].double().sum().item() / math.log(2)
         n_bytes += int(token_bytes[ids[:, 1:][keep].cpu().numpy()].sum())
     model.train(was_training)
@@ -83,6 +97,47 @@ def prepared_sequences(data, name: str) -> list[np.ndarray]:
     """Every sample's token ids for the prepared model ``name`` (``student``, ``teacher0``,
     ...) of :class:`crosskd.data.collate.PreparedData` ``data``, in order."""
     return [np.asarray(s[f"{name}_ids"]) for row in data.packed_rows() for s in row]
+
+
+def prepared_targets(data, name: str, tok: LoadedTokenizer) -> list[np.ndarray]:
+    """Every sample's target tokens for the prepared model ``name`` (tokenizer ``tok``) of
+    ``data`` (the order of :func:`prepared_sequences`), bool ``[L_i]``: a text sample's every
+    token after the first; a chat sample's tokens of the content of its assistant turns: the
+    tokens of its ``reasoning`` and ``answer`` chunks whose student tokens all lie in the
+    student's CE loss mask (the chunks of teacher 0 for the student), special tokens left out
+    (an end of turn, a ``</think>`` that one tokenizer has as a special token and another spells
+    out: template text, not content)."""
+    targets = []
+    for row in data.packed_rows():
+        for sample in row:
+            ids = np.asarray(sample[f"{name}_ids"])
+            if sample.get("messages") is None:
+                target = np.ones(len(ids), dtype=bool)
+            else:
+                target = _content_tokens(sample, name, len(ids))
+                target &= ~np.isin(ids, tok.special_ids)
+            target[:1] = False
+            targets.append(target)
+    return targets
+
+
+def _content_tokens(sample: dict, name: str, length: int) -> np.ndarray:
+    """A chat sample's tokens of model ``name`` in the content of its assistant turns (see
+    :func:`prepared_targets`), bool ``[length]``."""
+    from crosskd.alignment.sample import REGION_ANSWER, REGION_REASONING
+
+    loss_mask = np.asarray(sample["student_loss_mask"], dtype=bool)
+    teacher, side = ("teacher0", "s") if name == "student" else (name, "t")
+    region = np.asarray(sample[f"{teacher}_chunk_region"])
+    content = np.isin(region, (REGION_REASONING, REGION_ANSWER))
+    if sample[f"{teacher}_chunk_s0"] is None:  # the student's tokenizer: one entry per token
+        return loss_mask & content
+    target = np.zeros(length, dtype=bool)
+    columns = [sample[f"{teacher}_chunk_{x}"] for x in ("s0", "s1", f"{side}0", f"{side}1")]
+    for keep, s0, s1, start, stop in zip(content, *columns, strict=True):
+        if keep and s1 > s0 and loss_mask[s0:s1].all():
+            target[start:stop] = True
+    return target
 
 
 @dataclass
@@ -169,9 +224,11 @@ def evaluate(config: EvaluateConfig) -> dict:
         loaded = load_teacher(ref, device=config.device, dtype=config.dtype, role="model",
                               trust_remote_code=config.trust_remote_code)  # fmt: skip
         sequences = prepared_sequences(data, prepared)
-        bits, n_bytes = nll_bits_and_bytes(loaded.model, sequences, tok.bytes.lengths,
-                                           device=loaded.device,
-                                           token_budget=config.token_budget)  # fmt: skip
+        bits, n_bytes = nll_bits_and_bytes(
+            loaded.model, sequences, tok.bytes.lengths, device=loaded.device,
+            token_budget=config.token_budget,
+            targets=prepared_targets(data, prepared, tok),
+        )  # fmt: skip
         results[name] = {
             "ref": ref, "prepared_model": prepared, "sequences": len(sequences),
             "bits": bits, "bytes": n_bytes,

@@ -14,6 +14,10 @@ so any prefix of the list is mixed):
   site-packages folders; English locales are skipped; a document is a run of messages of one
   language, and languages take turns, the most translated first.
 
+For an out-of-domain held-out set, :func:`licence_documents` returns text of another kind: the
+licence texts of ``/usr/share/common-licenses`` (legal English prose, absent from the streams
+above).
+
 Files are visited in an order fixed by a hash of their path (spread over the whole stdlib and
 every language rather than the alphabetically first few), so the corpus is the same on every run
 on one machine. Every document is NFC-normalised, as data preparation does before any tokenizer
@@ -37,6 +41,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CATALOGUE_ROOTS = ("/usr/share/locale", "/usr/local/share/locale", "/usr/share/i18n")
+LICENCES = Path("/usr/share/common-licenses")
+"""Debian's licence texts (package ``base-files``): the out-of-domain text."""
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -78,9 +84,49 @@ def benchmark_corpus(target_bytes: int = 1_000_000, *, document_bytes: int = 409
     return documents
 
 
+def licence_documents(target_bytes: int, *, document_bytes: int = 4096,
+                      folder: Path = LICENCES) -> list[str]:
+    """About ``target_bytes`` UTF-8 bytes of the licence texts under ``folder`` (files in name
+    order, symbolic links skipped), in NFC documents of whole lines of at most about
+    ``document_bytes`` bytes; stops at the first document that reaches the target. A missing
+    or empty ``folder`` is a :class:`crosskd.errors.DataError`."""
+    from crosskd.errors import DataError
+
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink()) \
+        if folder.is_dir() else []  # fmt: skip
+    if not files:
+        raise DataError(f"{folder}: no licence texts there (Debian's base-files installs "
+                        f"them); give ood_data as a file of rows instead.")  # fmt: skip
+    lines = (line for path in files
+             for line in path.read_text(encoding="utf-8", errors="replace").splitlines(True))
+    documents, total = [], 0
+    for document in _windows(lines, document_bytes):
+        if not document.strip():
+            continue
+        documents.append(document)
+        total += len(document.encode("utf-8"))
+        if total >= target_bytes:
+            break
+    log.info("licence texts: %d documents, %d bytes from %d files", len(documents), total,
+             len(files))  # fmt: skip
+    return documents
+
+
 def _stable_order(paths: Iterable[Path]) -> list[Path]:
     """Paths ordered by a hash of their string (deterministic, spread over folders)."""
     return sorted(paths, key=lambda p: hashlib.sha1(str(p).encode()).hexdigest())
+
+
+def docstring_paragraphs(min_chars: int, max_chars: int) -> Iterator[str]:
+    """The first paragraph of every standard-library docstring (the corpus's stable file
+    order), whitespace runs made single spaces, NFC, kept when it has ``min_chars`` to
+    ``max_chars`` characters; each distinct paragraph once."""
+    seen: set[str] = set()
+    for doc in _docstrings(_stdlib_files()):
+        paragraph = unicodedata.normalize("NFC", " ".join(doc.split("\n\n")[0].split()))
+        if min_chars <= len(paragraph) <= max_chars and paragraph not in seen:
+            seen.add(paragraph)
+            yield paragraph
 
 
 def _stdlib_files() -> list[Path]:

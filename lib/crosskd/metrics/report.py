@@ -14,9 +14,10 @@ import fsspec
 
 
 def write_report(folder: str, metrics: dict) -> str:
-    """Write the report of ``metrics`` (``bits_per_byte``: name -> value; ``runs``: run name ->
-    per-step metrics; ``config``: shown as is) into ``folder`` (any fsspec URI); returns the
-    HTML page's URI."""
+    """Write the report of ``metrics`` (``bits_per_byte``: name -> value on the in-domain
+    held-out rows; ``ood_bits_per_byte``, optional: name -> value on the out-of-domain rows;
+    ``runs``: run name -> per-step metrics; ``config``: shown as is) into ``folder`` (any
+    fsspec URI); returns the HTML page's URI."""
     fs, root = fsspec.core.url_to_fs(folder)
     fs.makedirs(root, exist_ok=True)
     png = loss_curves_png(metrics["runs"])
@@ -91,10 +92,11 @@ def _two_plots(titles: tuple[str, str], lines: list[tuple[int, list, list, str]]
 def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
     """The report page: bits-per-byte table, the loss curves inline, each run's tokens/s and
     step time (a table and a plot), the configuration."""
-    rows = "".join(
-        f"<tr><td>{html.escape(name)}</td><td>{value:.4f}</td></tr>"
-        for name, value in metrics["bits_per_byte"].items()
-    )
+    header, table = bits_per_byte_rows(metrics)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+                   for row in table)  # fmt: skip
+    heads = "".join(f"<th>{html.escape(cell)}</th>" for cell in header)
+    comparison = "".join(f"<p>{html.escape(line)}</p>" for line in kd_against_ce(metrics))
     speeds = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{s['tokens_per_s']:.1f}</td>"
         f"<td>{s['step_seconds_p50']:.3f}</td><td>{s['step_seconds_p95']:.3f}</td></tr>"
@@ -106,8 +108,8 @@ def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>crosskd report</title></head>"
         "<body><h1>crosskd distillation report</h1>"
         "<h2>Held-out bits per byte (lower is better)</h2>"
-        f"<table border='1' cellpadding='4'><tr><th>model</th><th>bits/byte</th></tr>{rows}"
-        "</table><h2>Loss curves</h2>"
+        f"<table border='1' cellpadding='4'><tr>{heads}</tr>{rows}</table>{comparison}"
+        "<h2>Loss curves</h2>"
         f"<img src='data:image/png;base64,{image}' alt='loss curves (loss_curves.png)'>"
         "<h2>Speed</h2><table border='1' cellpadding='4'><tr><th>run</th><th>tokens/s</th>"
         f"<th>step seconds p50</th><th>step seconds p95</th></tr>{speeds}</table>"
@@ -119,11 +121,46 @@ def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
     )
 
 
+def bits_per_byte_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
+    """The bits-per-byte table: its header and its rows (a model, its in-domain value, and its
+    out-of-domain value when ``metrics`` has ``ood_bits_per_byte``), values to 4 decimals."""
+    ood = metrics.get("ood_bits_per_byte")
+    if not ood:
+        return ["model", "bits/byte"], [[name, f"{value:.4f}"]
+                                        for name, value in metrics["bits_per_byte"].items()]
+    rows = [[name, f"{value:.4f}", f"{ood[name]:.4f}" if name in ood else "n/a"]
+            for name, value in metrics["bits_per_byte"].items()]  # fmt: skip
+    return ["model", "in-domain bits/byte", "out-of-domain bits/byte"], rows
+
+
+def kd_against_ce(metrics: dict) -> list[str]:
+    """One sentence per held-out set on the distilled student (``student_kd``) against the
+    CE-only one (``student_ce``) and the untrained one (``student_init``); none without both
+    trained students."""
+    lines = []
+    for key, where in (("bits_per_byte", "in domain"), ("ood_bits_per_byte", "out of domain")):
+        bpb = metrics.get(key) or {}
+        if not {"student_kd", "student_ce"} <= set(bpb):
+            continue
+        line = (f"{where.capitalize()}: the distilled student is at {bpb['student_kd']:.4f} "
+                f"bits per byte, {bpb['student_kd'] - bpb['student_ce']:+.4f} against the CE-only "
+                f"student ({bpb['student_ce']:.4f})")  # fmt: skip
+        if "student_init" in bpb:
+            line += (f"; the untrained student is at {bpb['student_init']:.4f} (the CE-only "
+                     f"student {bpb['student_ce'] - bpb['student_init']:+.4f} from it)")
+        lines.append(line + ".")
+    return lines
+
+
 def report_markdown(metrics: dict) -> str:
-    """The bits-per-byte table and each run's last step as Markdown."""
+    """The bits-per-byte table, the distilled student against the CE-only one, and each run's
+    last step as Markdown."""
+    header, table = bits_per_byte_rows(metrics)
     lines = ["# crosskd distillation report", "", "Held-out bits per byte (lower is better):",
-             "", "| model | bits/byte |", "|---|---|"]  # fmt: skip
-    lines += [f"| {name} | {value:.4f} |" for name, value in metrics["bits_per_byte"].items()]
+             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    lines += ["| " + " | ".join(row) + " |" for row in table]
+    if comparison := kd_against_ce(metrics):
+        lines += ["", *comparison]
     for name, history in metrics["runs"].items():
         if history:
             last = history[-1]

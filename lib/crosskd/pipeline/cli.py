@@ -101,16 +101,15 @@ def _compile(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from crosskd.pipeline.run import preset_arguments, run_local
     from crosskd.steps.config import load_run_config
-    from crosskd.steps.evaluate import in_order
+    from crosskd.steps.evaluate import bits_per_byte_table
 
     if not args.preset and not args.config:
         raise ConfigError("run-local needs --preset NAME or --config FILE (and output=DIR).")
     config = load_run_config(args.config, args.preset, args.overrides)
     result = run_local(preset_arguments(config), local_root=args.local_root,
                        cache=not args.no_cache)  # fmt: skip
-    lines = [f"report: {result['report']}", "held-out bits per byte:"]
-    bpb = in_order(result["bits_per_byte"])
-    lines += [f"  {name:14} {value:.4f}" for name, value in bpb.items()]
+    lines = [f"report: {result['report']}",
+             *bits_per_byte_table(result["bits_per_byte"], result.get("ood_bits_per_byte"))]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 PIPELINE_FILE = "pipelines/distill.py"
 COMPILED_FILE = "pipelines/distill.yaml"
-TOP_LEVEL = ("teachers", "student", "train_data", "heldout_data", "k", "tau", "steps",
-             "compare_ce_only", "score_pods")  # fmt: skip
+TOP_LEVEL = ("teachers", "student", "train_data", "heldout_data", "ood_data", "k", "tau",
+             "steps", "compare_ce_only", "score_pods")  # fmt: skip
 """RunConfig keys that are pipeline parameters of their own; the rest go into ``options``."""
 LOCAL_JOB = {"cpu": "1", "memory": "2Gi", "grace_seconds": 30, "env": {"OMP_NUM_THREADS": "1"}}
 """The local executor's PyTorchJob settings (one CPU process, no GPU)."""

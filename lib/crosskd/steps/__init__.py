@@ -3,8 +3,8 @@
 
 validate_inputs -> plan_tables -> per teacher: build_tables -> validate_tables; prepare_data ->
 plan_scoring -> score_teacher (per teacher and shard range) -> merge_caches -> plan_training ->
-train (per variant) -> evaluate_models -> report. The ``plan_*`` steps make self-contained
-items for the fan-outs (each item carries what its step needs).
+train (per variant) -> evaluate_run (in domain and out of domain) -> report. The ``plan_*``
+steps make self-contained items for the fan-outs (each item carries what its step needs).
 
 Each takes URIs and small JSON-able values and returns small JSON-able metadata (URIs,
 fingerprints, sha256, counts); large data stay in storage. Each is idempotent: on complete
@@ -19,7 +19,7 @@ from crosskd.steps.config import (
     preset_values,
     run_config_from_parameters,
 )
-from crosskd.steps.evaluate import evaluate_models, models_to_evaluate, report
+from crosskd.steps.evaluate import evaluate_models, evaluate_run, models_to_evaluate, report
 from crosskd.steps.inputs import validate_inputs
 from crosskd.steps.locations import content_uri, run_folder
 from crosskd.steps.prepare import prepare_data
@@ -28,7 +28,8 @@ from crosskd.steps.tables import build_tables, plan_tables, validate_tables
 from crosskd.steps.train import plan_training, train
 
 __all__ = [
-    "RunConfig", "build_tables", "content_uri", "evaluate_models", "load_run_config",
+    "RunConfig", "build_tables", "content_uri", "evaluate_models", "evaluate_run",
+    "load_run_config",
     "merge_caches", "models_to_evaluate", "plan_scoring", "plan_tables", "plan_training",
     "prepare_data", "preset_values", "report", "run_config_from_parameters", "run_folder",
     "score_teacher", "train", "validate_inputs", "validate_tables",

@@ -20,6 +20,9 @@ INIT = "init"
 """A model reference meaning a random-init Llama (of the ``*_shape`` for the ``*_tokenizer``)."""
 STDLIB = ""
 """``train_data`` unset: text from this machine's Python standard library (``corpus_bytes``)."""
+LICENCES = "machine:licences"
+"""``ood_data`` reference: ``ood_bytes`` of this machine's licence texts
+(:func:`crosskd.alignment.corpus.licence_documents`)."""
 
 
 @dataclass
@@ -52,11 +55,21 @@ class RunConfig:
     chat). Empty: ``corpus_bytes`` of Python standard-library text."""
     heldout_data: str = ""
     """Held-out rows (same formats). Empty: ``heldout_fraction`` of the training rows."""
+    ood_data: str = ""
+    """Out-of-domain held-out rows (same formats): text of another kind than the training
+    data, evaluated and reported beside the in-domain held-out rows (does a student generalise,
+    or only fit its own text?). ``machine:licences``: ``ood_bytes`` of this machine's licence
+    texts. Empty: none."""
+    ood_bytes: int = 40_000
+    """Size of the ``machine:licences`` out-of-domain text (UTF-8 bytes), in documents of about
+    ``3 * max_length`` bytes."""
     heldout_fraction: float = 0.1
     """Without ``heldout_data``: the share of training rows held out, chosen by a hash of each
     row's id (the same rows whatever the order or the machine)."""
     corpus_bytes: int = 200_000
-    """Size of the standard-library corpus (``train_data`` empty)."""
+    """Size of the standard-library corpus (``train_data`` empty), in documents of about
+    ``3 * max_length`` bytes: about ``max_length`` tokens, so that little of a document is
+    clipped away (prepare keeps the first ``max_length`` tokens of each)."""
     heldout_every: int = 10
     """Standard-library corpus: every ``heldout_every``-th document is held out."""
     max_length: int = 256
@@ -105,7 +118,7 @@ class RunConfig:
         ):  # fmt: skip
             raise ConfigError(f"teachers is {self.teachers!r}; give a list of one or more "
                               f"teacher model references (or init).")  # fmt: skip
-        for key in ("corpus_bytes", "heldout_every", "max_length", "shard_rows", "k",
+        for key in ("corpus_bytes", "ood_bytes", "heldout_every", "max_length", "shard_rows", "k",
                     "score_pods", "steps", "micro_batch_rows", "grad_accum",
                     "token_budget"):  # fmt: skip
             value = getattr(self, key)

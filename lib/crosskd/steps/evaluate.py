@@ -1,5 +1,6 @@
-"""Steps ``evaluate`` and ``report``: held-out bits per byte of the teachers, the student before
-training and every trained student, and the run's report."""
+"""Steps ``evaluate`` and ``report``: held-out bits per byte (in domain and, when the run has
+out-of-domain rows, out of domain) of the teachers, the student before training and every
+trained student, and the run's report."""
 
 from __future__ import annotations
 
@@ -59,6 +60,39 @@ def evaluate_models(data: str, models: dict[str, str], output: str, *, token_bud
     return _summary(output, result)
 
 
+def evaluate_run(prepared: dict[str, Any], models: dict[str, str], folder: str, *,
+                 token_budget: int = 4096, device: str | None = None) -> dict[str, Any]:
+    """:func:`evaluate_models` on the prepared held-out rows (``<folder>/evaluation.json``) and,
+    when ``prepared`` has them (:func:`crosskd.steps.prepare.prepare_data`), on the
+    out-of-domain rows (``<folder>/evaluation_ood.json``); returns ``{"uri", "bits_per_byte",
+    "ood_uri", "ood_bits_per_byte"}`` (the last two only with out-of-domain rows)."""
+    from crosskd.steps.prepare import OOD
+
+    folder = folder.rstrip("/")
+    result = evaluate_models(prepared["heldout"], models, f"{folder}/evaluation.json",
+                             token_budget=token_budget, device=device)  # fmt: skip
+    summary = {"uri": result["uri"], "bits_per_byte": result["bits_per_byte"]}
+    if prepared.get(OOD):
+        ood = evaluate_models(prepared[OOD], models, f"{folder}/evaluation_{OOD}.json",
+                              token_budget=token_budget, device=device)  # fmt: skip
+        summary |= {"ood_uri": ood["uri"], "ood_bits_per_byte": ood["bits_per_byte"]}
+    return summary
+
+
+def bits_per_byte_table(bits_per_byte: dict[str, float],
+                        ood_bits_per_byte: dict[str, float] | None = None) -> list[str]:
+    """The bits-per-byte lines the CLIs print, in the report's order: one column, or in-domain
+    and out-of-domain columns."""
+    bits_per_byte = in_order(bits_per_byte)
+    if not ood_bits_per_byte:
+        return ["held-out bits per byte:",
+                *(f"  {name:14} {value:.4f}" for name, value in bits_per_byte.items())]  # fmt: skip
+    lines = ["held-out bits per byte:", f"  {'':14} {'in-domain':>10} {'out-of-domain':>14}"]
+    lines += [f"  {name:14} {value:10.4f} {ood_bits_per_byte.get(name, float('nan')):14.4f}"
+              for name, value in bits_per_byte.items()]  # fmt: skip
+    return lines
+
+
 def _summary(output: str, result: dict[str, Any]) -> dict[str, Any]:
     return {"uri": output, "evaluation": result,
             "bits_per_byte": {n: m["bits_per_byte"] for n, m in result["models"].items()}}
@@ -67,15 +101,18 @@ def _summary(output: str, result: dict[str, Any]) -> dict[str, Any]:
 def report(evaluation: dict[str, Any], runs: list[dict[str, Any]], config: dict[str, Any],
            folder: str) -> dict[str, Any]:  # fmt: skip
     """The run's report under ``folder`` (:func:`crosskd.metrics.report.write_report`):
-    ``evaluation`` from :func:`evaluate_models`, ``runs`` from :func:`crosskd.steps.train.train`;
-    returns ``{"uri", "html", "markdown", "bits_per_byte"}``."""
+    ``evaluation`` from :func:`evaluate_run`, ``runs`` from :func:`crosskd.steps.train.train`;
+    returns ``{"uri", "html", "markdown", "bits_per_byte", "ood_bits_per_byte"}`` (the last
+    only with out-of-domain rows)."""
     from crosskd.metrics.report import report_markdown, write_report
     from crosskd.steps.train import run_history
 
     order = sorted(runs, key=lambda r: ["kd", "ce"].index(r["variant"]))
     metrics = {"bits_per_byte": in_order(evaluation["bits_per_byte"]), "config": config,
                "runs": {r["variant"]: run_history(r["output"]) for r in order}}  # fmt: skip
+    if evaluation.get("ood_bits_per_byte"):
+        metrics["ood_bits_per_byte"] = in_order(evaluation["ood_bits_per_byte"])
     page = write_report(folder, metrics)
     log.info("report: %s", page)
     return {"uri": folder, "html": page, "markdown": report_markdown(metrics),
-            "bits_per_byte": metrics["bits_per_byte"]}
+            **{k: metrics[k] for k in ("bits_per_byte", "ood_bits_per_byte") if k in metrics}}

@@ -5,7 +5,8 @@ Checked: every config value the later steps would refuse (prepare, score, train,
 PyTorchJob's), that the data exist, that every model folder has a ``config.json`` and a
 tokenizer crosskd supports. Resolved (written once, under content-addressed prefixes of the
 run's root, so a rerun finds them): the standard-library corpus when no data is given, ``tiny:N``
-tokenizers trained on the training rows, and ``init`` models (random-init Llamas, seeded).
+tokenizers trained on the training rows, ``init`` models (random-init Llamas, seeded) and the
+``machine:licences`` out-of-domain text.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from crosskd.errors import ConfigError
-from crosskd.steps.config import INIT, STDLIB, RunConfig
+from crosskd.steps.config import INIT, LICENCES, STDLIB, RunConfig
 from crosskd.steps.locations import content_uri, exists, materialize
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
     and, for a job, its PyTorchJob settings ``job`` (JobConfig keys), and resolve its
     references; returns the run's plan: ``{"root", "student", "student_fingerprint",
     "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}], "train_data",
-    "heldout_data", "heldout_fraction"}`` (URIs; ``heldout_fraction`` None when
-    ``heldout_data`` is given)."""
+    "heldout_data", "heldout_fraction", "ood_data"}`` (URIs; ``heldout_fraction`` None when
+    ``heldout_data`` is given, ``ood_data`` None without out-of-domain rows)."""
     from crosskd.steps.train import EXECUTORS
     from crosskd.tokenization import load_tokenizer
 
@@ -55,7 +56,9 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
     train_data, heldout_data = config.train_data, config.heldout_data
     if train_data == STDLIB:
         train_data, heldout_data = _stdlib_corpus(config, root)
-    for key, uri in (("train_data", train_data), ("heldout_data", heldout_data)):
+    ood_data = _licence_text(config, root) if config.ood_data == LICENCES else config.ood_data
+    for key, uri in (("train_data", train_data), ("heldout_data", heldout_data),
+                     ("ood_data", ood_data)):  # fmt: skip
         if uri and not _data_exists(uri):
             raise ConfigError(f"{key} {uri}: no such file, folder or glob; check the URI (and "
                               f"the S3 credentials in the environment).")  # fmt: skip
@@ -100,6 +103,7 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
         "root": root, "student": student, "student_fingerprint": student_fp,
         "teachers": teachers, "train_data": train_data, "heldout_data": heldout_data,
         "heldout_fraction": None if heldout_data else float(config.heldout_fraction),
+        "ood_data": ood_data or None,
     }  # fmt: skip
     log.info("inputs: student %s, %d teacher(s) (%s), data %s", student, len(teachers),
              ", ".join(t["ref"] for t in teachers), train_data)  # fmt: skip
@@ -151,13 +155,15 @@ def train_values(
 
 def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:
     """The standard-library corpus as ``train.jsonl`` / ``heldout.jsonl`` (every
-    ``heldout_every``-th document held out)."""
+    ``heldout_every``-th document held out), in documents of about ``3 * max_length`` bytes."""
     import json
 
     from crosskd.alignment.corpus import benchmark_corpus
 
+    document_bytes = 3 * config.max_length
+
     def build(folder: Path) -> None:
-        documents = benchmark_corpus(config.corpus_bytes)
+        documents = benchmark_corpus(config.corpus_bytes, document_bytes=document_bytes)
         splits = {"train": [d for i, d in enumerate(documents) if i % config.heldout_every],
                   "heldout": [d for i, d in enumerate(documents)
                               if not i % config.heldout_every]}  # fmt: skip
@@ -169,9 +175,29 @@ def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:
                  len(splits["heldout"]))  # fmt: skip
 
     uri = content_uri(root, "inputs/corpus", {"bytes": config.corpus_bytes,
-                                              "every": config.heldout_every})  # fmt: skip
+                                              "every": config.heldout_every,
+                                              "document_bytes": document_bytes})  # fmt: skip
     materialize(uri, build)
     return f"{uri}/train.jsonl", f"{uri}/heldout.jsonl"
+
+
+def _licence_text(config: RunConfig, root: str) -> str:
+    """``ood_bytes`` of this machine's licence texts as ``ood.jsonl``, in documents of about
+    ``3 * max_length`` bytes (whole, once prepared); returns its URI."""
+    import json
+
+    from crosskd.alignment.corpus import licence_documents
+
+    documents = licence_documents(config.ood_bytes, document_bytes=3 * config.max_length)
+    uri = content_uri(root, "inputs/licences", {"text": _text_digest(documents)})
+
+    def build(folder: Path) -> None:
+        (folder / "ood.jsonl").write_text("".join(
+            json.dumps({"id": f"ood-{i}", "text": d}) + "\n" for i, d in enumerate(documents)
+        ))  # fmt: skip
+
+    materialize(uri, build)
+    return f"{uri}/ood.jsonl"
 
 
 def _data_exists(uri: str) -> bool:

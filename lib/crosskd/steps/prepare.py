@@ -1,6 +1,6 @@
-"""Step ``prepare``: the run's training and held-out rows clipped, aligned and lockstep-packed
-for the student and every teacher (:func:`crosskd.data.prepare.prepare`), under a prefix keyed by
-the data's content, the tokenizers' fingerprints and the options."""
+"""Step ``prepare``: the run's training, held-out and out-of-domain rows clipped, aligned and
+lockstep-packed for the student and every teacher (:func:`crosskd.data.prepare.prepare`), under a
+prefix keyed by the data's content, the tokenizers' fingerprints and the options."""
 
 from __future__ import annotations
 
@@ -18,16 +18,19 @@ from crosskd.steps.locations import content_uri, data_fingerprint
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "heldout")
+OOD = "ood"
+"""The split of the out-of-domain held-out rows (``plan["ood_data"]``), when a run has them."""
 
 
 def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 4096,
                  progress: bool = True, metrics_port: int | None = None,
                  final_scrape_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
     """Prepare ``plan["train_data"]`` and the held-out rows (``plan["heldout_data"]``, else the
-    ``plan["heldout_fraction"]`` of the training rows whose id hashes below it) for the plan's
-    student and teachers (teachers get ``2 * max_length``) under
-    ``<root>/prepared/<key>/{train,heldout}``; returns ``{"uri", "train", "heldout",
-    "train_shards", "rows": {split: n}, "data_fingerprint": {split: sha256}}``. A split whose
+    ``plan["heldout_fraction"]`` of the training rows whose id hashes below it) and the
+    out-of-domain rows ``plan["ood_data"]`` when given, for the plan's student and teachers
+    (teachers get ``2 * max_length``) under ``<root>/prepared/<key>/{train,heldout,ood}``;
+    returns ``{"uri", "train", "heldout", "ood" (with out-of-domain rows), "train_shards",
+    "rows": {split: n}, "data_fingerprint": {split: sha256}}``. A split whose
     manifest exists is not prepared again. ``metrics_port``: serve the rows prepared and
     clipped (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it runs (0: a free
     port; None: not served), ``final_scrape_s`` seconds at most for a last scrape."""
@@ -38,6 +41,8 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
     student = model_tokenizer(plan["student"])
     teachers = [model_tokenizer(t["ref"]) for t in plan["teachers"]]
     sources = {"train": plan["train_data"], "heldout": plan["heldout_data"] or None}
+    if plan.get("ood_data"):
+        sources[OOD] = plan["ood_data"]
     key = {
         "data": {k: data_fingerprint(v) for k, v in sources.items() if v},
         "heldout_fraction": plan.get("heldout_fraction"),
@@ -46,11 +51,11 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
     }  # fmt: skip
     uri = content_uri(plan["root"], "prepared", key)
     if sources["heldout"] is None:
-        sources = _split(sources["train"], float(plan.get("heldout_fraction", 0.1)),
-                         f"{uri}/rows")  # fmt: skip
+        sources |= _split(sources["train"], float(plan.get("heldout_fraction", 0.1)),
+                          f"{uri}/rows")  # fmt: skip
     result: dict[str, Any] = {"uri": uri, "rows": {}, "data_fingerprint": {}}
     with served(PrepareMetrics(), metrics_port, "prepare", final_scrape_s) as metrics:
-        for split in SPLITS:
+        for split in sources:
             target = f"{uri}/{split}"
             fs, path = fsspec.core.url_to_fs(target)
             if fs.exists(f"{path}/manifest.json"):

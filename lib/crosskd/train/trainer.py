@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from crosskd.artifacts import move_folder
 from crosskd.data.collate import Batch, collate, load_prepared
 from crosskd.errors import ConfigError, CrosskdError, Stopped
-from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences
+from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_targets
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
 from crosskd.loss.objective import term_names
@@ -163,11 +163,12 @@ class Trainer:
         self.done = self.start
         self.order = DataOrder(self.global_batch, self.data.manifest["data_fingerprint"],
                                len(self.rows), cfg.seed)  # fmt: skip
-        self.eval_sequences = None
+        self.eval_sequences = self.eval_targets = None
         self.last_heldout: tuple[int, float | None] = (-1, None)
         if cfg.eval_data is not None:
             heldout = load_prepared(cfg.eval_data, fingerprints=fingerprints)
             self.eval_sequences = prepared_sequences(heldout, "student")
+            self.eval_targets = prepared_targets(heldout, "student", self.student_tok)
         self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
         names = term_names(cfg.loss, len(self.teachers.sources))
         self.exporter = MetricsExporter(self.rank, names, planned_steps=cfg.steps,
@@ -384,9 +385,11 @@ class Trainer:
         """The student's bits per byte on ``eval_data`` (each rank scores every world-th
         sample; the sums are reduced)."""
         shares = self.eval_sequences[self.rank :: self.world]
+        targets = self.eval_targets[self.rank :: self.world]
         budget = self.config.micro_batch_rows * int(self.data.manifest["models"][0]["capacity"])
         bits, n_bytes = nll_bits_and_bytes(self.model, shares, self.student_tok.bytes.lengths,
-                                           device=self.device, token_budget=budget)  # fmt: skip
+                                           device=self.device, token_budget=budget,
+                                           targets=targets)  # fmt: skip
         total = self._reduce(torch.tensor([bits, float(n_bytes)], dtype=torch.float64))
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 

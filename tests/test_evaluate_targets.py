@@ -1,0 +1,95 @@
+"""What held-out bits per byte count: every token after the first of a text sample, the content
+of the assistant turns of a chat sample (reasoning and answer, no template text, no end of turn),
+the same bytes for every tokenizer; and the bits of exactly those tokens, against a direct
+float64 computation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from crosskd.data.collate import load_prepared
+from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_targets
+
+ROWS = [
+    {"id": "t1", "text": "Hello world. crosskd aligns tokens."},
+    {"id": "c1", "messages": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "<think>Pick one.</think>Blue, like the sky."},
+    ]},
+    {"id": "c2", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"},
+        {"role": "user", "content": "Count to 3"}, {"role": "assistant", "content": "1, 2, 3 😀"},
+    ]},
+]  # fmt: skip
+# The content bytes of the assistant turns, by hand: "Pick one." (9) + "Blue, like the sky." (19);
+# "Hello there!" (12) + "1, 2, 3 " (8) + the emoji (4).
+CONTENT_BYTES = {"c1": 28, "c2": 24}
+MODELS = {"student": "llama3", "teacher0": "qwen3", "teacher1": "smollm2", "teacher2": "llama3"}
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory, zoo_cache):
+    folder = tmp_path_factory.mktemp("chat-eval")
+    (folder / "rows.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS), encoding="utf-8")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
+        prepare(PrepareConfig(
+            data=str(folder / "rows.jsonl"), student_tokenizer="zoo:llama3",
+            teacher_tokenizers=["zoo:qwen3", "zoo:smollm2", "zoo:llama3"],  # last: the same
+            output=str(folder / "out"), max_length=96,
+        ), progress=False)  # fmt: skip
+    return load_prepared(str(folder / "out"))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_tokenizer_counts_the_same_content_bytes(chat_data, zoo, name):
+    tok = zoo(MODELS[name])
+    ids = [s["sample_id"] for row in chat_data.packed_rows() for s in row]
+    sequences = prepared_sequences(chat_data, name)
+    targets = prepared_targets(chat_data, name, tok)
+    counted = {i: int(tok.bytes.lengths[q[t]].sum()) for i, q, t in
+               zip(ids, sequences, targets, strict=True)}  # fmt: skip
+    assert {i: counted[i] for i in CONTENT_BYTES} == CONTENT_BYTES
+    for i, q, t in zip(ids, sequences, targets, strict=True):
+        assert not t[0]
+        if i == "t1":  # text: every token after the first
+            assert t[1:].all()
+        else:
+            text = tok.hf.decode(q[t])
+            assert text == ("Pick one.Blue, like the sky." if i == "c1" else
+                            "Hello there!1, 2, 3 😀")  # fmt: skip
+            assert not np.isin(q[t], tok.special_ids).any()
+
+
+def test_bits_are_those_of_the_target_tokens(chat_data, zoo, tmp_path):
+    from crosskd.zoo.models import init_llama
+
+    tok = zoo("llama3")
+    folder = init_llama(tmp_path / "m", tok.name, {"hidden_size": 16, "intermediate_size": 32,
+                                                   "num_hidden_layers": 1}, seed=3)  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    sequences = prepared_sequences(chat_data, "student")
+    targets = prepared_targets(chat_data, "student", tok)
+    bits, n_bytes = nll_bits_and_bytes(model, sequences, tok.bytes.lengths, targets=targets,
+                                       token_budget=64)  # fmt: skip
+    expected_bits = 0.0
+    with torch.no_grad():
+        for q, t in zip(sequences, targets, strict=True):
+            logits = model(input_ids=torch.as_tensor(q)[None]).logits[0].double()
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.as_tensor(q[1:])[:, None])
+            expected_bits -= lp[torch.as_tensor(t[1:])].sum().item() / math.log(2)
+    assert n_bytes == 35 + sum(CONTENT_BYTES.values())  # the text sample's 35 bytes after BOS
+    assert bits == pytest.approx(expected_bits, rel=1e-5)
+    # Without targets: every token after the first of every sample, templates included.
+    all_bits, all_bytes = nll_bits_and_bytes(model, sequences, tok.bytes.lengths)
+    assert all_bytes > n_bytes and all_bits > bits
