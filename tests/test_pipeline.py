@@ -123,20 +123,27 @@ def tiny_run(s3, tmp_path_factory):
     return {"arguments": preset_arguments(config), "local_root": str(local_root)}
 
 
-def _run(tiny_run, **changes):
+def _run(tiny_run, capfd, **changes):
     """Run the pipeline; returns its result and the pure steps that hit KFP's cache: kfp.local
     logs "Task NAME cache hit" for them, and an executed task leaves its folder (with
-    ``executor_output.json``) in the run's folder under the local root, a cache hit none."""
+    ``executor_output.json``) in the run's folder under the local root, a cache hit none; the
+    two must agree. (kfp.local logs through handlers of its own, to the terminal.)"""
+    import re
+
     root = Path(tiny_run["local_root"])
     before = set(root.glob("crosskd-distill-*"))
+    capfd.readouterr()
     result = run_local({**tiny_run["arguments"], **changes}, local_root=str(root))
+    log = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()))
     (run,) = set(root.glob("crosskd-distill-*")) - before
     executed = {p.parent.name for p in run.rglob("executor_output.json")}
-    return result, set(PURE) - executed
+    logged = {re.sub(r"-\d+$", "", m) for m in re.findall(r"Task ([\w-]+) cache hit", log)}
+    assert logged == set(PURE) - executed, log[-3000:]
+    return result, logged
 
 
-def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3):
-    result, hits = _run(tiny_run)
+def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd):
+    result, hits = _run(tiny_run, capfd)
     assert not hits
     bpb = result["bits_per_byte"]
     assert set(bpb) == {"teacher", "student_init", "student_kd", "student_ce"}
@@ -172,10 +179,10 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3):
         "inputs", "tables", "prepared", "cache", "runs"}
 
 
-def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run):
-    _, hits = _run(tiny_run)
+def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, capfd):
+    _, hits = _run(tiny_run, capfd)
     assert hits == set(PURE)
-    result, hits = _run(tiny_run, k=8)
+    result, hits = _run(tiny_run, capfd, k=8)
     # k changes the teacher caches (and what follows), not the tables or the prepared data.
     assert {"build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
     assert "score-teacher" not in hits and "merge-cache" not in hits

@@ -203,3 +203,18 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
     assert train["student"] == train_inputs["student"]
     # A rerun finds every output: nothing is computed again.
     assert distill(config, progress=False) == result
+
+
+def test_a_retried_training_task_gets_the_same_valid_job_run_id():
+    from crosskd.k8s.job import JobConfig, job_name
+    from crosskd.steps.train import job_run_id
+
+    assert job_run_id("train", "kd", "0f3c") == "train-kd-0f3c"
+    kfp_id = "4d9e2f0a-7b1c-4e55-9a3b-2c8d6f1e0b7a"  # KFP's pipeline job ids are UUIDs
+    long_id = job_run_id("crosskd-train-for-a-long-pipeline-task", "kd", kfp_id)
+    assert len(long_id) == 63 and long_id == job_run_id("crosskd-train-for-a-long-pipeline-task",
+                                                        "kd", kfp_id)  # fmt: skip
+    assert long_id.startswith("crosskd-train-for-a-long-pipeline-task-kd-4d9e2f0a-")
+    assert long_id != job_run_id("crosskd-train-for-a-long-pipeline-task", "ce", kfp_id)
+    config = JobConfig(run_id=long_id, image="i")  # a valid label value: accepted
+    assert job_name(config.run_id) == job_name(long_id)

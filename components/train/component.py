@@ -26,18 +26,16 @@ def train(
     """Train one run as a PyTorchJob named after the pipeline job and this task (so a retried
     launcher reattaches) and wait for it; its pods read S3 credentials from the Secret
     ``s3_secret`` (unless ``job`` names another; empty: none)."""
-    import hashlib
     from pathlib import Path
 
     from crosskd.steps import train
     from crosskd.steps.runtime import drop_none, from_kfp, start_step, write_pointer
+    from crosskd.steps.train import job_run_id
 
     start_step("train")
     item = from_kfp(item)
     job = from_kfp(job)
-    run_id = f"{task_name}-{item['variant']}-{pipeline_job_id}"
-    if len(run_id) > 63:
-        run_id = f"{run_id[:50]}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
+    run_id = job_run_id(task_name, item["variant"], pipeline_job_id)
     settings = {**job, "image": image, "gpus_per_node": gpus_per_node, "nodes": nodes}
     if s3_secret:
         settings.setdefault("s3_secret", s3_secret)

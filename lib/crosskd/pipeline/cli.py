@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -38,11 +39,14 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     graph.add_argument("--package", help="compiled YAML (default: pipelines/distill.yaml)")
     graph.add_argument("--output", help="default: docs/pipeline.svg of the checkout")
     local = actions.add_parser("run-local", help="run the whole pipeline here under kfp.local")
-    local.add_argument("--preset", choices=["tiny", "demo"], help="a shipped run preset")
+    local.add_argument("--preset", help="a shipped run preset: tiny, demo, chat-demo")
     local.add_argument("--config", help="YAML file with run keys (crosskd distill's)")
     local.add_argument("--local-root", help="kfp.local's own files (default: "
                        "<output>/kfp-local for a local output)")  # fmt: skip
     local.add_argument("--no-cache", action="store_true", help="run every step again")
+    local.add_argument("--log", help="the steps' whole output goes here; the terminal gets a "
+                       "line per step (default: <local root>/logs/<time>.log); - : all of it "
+                       "on the terminal")  # fmt: skip
     local.add_argument("overrides", nargs="*", metavar="key=value",
                        help="any run key, e.g. output=demo-out steps=50")  # fmt: skip
     sub = actions.add_parser("submit", help="submit the compiled pipeline to a KFP server")
@@ -99,15 +103,23 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from crosskd.pipeline.run import preset_arguments, run_local
+    from crosskd.pipeline.progress import steps_to_log
+    from crosskd.pipeline.run import local_root_of, preset_arguments, run_local
     from crosskd.steps.config import load_run_config
     from crosskd.steps.evaluate import bits_per_byte_table
 
     if not args.preset and not args.config:
         raise ConfigError("run-local needs --preset NAME or --config FILE (and output=DIR).")
     config = load_run_config(args.config, args.preset, args.overrides)
-    result = run_local(preset_arguments(config), local_root=args.local_root,
-                       cache=not args.no_cache)  # fmt: skip
+    arguments = preset_arguments(config)
+    local_root = args.local_root or local_root_of(arguments["output_root"])
+    if args.log == "-":
+        result = run_local(arguments, local_root=local_root, cache=not args.no_cache)
+    else:
+        log = Path(args.log or f"{local_root}/logs/{time.strftime('%Y%m%d-%H%M%S')}.log")
+        sys.stdout.write(f"log: {log}\n")
+        with steps_to_log(log):
+            result = run_local(arguments, local_root=local_root, cache=not args.no_cache)
     lines = [f"report: {result['report']}",
              *bits_per_byte_table(result["bits_per_byte"], result.get("ood_bits_per_byte"))]
     sys.stdout.write("\n".join(lines) + "\n")

@@ -105,15 +105,9 @@ def run_local(arguments: dict[str, Any], *, local_root: str | None = None,
     from kfp import local
 
     from crosskd.errors import CrosskdError
-    from crosskd.steps.locations import is_local
     from crosskd.steps.runtime import ERRORS_ENV
 
-    output_root = str(arguments["output_root"])
-    if local_root is None:
-        if not is_local(output_root):
-            raise ConfigError(f"output_root {output_root} is not a local folder; give "
-                              f"--local-root DIR for kfp.local's own files.")  # fmt: skip
-        local_root = f"{output_root.rstrip('/')}/kfp-local"
+    local_root = local_root or local_root_of(str(arguments["output_root"]))
     pipeline = load_pipeline()
     Path(local_root).mkdir(parents=True, exist_ok=True)
     workspace = tempfile.mkdtemp(prefix="crosskd-kfp-workspace-")
@@ -138,6 +132,17 @@ def run_local(arguments: dict[str, Any], *, local_root: str | None = None,
                 os.environ[ERRORS_ENV] = previous
             shutil.rmtree(errors, ignore_errors=True)
     return dict(task.output)
+
+
+def local_root_of(output_root: str) -> str:
+    """kfp.local's own folder for a run whose outputs go to ``output_root``:
+    ``<output_root>/kfp-local``; a :class:`ConfigError` when that is not a local folder."""
+    from crosskd.steps.locations import is_local
+
+    if not is_local(output_root):
+        raise ConfigError(f"output_root {output_root} is not a local folder; give "
+                          f"--local-root DIR for kfp.local's own files.")  # fmt: skip
+    return f"{output_root.rstrip('/')}/kfp-local"
 
 
 def _plain(text: str) -> str:

@@ -82,6 +82,19 @@ def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, A
             "steps": config.steps, "last": history[-1] if history else {}}
 
 
+def job_run_id(task_name: str, variant: str, pipeline_job_id: str) -> str:
+    """The run id of a training run launched by a pipeline task (the PyTorchJob's name derives
+    from it): ``<task>-<variant>-<pipeline job id>``, the same on every retry of the task so
+    that a retried launcher reattaches to its job; past 63 characters (a Kubernetes name's
+    limit) its first 50 and the first 12 hex digits of its sha256."""
+    import hashlib
+
+    run_id = f"{task_name}-{variant}-{pipeline_job_id}"
+    if len(run_id) > 63:
+        run_id = f"{run_id[:50]}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
+    return run_id
+
+
 def run_history(output: str) -> list[dict[str, Any]]:
     """The per-step metrics of rank 0 of the run at ``output`` (the last record of each step,
     so an invocation resumed after a crash counts each step once), in step order."""
