@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.crosskd-installed
 DEMO_OUT ?= demo-out
+CHAT_OUT ?= chat-demo-out
+CONVERSATIONS ?= 240
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv demo test bench lint
+.PHONY: venv demo chat-demo test bench lint
 
 venv: $(STAMP)
 
@@ -21,8 +23,19 @@ $(STAMP): pyproject.toml
 # The main job: the Kubeflow pipeline itself (pipelines/distill.py), run on this machine under
 # kfp.local with the embedded `demo` preset; the training step goes through the local
 # PyTorchJob executor.
+# Its steps use every core (the local training job's replicas take one thread each).
+demo: export OMP_NUM_THREADS = $(shell nproc 2>/dev/null || echo 1)
 demo: venv
 	$(VENV)/bin/crosskd pipeline run-local --preset demo output=$(DEMO_OUT)
+
+# Chat distillation: the instruct teacher answers prompts (crosskd generate; a rerun resumes),
+# then the pipeline distils it into a student on those conversations (preset chat-demo).
+chat-demo: export OMP_NUM_THREADS = $(shell nproc 2>/dev/null || echo 1)
+chat-demo: venv
+	$(VENV)/bin/crosskd generate --output $(CHAT_OUT)/conversations.jsonl \
+		--conversations $(CONVERSATIONS) batch_size=16
+	$(VENV)/bin/crosskd pipeline run-local --preset chat-demo output=$(CHAT_OUT) \
+		train_data=$(abspath $(CHAT_OUT))/conversations.jsonl
 
 test: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines

@@ -10,13 +10,14 @@ same data, steps and learning-rate schedule for each arm, on several seeds:
 * ``csd-k8``, ``csd-k128``: CSD (JSD) with K = 8 and K = 128.
 
 Training data: the machine's Python standard-library sources, docstrings and translation
-catalogues (``crosskd.alignment.corpus``); every tenth document is held out (**in-domain**).
-The **out-of-domain** held-out text is of another kind, absent from training: the licence texts
-under ``/usr/share/common-licenses`` (legal English prose). For each arm: held-out bits per byte
-on both (mean and sample standard deviation over seeds), the student's CE curve (mean over
-seeds) in one plot, and the teacher and the untrained students for reference. A seed changes the
-student's initialisation and the data order. Everything is written under ``--out``
-(``results.json``, ``curves.png``); the table is printed.
+catalogues (``crosskd.alignment.corpus``, the run's ``corpus_bytes``, in documents of about
+``max_length`` tokens); every tenth document is held out (**in-domain**). The **out-of-domain**
+held-out text is of another kind, absent from training: the licence texts under
+``/usr/share/common-licenses`` (legal English prose; the run's ``ood_data: machine:licences``).
+For each arm: held-out bits per byte on both (mean and sample standard deviation over seeds),
+the student's CE curve (mean over seeds) in one plot, and the teacher and the untrained students
+for reference. A seed changes the student's initialisation and the data order. Everything is
+written under ``--out`` (``results.json``, ``curves.png``); the table is printed.
 
     python benchmarks/quality.py [--quick] [--seeds 3] [--steps 100] [--out DIR]
 """
@@ -32,11 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from crosskd import steps
-from crosskd.alignment.corpus import benchmark_corpus, licence_documents
-from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.distill import checked_tables, teacher_caches
 from crosskd.steps.config import RunConfig
-from crosskd.steps.inputs import model_tokenizer
 from crosskd.steps.train import run_history
 
 ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
@@ -47,31 +45,12 @@ ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
     "csd-k8": (8, {}),
     "csd-k128": (128, {}),
 }
-FULL = {"corpus_bytes": 400_000, "ood_bytes": 40_000, "steps": 100, "seeds": 3,
+FULL = {"corpus_bytes": 300_000, "ood_bytes": 40_000, "steps": 100, "seeds": 3,
         "shape": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
                   "num_attention_heads": 4, "num_key_value_heads": 2}}  # fmt: skip
 QUICK = {"corpus_bytes": 40_000, "ood_bytes": 8_000, "steps": 12, "seeds": 1,
          "shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
 log = logging.getLogger("quality")
-
-
-def write_corpora(folder: Path, corpus_bytes: int, ood_bytes: int) -> dict[str, str]:
-    """``train.jsonl`` and ``heldout.jsonl`` (every tenth document) from the standard-library
-    corpus, ``ood.jsonl`` from the licence texts (documents of about 4 KB of whole lines)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    documents = benchmark_corpus(corpus_bytes)
-    splits = {"train": [d for i, d in enumerate(documents) if i % 10],
-              "heldout": [d for i, d in enumerate(documents) if not i % 10],
-              "ood": licence_documents(ood_bytes)}  # fmt: skip
-    uris = {}
-    for name, docs in splits.items():
-        path = folder / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"id": f"{name}-{i}", "text": d}) + "\n"
-                                for i, d in enumerate(docs)))  # fmt: skip
-        uris[name] = str(path)
-        log.info("%s: %d documents, %d bytes", name, len(docs),
-                 sum(len(d.encode()) for d in docs))  # fmt: skip
-    return uris
 
 
 def main() -> None:
@@ -89,29 +68,23 @@ def main() -> None:
     n_steps = args.steps or size["steps"]
     out = Path(args.out).resolve()
     started = time.perf_counter()
-    data = write_corpora(out / "corpus", size["corpus_bytes"], size["ood_bytes"])
     base = RunConfig(
         output=str(out / "work"), teachers=["zoo:smollm2"], student_tokenizer="zoo:llama3",
-        student_shape=size["shape"], train_data=data["train"], heldout_data=data["heldout"],
-        max_length=128, steps=n_steps, micro_batch_rows=4, lr=3e-3, warmup_steps=10,
+        student_shape=size["shape"], corpus_bytes=size["corpus_bytes"], heldout_every=10,
+        ood_data="machine:licences", ood_bytes=size["ood_bytes"], max_length=128,
+        steps=n_steps, micro_batch_rows=4, lr=3e-3, warmup_steps=10,
         loss={"dynamic_kd_scale": True}, token_budget=2048, device="cpu",
     )  # fmt: skip
     plan = steps.validate_inputs(base)
     tables = checked_tables(plan, progress=False)
     prepared = steps.prepare_data(plan, max_length=base.max_length, progress=False)
-    ood = str(out / "work" / "ood-prepared")
-    if not (Path(ood) / "manifest.json").exists():
-        prepare(PrepareConfig(data=data["ood"], student_tokenizer=model_tokenizer(plan["student"]),
-                              teacher_tokenizers=[model_tokenizer(t["ref"])
-                                                  for t in plan["teachers"]],
-                              output=ood, max_length=base.max_length,
-                              teacher_max_length=2 * base.max_length), progress=False)  # fmt: skip
+    log.info("prepared rows: %s", prepared["rows"])
     caches = {k: teacher_caches(plan, prepared, {**base.scoring(), "k": k}, 1, progress=False)
               for k in sorted({k for k, _ in ARMS.values()})}  # fmt: skip
     log.info("inputs ready after %.0f s", time.perf_counter() - started)
     results: dict = {"arms": {}, "reference": {}, "config": {
         "steps": n_steps, "seeds": seeds, "shape": size["shape"], "corpus_bytes":
-        size["corpus_bytes"], "ood_bytes": size["ood_bytes"]}}  # fmt: skip
+        size["corpus_bytes"], "ood_bytes": size["ood_bytes"], "rows": prepared["rows"]}}
     for seed in seeds:
         seeded = replace(base, seed=seed)
         seed_plan = steps.validate_inputs(seeded)  # the seed's random-init student
@@ -127,10 +100,11 @@ def main() -> None:
                 models |= {"student_init": seed_plan["student"]}
                 if seed == seeds[0]:
                     models["teacher"] = plan["teachers"][0]["ref"]
-            bpb = {split: steps.evaluate_models(
-                       uri, models, str(out / "runs" / f"{arm}-seed{seed}" / f"{split}.json"),
-                       token_budget=base.token_budget, device="cpu")["bits_per_byte"]
-                   for split, uri in (("in_domain", prepared["heldout"]), ("ood", ood))}
+            evaluation = steps.evaluate_run(prepared, models,
+                                            str(out / "runs" / f"{arm}-seed{seed}"),
+                                            token_budget=base.token_budget, device="cpu")
+            bpb = {"in_domain": evaluation["bits_per_byte"],
+                   "ood": evaluation["ood_bits_per_byte"]}  # fmt: skip
             history = run_history(run["output"])
             results["arms"].setdefault(arm, []).append({
                 "seed": seed, "in_domain": bpb["in_domain"]["student"],

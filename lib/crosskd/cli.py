@@ -2,7 +2,8 @@
 
 ``crosskd tables build|validate|inspect``, ``crosskd prepare``, ``crosskd inspect pair``,
 ``crosskd score``, ``crosskd train``, ``crosskd evaluate``, ``crosskd distill``,
-``crosskd dashboards`` (the Grafana dashboards as JSON). Bad input (a config, data or artifact
+``crosskd generate`` (a conversation set sampled from an instruct model), ``crosskd dashboards``
+(the Grafana dashboards as JSON). Bad input (a config, data or artifact
 error, a training run stopped by a non-finite loss) exits with status 2 and one line on stderr
 that says what is wrong and what to do; a table that fails validation exits 1.
 """
@@ -137,9 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
         "distill", help="the whole run: tables, prepare, score, train, evaluate, report"
     )
     dist.add_argument("--config", help="YAML file with DistillConfig keys")
-    dist.add_argument("--preset", choices=["tiny", "demo"], help="a shipped preset to start from")
+    dist.add_argument("--preset", help="a shipped preset to start from: tiny, demo, chat-demo")
     dist.add_argument("overrides", nargs="*", metavar="key=value",
                       help="any DistillConfig field, e.g. output=runs/demo steps=50")  # fmt: skip
+
+    gen = commands.add_parser(
+        "generate", help="a conversation set: an instruct model's sampled answers to prompts "
+        "(JSONL; a rerun resumes)",
+    )  # fmt: skip
+    gen.add_argument("--config", help="YAML file with GenerateConfig keys")
+    gen.add_argument("--model", help="the instruct model (HF folder, zoo:NAME, URI)")
+    gen.add_argument("--prompts", help="rows with a prompt (or text) column, or "
+                     "machine:docstrings (the default)")  # fmt: skip
+    gen.add_argument("--output", help="the JSONL file to write (local)")
+    gen.add_argument("--conversations", type=int, help="how many prompts to answer")
+    gen.add_argument("overrides", nargs="*", metavar="key=value",
+                     help="any GenerateConfig field, e.g. temperature=0.8 seed=1")  # fmt: skip
 
     dashboards = commands.add_parser(
         "dashboards", help="write the Grafana dashboards (training, teacher scoring) as JSON"
@@ -196,6 +210,8 @@ def _run(args: argparse.Namespace) -> int:
         return _evaluate(args)
     if args.command == "dashboards":
         return _dashboards(args)
+    if args.command == "generate":
+        return _generate(args)
     from crosskd import tables
 
     if args.action == "build":
@@ -333,6 +349,20 @@ def _distill(args: argparse.Namespace) -> int:
     lines = [f"report: {metrics['report']}",
              *bits_per_byte_table(metrics["bits_per_byte"], metrics.get("ood_bits_per_byte"))]
     _write("\n".join(lines))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from crosskd.config import load_config
+    from crosskd.generate import GenerateConfig, generate
+
+    given = {k: getattr(args, k) for k in ("model", "prompts", "output", "conversations")
+             if getattr(args, k) is not None}  # fmt: skip
+    config = load_config(GenerateConfig, args.config, args.overrides, flags=given)
+    result = generate(config)
+    _write(f"wrote {result['output']}: {result['conversations']} conversations "
+           f"({result['generated']} new, {result['dropped']} empty answers dropped, "
+           f"{result['unfinished']} cut at max_new_tokens)")
     return 0
 
 

@@ -15,7 +15,7 @@ from crosskd.errors import ConfigError
 from crosskd.train.config import loss_from_mapping
 from crosskd.zoo.models import check_shape
 
-PRESETS = ("tiny", "demo")
+PRESETS = ("tiny", "demo", "chat-demo")
 INIT = "init"
 """A model reference meaning a random-init Llama (of the ``*_shape`` for the ``*_tokenizer``)."""
 STDLIB = ""
