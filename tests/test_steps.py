@@ -143,7 +143,14 @@ def test_the_machine_licence_text_is_resolved_once_under_a_content_address(tmp_p
     assert len({r["id"] for r in rows}) == len(rows)
     assert steps.validate_inputs(config)["ood_data"] == plan["ood_data"]
     assert steps.validate_inputs(replace(config, ood_bytes=3000))["ood_data"] != plan["ood_data"]
-    assert steps.validate_inputs(replace(config, ood_data=""))["ood_data"] is None
+    without = steps.validate_inputs(replace(config, ood_data=""))
+    assert without["ood_data"] is None
+    # Out-of-domain rows are prepared under a key of their own: adding them to a run prepares
+    # nothing else again.
+    prepared = steps.prepare_data(plan, max_length=64, progress=False)
+    plain = steps.prepare_data(without, max_length=64, progress=False)
+    assert (prepared["train"], prepared["heldout"]) == (plain["train"], plain["heldout"])
+    assert "ood" not in plain and prepared["rows"]["ood"] == len(rows)
     with pytest.raises(ConfigError, match=r"ood_data .*nowhere\.jsonl: no such file"):
         steps.validate_inputs(replace(config, ood_data=str(tmp_path / "nowhere.jsonl")))
 

@@ -28,12 +28,14 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
     """Prepare ``plan["train_data"]`` and the held-out rows (``plan["heldout_data"]``, else the
     ``plan["heldout_fraction"]`` of the training rows whose id hashes below it) and the
     out-of-domain rows ``plan["ood_data"]`` when given, for the plan's student and teachers
-    (teachers get ``2 * max_length``) under ``<root>/prepared/<key>/{train,heldout,ood}``;
-    returns ``{"uri", "train", "heldout", "ood" (with out-of-domain rows), "train_shards",
-    "rows": {split: n}, "data_fingerprint": {split: sha256}}``. A split whose
-    manifest exists is not prepared again. ``metrics_port``: serve the rows prepared and
-    clipped (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it runs (0: a free
-    port; None: not served), ``final_scrape_s`` seconds at most for a last scrape."""
+    (teachers get ``2 * max_length``) under ``<root>/prepared/<key>/{train,heldout}`` and
+    ``<root>/prepared/<ood key>/ood`` (a key of its own: adding out-of-domain rows to a run
+    prepares nothing else again); returns ``{"uri", "train", "heldout", "ood" (with
+    out-of-domain rows), "train_shards", "rows": {split: n}, "data_fingerprint": {split:
+    sha256}}``. A split whose manifest exists is not prepared again. ``metrics_port``: serve
+    the rows prepared and clipped (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it
+    runs (0: a free port; None: not served), ``final_scrape_s`` seconds at most for a last
+    scrape."""
     from crosskd.data.prepare import PrepareConfig, prepare
     from crosskd.metrics.steps import PrepareMetrics, served
     from crosskd.tokenization import load_tokenizer
@@ -41,22 +43,22 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
     student = model_tokenizer(plan["student"])
     teachers = [model_tokenizer(t["ref"]) for t in plan["teachers"]]
     sources = {"train": plan["train_data"], "heldout": plan["heldout_data"] or None}
-    if plan.get("ood_data"):
-        sources[OOD] = plan["ood_data"]
-    key = {
-        "data": {k: data_fingerprint(v) for k, v in sources.items() if v},
-        "heldout_fraction": plan.get("heldout_fraction"),
-        "tokenizers": [load_tokenizer(t).fingerprint for t in [student, *teachers]],
-        "max_length": max_length, "shard_rows": shard_rows,
-    }  # fmt: skip
+    options = {"tokenizers": [load_tokenizer(t).fingerprint for t in [student, *teachers]],
+               "max_length": max_length, "shard_rows": shard_rows}  # fmt: skip
+    key = {"data": {k: data_fingerprint(v) for k, v in sources.items() if v},
+           "heldout_fraction": plan.get("heldout_fraction"), **options}  # fmt: skip
     uri = content_uri(plan["root"], "prepared", key)
+    targets = {split: f"{uri}/{split}" for split in SPLITS}
     if sources["heldout"] is None:
         sources |= _split(sources["train"], float(plan.get("heldout_fraction", 0.1)),
                           f"{uri}/rows")  # fmt: skip
+    if plan.get("ood_data"):
+        sources[OOD] = plan["ood_data"]
+        ood_key = {"data": {OOD: data_fingerprint(plan["ood_data"])}, **options}
+        targets[OOD] = f"{content_uri(plan['root'], 'prepared', ood_key)}/{OOD}"
     result: dict[str, Any] = {"uri": uri, "rows": {}, "data_fingerprint": {}}
     with served(PrepareMetrics(), metrics_port, "prepare", final_scrape_s) as metrics:
-        for split in sources:
-            target = f"{uri}/{split}"
+        for split, target in targets.items():
             fs, path = fsspec.core.url_to_fs(target)
             if fs.exists(f"{path}/manifest.json"):
                 log.info("prepared %s data exist at %s", split, target)
