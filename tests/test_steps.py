@@ -199,7 +199,8 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
     assert result["ood_bits_per_byte"] == result["bits_per_byte"]
     summary = (tmp_path / "run" / "report" / "summary.md").read_text()
     assert "| model | in-domain bits/byte | out-of-domain bits/byte |" in summary
-    (split,) = (tmp_path / "run" / "prepared").iterdir()
+    # Two prepared prefixes: the training and held-out rows', and the out-of-domain rows'.
+    (split,) = [p for p in (tmp_path / "run" / "prepared").iterdir() if (p / "rows").is_dir()]
     held = [json.loads(x)["id"] for x in (split / "rows" / "heldout.jsonl").read_text()
             .splitlines()]  # fmt: skip
     assert held == [r["id"] for r in rows if held_out(r["id"], 0.25)] and held
