@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from crosskd.metrics import read_jsonl_log
 from crosskd.pipeline.run import COMPILED_FILE, compile_pipeline, preset_arguments, run_local
 from crosskd.steps.config import load_run_config
 
@@ -165,8 +166,8 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd):
     assert "out-of-domain bits/byte" in page
     for variant in ("kd", "ce"):
         assert s3.exists(f"{run}/{variant}/final/model.safetensors")
-        lines = s3.cat_file(f"{run}/{variant}/metrics-rank0.jsonl").decode().splitlines()
-        assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+        log = read_jsonl_log(f"s3://{run}/{variant}/metrics-rank0.jsonl")
+        assert [r["step"] for r in log] == [1, 2, 3, 4]
     # Scoring was split over two pods' shard ranges and merged into one manifest per teacher.
     (cache,) = s3.ls("crosskd-test/pipeline/cache")
     parts = s3.ls(f"{cache}/parts")

@@ -212,6 +212,8 @@ def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
     """The student read from an S3 folder, checkpoints, the log and the final model on S3."""
     from transformers import AutoModelForCausalLM
 
+    from crosskd.metrics import read_jsonl_log
+
     s3.put(train_inputs["student"] + "/", "crosskd-test/student-folder/", recursive=True)
     student = "s3://crosskd-test/student-folder"
     output = "s3://crosskd-test/train-run"
@@ -232,8 +234,11 @@ def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
     info = json.loads((local / "crosskd-model.json").read_text())
     assert final == f"{output}/final" and info["step"] == 4
     assert AutoModelForCausalLM.from_pretrained(str(local)).config.vocab_size == resumed.vocab
-    log = s3.cat_file("crosskd-test/train-run/metrics-rank0.jsonl").decode().splitlines()
-    assert [json.loads(line)["step"] for line in log] == [1, 2, 3, 4]
+    # The step log in parts, one per run of the trainer (the resumed one numbered on).
+    assert not s3.exists("crosskd-test/train-run/metrics-rank0.jsonl")
+    parts = sorted(s3.ls("crosskd-test/train-run/metrics-rank0.jsonl.parts"))
+    assert [p.rsplit("/", 1)[-1] for p in parts] == ["part-000000.jsonl", "part-000001.jsonl"]
+    assert [r["step"] for r in read_jsonl_log(f"{output}/metrics-rank0.jsonl")] == [1, 2, 3, 4]
 
 
 def test_heldout_evaluation_keeps_the_best_student(train_inputs, tmp_path):

@@ -127,20 +127,61 @@ class MetricsExporter(MetricsServer):
 
 
 class JsonlLog:
-    """Appends one JSON object per step to ``uri`` (any fsspec URI)."""
+    """One JSON object per step, for ``uri`` (any fsspec URI; read back with
+    :func:`read_jsonl_log`).
 
-    def __init__(self, uri: str) -> None:
+    On a local filesystem each record is appended to ``uri`` at once. An object store has no
+    append, and rewriting the whole log each step would cost its size per step: there records go
+    into part objects ``<uri>.parts/part-NNNNNN.jsonl`` (numbered on from the parts already
+    there, so a resumed run adds parts). The open part is written when ``flush_s`` seconds have
+    passed since its last write, on :meth:`flush` (the trainer flushes at every checkpoint, so
+    the log holds every step a resume does not redo) and on :meth:`close`; after
+    ``part_records`` records it is written a last time and a new part begins. A write costs at
+    most one part, never the whole log."""
+
+    def __init__(self, uri: str, *, flush_s: float = 30.0, part_records: int = 1000) -> None:
         self.uri = uri
+        self.fs, self.path = fsspec.core.url_to_fs(uri)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.flush_s = flush_s
+        self.part_records = part_records
+        self.lines: list[bytes] = []
+        self.written = time.monotonic()
+        self.part = None if self.local else len(self.fs.glob(f"{self.path}.parts/part-*.jsonl"))
+        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
 
     def write(self, record: dict) -> None:
-        """Append ``record`` as one line (object stores have no append: there the file is
-        rewritten, which costs its size per step)."""
-        fs, path = fsspec.core.url_to_fs(self.uri)
+        """Append ``record`` as one line (module docstring: at once, or with the open part)."""
         line = (json.dumps(record, sort_keys=True) + "\n").encode()
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        if isinstance(fs, LocalFileSystem):
-            with fs.open(path, "ab") as fh:
+        if self.local:
+            with self.fs.open(self.path, "ab") as fh:
                 fh.write(line)
             return
-        old = fs.cat_file(path) if fs.exists(path) else b""
-        fs.pipe_file(path, old + line)
+        self.lines.append(line)
+        if len(self.lines) >= self.part_records:
+            self.flush()
+            self.lines, self.part = [], self.part + 1
+        elif time.monotonic() - self.written >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the open part (object stores; nothing to do locally or with no records)."""
+        if self.local or not self.lines:
+            return
+        self.fs.pipe_file(f"{self.path}.parts/part-{self.part:06d}.jsonl", b"".join(self.lines))
+        self.written = time.monotonic()
+
+    def close(self) -> None:
+        """Write what is not written yet."""
+        self.flush()
+
+
+def read_jsonl_log(uri: str) -> list[dict]:
+    """Every record of the log :class:`JsonlLog` writes at ``uri``: the lines of ``uri`` itself
+    (a local log), then those of its parts in order (an object store's); empty when there is
+    none."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    files = [path] if fs.exists(path) else []
+    files += sorted(fs.glob(f"{path}.parts/part-*.jsonl"))
+    return [json.loads(line) for file in files for line in fs.cat_file(file).decode().splitlines()
+            if line]  # fmt: skip

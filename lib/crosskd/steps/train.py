@@ -98,12 +98,9 @@ def job_run_id(task_name: str, variant: str, pipeline_job_id: str) -> str:
 def run_history(output: str) -> list[dict[str, Any]]:
     """The per-step metrics of rank 0 of the run at ``output`` (the last record of each step,
     so an invocation resumed after a crash counts each step once), in step order."""
-    import json
+    from crosskd.metrics import read_jsonl_log
 
-    fs, path = fsspec.core.url_to_fs(f"{output}/metrics-rank0.jsonl")
-    if not fs.exists(path):
-        return []
-    records = [json.loads(line) for line in fs.cat_file(path).decode().splitlines() if line]
+    records = read_jsonl_log(f"{output}/metrics-rank0.jsonl")
     by_step = {r["step"]: r for r in records}
     return [by_step[s] for s in sorted(by_step)]
 

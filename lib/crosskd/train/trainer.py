@@ -144,6 +144,7 @@ class Trainer:
     config: TrainConfig
     progress: bool = True
     exporter: MetricsExporter | None = field(default=None, init=False)
+    log: JsonlLog | None = field(default=None, init=False)
 
     def setup(self) -> None:
         """Process group, data, tokenizers, teachers (checked against each other), student,
@@ -456,6 +457,8 @@ class Trainer:
         ))  # fmt: skip
         self.exporter.checkpoint_seconds.observe(time.perf_counter() - started)
         self.exporter.checkpoint.set(step)
+        if self.rank == 0:
+            self.log.flush()
 
     def save(self) -> str:
         """The student as a Hugging Face folder (model, tokenizer, ``crosskd-model.json`` with
@@ -494,7 +497,10 @@ class Trainer:
         fs.pipe_file(f"{root}/{MODEL_INFO}", json.dumps(info, indent=1).encode())
 
     def close(self) -> None:
-        """Stop the metrics endpoint (if setup got that far), after one more scrape where
-        Prometheus has been scraping it (``metrics_final_scrape_s``)."""
+        """Write the rest of the step log and stop the metrics endpoint (if setup got that
+        far), after one more scrape where Prometheus has been scraping it
+        (``metrics_final_scrape_s``)."""
+        if self.log is not None:
+            self.log.close()
         if self.exporter is not None:
             self.exporter.close(self.config.metrics_final_scrape_s)
