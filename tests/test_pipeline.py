@@ -124,18 +124,22 @@ def tiny_run(s3, tmp_path_factory):
     return {"arguments": preset_arguments(config), "local_root": str(local_root)}
 
 
-def _run(tiny_run, capfd, **changes):
+def _run(tiny_run, capfd, caplog, **changes):
     """Run the pipeline; returns its result and the pure steps that hit KFP's cache: kfp.local
     logs "Task NAME cache hit" for them, and an executed task leaves its folder (with
     ``executor_output.json``) in the run's folder under the local root, a cache hit none; the
-    two must agree. (kfp.local logs through handlers of its own, to the terminal.)"""
+    two must agree. (kfp.local logs a task's own lines through a handler of its own, to the
+    terminal, and the cache hits on the root logger, so at INFO both are read.)"""
+    import logging
     import re
 
     root = Path(tiny_run["local_root"])
     before = set(root.glob("crosskd-distill-*"))
     capfd.readouterr()
-    result = run_local({**tiny_run["arguments"], **changes}, local_root=str(root))
-    log = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        result = run_local({**tiny_run["arguments"], **changes}, local_root=str(root))
+    log = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()) + caplog.text)
     (run,) = set(root.glob("crosskd-distill-*")) - before
     executed = {p.parent.name for p in run.rglob("executor_output.json")}
     logged = {re.sub(r"-\d+$", "", m) for m in re.findall(r"Task ([\w-]+) cache hit", log)}
@@ -143,8 +147,8 @@ def _run(tiny_run, capfd, **changes):
     return result, logged
 
 
-def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd):
-    result, hits = _run(tiny_run, capfd)
+def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd, caplog):
+    result, hits = _run(tiny_run, capfd, caplog)
     assert not hits
     bpb = result["bits_per_byte"]
     assert set(bpb) == {"teacher", "student_init", "student_kd", "student_ce"}
@@ -180,10 +184,10 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd):
         "inputs", "tables", "prepared", "cache", "runs"}
 
 
-def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, capfd):
-    _, hits = _run(tiny_run, capfd)
+def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, capfd, caplog):
+    _, hits = _run(tiny_run, capfd, caplog)
     assert hits == set(PURE)
-    result, hits = _run(tiny_run, capfd, k=8)
+    result, hits = _run(tiny_run, capfd, caplog, k=8)
     # k changes the teacher caches (and what follows), not the tables or the prepared data.
     assert {"build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
     assert "score-teacher" not in hits and "merge-cache" not in hits
