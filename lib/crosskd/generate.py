@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from crosskd.config import require_positive_ints
 from crosskd.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,7 @@ class GenerateConfig:
                 f"output {self.output}: crosskd generate appends to a local file batch by "
                 f"batch (so that a rerun resumes); write it locally and copy it afterwards."
             )
-        for key in ("conversations", "max_new_tokens", "batch_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key} is {value!r}; it must be an integer >= 1.")
+        require_positive_ints(self, ("conversations", "max_new_tokens", "batch_size"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed is {self.seed!r}; it must be an integer >= 0.")
         for key, low, high in (("temperature", 0.0, float("inf")), ("top_p", 0.0, 1.0)):

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
+from crosskd.config import require_positive_ints
 from crosskd.errors import ConfigError
 from crosskd.loss.config import LossConfig
 from crosskd.loss.logprobs import row_pieces
@@ -66,10 +67,7 @@ class ParallelConfig:
 
     def check(self, world_size: int) -> None:
         """Refuse sizes that are not positive integers or do not multiply to ``world_size``."""
-        for key in ("dp", "cp", "tp"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key} is {value!r}; it must be an integer >= 1.")
+        require_positive_ints(self, ("dp", "cp", "tp"))
         if self.dp * self.cp * self.tp != world_size:
             raise ConfigError(
                 f"dp * cp * tp = {self.dp} * {self.cp} * {self.tp} = "

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from crosskd.config import load_config
+from crosskd.config import load_config, require_positive_ints
 from crosskd.errors import ConfigError
 from crosskd.train.config import loss_from_mapping
 from crosskd.zoo.models import check_shape
@@ -118,12 +118,9 @@ class RunConfig:
         ):  # fmt: skip
             raise ConfigError(f"teachers is {self.teachers!r}; give a list of one or more "
                               f"teacher model references (or init).")  # fmt: skip
-        for key in ("corpus_bytes", "ood_bytes", "heldout_every", "max_length", "shard_rows", "k",
-                    "score_pods", "steps", "micro_batch_rows", "grad_accum",
-                    "token_budget"):  # fmt: skip
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key} is {value!r}; it must be an integer >= 1.")
+        require_positive_ints(self, ("corpus_bytes", "ood_bytes", "heldout_every", "max_length",
+                                     "shard_rows", "k", "score_pods", "steps", "micro_batch_rows",
+                                     "grad_accum", "token_budget"))  # fmt: skip
         fraction = self.heldout_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not (
             0 < fraction < 1
