@@ -171,7 +171,7 @@ def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teache
     with pytest.raises(KeyboardInterrupt):
         score(_score_config(prepared, tiny_teacher, partial), progress=False)
     names = {p.rsplit("/", 1)[-1] for p in s3.ls("crosskd-test/cache/resumed")}
-    assert "manifest.json" not in names and {"part-00000.parquet", "part-00001.parquet"} <= names
+    assert "manifest.json" not in names and {"part-000000.parquet", "part-000001.parquet"} <= names
     assert not any(n.startswith(".tmp-") for n in names)
     monkeypatch.setattr(scoring, "_score_shard", real)
     calls.clear()
@@ -257,7 +257,7 @@ def test_a_corrupted_shard_is_detected_by_its_checksum(s3, prepared, tiny_teache
     s3.pipe_file(path, bytes(payload))
     cache = open_cache(uri)
     cache.shard(0)
-    with pytest.raises(CacheError, match=r"part-00001.parquet has sha256 .* the manifest says"):
+    with pytest.raises(CacheError, match=r"part-000001.parquet has sha256 .* the manifest says"):
         cache.shard(1)
 
 

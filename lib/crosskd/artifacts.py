@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from collections.abc import Collection
 
 import fsspec
@@ -66,6 +67,58 @@ def read_checked(
             f"{entry['sha256']}; the file changed or is damaged. {rebuild}"
         )
     return payload
+
+
+def start_run(
+    fs: fsspec.AbstractFileSystem, path: str, output: str, run: dict, *, what: str, activity: str
+) -> None:
+    """Record a resumable run's values at ``path`` (a JSON file in ``output``), or check them
+    against the record of an earlier, interrupted run there: other values, other keys or a
+    damaged record are refused in one line naming the file and what to do. ``what``: what the
+    output holds ("a cache"); ``activity``: what wrote the record ("scoring")."""
+    name = posixpath.basename(path)
+    if fs.exists(path):
+        where = f"{output.rstrip('/')}/{name}"
+        earlier = _read_run(fs.cat_file(path), where, list(run), activity)
+        differ = [k for k in run if earlier[k] != run[k]]
+        if differ:
+            raise CrosskdError(
+                f"output {output} holds {what} (or an interrupted run) with another "
+                f"{' and '.join(differ)}; choose a new output or delete the old one."
+            )
+        extra = [k for k in earlier if k not in run]
+        if extra:
+            raise CrosskdError(
+                f"output {output} holds {what} (or an interrupted run) whose {name} also records "
+                f"{', '.join(extra)} (another crosskd version?); choose a new output or delete "
+                f"the old one."
+            )
+        return
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    fs.pipe_file(path, json.dumps(run).encode("utf-8"))
+
+
+def _read_run(payload: bytes, where: str, keys: list[str], activity: str) -> dict:
+    """The earlier run's record: a JSON object with (at least) ``keys``; anything else is
+    refused in one line naming the file (``where``) and what to do."""
+    what = f"{where} (the record of an earlier {activity} run into this output)"
+    advice = "delete that output (or the file) to start afresh, or choose another output."
+    try:
+        earlier = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise CrosskdError(f"{what} is damaged: not valid JSON ({reason}); {advice}") from None
+    if not isinstance(earlier, dict):
+        raise CrosskdError(
+            f"{what} is damaged: a JSON {type(earlier).__name__}, not an object; {advice}"
+        )
+    missing = [k for k in keys if k not in earlier]
+    if missing:
+        raise CrosskdError(
+            f"{what} lacks {', '.join(missing)} (damaged, or written by another crosskd "
+            f"version); {advice}"
+        )
+    return earlier
 
 
 def move_folder(

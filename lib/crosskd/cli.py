@@ -1,7 +1,8 @@
 """The ``crosskd`` command line.
 
-``crosskd tables build|validate|inspect``, ``crosskd prepare``, ``crosskd inspect pair``,
-``crosskd score``, ``crosskd train``, ``crosskd evaluate``, ``crosskd distill``,
+``crosskd tables build|validate|inspect``, ``crosskd prepare`` (and ``prepare-merge``),
+``crosskd inspect pair``, ``crosskd score``, ``crosskd train``, ``crosskd evaluate``,
+``crosskd distill``,
 ``crosskd generate`` (a conversation set sampled from an instruct model), ``crosskd dashboards``
 (the Grafana dashboards as JSON). Bad input (a config, data or artifact
 error, a training run stopped by a non-finite loss) exits with status 2 and one line on stderr
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="one sample per row instead of lockstep packing")  # fmt: skip
     prep.add_argument("overrides", nargs="*", metavar="key=value",
                       help="any PrepareConfig field, e.g. drop_first_chunk=true")  # fmt: skip
+    merge = commands.add_parser(
+        "prepare-merge", help="write the manifest of prepared data from its splits' shards"
+    )
+    merge.add_argument("output", help="the prepare output folder or URI")
 
     sc = commands.add_parser(
         "score", help="write the teacher's top-K signal of prepared data to a cache (local/S3)"
@@ -198,6 +203,10 @@ def _run(args: argparse.Namespace) -> int:
         return run_pipeline_command(args)
     if args.command == "prepare":
         return _prepare(args)
+    if args.command == "prepare-merge":
+        from crosskd.data.merge import merge_prepared
+
+        return _prepared_summary(merge_prepared(args.output), args.output)
     if args.command == "inspect":
         return _inspect_pair(args)
     if args.command == "score":
@@ -258,10 +267,19 @@ def _prepare(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     config = load_config(PrepareConfig, args.config, args.overrides, flags=given)
     manifest = prepare(config)
+    if manifest is None:
+        _write(f"split {config.split_index} of {config.split_count} done at {config.output}; "
+               f"the manifest is written when every split is done (or `crosskd prepare-merge "
+               f"{config.output}`)")  # fmt: skip
+        return 0
+    return _prepared_summary(manifest, config.output)
+
+
+def _prepared_summary(manifest: dict, output: str) -> int:
     shapes = manifest["chunk_shapes"]
     lines = [
         f"prepared {manifest['rows']} rows ({manifest['clipped_rows']} clipped) into "
-        f"{manifest['packing']['bins']} packed rows at {config.output}",
+        f"{manifest['packing']['bins']} packed rows at {output}",
         *(f"  {m['name']}: {m['tokens']} tokens, packing efficiency "
           f"{manifest['packing']['efficiency'][m['name']]:.1%}" for m in manifest["models"]),
         *(f"  chunks {name}: " + ", ".join(f"{k} {v}" for k, v in counts.items())

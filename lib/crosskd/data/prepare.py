@@ -28,23 +28,36 @@ first chunk, e.g. every byte piece of a leading emoji). The student's ``student_
 targets) is that own mask too, whatever the teachers (spec section 2: the student's assistant
 content tokens and its end-of-turn token, even when a teacher's template writes none).
 
-Output (any fsspec URI): ``part-NNNNN.parquet`` shards, rows sorted by packed row (``bin``) with
-whole bins per shard, and ``manifest.json`` (kind, format version, fingerprints, options, rows,
-clipped rows, tokens per model, chunk shapes per aligned teacher, bins, packing efficiency,
-per-shard row counts and sha256). Format version 2 (version 1 stored a same-tokenizer teacher
-as an alignment of the student with itself). Every row is read and aligned before anything is
-written; shards go to a staging folder first and the manifest is written last, so a failed run
-leaves no output that looks complete.
+Streaming: rows are read in windows of ``shard_rows`` input rows; each window is prepared,
+packed on its own and written as one shard, so memory holds one window whatever the size of
+the input (packing looks at the samples of one window). Output (any fsspec URI):
+``part-NNNNNN.parquet`` (window ``N``; rows sorted by packed row ``bin``, numbered within the
+shard), a record per shard under ``_prepare/shards/`` written after it, and, once every window
+has its shard, ``manifest.json`` (:mod:`crosskd.data.merge`: kind, format version,
+fingerprints, options, rows, clipped rows, tokens per model, chunk shapes per aligned teacher,
+packed rows, packing efficiency, per-shard row counts, packed-row ranges and sha256, data
+fingerprint). Format version 2 (version 1 stored a same-tokenizer teacher as an alignment of
+the student with itself). A folder without a manifest is not prepared data.
+
+Resume and splits: a rerun into the same output (same settings, recorded in
+``_prepare/run.json``) skips the windows whose shard record exists, after checking that their
+input rows are unchanged, so a killed run resumes to the same shards, byte for byte, as an
+uninterrupted one. ``split_count`` pods share the input: split ``i`` prepares the windows ``w``
+with ``w % split_count == i`` (every pod reads the whole input, aligning only its windows),
+records that it is done, and the manifest is written by the merge once every split is done
+(by the last split to finish, or ``crosskd prepare-merge``); the shards are the same as one
+process would write. Sample ids are checked for repeats at the merge.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
 import unicodedata
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import fsspec
@@ -63,15 +76,11 @@ from crosskd.alignment import (
     render_text,
 )
 from crosskd.alignment.own import student_tokens
+from crosskd.artifacts import MANIFEST, start_run
 from crosskd.data.clipping import clip_text
-from crosskd.data.packing import pack_lockstep, packing_efficiency
+from crosskd.data.packing import pack_lockstep
 from crosskd.data.records import Record, read_records
-from crosskd.data.shards import (
-    MANIFEST,
-    SameTokenizerSample,
-    same_tokenizer_sample,
-    write_shards,
-)
+from crosskd.data.shards import SameTokenizerSample, same_tokenizer_sample, write_shard
 from crosskd.errors import ConfigError, DataError
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
@@ -81,6 +90,12 @@ KIND = "crosskd.prepared-data"
 FORMAT_VERSION = 2
 CHAT_REGIONS = ("reasoning", "close", "answer")
 """The names ``included_regions`` chooses from."""
+RUN = "_prepare/run.json"
+"""The run's settings (what every split and every resume must share)."""
+SHARDS = "_prepare/shards"
+"""One record per written shard (``part-NNNNNN.parquet.json``), written after the shard."""
+SPLITS = "_prepare/splits"
+"""One record per split that has read the whole input (``I-of-N.json``)."""
 
 
 @dataclass
@@ -110,7 +125,12 @@ class PrepareConfig:
     drop_first_chunk: bool = False
     """Leave the first chunk of each assistant message out of KD."""
     shard_rows: int = 4096
-    """Samples per Parquet shard (whole packed rows per shard)."""
+    """Input rows per window: each window is packed on its own and written as one Parquet
+    shard (so memory holds one window, and packing looks at ``shard_rows`` samples at once)."""
+    split_index: int = 0
+    """This pod's split: it prepares the windows ``w`` with ``w % split_count == split_index``."""
+    split_count: int = 1
+    """Pods sharing the input (1: one process prepares everything and writes the manifest)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -130,8 +150,16 @@ class PrepareConfig:
             )
         for i, value in enumerate(teachers):
             _text(f"teacher_tokenizers[{i}]", value)
-        for key in ("max_length", "shard_rows"):
+        for key in ("max_length", "shard_rows", "split_count"):
             _count(key, getattr(self, key))
+        index = self.split_index
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < (
+            self.split_count
+        ):  # fmt: skip
+            raise ConfigError(
+                f"split_index is {index!r}; it must be an integer from 0 to split_count - 1 "
+                f"({self.split_count - 1})."
+            )
         if self.teacher_max_length is not None:
             _count("teacher_max_length", self.teacher_max_length, "an integer >= 1, or null "
                    "for max_length")  # fmt: skip
@@ -171,8 +199,26 @@ def model_names(n_teachers: int) -> list[str]:
 
 def prepare(config: PrepareConfig, *, progress: bool = True,
             on_row: Callable[[str | None], None] | None = None) -> dict:  # fmt: skip
-    """Run the preparation; returns the manifest that was written. ``on_row`` is called once
-    per prepared row with why it was clipped (``text``, ``turns``, ``message``; None: whole)."""
+    """Run the preparation (:func:`prepare_split` of the config's split) and, once every split
+    has finished, merge the shards into the manifest (:func:`crosskd.data.merge.merge_prepared`);
+    returns the manifest, or None while other splits are still to run. ``on_row`` is called
+    once per row this call prepares with why it was clipped (``text``, ``turns``, ``message``;
+    None: whole)."""
+    from crosskd.data.merge import merge_prepared, splits_done
+
+    prepare_split(config, progress=progress, on_row=on_row)
+    if config.split_count > 1 and not splits_done(config.output):
+        return None
+    return merge_prepared(config.output)
+
+
+def prepare_split(config: PrepareConfig, *, progress: bool = True,
+                  on_row: Callable[[str | None], None] | None = None) -> dict:  # fmt: skip
+    """Prepare the windows of ``shard_rows`` input rows that belong to this split (window ``w``
+    when ``w % split_count == split_index``), each into its shard ``part-<w>.parquet`` and its
+    record (:data:`SHARDS`), skipping windows whose record exists (after checking that their
+    input rows are the same); then record that the split is done (:data:`SPLITS`, with the
+    number of windows of the whole input). Returns that record."""
     config.check()
     fs, root = fsspec.core.url_to_fs(config.output)
     if fs.exists(f"{root}/{MANIFEST}"):
@@ -190,40 +236,158 @@ def prepare(config: PrepareConfig, *, progress: bool = True,
     nfc = any(t.normalizes_nfc for t in models)
     strip = any(_template_strips(t) for t in models)
     options = ChatOptions(tuple(config.included_regions), config.drop_first_chunk)
-    records = list(
-        read_records(
-            config.data,
-            text_column=config.text_column,
-            messages_column=config.messages_column,
-            id_column=config.id_column,
-        )
-    )
-    if not records:
+    run = _run_record(config, models, capacities, nfc, strip, same)
+    records = read_records(
+        config.data, text_column=config.text_column, messages_column=config.messages_column,
+        id_column=config.id_column, unique_ids=False,
+    )  # fmt: skip
+    bar = tqdm(desc="align", unit="row", disable=not progress)
+    recorded = fs.exists(f"{root}/{RUN}")
+    if recorded:  # a resume: the settings must be the run's
+        start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data",
+                  activity="prepare")  # fmt: skip
+    windows = prepared = 0
+    for w, window in enumerate(batched(records, config.shard_rows)):
+        windows = w + 1
+        if w % config.split_count != config.split_index:
+            continue
+        digest = _input_digest(window)
+        done = read_shard_record(fs, root, w)
+        if done is not None:
+            if done["input_sha256"] != digest:
+                raise DataError(
+                    f"output {config.output}: shard {done['path']} was prepared from other "
+                    f"input rows than window {w} (rows from {w * config.shard_rows}) of "
+                    f"{config.data} now (the input changed since); prepare into a new output."
+                )
+            bar.update(len(window))
+            continue
+        rows = []
+        for record in window:
+            rows.append(_prepare_row(record, models, capacities, nfc, strip, options, same))
+            if on_row is not None:
+                on_row(rows[-1]["clip_reason"])
+            bar.update(1)
+        if not recorded:  # not before a row is prepared: bad input leaves nothing behind
+            start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data",
+                      activity="prepare")  # fmt: skip
+            recorded = True
+        _write_window(fs, root, w, rows, config.pack, capacities, digest)
+        prepared += len(rows)
+    bar.close()
+    if windows == 0:
         raise DataError(f"data {config.data} has no rows; nothing to prepare.")
-    rows = []
-    for record in tqdm(records, desc="align", unit="row", disable=not progress):
-        rows.append(_prepare_row(record, models, capacities, nfc, strip, options, same))
-        if on_row is not None:
-            on_row(rows[-1]["clip_reason"])
+    start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data", activity="prepare")
+    marker = {"split_index": config.split_index, "split_count": config.split_count,
+              "windows": windows}  # fmt: skip
+    fs.makedirs(f"{root}/{SPLITS}", exist_ok=True)
+    fs.pipe_file(f"{root}/{SPLITS}/{config.split_index}-of-{config.split_count}.json",
+                 json.dumps(marker).encode("utf-8"))  # fmt: skip
+    log.info("split %d of %d: prepared %d rows (%d windows in the input) at %s",
+             config.split_index, config.split_count, prepared, windows, config.output)  # fmt: skip
+    return marker
+
+
+def shard_name(window: int) -> str:
+    """The shard of input window ``window``: ``part-NNNNNN.parquet`` (names sort in input
+    order whichever split wrote them)."""
+    return f"part-{window:06d}.parquet"
+
+
+def read_shard_record(fs: fsspec.AbstractFileSystem, root: str, window: int) -> dict | None:
+    """The record of window ``window``'s shard (written after the shard), or None."""
+    path = f"{root}/{SHARDS}/{shard_name(window)}.json"
+    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+
+
+def _run_record(config: PrepareConfig, models: list[LoadedTokenizer], capacities: list[int],
+                nfc: bool, strip: bool, same: list[bool]) -> dict:  # fmt: skip
+    """What every split of a run must share: the manifest's fields that do not depend on the
+    rows (config without the split, models, normalisation)."""
+    names = model_names(len(models) - 1)
+    settings = {k: v for k, v in asdict(config).items() if k not in ("split_index", "split_count")}
+    return {
+        "kind": KIND,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"crosskd {__version__}",
+        "source": config.data,
+        "config": settings,
+        "models": [
+            {
+                "name": name,
+                "tokenizer": tok.name,
+                "fingerprint": tok.fingerprint,
+                "vocab_size": tok.vocab_size,
+                "capacity": capacities[m],
+                **({} if m == 0 else {"same_tokenizer": same[m - 1]}),
+            }
+            for m, (name, tok) in enumerate(zip(names, models, strict=True))
+        ],
+        "nfc_normalized": nfc,
+        "content_stripped": strip,
+        "packed": config.pack,
+    }
+
+
+def _input_digest(records: tuple[Record, ...]) -> str:
+    """sha256 of a window's input rows as read (ids and content): a resume checks it."""
+    payload = [[r.sample_id, r.text, r.messages] for r in records]
+    return hashlib.sha256(_canonical(payload).encode("utf-8")).hexdigest()
+
+
+def _canonical(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def _write_window(fs: fsspec.AbstractFileSystem, root: str, window: int, rows: list[dict],
+                  pack: bool, capacities: list[int], input_sha256: str) -> None:  # fmt: skip
+    """Pack one window's prepared rows, write its shard, then its record (last: a record means
+    a complete shard). The record holds what the manifest sums over shards."""
     lengths = np.array([row["lengths"] for row in rows], dtype=np.int64)
-    bins = (
-        pack_lockstep(lengths, capacities)
-        if config.pack
-        else [np.array([i]) for i in range(len(rows))]
-    )
-    manifest = _manifest(config, models, capacities, nfc, rows, lengths, bins, same)
-    manifest["content_stripped"] = strip
-    manifest["data_fingerprint"] = _data_fingerprint(rows)
-    write_shards(fs, root, config.shard_rows, rows, bins, manifest)
-    log.info("prepared %d rows into %d packed rows at %s", len(rows), len(bins), config.output)
-    return manifest
+    bins = pack_lockstep(lengths, capacities) if pack else [np.array([i]) for i in range(len(rows))]
+    shard = write_shard(fs, root, shard_name(window), rows, bins)
+    shapes = {}
+    for k, aligned in enumerate(rows[0]["aligned"]):
+        if isinstance(aligned, AlignedSample):
+            counts = Counter()
+            for row in rows:
+                counts.update(SHAPE_NAMES[s] for s in row["aligned"][k].chunks.shape.tolist())
+            shapes[f"teacher{k}"] = {name: counts.get(name, 0) for name in SHAPE_NAMES}
+    fallback = [any(row["student"].fallback_template for row in rows)]
+    fallback += [any(row["aligned"][k].teacher.fallback_template for row in rows)
+                 for k in range(len(rows[0]["aligned"]))]  # fmt: skip
+    content = [[r["record"].sample_id, r["text"], r["messages"]] for r in rows]
+    ids = sorted(id_hash(r["record"].sample_id) for r in rows)
+    record = shard | {
+        "window": window,
+        "input_sha256": input_sha256,
+        "content_sha256": hashlib.sha256(_canonical(content).encode("utf-8")).hexdigest(),
+        "clipped_rows": sum(bool(row["clipped"]) for row in rows),
+        "tokens": lengths.sum(axis=0).tolist(),
+        "chunk_shapes": shapes,
+        "chatml_fallback": fallback,
+        "id_hashes": base64.b64encode(np.array(ids, dtype="<u8").tobytes()).decode("ascii"),
+    }
+    fs.makedirs(f"{root}/{SHARDS}", exist_ok=True)
+    fs.pipe_file(f"{root}/{SHARDS}/{shard['path']}.json", json.dumps(record).encode("utf-8"))
 
 
-def _data_fingerprint(rows: list[dict]) -> str:
-    """sha256 of the canonical JSON of every prepared sample's id and text or messages."""
-    payload = [[r["record"].sample_id, r["text"], r["messages"]] for r in rows]
-    canonical = json.dumps(payload, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+def batched(items: Iterable, size: int) -> Iterator[tuple]:
+    """``items`` in tuples of ``size`` (the last one shorter), read lazily."""
+    chunk: list = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield tuple(chunk)
+            chunk = []
+    if chunk:
+        yield tuple(chunk)
+
+
+def id_hash(sample_id: str) -> int:
+    """A sample id as a 64-bit number (the first 8 bytes of its sha256, little-endian): the
+    merge finds repeated ids among these and confirms them on the ids themselves."""
+    return int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "little")
 
 
 def _template_strips(tok: LoadedTokenizer) -> bool:
@@ -372,61 +536,3 @@ def _longest_prefix(
 def _fits(messages: list[dict], models: list, capacities: list[int], sample_id: str) -> bool:
     lengths = _chat_lengths(messages, models, sample_id)
     return all(n <= c for n, c in zip(lengths, capacities, strict=True))
-
-
-def _manifest(
-    config: PrepareConfig,
-    models: list[LoadedTokenizer],
-    capacities: list[int],
-    nfc: bool,
-    rows: list[dict],
-    lengths: np.ndarray,
-    bins: list[np.ndarray],
-    same: list[bool],
-) -> dict:
-    names = model_names(len(models) - 1)
-    shapes = {}
-    for k in range(len(models) - 1):
-        if same[k]:
-            continue
-        counts = Counter()
-        for row in rows:
-            counts.update(SHAPE_NAMES[s] for s in row["aligned"][k].chunks.shape.tolist())
-        shapes[names[k + 1]] = {name: counts.get(name, 0) for name in SHAPE_NAMES}
-    fallback = [False] * len(models)
-    for row in rows:
-        fallback[0] |= row["student"].fallback_template
-        for k, aligned in enumerate(row["aligned"]):
-            fallback[k + 1] |= aligned.teacher.fallback_template
-    return {
-        "kind": KIND,
-        "format_version": FORMAT_VERSION,
-        "created_by": f"crosskd {__version__}",
-        "source": config.data,
-        "config": asdict(config),
-        "models": [
-            {
-                "name": name,
-                "tokenizer": tok.name,
-                "fingerprint": tok.fingerprint,
-                "vocab_size": tok.vocab_size,
-                "capacity": capacities[m],
-                "chatml_fallback": fallback[m],
-                "tokens": int(lengths[:, m].sum()),
-                **({} if m == 0 else {"same_tokenizer": same[m - 1]}),
-            }
-            for m, (name, tok) in enumerate(zip(names, models, strict=True))
-        ],
-        "nfc_normalized": nfc,
-        "rows": len(rows),
-        "clipped_rows": sum(bool(row["clipped"]) for row in rows),
-        "chunk_shapes": shapes,
-        "packing": {
-            "packed": config.pack,
-            "bins": len(bins),
-            "efficiency": dict(
-                zip(names, packing_efficiency(lengths, bins, capacities), strict=True)
-            ),
-        },
-        "shards": [],
-    }

@@ -44,7 +44,7 @@ import fsspec
 
 from crosskd.errors import DataError
 
-__all__ = ["Record", "read_records"]
+__all__ = ["Record", "duplicate_id_message", "read_records"]
 
 _SHARD_SUFFIXES = (".jsonl", ".json", ".parquet")
 _GLOB_CHARS = frozenset("*?[")
@@ -89,11 +89,14 @@ def read_records(
     text_column: str = "text",
     messages_column: str = "messages",
     id_column: str | None = "id",
+    unique_ids: bool = True,
 ) -> Iterator[Record]:
     """Yield the rows of the dataset at ``uri`` (a file, folder, glob or datasets folder; local
     path or fsspec URI) as :class:`Record` objects, in file order.
 
-    ``id_column=None`` ignores any id column and derives every id from the content. Raises
+    ``id_column=None`` ignores any id column and derives every id from the content.
+    ``unique_ids=False`` leaves out the check that ids are unique (it keeps every id read in
+    memory; ``crosskd prepare`` checks uniqueness when it merges its shards instead). Raises
     :class:`~crosskd.errors.DataError`, naming the file and line or row, for a source that
     does not exist or has an unsupported format, and for any malformed row.
     """
@@ -105,6 +108,9 @@ def read_records(
         for row, values, names in _rows(fs, path, kind, source, columns):
             where = _Where(source, "line" if kind == "jsonl" else "row", row)
             record = _to_record(values, names, where, columns, copies)
+            if not unique_ids:
+                yield record
+                continue
             first = first_use.setdefault(record.sample_id, where)
             if first is not where:
                 raise DataError(_duplicate_message(record.sample_id, first, where, values, columns))
@@ -388,8 +394,15 @@ def _describe(value: object) -> str:
 def _duplicate_message(
     sample_id: str, first: _Where, again: _Where, values: dict, columns: _Columns
 ) -> str:
-    if columns.id is not None and values.get(columns.id) is not None:
-        fix = f"make the {columns.id!r} column unique, or set id_column=None to derive ids"
+    given = columns.id is not None and values.get(columns.id) is not None
+    return duplicate_id_message(sample_id, str(first), str(again), columns.id if given else None)
+
+
+def duplicate_id_message(sample_id: str, first: str, again: str, id_column: str | None) -> str:
+    """The error for a sample id read twice: ``first`` and ``again`` say where (``FILE line N``
+    or ``FILE row N``); ``id_column`` is the column the id came from (None: a content hash)."""
+    if id_column is not None:
+        fix = f"make the {id_column!r} column unique, or set id_column=None to derive ids"
     else:
         fix = "two shards with the same base name hold the same row; rename one of them"
     return (

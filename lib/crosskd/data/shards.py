@@ -1,8 +1,7 @@
-"""Writing prepared rows as Parquet shards (fixed schema, whole packed rows per shard) into a
-staging folder, then publishing them and, last, the manifest.
+"""Writing prepared rows as one Parquet shard (fixed schema, whole packed rows per shard).
 
 One row per sample. Columns: ``sample_id``, ``source``, ``row``, ``text`` / ``messages`` (JSON),
-``clipped``, ``original_lengths``, ``bin`` (packed row), ``student_ids``,
+``clipped``, ``original_lengths``, ``bin`` (packed row, numbered within the shard), ``student_ids``,
 ``student_loss_mask`` (CE targets), and per teacher ``k``: ``teacher{k}_ids`` and its chunks
 ``teacher{k}_chunk_{s0,s1,t0,t1}`` (token ranges within the sample), ``_shape``, ``_flags``
 (``FLAG_*`` bits), ``_region``, ``_message``. Every teacher has the same columns. For a
@@ -15,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +26,6 @@ if TYPE_CHECKING:
     from crosskd.alignment.own import StudentTokens
     from crosskd.tokenization import LoadedTokenizer
 
-MANIFEST = "manifest.json"
 FLAG_CORRECT, FLAG_PREDICTION, FLAG_KD = 1, 2, 4
 """Bits of the ``chunk_flags`` column."""
 
@@ -137,53 +134,27 @@ def _teacher_columns(cols: dict, name: str, aligned: AlignedSample | SameTokeniz
     cols[f"{name}_chunk_message"].append(aligned.chunk_message)
 
 
-def write_shards(
-    fs: fsspec.AbstractFileSystem,
-    root: str,
-    shard_rows: int,
-    rows: list[dict],
-    bins: list[np.ndarray],
-    manifest: dict,
-) -> None:
-    """Write ``rows`` (prepared samples) grouped by ``bins`` as shards of about ``shard_rows``
-    samples under ``root``, then ``manifest`` (completed with the shard list) last. On any
-    failure nothing stays behind: staging is removed and published shards are deleted."""
+def write_shard(
+    fs: fsspec.AbstractFileSystem, root: str, name: str, rows: list[dict], bins: list[np.ndarray]
+) -> dict:
+    """Write prepared samples ``rows`` grouped by ``bins`` (packed rows: sample indices in row
+    order, numbered 0.. within this shard in the ``bin`` column) as the Parquet file ``name``
+    under ``root``: under a temporary name first, renamed when complete. The bytes depend only
+    on the rows and bins. Returns ``{"path", "rows", "bins", "sha256", "bytes"}``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     bin_of = np.empty(len(rows), dtype=np.int64)
     for b, members in enumerate(bins):
         bin_of[members] = b
-    staging = f"{root}/.staging-{uuid.uuid4().hex[:8]}"
-    fs.makedirs(staging, exist_ok=True)
-    shards, start = [], 0
-    try:
-        while start < len(bins):
-            stop, count = start, 0
-            while stop < len(bins) and (count == 0 or count + len(bins[stop]) <= shard_rows):
-                count += len(bins[stop])
-                stop += 1
-            order = np.concatenate(bins[start:stop])
-            n_teachers = len(rows[0]["aligned"])
-            table = pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
-            buffer = io.BytesIO()
-            pq.write_table(table, buffer)
-            name = f"part-{len(shards):05d}.parquet"
-            payload = buffer.getvalue()
-            fs.pipe_file(f"{staging}/{name}", payload)
-            shards.append({"path": name, "rows": len(order), "bins": [start, stop],
-                           "sha256": hashlib.sha256(payload).hexdigest()})  # fmt: skip
-            start = stop
-        for shard in shards:
-            fs.mv(f"{staging}/{shard['path']}", f"{root}/{shard['path']}")
-        manifest["shards"] = shards
-        fs.pipe_file(f"{staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode("utf-8"))
-        fs.mv(f"{staging}/{MANIFEST}", f"{root}/{MANIFEST}")
-    except BaseException:
-        for shard in shards:
-            if fs.exists(f"{root}/{shard['path']}"):
-                fs.rm(f"{root}/{shard['path']}")
-        raise
-    finally:
-        if fs.exists(staging):
-            fs.rm(staging, recursive=True)
+    order = np.concatenate(bins)
+    n_teachers = len(rows[0]["aligned"])
+    table = pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    payload = buffer.getvalue()
+    tmp = f"{root}/.tmp-{name}"
+    fs.pipe_file(tmp, payload)
+    fs.mv(tmp, f"{root}/{name}")
+    return {"path": name, "rows": len(order), "bins": len(bins),
+            "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}  # fmt: skip

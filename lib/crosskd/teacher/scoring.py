@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from crosskd import __version__
+from crosskd.artifacts import start_run
 from crosskd.data.collate import ModelBatch, load_prepared
 from crosskd.errors import CrosskdError
 from crosskd.metrics.steps import ScoringMetrics
@@ -219,7 +220,7 @@ def score_shards(
            "data_fingerprint": prepared.manifest["data_fingerprint"],
            "teacher_fingerprint": teacher.fingerprint, "device_type": teacher.device.type,
            "dtype": str(teacher.dtype), "token_budget": config.token_budget}  # fmt: skip
-    _start_run(fs, root, config.output, run)
+    start_run(fs, f"{root}/{RUN}", config.output, run, what="a cache", activity="scoring")
     part_path = f"{root}/{PARTS}/{start:05d}-{stop:05d}.json"
     metrics.shards.set(stop - start)
     if fs.exists(part_path):
@@ -343,55 +344,6 @@ def _score_shard(
     teacher: LoadedTeacher, ids: list[np.ndarray], config: ScoreConfig
 ) -> list[SampleSignal]:
     return score_all(teacher, ids, k=config.k, tau=config.tau, token_budget=config.token_budget)
-
-
-def _start_run(fs, root: str, output: str, run: dict) -> None:
-    """Record the run's config (or check it against an earlier, interrupted run's)."""
-    path = f"{root}/{RUN}"
-    if fs.exists(path):
-        earlier = _read_run(fs.cat_file(path), f"{output.rstrip('/')}/{RUN}", list(run))
-        differ = [k for k in run if earlier[k] != run[k]]
-        if differ:
-            raise CrosskdError(
-                f"output {output} holds a cache (or an interrupted run) with another "
-                f"{' and '.join(differ)}; choose a new output or delete the old one."
-            )
-        extra = [k for k in earlier if k not in run]
-        if extra:
-            raise CrosskdError(
-                f"output {output} holds a cache (or an interrupted run) whose {RUN} also records "
-                f"{', '.join(extra)} (another crosskd version?); choose a new output or delete "
-                f"the old one."
-            )
-        return
-    fs.makedirs(root, exist_ok=True)
-    fs.pipe_file(path, json.dumps(run).encode("utf-8"))
-
-
-def _read_run(payload: bytes, where: str, keys: list[str]) -> dict:
-    """The earlier run's record: a JSON object with (at least) ``keys``; anything else is
-    refused in one line naming the file (``where``) and what to do."""
-    advice = "delete that output (or the file) to start afresh, or choose another output."
-    try:
-        earlier = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
-        raise CrosskdError(
-            f"{where} (the record of an earlier scoring run into this output) is damaged: "
-            f"not valid JSON ({reason}); {advice}"
-        ) from None
-    if not isinstance(earlier, dict):
-        raise CrosskdError(
-            f"{where} (the record of an earlier scoring run into this output) is damaged: a "
-            f"JSON {type(earlier).__name__}, not an object; {advice}"
-        )
-    missing = [k for k in keys if k not in earlier]
-    if missing:
-        raise CrosskdError(
-            f"{where} (the record of an earlier scoring run into this output) lacks "
-            f"{', '.join(missing)} (damaged, or written by another crosskd version); {advice}"
-        )
-    return earlier
 
 
 def _check_tokenizer(
