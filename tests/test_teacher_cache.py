@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from crosskd.cli import main
 from crosskd.data.collate import collate, load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.data.rows import PackedRows
 from crosskd.errors import CrosskdError
 from crosskd.teacher import signal_from_logits
 from crosskd.teacher.cache import CacheError, open_cache
@@ -26,6 +27,7 @@ from crosskd.teacher.scoring import ScoreConfig, budget_batches, online_signal, 
 from crosskd.teacher.signal import SignalError
 from crosskd.teacher.storage import LOSSY_STEP, decode, encode, signal_samples
 from crosskd.tokenization import load_tokenizer
+from crosskd.train.order import ShardOrder
 from crosskd.zoo import train_tiny_bpe
 from crosskd.zoo.models import init_llama
 
@@ -113,7 +115,7 @@ def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
     manifest = score(_score_config(prepared, tiny_teacher, uri), progress=False)
     data = load_prepared(prepared)
     assert [s["path"] for s in manifest["shards"]] == [s["path"] for s in data.manifest["shards"]]
-    assert len(manifest["shards"]) >= 3 and len(manifest["samples"]) == len(TEXTS)
+    assert len(manifest["shards"]) >= 3 and manifest["samples"] == len(TEXTS)
     assert manifest["k"] == 8 and manifest["tau"] == 1.0 and manifest["encoding"] == "lossless"
     teacher = load_teacher(str(tiny_teacher))
     # Bits per byte, recomputed directly: every sample alone through the model, -log2 p of each
@@ -130,16 +132,18 @@ def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
     assert manifest["bits_per_byte"] == pytest.approx(bits / n_bytes, rel=1e-5)
     cache = open_cache(uri, teacher_fingerprint=teacher.fingerprint, k=8, tau=1.0,
                        data_fingerprint=data.manifest["data_fingerprint"])  # fmt: skip
-    # Sequential and random access agree, and match a direct forward of the sample.
+    # Sequential and random access (by place in the prepared data) agree, and match a direct
+    # forward of the sample.
     for index in range(len(manifest["shards"])):
-        for sample_id, sig in cache.shard(index):
-            assert np.array_equal(cache.sample(sample_id).ids, sig.ids)
+        for row, (sample_id, sig) in reversed(list(enumerate(cache.shard(index)))):
+            assert np.array_equal(cache.signal_at(index, row, sample_id).log_probs, sig.log_probs)
+    assert all(n == 1 for n in cache.reads.values())  # each shard read once
     sample = data.shard_samples(1)[0]
     ids = torch.tensor([sample["teacher0_ids"]])
     with torch.no_grad():
         logits = teacher.model(input_ids=ids).logits
     direct = torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-    got = cache.sample(sample["sample_id"])
+    got = cache.signal_at(1, 0, sample["sample_id"])
     np.testing.assert_allclose(got.realized, direct.numpy(), rtol=1e-5, atol=1e-5)
     # Every field the training config may ask about is checked, naming it and both values.
     for kwargs, field in (({"k": 16}, "k is 8, the config asks for 16"),
@@ -149,8 +153,11 @@ def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
                           ({"data_fingerprint": "abc"}, "data fingerprint is")):  # fmt: skip
         with pytest.raises(SignalError, match=field):
             open_cache(uri, **kwargs)
-    with pytest.raises(CacheError, match="has no sample 'nope'"):
-        cache.sample("nope")
+    with pytest.raises(CacheError, match=r"shard 1 row 0 holds '.*', the prepared data has "
+                       r"'nope' there; .*score the data you train on"):
+        cache.signal_at(1, 0, "nope")
+    with pytest.raises(CacheError, match=r"has \d+ shards, not shard 99"):
+        cache.signal_at(99, 0, "nope")
 
 
 def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teacher, monkeypatch,
@@ -177,7 +184,7 @@ def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teache
     calls.clear()
     resumed = score(_score_config(prepared, tiny_teacher, partial), progress=False)
     assert resumed["shards"] == reference["shards"]  # same bytes: same sha256 per shard
-    assert resumed["samples"] == reference["samples"]
+    assert resumed["samples"] == reference["samples"] == len(TEXTS)
     assert resumed["bits_per_byte"] == pytest.approx(reference["bits_per_byte"], rel=1e-12)
     for shard in reference["shards"]:
         assert s3.cat_file(f"crosskd-test/cache/resumed/{shard['path']}") == s3.cat_file(
@@ -266,10 +273,14 @@ def test_online_signal_equals_the_cached_signal(prepared, tiny_teacher, tmp_path
     score(_score_config(prepared, tiny_teacher, out), progress=False)
     cache = open_cache(out)
     teacher = load_teacher(str(tiny_teacher))
-    rows = list(load_prepared(prepared).packed_rows())[:3]
-    batch = collate(rows, n_teachers=1)
+    reader = PackedRows(load_prepared(prepared))
+    order = ShardOrder(reader.shard_sizes(), seed=0, window_shards=1)
+    read = [reader.row(*order.locate(r)) for r in (0, 1, order.rows - 1)]
+    batch = collate([samples for samples, _ in read], n_teachers=1)
     side = batch.models["teacher0"]
-    cached = cache.batch(batch.sample_ids, side.input_ids.shape[1])
+    where = [(order.locate(r)[0], first) for r, (_, first) in zip((0, 1, order.rows - 1), read,
+                                                                  strict=True)]  # fmt: skip
+    cached = cache.batch(where, batch.sample_ids, side.input_ids.shape[1])
     online = online_signal(teacher, side, k=8, tau=1.0, token_budget=64)
     valid = side.segment_ids >= 0
     assert torch.equal(cached.ids[valid], online.ids[valid])

@@ -11,6 +11,7 @@ import torch
 
 from crosskd.data.collate import collate, load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.data.rows import PackedRows
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss
 from crosskd.tables import TablePair
 from crosskd.teacher.cache import open_cache
@@ -55,14 +56,15 @@ def scored(smollm2, zoo_cache, tmp_path_factory):
 def test_realized_log_probs_equal_a_direct_forward_and_top1_beats_chance(smollm2, scored):
     prepared, caches = scored
     agree = total = 0
-    for row in load_prepared(prepared).packed_rows():
-        for sample in row:
+    data = load_prepared(prepared)
+    for shard in range(len(data.manifest["shards"])):
+        for place, sample in enumerate(data.shard_samples(shard)):
             ids = torch.tensor([sample["teacher0_ids"]])
             with torch.no_grad():
                 logits = smollm2.model(input_ids=ids).logits.float()
             lp = torch.log_softmax(logits, -1)[0]
             direct = lp[:-1].gather(-1, ids[0, 1:, None])[:, 0].numpy()
-            got = caches["lossless"].sample(sample["sample_id"])
+            got = caches["lossless"].signal_at(shard, place, sample["sample_id"])
             np.testing.assert_allclose(got.realized, direct, rtol=1e-4, atol=1e-4)
             top1 = got.ids[np.arange(got.length), got.log_probs.argmax(axis=1)]
             agree += int((top1[:-1] == ids[0, 1:].numpy()).sum())
@@ -73,8 +75,10 @@ def test_realized_log_probs_equal_a_direct_forward_and_top1_beats_chance(smollm2
 
 def test_lossy_kd_is_within_one_percent_of_lossless(scored, zoo, built_table):
     prepared, caches = scored
-    rows = list(load_prepared(prepared).packed_rows())
-    batch = collate(rows, n_teachers=1)
+    reader = PackedRows(load_prepared(prepared))
+    read = [(shard, *reader.row(shard, i))
+            for shard, n in enumerate(reader.shard_sizes()) for i in range(n)]  # fmt: skip
+    batch = collate([samples for _, samples, _ in read], n_teachers=1)
     side = batch.models["teacher0"]
     pair = TablePair(built_table("llama3", "smollm2"), built_table("smollm2", "llama3"))
     config = LossConfig(teachers=[TeacherLossConfig(
@@ -85,7 +89,8 @@ def test_lossy_kd_is_within_one_percent_of_lossless(scored, zoo, built_table):
     logits = torch.randn(*student_ids.shape, zoo("llama3").vocab_size, generator=gen)
     kd = {}
     for encoding, cache in caches.items():
-        signal = cache.batch(batch.sample_ids, side.input_ids.shape[1])
+        signal = cache.batch([(shard, first) for shard, _, first in read], batch.sample_ids,
+                             side.input_ids.shape[1])  # fmt: skip
         plan = plan_loss(config, student_ids, batch.loss_mask,
                          [TeacherBatch(side.input_ids, batch.chunks[0], signal)], [pair],
                          student_vocab=logits.shape[-1])  # fmt: skip

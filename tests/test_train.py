@@ -21,12 +21,12 @@ from train_workers import SPAWN, free_port, run_ddp, train_hanging_at, train_han
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.train import (
     DataOrder,
+    ShardOrder,
     TrainConfig,
     Trainer,
     TrainingError,
     lr_at,
     rank_micro_batches,
-    step_rows,
 )
 
 
@@ -46,11 +46,24 @@ def test_schedule_and_data_order():
     # 7/8 of it: 0.1 + 0.9 * 0.5 * (1 + cos(7 pi / 8)) = 0.1 + 0.45 * 0.0761205 = 0.1342542.
     got = [lr_at(s, config) for s in (0, 1, 2, 9)]
     assert got == pytest.approx([0.5, 1.0, 1.0, 0.1342542], abs=1e-7)
-    rows = [i for s in range(5) for i in step_rows(s, 7, 3, seed=4)]
+    # Shards of 3, 2, 4, 1 and 2 packed rows (rows 0-2, 3-4, 5-8, 9, 10-11) in windows of 2.
+    sizes, shard_of = [3, 2, 4, 1, 2], [0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4]
+    order = ShardOrder(sizes, seed=4, window_shards=2)
+    rows = [i for s in range(8) for i in order.step_rows(s, 3)]
     # Every epoch is a permutation of all rows; the order only depends on the seed.
-    assert sorted(rows[:7]) == list(range(7)) and sorted(rows[7:14]) == list(range(7))
-    assert rows == [i for s in range(5) for i in step_rows(s, 7, 3, seed=4)]
-    assert rows != [i for s in range(5) for i in step_rows(s, 7, 3, seed=5)]
+    assert sorted(rows[:12]) == list(range(12)) and sorted(rows[12:24]) == list(range(12))
+    assert rows == [i for s in range(8) for i in ShardOrder(sizes, 4, 2).step_rows(s, 3)]
+    assert rows != [i for s in range(8) for i in ShardOrder(sizes, 5, 2).step_rows(s, 3)]
+    # Shard-local: within an epoch the rows of each window of 2 shards come together, so
+    # the shards change (a window boundary) at most twice per epoch (three windows).
+    for epoch in (rows[:12], rows[12:]):
+        groups = [set()]
+        for r in epoch:
+            if shard_of[r] not in groups[-1] and len(groups[-1]) == 2:
+                groups.append(set())
+            groups[-1].add(shard_of[r])
+        assert len(groups) == 3
+    assert [order.locate(r) for r in (0, 2, 3, 9, 11)] == [(0, 0), (0, 2), (1, 0), (3, 0), (4, 1)]
     # Rank r's micro-batch m holds the step's rows [(m * dp + r) * R, +R): over the ranks,
     # micro-batch m is the same rows whatever dp is, as long as dp * R is the same.
     step = list(range(10, 18))
@@ -68,10 +81,12 @@ def test_schedule_and_data_order():
     config.grad_accum = 3
     with pytest.raises(ConfigError, match=r"grad_accum is 3 but global_batch_rows 8"):
         config.batch_layout(1)
-    order = DataOrder(8, "abc", 40, 0)
+    order = DataOrder(8, "abc", 40, 0, 8)
     order.require(order.to_json(), "out")
     with pytest.raises(ConfigError, match=r"global_batch_rows 4 there, 8 now; seed 1 there"):
         order.require({**order.to_json(), "global_batch_rows": 4, "seed": 1}, "out")
+    with pytest.raises(ConfigError, match=r"window_shards None there, 8 now"):
+        order.require({k: v for k, v in order.to_json().items() if k != "window_shards"}, "o")
 
 
 def test_training_lowers_the_loss_and_saves_a_loadable_student(setup, tmp_path):
@@ -486,3 +501,32 @@ def test_online_teacher_trains_like_the_cache(setup, tmp_path):
         for key in ("loss", "ce", "kd"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), key
         assert got["kd_scale"] == pytest.approx(want["kd_scale"], rel=1e-3)
+
+
+def test_shard_local_reads_once_per_epoch_and_the_input_thread_changes_nothing(setup, tmp_path):
+    """Six shards in windows of 2 over several epochs: every prepared and cache shard is read
+    once per epoch it is used in, and the run with inputs read ahead by a thread trains exactly
+    like the run that reads them inline."""
+    runs = {}
+    for depth in (0, 2):
+        config = train_config(setup, tmp_path / f"run-{depth}", data=setup["data_sharded"],
+                              teachers=[setup["cache_sharded"]], steps=8, window_shards=2,
+                              prefetch_steps=depth, checkpoint_every=0)  # fmt: skip
+        trainer = Trainer(config, progress=False)
+        trainer.setup()
+        assert len(trainer.rows.shard_sizes()) == 6
+        history = trainer.train()
+        rows = [r for s in range(8) for micro in trainer.step_micro_batches(s) for r in micro]
+        epochs = -(-len(rows) // trainer.shard_order.rows)  # epochs begun
+        cache = trainer.teachers.sources[0].cache
+        assert set(trainer.rows.reads) == set(cache.reads) == set(range(6))
+        assert max(trainer.rows.reads.values()) <= epochs and max(cache.reads.values()) <= epochs
+        assert all(h["input_wait_s"] >= 0 for h in history)
+        waited = trainer.exporter.input_wait._value.get()
+        assert waited == pytest.approx(sum(h["input_wait_s"] for h in history))
+        trainer.close()
+        runs[depth] = history
+    assert epochs >= 2
+    for inline, ahead in zip(runs[0], runs[2], strict=True):
+        assert {k: v for k, v in inline.items() if k != "input_wait_s"} == {
+            k: v for k, v in ahead.items() if k != "input_wait_s"}

@@ -44,7 +44,8 @@ def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_pat
     attention is added as +1/0 and misses this by ~0.2.)"""
     trainer = _trainer(train_config(train_inputs, tmp_path, attn_implementation=implementation))
     assert trainer.attention == implementation and trainer.model.training
-    packed = [row for row in trainer.rows if len(row) >= 2]
+    every, _ = trainer.read_rows(list(range(trainer.shard_order.rows)))
+    packed = [row for row in every if len(row) >= 2]
     rows = [packed[0], packed[1]]
     batch = collate(rows, n_teachers=1).models["student"]
     # float32 on CPU; bf16 autocast on GPU rounds packed and lone forwards differently.
@@ -115,13 +116,14 @@ def test_two_teachers_at_tau_2_match_the_slow_reference(train_inputs, tmp_path):
                           teachers=[train_inputs["cache2_0"], train_inputs["cache2_1"]])
     trainer = _trainer(config)
     (micro,) = trainer.step_micro_batches(0)
-    batch = collate([trainer.rows[i] for i in micro], n_teachers=2)
+    packed, where = trainer.read_rows(micro)
+    batch = collate(packed, n_teachers=2)
     with torch.no_grad():
         logits = trainer._forward(batch.models["student"]).double()
     student_ids = batch.models["student"].input_ids
     want_kd = 0.0
     for i, weight in enumerate((1.0, 0.5)):
-        signal = trainer.teachers.sources[i].signal(batch, i)
+        signal = trainer.teachers.sources[i].signal(batch, i, where)
         kd, n = reference_kd(logits, student_ids, batch.models[f"teacher{i}"].input_ids, signal,
                              batch.chunks[i], trainer.teachers.pairs[i], tau=2.0)  # fmt: skip
         assert n > 0
@@ -152,12 +154,12 @@ def test_a_same_tokenizer_teacher_trains_on_emoji_text(train_inputs, tmp_path):
                           teachers=[train_inputs["cache_same"]], steps=2)  # fmt: skip
     trainer = _trainer(config)
     (micro,) = trainer.step_micro_batches(0)
-    rows = [trainer.rows[i] for i in micro]
+    rows, where = trainer.read_rows(micro)
     assert any(ch in s["text"] for row in rows for s in row for ch in "🎉🙂🚀👍")
     batch = collate(rows, n_teachers=1)
     with torch.no_grad():
         log_s = torch.log_softmax(trainer._forward(batch.models["student"]).double(), -1)
-    signal = trainer.teachers.sources[0].signal(batch, 0)
+    signal = trainer.teachers.sources[0].signal(batch, 0, where)
     ids = batch.models["student"].input_ids
     segments = batch.models["student"].segment_ids
     total, n = 0.0, 0

@@ -67,8 +67,9 @@ def _jsonl(path: Path, texts: list[str], prefix: str) -> str:
 
 def make_train_inputs(root: Path) -> dict:
     """Student, two teachers, their tables; prepared data with teacher A (+ a held-out split)
-    and its top-16 cache at tau 1; prepared data with both teachers and their caches at tau 2;
-    emoji text prepared and scored for a teacher with the student's own tokenizer."""
+    and its top-16 cache at tau 1 (and the same in 6 shards); prepared data with both teachers
+    and their caches at tau 2; emoji text prepared and scored for a teacher with the student's
+    own tokenizer."""
     student = tiny_model(root / "student", TEXTS * 4, 330, seed=1)
     teacher = tiny_model(root / "teacher", [t.upper() + t for t in TEXTS] * 4, 420, seed=2,
                          initializer_range=0.5)  # fmt: skip
@@ -94,9 +95,17 @@ def make_train_inputs(root: Path) -> dict:
                               teacher_tokenizers=[str(t) for t in teachers],
                               output=str(root / name), max_length=48), progress=False)  # fmt: skip
         out[name] = str(root / name)
+    # The same rows in shards of 3 (6 shards), for the shard-local data order.
+    out["data_sharded"] = str(root / "data-sharded")
+    prepare(PrepareConfig(data=data, student_tokenizer=str(student),
+                          teacher_tokenizers=[str(teacher)], output=out["data_sharded"],
+                          max_length=48, shard_rows=3), progress=False)  # fmt: skip
     out["cache"] = str(root / "cache")
     score(ScoreConfig(data=out["data"], teacher=str(teacher), output=out["cache"], k=16),
           progress=False)  # fmt: skip
+    out["cache_sharded"] = str(root / "cache-sharded")
+    score(ScoreConfig(data=out["data_sharded"], teacher=str(teacher), output=out["cache_sharded"],
+                      k=16), progress=False)  # fmt: skip
     out["cache_same"] = str(root / "cache-same")
     score(ScoreConfig(data=out["data_same"], teacher=str(teacher_same),
                       output=out["cache_same"], k=16), progress=False)  # fmt: skip

@@ -43,10 +43,10 @@ def train_hanging_at(config: TrainConfig, hang_step: int) -> None:
 
     real = Trainer.train_step
 
-    def slow(self, step):
+    def slow(self, step, *inputs):
         if step == hang_step:
             time.sleep(600)
-        return real(self, step)
+        return real(self, step, *inputs)
 
     Trainer.train_step = slow
     trainer = Trainer(config, progress=False)

@@ -299,7 +299,7 @@ def _score(args: argparse.Namespace) -> int:
     manifest = score(config)
     bpb = manifest["bits_per_byte"]
     _write(
-        f"scored {len(manifest['samples'])} samples ({manifest['tokens']} tokens) into "
+        f"scored {manifest['samples']} samples ({manifest['tokens']} tokens) into "
         f"{len(manifest['shards'])} shards at {config.output}: top-{manifest['k']} at tau "
         f"{manifest['tau']}, {manifest['encoding']}, {manifest['bytes_per_token']:.0f} "
         f"bytes/token; teacher bits per byte {'n/a' if bpb is None else f'{bpb:.3f}'}"

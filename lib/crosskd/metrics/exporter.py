@@ -81,6 +81,9 @@ class MetricsExporter(MetricsServer):
         self._chunks = Counter("crosskd_train_chunks", "KD chunks counted, by teacher and shape "
                                "(counted by rank 0 only)", ["rank", "teacher", "shape"],
                                registry=registry)  # fmt: skip
+        self.input_wait = counter("crosskd_train_input_wait_seconds",
+                                  "Wall seconds the steps waited for their inputs (data read, "
+                                  "collated, planned)")  # fmt: skip
         self.seconds = Histogram(
             "crosskd_train_step_seconds", "Wall seconds per optimizer step", ["rank"],
             buckets=STEP_BUCKETS, registry=registry,
@@ -95,7 +98,7 @@ class MetricsExporter(MetricsServer):
     def record(self, step: int, metrics: dict[str, float], seconds: float) -> None:
         """Update every metric from one step's values (``loss``, ``ce``, ``kd/{teacher}``,
         ``kd_scale``, ``lr``, ``grad_norm``, ``tokens``, ``{teacher}/{shape}/valid`` chunk
-        counts, and ``heldout_bits_per_byte`` on a step that evaluated)."""
+        counts, ``input_wait_s``, and ``heldout_bits_per_byte`` on a step that evaluated)."""
         self.loss.set(metrics["loss"])
         self.ce.set(metrics["ce"])
         for name, gauge in self.kd.items():
@@ -106,6 +109,7 @@ class MetricsExporter(MetricsServer):
         self.step.set(step)
         self.steps.inc()
         self.seconds.observe(seconds)
+        self.input_wait.inc(metrics.get("input_wait_s", 0.0))
         if "heldout_bits_per_byte" in metrics:
             self.heldout.labels(rank=self._rank).set(metrics["heldout_bits_per_byte"])
         if not self.count_totals:

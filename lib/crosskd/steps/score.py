@@ -73,7 +73,7 @@ def score_teacher(job: dict[str, Any], *, progress: bool = True, metrics_port: i
         part = score_shards(config, int(job["start"]), int(job["stop"]), progress=progress,
                             metrics=metrics)  # fmt: skip
     return {"index": int(teacher["index"]), "cache": uri, "start": part["start"],
-            "stop": part["stop"], "samples": len(part["samples"])}  # fmt: skip
+            "stop": part["stop"], "samples": part["samples"]}  # fmt: skip
 
 
 def merge_caches(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,23 +2,28 @@
 
 :func:`open_cache` reads the manifest and refuses a cache whose teacher, tokenizer or data
 fingerprint, K or tau is not what the training config asks for, naming the field and both
-values. :meth:`TeacherCache.shard` reads one shard in order (sequential access);
-:meth:`TeacherCache.sample` finds one sample by id (random access: the manifest indexes every
-sample, and the ``keep_shards`` most recently used decoded shards are kept). Every shard's
-sha256 is checked against the manifest when it is read. :meth:`TeacherCache.batch` assembles
-the signal of a collated batch.
+values. Cache shard ``i`` holds the signals of prepared shard ``i``'s samples in the same order,
+so a sample is found by its place in the prepared data (shard, row), never through an index of
+every sample id. :meth:`TeacherCache.shard` decodes one shard in order (sequential access);
+:meth:`TeacherCache.open_shard` reads one (its sha256 checked, its Parquet parsed) and keeps the
+``keep_shards`` most recently used, decoding a sample only when it is asked for
+(:meth:`TeacherCache.signal_at`; ``reads`` counts the reads per shard).
+:meth:`TeacherCache.batch` assembles the signal of a collated batch.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from crosskd.artifacts import read_checked, read_manifest
 from crosskd.errors import CrosskdError
-from crosskd.teacher.scoring import FORMAT_VERSION, KIND
+from crosskd.teacher.scoring import KIND
 from crosskd.teacher.signal import SignalError, TeacherSignal
-from crosskd.teacher.storage import SampleSignal, batch_signal, decode
+from crosskd.teacher.storage import CacheShard, SampleSignal, batch_signal, decode
+
+FORMAT_VERSIONS = (1, 2)
+"""Version 1 also indexed every sample id in the manifest (not read any more)."""
 
 
 class CacheError(CrosskdError):
@@ -31,11 +36,11 @@ class TeacherCache:
 
     uri: str
     manifest: dict
-    keep_shards: int = 8
-    """Decoded shards kept in memory for :meth:`sample` (least recently used dropped first)."""
-    _loaded: OrderedDict[int, dict[str, SampleSignal]] = field(
-        default_factory=OrderedDict, repr=False
-    )
+    keep_shards: int = 16
+    """Read shards kept in memory (least recently used dropped first)."""
+    reads: Counter = field(default_factory=Counter, repr=False)
+    """How many times each shard was read (for the data-loading figures)."""
+    _open: OrderedDict[int, CacheShard] = field(default_factory=OrderedDict, repr=False)
 
     @property
     def k(self) -> int:
@@ -47,35 +52,53 @@ class TeacherCache:
         """The temperature of the stored log probs."""
         return float(self.manifest["tau"])
 
-    def shard(self, index: int) -> list[tuple[str, SampleSignal]]:
-        """The samples of shard ``index`` in order, after checking its sha256."""
-        payload = read_checked(
+    def _payload(self, index: int) -> bytes:
+        return read_checked(
             self.uri, self.manifest["shards"][index], what="teacher cache", error=CacheError,
             rebuild="Delete it and rerun `crosskd score` (completed shards are kept).",
         )  # fmt: skip
-        return decode(payload, self.manifest["encoding"], self.k)
 
-    def sample(self, sample_id: str) -> SampleSignal:
-        """The signal of one sample by id."""
-        where = self.manifest["samples"].get(sample_id)
-        if where is None:
+    def shard(self, index: int) -> list[tuple[str, SampleSignal]]:
+        """The samples of shard ``index`` in order, after checking its sha256."""
+        return decode(self._payload(index), self.manifest["encoding"], self.k)
+
+    def open_shard(self, index: int) -> CacheShard:
+        """Shard ``index`` read and parsed (kept among the ``keep_shards`` most recent)."""
+        if index in self._open:
+            self._open.move_to_end(index)
+            return self._open[index]
+        shards = self.manifest["shards"]
+        if not 0 <= index < len(shards):
             raise CacheError(
-                f"teacher cache {self.uri} has no sample {sample_id!r}; it was scored from "
-                f"{self.manifest['data']['uri']} — score the data you train on."
+                f"teacher cache {self.uri} has {len(shards)} shards, not shard {index}; it was "
+                f"scored from {self.manifest['data']['uri']}: score the data you train on."
             )
-        index, _ = where
-        if index in self._loaded:
-            self._loaded.move_to_end(index)
-        else:
-            self._loaded[index] = dict(self.shard(index))
-            while len(self._loaded) > self.keep_shards:
-                self._loaded.popitem(last=False)
-        return self._loaded[index][sample_id]
+        self.reads[index] += 1
+        self._open[index] = CacheShard(self._payload(index), self.manifest["encoding"], self.k)
+        while len(self._open) > self.keep_shards:
+            self._open.popitem(last=False)
+        return self._open[index]
 
-    def batch(self, sample_ids: list[list[str]], width: int) -> TeacherSignal:
-        """The signal of a collated batch: ``sample_ids`` per packed row (``Batch.sample_ids``),
-        ``width`` the teacher's padded row length."""
-        rows = [[self.sample(s) for s in row] for row in sample_ids]
+    def signal_at(self, shard: int, row: int, sample_id: str) -> SampleSignal:
+        """The signal of the sample at ``row`` of prepared shard ``shard``, which must be
+        ``sample_id`` (else the cache is not of this data)."""
+        opened = self.open_shard(shard)
+        if row >= len(opened) or opened.sample_id(row) != sample_id:
+            found = opened.sample_id(row) if row < len(opened) else "nothing"
+            raise CacheError(
+                f"teacher cache {self.uri}: shard {shard} row {row} holds {found!r}, the "
+                f"prepared data has {sample_id!r} there; it was scored from "
+                f"{self.manifest['data']['uri']}: score the data you train on."
+            )
+        return opened.signal(row)
+
+    def batch(self, where: list[tuple[int, int]], sample_ids: list[list[str]],
+              width: int) -> TeacherSignal:  # fmt: skip
+        """The signal of a collated batch: per packed row its prepared shard and the row of its
+        first sample there (its samples follow one another), ``sample_ids`` per packed row
+        (``Batch.sample_ids``), ``width`` the teacher's padded row length."""
+        rows = [[self.signal_at(shard, first + i, s) for i, s in enumerate(ids)]
+                for (shard, first), ids in zip(where, sample_ids, strict=True)]  # fmt: skip
         return batch_signal(rows, width, k=self.k, tau=self.tau,
                             vocab_size=int(self.manifest["teacher"]["vocab_size"]))  # fmt: skip
 
@@ -92,7 +115,7 @@ def open_cache(
     """Open the cache at ``uri``, refusing one that does not match the given values (None: not
     checked)."""
     manifest = read_manifest(
-        uri, what="teacher cache", kind=KIND, versions=(FORMAT_VERSION,), error=CacheError,
+        uri, what="teacher cache", kind=KIND, versions=FORMAT_VERSIONS, error=CacheError,
         rebuild="`crosskd score` (it resumes)",
     )  # fmt: skip
     recorded = {

@@ -6,8 +6,10 @@ other), grouped into batches by a token budget (samples sorted by length within 
 batch right-padded; padding is masked out of attention and never read back). The signal of each
 batch comes from :func:`score_sequences`, which the online mode of training shares.
 
-Output: one signal shard per prepared shard (same index, ``part-NNNNN.parquet``), written under a
-temporary name and renamed when complete, then ``manifest.json`` last. A run writes
+Output: one signal shard per prepared shard (same name, the same samples in the same order),
+written under a temporary name and renamed when complete, then ``manifest.json`` last (format
+version 2: per shard its path, samples, tokens, sha256 and bytes, and the total samples; no
+index of sample ids: a sample is found by its place in the prepared data). A run writes
 ``run.json`` first (config, data and teacher fingerprints, device type, dtype and token budget:
 everything that changes the stored numbers); a rerun with the same values skips the shards that
 exist and scores the rest, so an interrupted run and its rerun give a cache identical to an
@@ -51,7 +53,7 @@ from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 KIND = "crosskd-teacher-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 RUN = "run.json"
 PARTS = "parts"
@@ -229,7 +231,7 @@ def score_shards(
                  part_path)  # fmt: skip
         return json.loads(fs.cat_file(part_path))
     bytes_of = tokenizer.bytes.lengths
-    shards, index = [], {}
+    shards, n_samples = [], 0
     whole = (start, stop) == (0, total)
     bar = tqdm(total=models[name]["tokens"] if whole else None, desc=f"score {name}", unit="tok",
                unit_scale=True, disable=not progress)  # fmt: skip
@@ -258,8 +260,7 @@ def score_shards(
         for seq, sig in zip(ids, signals, strict=True):
             nll_bits -= float(sig.realized_t1.astype(np.float64).sum()) / math.log(2)
             predicted_bytes += int(bytes_of[seq[1:]].sum())
-        for row, sample_id in enumerate(sample_ids):
-            index[sample_id] = [i, row]
+        n_samples += len(sample_ids)
         shards.append({
             "path": shard["path"], "samples": len(samples), "tokens": sum(len(x) for x in ids),
             "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
@@ -276,11 +277,11 @@ def score_shards(
                  "teacher": name},
         "config": asdict(config) | {"fingerprint": config.fingerprint()},
         "nll_bits": nll_bits, "predicted_bytes": predicted_bytes,
-        "shards": shards, "samples": index,
+        "shards": shards, "samples": n_samples,
     }  # fmt: skip
     fs.makedirs(f"{root}/{PARTS}", exist_ok=True)
     fs.pipe_file(part_path, json.dumps(part).encode("utf-8"))
-    log.info("scored shards %d..%d (%d samples) into %s", start, stop - 1, len(index),
+    log.info("scored shards %d..%d (%d samples) into %s", start, stop - 1, n_samples,
              config.output)  # fmt: skip
     return part
 
@@ -332,7 +333,7 @@ def merge_cache(output: str) -> dict:
         "bits_per_byte": nll_bits / predicted_bytes if predicted_bytes else None,
         "tokens": tokens,
         "bytes_per_token": sum(s["bytes"] for s in shards) / max(tokens, 1),
-        "shards": shards, "samples": {k: v for p in parts for k, v in p["samples"].items()},
+        "shards": shards, "samples": sum(p["samples"] for p in parts),
     }  # fmt: skip
     fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=1).encode("utf-8"))
     log.info("merged %d shard range(s) into %s (%.1f bytes/token)", len(parts), output,

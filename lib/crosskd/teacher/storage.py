@@ -12,8 +12,9 @@ each, always exact). Two encodings of the top K:
   ``255 * LOSSY_STEP`` nats below it are stored at that floor). The error of a log prob is at
   most ``LOSSY_STEP / 2`` nats (a relative error of at most 3.2% in probability) above the floor.
 
-Decoding gives :class:`SampleSignal` arrays; :func:`batch_signal` lays samples out as the rows
-of a collated batch (a :class:`~crosskd.teacher.signal.TeacherSignal`).
+Decoding gives :class:`SampleSignal` arrays (:class:`CacheShard`: one sample at a time);
+:func:`batch_signal` lays samples out as the rows of a collated batch (a
+:class:`~crosskd.teacher.signal.TeacherSignal`).
 """
 
 from __future__ import annotations
@@ -92,23 +93,43 @@ def encode(sample_ids: list[str], samples: list[SampleSignal], encoding: str) ->
 
 def decode(payload: bytes, encoding: str, k: int) -> list[tuple[str, SampleSignal]]:
     """The samples of a Parquet file written by :func:`encode`, in order."""
-    import pyarrow.parquet as pq
+    shard = CacheShard(payload, encoding, k)
+    return [(shard.sample_id(i), shard.signal(i)) for i in range(len(shard))]
 
-    table = pq.read_table(io.BytesIO(payload)).to_pydict()
-    out = []
-    for i, sample_id in enumerate(table["sample_id"]):
-        n = table["length"][i]
-        ids = _undelta(_unplanes(table["ids"][i], "<u4").reshape(n, k))
-        raw = table["values"][i]
-        if encoding == "lossless":
-            values = _unplanes(raw, "<f4").reshape(n, k)
+
+class CacheShard:
+    """A Parquet file written by :func:`encode`, parsed once; each sample decoded only when
+    asked for (:meth:`signal`)."""
+
+    def __init__(self, payload: bytes, encoding: str, k: int) -> None:
+        import pyarrow.parquet as pq
+
+        self._table = pq.read_table(io.BytesIO(payload))
+        self._ids = self._table.column("sample_id").to_pylist()
+        self._lengths = self._table.column("length").to_pylist()
+        self.encoding, self.k = encoding, k
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def sample_id(self, row: int) -> str:
+        """The id of the sample at ``row``."""
+        return self._ids[row]
+
+    def signal(self, row: int) -> SampleSignal:
+        """The decoded signal of the sample at ``row``."""
+        n, k = self._lengths[row], self.k
+
+        def raw(name: str) -> bytes:
+            return self._table.column(name)[row].as_py()
+
+        ids = _undelta(_unplanes(raw("ids"), "<u4").reshape(n, k))
+        if self.encoding == "lossless":
+            values = _unplanes(raw("values"), "<f4").reshape(n, k)
         else:
-            values = _dequantise(raw, n, k)
-        out.append((sample_id, SampleSignal(
-            ids, values, _unplanes(table["realized"][i], "<f4"),
-            _unplanes(table["realized_t1"][i], "<f4"),
-        )))  # fmt: skip
-    return out
+            values = _dequantise(raw("values"), n, k)
+        return SampleSignal(ids, values, _unplanes(raw("realized"), "<f4"),
+                            _unplanes(raw("realized_t1"), "<f4"))  # fmt: skip
 
 
 def _planes(values: np.ndarray) -> bytes:

@@ -2,7 +2,7 @@
 data order, packed attention inputs and checkpoints without pickle."""
 
 from crosskd.train.config import TrainConfig
-from crosskd.train.order import DataOrder, rank_micro_batches, step_rows
+from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.trainer import (
     NonFiniteLoss,
     Trainer,
@@ -14,11 +14,11 @@ from crosskd.train.trainer import (
 __all__ = [
     "DataOrder",
     "NonFiniteLoss",
+    "ShardOrder",
     "TrainConfig",
     "Trainer",
     "TrainingError",
     "finished_model",
     "lr_at",
     "rank_micro_batches",
-    "step_rows",
 ]

@@ -5,9 +5,10 @@ Every value is checked when the config is built (from YAML and ``key=value`` ove
 the key, the value and what is allowed.
 
 The data order of a run is fixed by ``global_batch_rows`` (packed rows per optimizer step), the
-prepared data's fingerprint and ``seed``, never by how the batch is split over processes: each
-data-parallel rank takes its slice of every step's rows (:mod:`crosskd.train.order`), so a run
-can resume on another number of processes with the same global batch.
+prepared data's fingerprint, ``seed`` and ``window_shards``, never by how the batch is split over
+processes: each data-parallel rank takes its slice of every step's rows
+(:mod:`crosskd.train.order`), so a run can resume on another number of processes with the same
+global batch.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ class TrainConfig:
     start (a resumed run keeps the recorded value)."""
     micro_batch_rows: int = 4
     """Packed rows per micro-batch per data-parallel rank (one forward/backward)."""
+    window_shards: int = 8
+    """The data order reads the shards in windows of this many (a seeded permutation of the
+    shards, then of the packed rows within each window), so each process reads a shard once
+    per epoch while it keeps two windows of shards in memory."""
+    prefetch_steps: int = 2
+    """Steps whose inputs a background thread reads, collates and plans ahead of training
+    (0: each step reads its own, inline)."""
     grad_accum: int | None = None
     """Micro-batches per optimizer step per rank. None: ``global_batch_rows / (micro_batch_rows
     * data-parallel ranks)`` (1 when ``global_batch_rows`` is unset too)."""
@@ -124,8 +132,9 @@ class TrainConfig:
             )
         if not isinstance(self.loss, LossConfig):
             raise ConfigError(f"loss is {self.loss!r}; it must be a mapping of loss keys.")
-        for key in ("steps", "micro_batch_rows"):
+        for key in ("steps", "micro_batch_rows", "window_shards"):
             _int(key, getattr(self, key), 1)
+        _int("prefetch_steps", self.prefetch_steps, 0)
         for key in ("global_batch_rows", "grad_accum"):
             if getattr(self, key) is not None:
                 _int(key, getattr(self, key), 1)

@@ -48,11 +48,12 @@ class TeacherSource:
     k: int
     tau: float
 
-    def signal(self, batch: Batch, index: int) -> TeacherSignal:
-        """Teacher ``index``'s signal of the collated ``batch``."""
+    def signal(self, batch: Batch, index: int, where: list[tuple[int, int]]) -> TeacherSignal:
+        """Teacher ``index``'s signal of the collated ``batch``; ``where``: per packed row, its
+        prepared shard and the row of its first sample there (how the cache finds it)."""
         side = batch.models[f"teacher{index}"]
         if self.cache is not None:
-            return self.cache.batch(batch.sample_ids, side.input_ids.shape[1])
+            return self.cache.batch(where, batch.sample_ids, side.input_ids.shape[1])
         return online_signal(self.online, side, k=self.k, tau=self.tau)
 
 

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from crosskd.artifacts import move_folder
 from crosskd.data.collate import Batch, collate, load_prepared
+from crosskd.data.rows import PackedRows
 from crosskd.errors import ConfigError, CrosskdError, Stopped
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_targets
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
@@ -58,7 +59,8 @@ from crosskd.tokenization import load_tokenizer
 from crosskd.train.attention import packed_inputs
 from crosskd.train.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from crosskd.train.config import INIT, TrainConfig
-from crosskd.train.order import DataOrder, rank_micro_batches, step_rows
+from crosskd.train.loader import Prefetcher
+from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.teachers import load_teachers
 
 log = logging.getLogger(__name__)
@@ -155,15 +157,19 @@ class Trainer:
                                           else cfg.student)  # fmt: skip
         fingerprints = {"student": self.student_tok.fingerprint}
         self.data = load_prepared(cfg.data, fingerprints=fingerprints)
-        self.rows = list(self.data.packed_rows())
+        # Two windows of shards: a step that spans a window boundary reads both.
+        self.rows = PackedRows(self.data, keep_shards=2 * cfg.window_shards)
+        self.shard_order = ShardOrder(self.rows.shard_sizes(), cfg.seed, cfg.window_shards)
         self.teachers = load_teachers(cfg, self.data, self.student_tok, self.device)
+        for source in self.teachers.sources:
+            if source.cache is not None:
+                source.cache.keep_shards = 2 * cfg.window_shards
         self.global_batch, self.accum = cfg.batch_layout(self.world)
         self._student()
         self.best: dict | None = None
         self.start = self._resume()
         self.done = self.start
-        self.order = DataOrder(self.global_batch, self.data.manifest["data_fingerprint"],
-                               len(self.rows), cfg.seed)  # fmt: skip
+        self.order = self._data_order()
         self.eval_sequences = self.eval_targets = None
         self.last_heldout: tuple[int, float | None] = (-1, None)
         if cfg.eval_data is not None:
@@ -253,11 +259,15 @@ class Trainer:
             # A restart without an explicit batch keeps the one the run was started with.
             cfg.global_batch_rows = recorded.get("global_batch_rows")
             self.global_batch, self.accum = cfg.batch_layout(self.world)
-        DataOrder(self.global_batch, self.data.manifest["data_fingerprint"], len(self.rows),
-                  cfg.seed).require(recorded, cfg.output)  # fmt: skip
+        self._data_order().require(recorded, cfg.output)
         self.best = state.get("best")
         log.info("resumed from step %d", code)
         return code
+
+    def _data_order(self) -> DataOrder:
+        cfg = self.config
+        return DataOrder(self.global_batch, self.data.manifest["data_fingerprint"],
+                         self.shard_order.rows, cfg.seed, cfg.window_shards)  # fmt: skip
 
     def _on_rank0(self, what: str, work):
         """``work()`` on rank 0 only (its result there, None elsewhere); if it raises, every
@@ -294,12 +304,25 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _plan(self, rows: list) -> tuple[Batch, LossPlan]:
+    def read_rows(self, rows: list[int]) -> tuple[list[list[dict]], list[tuple[int, int]]]:
+        """The packed rows ``rows`` (global numbers): each one's samples, and where it is (its
+        shard and the row of its first sample there, how a teacher cache finds its signal)."""
+        packed, where = [], []
+        for row in rows:
+            shard, index = self.shard_order.locate(row)
+            samples, first = self.rows.row(shard, index)
+            packed.append(samples)
+            where.append((shard, first))
+        return packed, where
+
+    def _plan(self, rows: list[int]) -> tuple[Batch, LossPlan]:
+        """Read, collate and plan one micro-batch of packed rows (global numbers)."""
         sources = self.teachers.sources
-        batch = collate(rows, n_teachers=len(sources))
+        packed, where = self.read_rows(rows)
+        batch = collate(packed, n_teachers=len(sources))
         teachers = [
             TeacherBatch(batch.models[f"teacher{i}"].input_ids, batch.chunks[i],
-                         source.signal(batch, i))
+                         source.signal(batch, i, where))
             for i, source in enumerate(sources)
         ]  # fmt: skip
         plan = plan_loss(self.config.loss, batch.models["student"].input_ids, batch.loss_mask,
@@ -325,14 +348,21 @@ class Trainer:
 
     def step_micro_batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches (packed-row indices) of optimizer step ``step``."""
-        rows = step_rows(step, len(self.rows), self.global_batch, self.config.seed)
+        rows = self.shard_order.step_rows(step, self.global_batch)
         return rank_micro_batches(rows, self.rank, self.world, self.config.micro_batch_rows)
 
-    def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step; returns its metrics."""
+    def step_inputs(self, step: int) -> list[tuple[Batch, LossPlan]]:
+        """This rank's micro-batches of step ``step``, read, collated and planned (what the
+        input thread produces ahead of the step)."""
+        return [self._plan(micro) for micro in self.step_micro_batches(step)]
+
+    def train_step(
+        self, step: int, inputs: list[tuple[Batch, LossPlan]] | None = None
+    ) -> dict[str, float]:
+        """One optimizer step (on ``inputs`` from :meth:`step_inputs`, read here when None);
+        returns its metrics."""
         cfg = self.config
-        planned = [self._plan([self.rows[i] for i in micro])
-                   for micro in self.step_micro_batches(step)]  # fmt: skip
+        planned = self.step_inputs(step) if inputs is None else inputs
         counts = self._counts([plan for _, plan in planned])
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -408,10 +438,13 @@ class Trainer:
         eval_every = cfg.checkpoint_every if cfg.eval_every is None else cfg.eval_every
         bar = tqdm(total=cfg.steps, initial=self.start, desc="train", unit="step",
                    disable=not self.progress or self.rank != 0)  # fmt: skip
-        with _sigterm_flag() as stop:
+        inputs = Prefetcher(self.step_inputs, range(self.start, last), cfg.prefetch_steps)
+        with _sigterm_flag() as stop, contextlib.closing(inputs):
             for step in range(self.start, last):
                 started = time.perf_counter()
-                metrics = self.train_step(step)
+                planned, waited = inputs.get(step)
+                metrics = self.train_step(step, planned)
+                metrics["input_wait_s"] = waited
                 seconds = time.perf_counter() - started
                 done = self.done = step + 1
                 if self.eval_sequences is not None and (

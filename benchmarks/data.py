@@ -1,0 +1,186 @@
+"""The data path at scale: prepare's peak memory and throughput as the input grows, lockstep
+packing time and efficiency (windowed, as prepare packs now, against packing every sample at
+once, as it did), the training step's wait for its inputs (background thread against inline)
+and shard reads per epoch (shard-local order against a global permutation with 8 shards kept).
+
+    python benchmarks/data.py [--sizes-mb 10 100] [--packing 10000 100000 1000000]
+                              [--skip prepare packing training]
+
+Prepare runs in a fresh process per size (peak RSS: its VmHWM) on text read from this machine
+(the standard library, docstrings and message catalogues; repeated with new ids to reach the
+size), for the Llama-3 student and Qwen3 teacher tokenizers. Packing uses document lengths drawn
+from a log-normal (median 300 tokens, clipped at 2048) with the teacher's about 1.1x the
+student's. Training uses the ``tiny`` preset's inputs with 24 shards of 2 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PREPARE = """
+import json, sys, time
+from pathlib import Path
+from crosskd.data.prepare import PrepareConfig, prepare
+started = time.perf_counter()
+config = PrepareConfig(data=sys.argv[1], output=sys.argv[2], student_tokenizer="zoo:llama3",
+                       teacher_tokenizers=["zoo:qwen3"], max_length=512, shard_rows=1024)
+manifest = prepare(config, progress=False)
+seconds = time.perf_counter() - started
+status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+print(json.dumps({"seconds": seconds, "peak_rss": int(status["VmHWM"].split()[0]) * 1024,
+                  "rows": manifest["rows"], "shards": len(manifest["shards"])}))
+"""
+
+
+def write_text(path: Path, megabytes: float) -> int:
+    """JSON Lines of about ``megabytes`` MB of this machine's text (documents of ~1.5 kB, the
+    corpus repeated with new ids as often as needed); returns the bytes of text."""
+    from crosskd.alignment.corpus import benchmark_corpus
+
+    documents = benchmark_corpus(2_000_000, document_bytes=1536)
+    target, total, n = int(megabytes * 1e6), 0, 0
+    with path.open("w", encoding="utf-8") as f:
+        while total < target:
+            for doc in documents:
+                f.write(json.dumps({"id": f"d{n}", "text": doc}, ensure_ascii=False) + "\n")
+                total += len(doc.encode("utf-8"))
+                n += 1
+                if total >= target:
+                    break
+    return total
+
+
+def bench_prepare(sizes: list[float], work: Path) -> None:
+    print("prepare (one process, Llama-3 / Qwen3 tokenizers, max_length 512, shard_rows 1024):")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = None
+    for mb in sizes:
+        data = work / f"text-{mb:g}MB.jsonl"
+        n_bytes = write_text(data, mb)
+        done = subprocess.run([sys.executable, "-c", PREPARE, str(data), str(work / f"out-{mb:g}")],
+                              capture_output=True, text=True, env=env)  # fmt: skip
+        if done.returncode:
+            sys.exit(done.stderr[-3000:])
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        base = base or result
+        print(f"  {mb:g} MB ({result['rows']} rows, {result['shards']} shards): "
+              f"{result['seconds']:.1f} s, {n_bytes / result['seconds'] / 1e6:.2f} MB/s, peak RSS "
+              f"{result['peak_rss'] / 2**20:.0f} MiB (x{result['peak_rss'] / base['peak_rss']:.2f} "
+              f"of the first size)")  # fmt: skip
+
+
+def lengths(n: int, seed: int = 0) -> np.ndarray:
+    """``[n, 2]`` token counts (student, teacher) of a realistic mix of document lengths."""
+    rng = np.random.default_rng(seed)
+    student = np.clip(rng.lognormal(np.log(300), 1.0, n), 8, 2048).astype(np.int64)
+    teacher = np.clip(student * rng.normal(1.1, 0.05, n), 8, 2048).astype(np.int64)
+    return np.stack([student, teacher], axis=1)
+
+
+def bench_packing(counts: list[int], window: int = 4096, global_limit: int = 100_000) -> None:
+    from crosskd.data.packing import pack_lockstep, packing_efficiency
+
+    caps = [2048, 2048]
+    print(f"lockstep packing (capacities {caps}; windowed: {window} samples at a time):")
+    first = None
+    for n in counts:
+        data = lengths(n)
+        started = time.perf_counter()
+        bins = []
+        for start in range(0, n, window):
+            bins += [b + start for b in pack_lockstep(data[start : start + window], caps)]
+        windowed = time.perf_counter() - started
+        eff = packing_efficiency(data, bins, caps)[0]
+        first = first or (n, windowed)
+        growth = (windowed / first[1]) / (n / first[0])
+        line = (f"  {n:>9,} samples: windowed {windowed:7.2f} s (time/sample x{growth:.2f} of "
+                f"{first[0]:,}), efficiency {eff:.4f}")  # fmt: skip
+        if n <= global_limit:
+            started = time.perf_counter()
+            whole = pack_lockstep(data, caps)
+            seconds = time.perf_counter() - started
+            line += (f"; all at once {seconds:7.2f} s (x{seconds / windowed:.1f} the windowed "
+                     f"time), efficiency {packing_efficiency(data, whole, caps)[0]:.4f}")
+        else:
+            line += "; all at once not run (quadratic)"
+        print(line)
+
+
+def bench_training(work: Path, steps: int = 40) -> None:
+    from crosskd import steps as run_steps
+    from crosskd.distill import checked_tables, teacher_caches
+    from crosskd.steps.config import load_run_config
+    from crosskd.train import TrainConfig, Trainer
+
+    config = load_run_config(None, "tiny", [f"output={work / 'run'}", "shard_rows=2",
+                                            "max_length=64"])  # fmt: skip
+    plan = run_steps.validate_inputs(config)
+    tables = checked_tables(plan, progress=False)
+    prepared = run_steps.prepare_data(plan, max_length=config.max_length,
+                                      shard_rows=config.shard_rows, progress=False)  # fmt: skip
+    caches = teacher_caches(plan, prepared, config.scoring(), 1, progress=False)
+    (item, *_) = [i for i in run_steps.plan_training(config, plan, prepared, tables, caches,
+                                                     str(work / "run")) if i["variant"] == "kd"]
+    shards = len(json.loads(Path(prepared["train"], "manifest.json").read_text())["shards"])
+    print(f"training input (tiny preset, {shards} shards, {steps} steps; the first 5 not "
+          f"counted):")  # fmt: skip
+    cases = [("inline, global order, 8 shards kept (before)", 0, shards, 8),
+             ("inline, shard-local order", 0, 4, None),
+             ("thread 2 steps ahead, shard-local order (now)", 2, 4, None)]
+    base = None
+    for name, depth, window, keep in cases:
+        values = {**item["train"], "steps": steps, "checkpoint_every": 0, "eval_data": None,
+                  "output": str(work / f"train-{depth}-{window}"), "prefetch_steps": depth,
+                  "window_shards": window, "global_batch_rows": 4, "micro_batch_rows": 2}
+        trainer = Trainer(TrainConfig(**values), progress=False)
+        trainer.setup()
+        if keep is not None:
+            trainer.rows.keep_shards = keep
+            for source in trainer.teachers.sources:
+                source.cache.keep_shards = keep
+        started = time.perf_counter()
+        history = trainer.train()
+        wall = time.perf_counter() - started
+        trainer.close()
+        waits = [h["input_wait_s"] for h in history[5:]]
+        epochs = steps * 4 / trainer.shard_order.rows
+        reads = trainer.teachers.sources[0].cache.reads
+        per_epoch = max(reads.values()) / max(epochs, 1.0)
+        base = base or wall
+        print(f"  {name}: {wall:.2f} s (x{wall / base:.2f}), input wait "
+              f"{sum(waits) / (wall * len(waits) / steps):.1%} of step time (median "
+              f"{statistics.median(waits) * 1e3:.1f} ms), cache shard reads per epoch: at most "
+              f"{per_epoch:.2f} per shard over {epochs:.1f} epochs")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 100])
+    parser.add_argument("--packing", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["prepare", "packing", "training"])  # fmt: skip
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="crosskd-data-") as tmp:
+        work = Path(tmp)
+        if "packing" not in args.skip:
+            bench_packing(args.packing)
+        if "training" not in args.skip:
+            bench_training(work)
+        if "prepare" not in args.skip:
+            bench_prepare(args.sizes_mb, work)
+
+
+if __name__ == "__main__":
+    main()
