@@ -34,7 +34,7 @@ from pathlib import Path
 from crosskd.data.prepare import PrepareConfig, prepare
 started = time.perf_counter()
 config = PrepareConfig(data=sys.argv[1], output=sys.argv[2], student_tokenizer="zoo:llama3",
-                       teacher_tokenizers=["zoo:qwen3"], max_length=512, shard_rows=1024)
+                       teacher_tokenizers=["zoo:qwen3"], max_length=512, shard_rows=4096)
 manifest = prepare(config, progress=False)
 seconds = time.perf_counter() - started
 status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
@@ -62,7 +62,7 @@ def write_text(path: Path, megabytes: float) -> int:
 
 
 def bench_prepare(sizes: list[float], work: Path) -> None:
-    print("prepare (one process, Llama-3 / Qwen3 tokenizers, max_length 512, shard_rows 1024):")
+    print("prepare (one process, Llama-3 / Qwen3 tokenizers, max_length 512, shard_rows 4096):")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = None
     for mb in sizes:
@@ -117,9 +117,10 @@ def bench_packing(counts: list[int], window: int = 4096, global_limit: int = 100
         print(line)
 
 
-def bench_training(work: Path, steps: int = 40) -> None:
+def bench_training(work: Path, steps: int = 100) -> None:
     from crosskd import steps as run_steps
     from crosskd.distill import checked_tables, teacher_caches
+    from crosskd.metrics import read_jsonl_log
     from crosskd.steps.config import load_run_config
     from crosskd.train import TrainConfig, Trainer
 
@@ -142,7 +143,8 @@ def bench_training(work: Path, steps: int = 40) -> None:
     for name, depth, window, keep in cases:
         values = {**item["train"], "steps": steps, "checkpoint_every": 0, "eval_data": None,
                   "output": str(work / f"train-{depth}-{window}"), "prefetch_steps": depth,
-                  "window_shards": window, "global_batch_rows": 4, "micro_batch_rows": 2}
+                  "window_shards": window, "global_batch_rows": 4, "micro_batch_rows": 2,
+                  "grad_accum": None}
         trainer = Trainer(TrainConfig(**values), progress=False)
         trainer.setup()
         if keep is not None:
@@ -150,18 +152,20 @@ def bench_training(work: Path, steps: int = 40) -> None:
             for source in trainer.teachers.sources:
                 source.cache.keep_shards = keep
         started = time.perf_counter()
-        history = trainer.train()
+        trainer.train()
         wall = time.perf_counter() - started
         trainer.close()
-        waits = [h["input_wait_s"] for h in history[5:]]
-        epochs = steps * 4 / trainer.shard_order.rows
-        reads = trainer.teachers.sources[0].cache.reads
-        per_epoch = max(reads.values()) / max(epochs, 1.0)
+        logged = read_jsonl_log(f"{values['output']}/metrics-rank0.jsonl")[5:]
+        waits = [h["input_wait_s"] for h in logged]
+        step_seconds = [h["seconds"] for h in logged]
+        begun = -(-steps * 4 // trainer.shard_order.rows)
+        cache_reads = trainer.teachers.sources[0].cache.reads
         base = base or wall
         print(f"  {name}: {wall:.2f} s (x{wall / base:.2f}), input wait "
-              f"{sum(waits) / (wall * len(waits) / steps):.1%} of step time (median "
-              f"{statistics.median(waits) * 1e3:.1f} ms), cache shard reads per epoch: at most "
-              f"{per_epoch:.2f} per shard over {epochs:.1f} epochs")  # fmt: skip
+              f"{sum(waits) / sum(step_seconds):.1%} of step time (median "
+              f"{statistics.median(waits) * 1e3:.1f} ms), reads per shard over {begun} epochs "
+              f"begun: cache at most {max(cache_reads.values())}, prepared at most "
+              f"{max(trainer.rows.reads.values())}")  # fmt: skip
 
 
 def main() -> None:

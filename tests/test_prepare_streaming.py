@@ -7,6 +7,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -168,3 +173,34 @@ def test_shards_are_parquet_with_the_window_rows(reference):
     _, out, _ = reference
     table = pq.read_table(out / "part-000001.parquet", columns=["sample_id", "bin"])
     assert sorted(table.column("sample_id").to_pylist()) == ["r3", "r4", "r5"]
+
+
+def test_a_killed_process_resumes_to_the_same_bytes(tmp_path, zoo_cache):
+    """`crosskd prepare` killed with SIGKILL part way (a real process), then run again: the
+    same shards and manifest as a run that was never killed."""
+    rows = [{"id": f"k{i}", "text": f"{r.get('text', 'Hi there.')} {i}"}
+            for i, r in enumerate(ROWS * 20)]  # fmt: skip
+    data = _jsonl(tmp_path / "data.jsonl", rows)
+    out, whole = tmp_path / "killed", tmp_path / "whole"
+    command = [sys.executable, "-m", "crosskd.cli", "prepare", "--data", data, "--output",
+               str(out), "--student-tokenizer", "zoo:llama3", "--teacher-tokenizer",
+               "zoo:qwen3", "--max-length", "48", "shard_rows=2"]  # fmt: skip
+    env = {**os.environ, "CROSSKD_CACHE_DIR": str(zoo_cache), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)  # fmt: skip
+    records = out / "_prepare" / "shards"
+    deadline = time.monotonic() + 120
+    while process.poll() is None and len(list(records.glob("*.json"))) < 5:
+        assert time.monotonic() < deadline, "no shard record within 120 s"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (out / "manifest.json").exists()
+    kept = len(list(records.glob("*.json")))
+    assert 5 <= kept < 100  # killed part way
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
+        assert main(command[3:]) == 0
+        reference = prepare(_config(data, whole, shard_rows=2), progress=False)
+    assert len(_files(out)) == 100 and _files(out) == _files(whole)
+    assert _comparable(json.loads((out / "manifest.json").read_text())) == _comparable(reference)

@@ -1,16 +1,20 @@
 """Reading crosskd's own artifacts back: a folder (any fsspec URI) with a ``manifest.json``
 written last and files whose sha256 the manifest records. Shared by prepared data and teacher
 caches; errors name the artifact, what is wrong and the command that rebuilds it. And
-publishing a folder written under a temporary name (:func:`move_folder`)."""
+publishing a folder written under a temporary name (:func:`move_folder`); reading a Parquet
+file a row group at a time (:class:`ParquetRows`)."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import posixpath
+from collections import OrderedDict
 from collections.abc import Collection
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from crosskd.errors import CrosskdError
@@ -135,3 +139,45 @@ def move_folder(
     for path in files:
         fs.copy(path, dst + path[len(src) :])
     fs.rm(src, recursive=True)
+
+
+class ParquetRows:
+    """A Parquet file held as its bytes, its rows parsed a row group at a time when asked for
+    (the last ``keep_groups`` groups kept): memory is the compressed file plus a few groups,
+    not the whole decoded table."""
+
+    def __init__(self, payload: bytes, keep_groups: int = 2) -> None:
+        import pyarrow.parquet as pq
+
+        self._file = pq.ParquetFile(io.BytesIO(payload))
+        sizes = [self._file.metadata.row_group(g).num_rows
+                 for g in range(self._file.metadata.num_row_groups)]  # fmt: skip
+        self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self._groups: OrderedDict[int, object] = OrderedDict()
+        self._keep = keep_groups
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def column(self, name: str) -> list:
+        """One whole column as Python values (for the small ones: ids, lengths)."""
+        return self._file.read(columns=[name]).column(name).to_pylist()
+
+    def rows(self, start: int, stop: int):
+        """Rows ``start .. stop - 1`` as a ``pyarrow.Table``."""
+        import pyarrow as pa
+
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        last = int(np.searchsorted(self._starts, max(stop - 1, start), side="right")) - 1
+        tables = [self._group(g) for g in range(first, last + 1)]
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        return table.slice(start - int(self._starts[first]), stop - start)
+
+    def _group(self, index: int):
+        if index in self._groups:
+            self._groups.move_to_end(index)
+        else:
+            self._groups[index] = self._file.read_row_group(index)
+            while len(self._groups) > self._keep:
+                self._groups.popitem(last=False)
+        return self._groups[index]

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 FLAG_CORRECT, FLAG_PREDICTION, FLAG_KD = 1, 2, 4
 """Bits of the ``chunk_flags`` column."""
+ROW_GROUP_SAMPLES = 256
+"""Samples per Parquet row group: the unit a reader parses (:mod:`crosskd.data.rows`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,7 +153,7 @@ def write_shard(
     n_teachers = len(rows[0]["aligned"])
     table = pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
     buffer = io.BytesIO()
-    pq.write_table(table, buffer)
+    pq.write_table(table, buffer, row_group_size=ROW_GROUP_SAMPLES)
     payload = buffer.getvalue()
     tmp = f"{root}/.tmp-{name}"
     fs.pipe_file(tmp, payload)

@@ -25,12 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from crosskd.artifacts import ParquetRows
 from crosskd.errors import CrosskdError
 from crosskd.teacher.signal import TeacherSignal
 
 ENCODINGS = ("lossless", "lossy")
 LOSSY_STEP = 1.0 / 16.0
 """Quantisation step of the lossy encoding, nats."""
+ROW_GROUP_SAMPLES = 64
+"""Samples per Parquet row group: the unit a reader parses (:class:`CacheShard`)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ def encode(sample_ids: list[str], samples: list[SampleSignal], encoding: str) ->
                                 pa.binary()),
     })  # fmt: skip
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd", compression_level=9, use_dictionary=False)
+    pq.write_table(table, buffer, compression="zstd", compression_level=9, use_dictionary=False,
+                   row_group_size=ROW_GROUP_SAMPLES)
     return buffer.getvalue()
 
 
@@ -98,15 +102,13 @@ def decode(payload: bytes, encoding: str, k: int) -> list[tuple[str, SampleSigna
 
 
 class CacheShard:
-    """A Parquet file written by :func:`encode`, parsed once; each sample decoded only when
-    asked for (:meth:`signal`)."""
+    """A Parquet file written by :func:`encode`, held as its bytes; each sample decoded only
+    when asked for (:meth:`signal`; its row group parsed then, a few kept)."""
 
     def __init__(self, payload: bytes, encoding: str, k: int) -> None:
-        import pyarrow.parquet as pq
-
-        self._table = pq.read_table(io.BytesIO(payload))
-        self._ids = self._table.column("sample_id").to_pylist()
-        self._lengths = self._table.column("length").to_pylist()
+        self._rows = ParquetRows(payload)
+        self._ids = self._rows.column("sample_id")
+        self._lengths = self._rows.column("length")
         self.encoding, self.k = encoding, k
 
     def __len__(self) -> int:
@@ -119,17 +121,14 @@ class CacheShard:
     def signal(self, row: int) -> SampleSignal:
         """The decoded signal of the sample at ``row``."""
         n, k = self._lengths[row], self.k
-
-        def raw(name: str) -> bytes:
-            return self._table.column(name)[row].as_py()
-
-        ids = _undelta(_unplanes(raw("ids"), "<u4").reshape(n, k))
+        raw = self._rows.rows(row, row + 1).to_pylist()[0]
+        ids = _undelta(_unplanes(raw["ids"], "<u4").reshape(n, k))
         if self.encoding == "lossless":
-            values = _unplanes(raw("values"), "<f4").reshape(n, k)
+            values = _unplanes(raw["values"], "<f4").reshape(n, k)
         else:
-            values = _dequantise(raw("values"), n, k)
-        return SampleSignal(ids, values, _unplanes(raw("realized"), "<f4"),
-                            _unplanes(raw("realized_t1"), "<f4"))  # fmt: skip
+            values = _dequantise(raw["values"], n, k)
+        return SampleSignal(ids, values, _unplanes(raw["realized"], "<f4"),
+                            _unplanes(raw["realized_t1"], "<f4"))  # fmt: skip
 
 
 def _planes(values: np.ndarray) -> bytes:
