@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,7 +15,17 @@ from kubeflow.training.models import KubeflowOrgV1PyTorchJob
 from crosskd.cli import main
 from crosskd.errors import ConfigError
 from crosskd.k8s.cli import json_patch
-from crosskd.k8s.job import JobConfig, build_job, job_manifest, job_name, load_job_config
+from crosskd.k8s.job import (
+    JobConfig,
+    build_job,
+    job_layout,
+    job_manifest,
+    job_name,
+    load_job_config,
+)
+from crosskd.layout import ParallelLayout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BASE_ENV = {
     "HOME": "/home/crosskd",
@@ -273,6 +284,37 @@ def test_render_cli(tmp_path, capsys):
     assert main(["job", "render", "--config", str(config), "nodes=0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nodes is 0" in err
+
+
+def test_the_train_layout_must_fit_the_jobs_workers(tmp_path, capsys):
+    """``parallel.*`` train overrides (over the train config's ``parallel:`` when render is
+    given it) resolved for ``nodes * procs per node``; a layout that does not fit is refused
+    at render time in one line naming both sides."""
+    job = JobConfig(run_id="r", image="i", nodes=4, gpus_per_node=8,
+                    train_overrides=["parallel.dp_shard=8"])  # fmt: skip
+    assert job_layout(job) == ParallelLayout(dp_replicate=4, dp_shard=8)
+    assert job_layout(job, {"tp": 2}) == ParallelLayout(dp_replicate=2, dp_shard=8, tp=2)
+    command = build_job(job).spec.pytorch_replica_specs["Master"].template.spec.containers[0]
+    assert command.command[-1] == "parallel.dp_shard=8"
+    with pytest.raises(ConfigError, match=r"parallel \{'dp_shard': 3\} does not fit this job's "
+                                          r"4 node\(s\) x 8 process\(es\) = 32"):  # fmt: skip
+        JobConfig(run_id="r", image="i", nodes=4, gpus_per_node=8,
+                  train_overrides=["parallel.dp_shard=3"])  # fmt: skip
+    config = tmp_path / "job.yaml"
+    config.write_text("run_id: r\nimage: i\nnodes: 2\ncpu_procs_per_node: 2\n")
+    train = tmp_path / "train.yaml"
+    train.write_text("parallel: {dp_replicate: 1, tp: 2}\n")
+    assert main(["job", "render", "--config", str(config), "--train-config", str(train)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 node(s) x 2 process(es) = 4 workers" in err
+    assert main(["job", "render", "--config", str(config), "--train-config", str(train),
+                 "train_overrides=[parallel.dp_shard=2]"]) == 0  # fmt: skip
+    # The GPU overlays of manifests/ shard the student over each node's GPUs.
+    for overlay, replicas in (("gpu-1x8", 1), ("gpu-4x8", 4)):
+        values = {**yaml.safe_load((ROOT / "manifests/job.yaml").read_text()),
+                  **yaml.safe_load((ROOT / f"manifests/overlays/{overlay}/job.yaml").read_text())}
+        layout = job_layout(load_job_config(values=values))
+        assert (layout.dp_replicate, layout.dp_shard) == (replicas, 8), overlay
 
 
 def _apply(doc: object, ops: list[dict]) -> object:

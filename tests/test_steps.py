@@ -126,6 +126,14 @@ def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
         steps.validate_inputs(config, executor="kubernetes")
     with pytest.raises(ConfigError, match="gpus_per_node is -1"):
         steps.validate_inputs(config, job={"image": "i", "gpus_per_node": -1}, executor="local")
+    # The training layout must fit the job's workers (or the one in-process worker).
+    sharded = replace(config, parallel={"dp_shard": 4})
+    with pytest.raises(ConfigError, match=r"parallel \{'dp_shard': 4\} does not fit this job's "
+                                          r"1 node\(s\) x 2 process\(es\) = 2"):  # fmt: skip
+        steps.validate_inputs(sharded, job={"image": "i", "gpus_per_node": 2}, executor="local")
+    with pytest.raises(ConfigError, match=r"does not divide the 1 processes.*In-process training "
+                                          r"is one process"):  # fmt: skip
+        steps.validate_inputs(sharded)
     with pytest.raises(ConfigError, match=r"teacher 0: .*nowhere"):
         steps.validate_inputs(steps.RunConfig(output=str(tmp_path),
                                               teachers=[str(tmp_path / "nowhere")]))  # fmt: skip

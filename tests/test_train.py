@@ -175,7 +175,7 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_last_complete_one(
     config = _config(setup, tmp_path / "run", checkpoint_every=2)
     proc = SPAWN.Process(target=train_hanging_in_checkpoint, args=(config, 4))
     proc.start()
-    half = tmp_path / "run" / "checkpoints" / ".tmp-step-0000004" / "model.safetensors"
+    half = tmp_path / "run" / "checkpoints" / ".tmp-step-0000004" / "rank-00000.json"
     _wait_for(half.exists, "step 4's checkpoint write to begin")
     _kill(proc)
     checkpoints = tmp_path / "run" / "checkpoints"
@@ -427,6 +427,15 @@ def test_distill_tiny_preset_end_to_end(tmp_path, capsys):
     assert "unknown key(s) stepz" in capsys.readouterr().err
 
 
+def _one_process(model: torch.nn.Module):
+    """``model`` as a one-process student (what checkpoints are written from)."""
+    from crosskd.layout import ParallelLayout
+    from crosskd.train.mesh import build_train_mesh
+    from crosskd.train.parallelize import parallelize
+
+    return parallelize(model, build_train_mesh(ParallelLayout(), torch.device("cpu")))
+
+
 def _saved_linear(folder) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A Linear(3, 2) after one AdamW step, checkpointed as step 5 under ``folder``."""
     from crosskd.train.checkpoint import save_checkpoint
@@ -435,7 +444,7 @@ def _saved_linear(folder) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    save_checkpoint(str(folder), 5, model, optimizer, {})
+    save_checkpoint(str(folder), 5, _one_process(model), optimizer, {})
     return model, optimizer
 
 
@@ -445,19 +454,23 @@ def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
     model, optimizer = _saved_linear(tmp_path)
     with torch.no_grad():
         model.weight.add_(1.0)
-    save_checkpoint(str(tmp_path), 5, model, optimizer, {"note": "again"})
+    save_checkpoint(str(tmp_path), 5, _one_process(model), optimizer, {"note": "again"})
     assert sorted(p.name for p in (tmp_path / "step-0000005").iterdir()) == [
-        "model.safetensors", "optimizer.safetensors", "state.json",
+        "index.json", "rank-00000.json", "rank-00000.safetensors", "state.json",
     ]  # fmt: skip
     fresh = torch.nn.Linear(3, 2)
-    state = load_checkpoint(str(tmp_path), 5, fresh,
-                            torch.optim.AdamW(fresh.parameters(), lr=0.1))  # fmt: skip
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = load_checkpoint(str(tmp_path), 5, _one_process(fresh), fresh_optimizer)
     assert state["note"] == "again" and torch.equal(fresh.weight, model.weight)
-    (tmp_path / "step-0000005" / "model.safetensors").write_bytes(b"garbage")
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(fresh_optimizer.state[fresh.bias][key], optimizer.state[model.bias][key])
+    (tmp_path / "step-0000005" / "rank-00000.safetensors").write_bytes(b"garbage")
     with pytest.raises(CrosskdError, match=r"checkpoint .* is incomplete or damaged"):
-        load_checkpoint(str(tmp_path), 5, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+        load_checkpoint(str(tmp_path), 5, _one_process(fresh),
+                        torch.optim.AdamW(fresh.parameters(), lr=0.1))  # fmt: skip
     with pytest.raises(CrosskdError, match=r"step-0000006 cannot be read here .* storage all"):
-        load_checkpoint(str(tmp_path), 6, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+        load_checkpoint(str(tmp_path), 6, _one_process(fresh),
+                        torch.optim.AdamW(fresh.parameters(), lr=0.1))  # fmt: skip
 
 
 def test_a_checkpoint_for_another_optimizer_or_without_param_groups_is_refused(tmp_path):
@@ -468,14 +481,15 @@ def test_a_checkpoint_for_another_optimizer_or_without_param_groups_is_refused(t
     two_groups = torch.optim.AdamW([{"params": [other.weight]}, {"params": [other.bias]}])
     with pytest.raises(CrosskdError, match=r"step-0000005: its optimizer state does not fit "
                                            r"this model's optimizer"):  # fmt: skip
-        load_checkpoint(str(tmp_path), 5, other, two_groups)
+        load_checkpoint(str(tmp_path), 5, _one_process(other), two_groups)
     state_file = tmp_path / "step-0000005" / "state.json"
     state = json.loads(state_file.read_text())
     del state["param_groups"]
     state_file.write_text(json.dumps(state))
     with pytest.raises(CrosskdError, match=r"incomplete or damaged \(state.json has no "
                                            r"param_groups list\)"):  # fmt: skip
-        load_checkpoint(str(tmp_path), 5, other, torch.optim.AdamW(other.parameters()))
+        load_checkpoint(str(tmp_path), 5, _one_process(other),
+                        torch.optim.AdamW(other.parameters()))  # fmt: skip
 
 
 def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):

@@ -223,7 +223,7 @@ def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
                                     student=student))  # fmt: skip
     first = trainer.train(stop_after=2)
     trainer.close()
-    assert s3.exists("crosskd-test/train-run/checkpoints/step-0000002/optimizer.safetensors")
+    assert s3.exists("crosskd-test/train-run/checkpoints/step-0000002/rank-00000.safetensors")
     resumed = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2,
                                     student=student))  # fmt: skip
     assert resumed.start == 2
@@ -235,7 +235,10 @@ def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
     s3.get("crosskd-test/train-run/final/", str(local), recursive=True)
     info = json.loads((local / "crosskd-model.json").read_text())
     assert final == f"{output}/final" and info["step"] == 4
-    assert AutoModelForCausalLM.from_pretrained(str(local)).config.vocab_size == resumed.vocab
+    reloaded = AutoModelForCausalLM.from_pretrained(str(local))
+    assert reloaded.config.vocab_size == resumed.vocab
+    for name, param in resumed.model.named_parameters():  # the gathered folder is the student
+        assert torch.equal(reloaded.get_parameter(name), param.detach()), name
     # The step log in parts, one per run of the trainer (the resumed one numbered on).
     assert not s3.exists("crosskd-test/train-run/metrics-rank0.jsonl")
     parts = sorted(s3.ls("crosskd-test/train-run/metrics-rank0.jsonl.parts"))

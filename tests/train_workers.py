@@ -56,8 +56,8 @@ def train_hanging_at(config: TrainConfig, hang_step: int) -> None:
 
 
 def train_hanging_in_checkpoint(config: TrainConfig, hang_step: int) -> None:
-    """Train, hanging inside the checkpoint write of step ``hang_step``: after the model file
-    is written into the temporary folder, before the optimizer file."""
+    """Train, hanging inside the checkpoint write of step ``hang_step``: after this rank's
+    where-file is written into the temporary folder, before its tensors."""
     _quiet()
     from crosskd.train import Trainer, checkpoint
 
@@ -91,9 +91,12 @@ def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None
             trainer = Trainer(config, progress=False)
             trainer.setup()
             history = trainer.train(stop_after=stop_after)
+            if stop_after is None:
+                trainer.save()
             seen = [trainer.step_micro_batches(s) for s in range(config.steps)]
             (out / f"{name}-rank{rank}.json").write_text(json.dumps(
-                {"history": history, "micro_batches": seen, "start": trainer.start}
+                {"history": history, "micro_batches": seen, "start": trainer.start,
+                 "state_bytes": trainer.state_bytes}
             ))  # fmt: skip
             trainer.close()
         dist.destroy_process_group()
@@ -105,8 +108,9 @@ def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None
 
 def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: int = 2,
             timeout: float = 600) -> None:  # fmt: skip
-    """Run each ``(name, config, stop_after)`` in turn in ``world`` fresh gloo processes; rank
-    r's history and micro-batches go to ``out/<name>-rank<r>.json``. Raises with the ranks'
+    """Run each ``(name, config, stop_after)`` in turn in ``world`` fresh gloo processes (the
+    student saved to ``final/`` when the run is not stopped early); rank r's history,
+    micro-batches and state bytes go to ``out/<name>-rank<r>.json``. Raises with the ranks'
     tracebacks when one fails, or kills them and says so when they are not done in
     ``timeout`` seconds (a hang)."""
     port = free_port()

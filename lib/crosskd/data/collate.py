@@ -133,10 +133,13 @@ class Batch:
     sample_ids: list[list[str]]
 
 
-def collate(rows: list[list[dict]], n_teachers: int) -> Batch:
-    """Batch packed rows (each a list of prepared samples) for the student and every teacher."""
+def collate(rows: list[list[dict]], n_teachers: int, student_multiple: int = 1) -> Batch:
+    """Batch packed rows (each a list of prepared samples) for the student and every teacher;
+    the student's rows padded to a multiple of ``student_multiple`` positions (equal windows of
+    positions for sequence-parallel ranks)."""
     names = ["student", *(f"teacher{k}" for k in range(n_teachers))]
-    models = {name: _model_batch([[s[f"{name}_ids"] for s in row] for row in rows])
+    models = {name: _model_batch([[s[f"{name}_ids"] for s in row] for row in rows],
+                                 student_multiple if name == "student" else 1)
               for name in names}  # fmt: skip
     width = models["student"].input_ids.shape[1]
     loss_mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -147,8 +150,8 @@ def collate(rows: list[list[dict]], n_teachers: int) -> Batch:
     return Batch(models, loss_mask, chunks, [[s["sample_id"] for s in row] for row in rows])
 
 
-def _model_batch(rows: list[list[list[int]]]) -> ModelBatch:
-    width = max(sum(len(ids) for ids in row) for row in rows)
+def _model_batch(rows: list[list[list[int]]], multiple: int = 1) -> ModelBatch:
+    width = -(-max(sum(len(ids) for ids in row) for row in rows) // multiple) * multiple
     shape = (len(rows), width)
     input_ids = np.zeros(shape, dtype=np.int64)
     positions = np.zeros(shape, dtype=np.int64)

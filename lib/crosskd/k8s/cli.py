@@ -1,8 +1,11 @@
 """``crosskd job ...``: the PyTorchJob of a job config, and the generated files of ``manifests/``.
 
-``crosskd job render --config job.yaml [key=value ...] [--output FILE]`` prints (or writes) the
-job's manifest YAML (:func:`crosskd.k8s.job.job_manifest`). ``crosskd job manifests [--root
-manifests] [--check]`` regenerates the files of the kustomize tree from its job configs:
+``crosskd job render --config job.yaml [key=value ...] [--output FILE] [--train-config FILE]``
+prints (or writes) the job's manifest YAML (:func:`crosskd.k8s.job.job_manifest`); with the train
+config, its ``parallel:`` layout (under the job's ``parallel.*`` train overrides) is checked
+against the job's ``nodes * procs per node`` workers (:func:`crosskd.k8s.job.job_layout`).
+``crosskd job manifests [--root manifests] [--check]`` regenerates the files of the kustomize
+tree from its job configs:
 
 * ``base/pytorchjob.yaml``: the job of ``<root>/job.yaml``;
 * ``overlays/<name>/pytorchjob-patch.yaml``: for an overlay whose ``job.yaml`` holds keys that
@@ -52,6 +55,10 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
     render = actions.add_parser("render", help="print or write the PyTorchJob YAML of a config")
     render.add_argument("--config", help="YAML file with JobConfig keys")
     render.add_argument("--output", help="write the YAML here instead of stdout")
+    render.add_argument(
+        "--train-config", metavar="FILE",
+        help="the train config the job will run: its parallel layout must fit the job's workers",
+    )  # fmt: skip
     render.add_argument(
         "overrides", nargs="*", metavar="key=value",
         help="any JobConfig field, e.g. nodes=4 gpus_per_node=8",
@@ -212,9 +219,12 @@ def generated_files(root: Path) -> dict[Path, str]:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from crosskd.k8s.job import job_manifest, load_job_config
+    from crosskd.k8s.job import job_layout, job_manifest, load_job_config
 
-    text = manifest_yaml(job_manifest(load_job_config(args.config, args.overrides)))
+    config = load_job_config(args.config, args.overrides)
+    if args.train_config:
+        job_layout(config, train_layout(args.train_config))
+    text = manifest_yaml(job_manifest(config))
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         log.info("wrote %s", args.output)
@@ -223,8 +233,20 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_layout(path: str) -> dict[str, Any]:
+    """The ``parallel:`` mapping of the train config at ``path`` (any fsspec URI; empty when it
+    sets none)."""
+    import fsspec
+
+    with fsspec.open(path, "r", encoding="utf-8") as fh:
+        values = yaml.safe_load(fh) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"train config {path}: expected a mapping of keys to values.")
+    return values.get("parallel") or {}
+
+
 def _submit(args: argparse.Namespace) -> int:
-    from crosskd.k8s.job import job_manifest, load_job_config
+    from crosskd.k8s.job import job_layout, job_manifest, load_job_config
     from crosskd.k8s.launcher import submit
 
     config = load_job_config(args.config, args.overrides)
@@ -232,6 +254,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.local:
         if not args.train_config:
             raise ConfigError("--local needs --train-config FILE (the ConfigMap's train.yaml).")
+        job_layout(config, train_layout(args.train_config))
         from crosskd.k8s.local import run_local_job, train_config_map
 
         if args.manifest:

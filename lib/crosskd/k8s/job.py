@@ -39,11 +39,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import yaml
 from kubeflow.training import models as kf
 from kubernetes import client as k8s
 
 from crosskd.config import load_config
 from crosskd.errors import ConfigError, CrosskdError
+from crosskd.layout import ParallelLayout
 
 CONTAINER = "pytorch"
 """The container name the Training Operator requires."""
@@ -153,7 +155,10 @@ class JobConfig:
     written by the pipeline's training step) instead of the ConfigMap: no ConfigMap is mounted.
     None: the ConfigMap ``train_config_map``."""
     train_overrides: list[str] = field(default_factory=list)
-    """``key=value`` overrides appended to the train command (e.g. ``steps=2000``)."""
+    """``key=value`` overrides appended to the train command (e.g. ``steps=2000``,
+    ``parallel.dp_shard=8``). Its ``parallel.*`` keys, over the train config's ``parallel:``
+    where that is known (:func:`job_layout`), must fit the job's ``nodes * procs per node``
+    workers."""
     metrics_port: int = 9400
     """Base Prometheus port: local rank ``i`` serves ``metrics_port + i`` (port ``metrics-i``)."""
     grace_seconds: int = 120
@@ -279,6 +284,8 @@ class JobConfig:
         for i, item in enumerate(self.train_overrides):
             if "=" not in item:
                 raise ConfigError(f"train_overrides[{i}] is {item!r}; write it as key=value.")
+        if any(item.startswith("parallel.") for item in self.train_overrides):
+            job_layout(self)
         secret_env = sorted(set(self.env) & {*CREDENTIAL_ENV, "AWS_ENDPOINT_URL",
                                              "AWS_DEFAULT_REGION"})  # fmt: skip
         if secret_env:
@@ -388,6 +395,30 @@ def build_job(config: JobConfig) -> kf.KubeflowOrgV1PyTorchJob:
             ),
         ),
     )
+
+
+def job_layout(
+    config: JobConfig, train_parallel: Mapping[str, Any] | None = None
+) -> ParallelLayout:
+    """The parallel layout the job's workers train with: ``train_parallel`` (the train config's
+    ``parallel:``; None: unknown here, the defaults) with the job's ``parallel.*``
+    ``train_overrides`` over it, resolved for ``nodes * procs per node`` workers; a layout that
+    does not fit them is refused naming both sides."""
+    values = dict(train_parallel or {})
+    for item in config.train_overrides:
+        key, _, raw = item.partition("=")
+        if key.startswith("parallel."):
+            values[key.removeprefix("parallel.")] = yaml.safe_load(raw)
+    world = config.nodes * config.procs_per_node
+    try:
+        return ParallelLayout.from_mapping(values).resolved(world)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"the train layout parallel {values} does not fit this job's {config.nodes} "
+            f"node(s) x {config.procs_per_node} process(es) = {world} workers: "
+            f"{exc} Change nodes / gpus_per_node or the "
+            f"parallel.* train_overrides."
+        ) from exc
 
 
 def job_manifest(config: JobConfig) -> dict[str, Any]:

@@ -90,6 +90,12 @@ class RunConfig:
     """Packed rows per micro-batch per process."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    parallel: dict = field(default_factory=dict)
+    """The training layout (``crosskd train``'s ``parallel:`` keys: ``dp_replicate``,
+    ``dp_shard``, ``tp``, ``cp``); it must fit the training job's ``nodes * gpus_per_node``
+    workers (one process in process). Empty: data parallelism over every worker."""
+    activation_checkpointing: bool = False
+    """Recompute each student layer's activations in the backward pass (less memory)."""
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 10

@@ -123,12 +123,18 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
                   shard_rows=config.shard_rows)  # fmt: skip
     ScoreConfig(data="-", teacher="-", output="-", k=config.k, tau=config.tau,
                 encoding=config.encoding, token_budget=config.token_budget).check()  # fmt: skip
-    TrainConfig(**train_values(config, student="-", data="-", output="-", caches=["-"] * n,
-                               tables=[None] * n, kd=True))  # fmt: skip
+    train = TrainConfig(**train_values(config, student="-", data="-", output="-",
+                                       caches=["-"] * n, tables=[None] * n, kd=True))  # fmt: skip
     if job is not None:
-        from crosskd.k8s.job import load_job_config
+        from crosskd.k8s.job import job_layout, load_job_config
 
-        load_job_config(values={"run_id": "validate", **job})
+        job_layout(load_job_config(values={"run_id": "validate", **job}), config.parallel)
+    else:
+        try:
+            train.parallel.resolved(1)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} In-process training is one process; use the local or "
+                              f"cluster executor for a parallel layout.") from exc  # fmt: skip
 
 
 def train_values(
@@ -149,7 +155,8 @@ def train_values(
         "student": student, "data": data, "output": output, "teachers": list(caches),
         "loss": loss, "steps": config.steps, "micro_batch_rows": config.micro_batch_rows,
         "grad_accum": config.grad_accum, "lr": config.lr, "warmup_steps": config.warmup_steps,
-        "seed": config.seed,
+        "seed": config.seed, "parallel": dict(config.parallel),
+        "activation_checkpointing": config.activation_checkpointing,
     }  # fmt: skip
 
 

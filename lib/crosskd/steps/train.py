@@ -76,7 +76,8 @@ def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, A
     elif executor == "inprocess":
         _train_here(config, progress)
     else:
-        _train_as_job(config_uri, executor, job or {}, run_id, workdir, wait_timeout)
+        _train_as_job(config_uri, executor, job or {}, run_id, workdir, wait_timeout,
+                      values.get("parallel"))  # fmt: skip
     history = run_history(output)
     return {"variant": item["variant"], "output": output, "model": f"{output}/final",
             "steps": config.steps, "last": history[-1] if history else {}}
@@ -105,13 +106,16 @@ def run_history(output: str) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def job_documents(config_uri: str, job: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
+def job_documents(config_uri: str, job: dict[str, Any], run_id: str,
+                  parallel: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The PyTorchJob of one training run: the JobConfig keys ``job`` with ``run_id`` and the
-    train config read from ``config_uri``. A job that asks for GPUs (``gpus_per_node``) but whose
-    rendered pods request none is refused."""
-    from crosskd.k8s.job import job_manifest, load_job_config
+    train config read from ``config_uri`` (whose ``parallel`` layout must fit the job's
+    workers). A job that asks for GPUs (``gpus_per_node``) but whose rendered pods request none
+    is refused."""
+    from crosskd.k8s.job import job_layout, job_manifest, load_job_config
 
     config = load_job_config(values={**job, "run_id": run_id, "train_config_uri": config_uri})
+    job_layout(config, parallel)
     manifest = job_manifest(config)
     if config.gpus_per_node:
         specs = manifest["spec"]["pytorchReplicaSpecs"].values()
@@ -137,12 +141,13 @@ def _train_here(config: Any, progress: bool) -> None:
 
 
 def _train_as_job(config_uri: str, executor: str, job: dict[str, Any], run_id: str | None,
-                  workdir: str | None, wait_timeout: float | None) -> None:  # fmt: skip
+                  workdir: str | None, wait_timeout: float | None,
+                  parallel: dict[str, Any] | None) -> None:  # fmt: skip
     if not run_id:
         raise ConfigError("a training job needs a run id (its name derives from it).")
     if executor == "local":  # several local jobs may run at once: any free metrics port
         job = {**job, "train_overrides": [*job.get("train_overrides", []), "metrics_port=0"]}
-    documents = job_documents(config_uri, job, run_id)
+    documents = job_documents(config_uri, job, run_id, parallel)
     if executor == "local":
         from crosskd.k8s.local import run_local_job
 

@@ -1,6 +1,8 @@
 """Student training: :class:`TrainConfig`, the :class:`Trainer` (setup, train, save), the
-data order, packed attention inputs and checkpoints without pickle."""
+parallel layout (:class:`ParallelLayout`), the data order, packed attention inputs and
+checkpoints without pickle."""
 
+from crosskd.layout import ParallelLayout
 from crosskd.train.config import TrainConfig
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.trainer import (
@@ -14,6 +16,7 @@ from crosskd.train.trainer import (
 __all__ = [
     "DataOrder",
     "NonFiniteLoss",
+    "ParallelLayout",
     "ShardOrder",
     "TrainConfig",
     "Trainer",

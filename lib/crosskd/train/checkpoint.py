@@ -1,14 +1,27 @@
-"""Checkpoints of a training run, to any fsspec URI, without pickle.
+"""Checkpoints of a training run, to any fsspec URI, without pickle, written by every rank in
+parallel and read back on any parallel layout.
 
-A checkpoint is a folder ``step-NNNNNNN/`` holding ``model.safetensors`` (the student's state,
-shared tensors handled), ``optimizer.safetensors`` (every per-parameter optimizer tensor, keyed
-``state.<index>.<name>``, plus the torch RNG states: ``rng.torch`` and, on GPU, ``rng.cuda``)
-and ``state.json`` (step, optimizer hyperparameters, the data order and anything else the
-trainer records). It is written under a temporary name and renamed, then ``latest.json`` (which
-checkpoint to resume from) is replaced, and only then are older checkpoints beyond the
-retention deleted, so a run killed at any moment (a checkpoint write included) resumes from its
-last complete checkpoint. ``torch.distributed.checkpoint`` is not used: its metadata file is a
-pickle, and crosskd never unpickles its own artifacts.
+A checkpoint is a folder ``step-NNNNNNN/`` holding, per rank ``r``:
+
+* ``rank-0000r.safetensors``: the parts of the student's parameters (``model.<name>``) and of
+  their AdamW state (``optim.<name>.<key>``) that this rank writes (of the ranks that hold the
+  same part, the first: :class:`crosskd.train.parallelize.Placement`), and its torch RNG
+  states (``rng.torch``, on GPU ``rng.cuda``);
+* ``rank-0000r.json``: where each of those parts lies in the whole tensor (offset, size);
+
+then ``index.json`` (every tensor's whole shape and dtype and its parts: file, offset, size;
+the layout and the number of ranks that wrote it) and ``state.json`` (step, optimizer
+hyperparameters, the data order and anything else the trainer records), both written by rank
+0 once every rank's parts are in. Loading gives each rank the region of every tensor its own
+layout places there, read from the overlapping parts only (:func:`load_checkpoint`), so a
+checkpoint written by 4 ranks under ``dp_shard=2, tp=2`` loads in one process, under
+``dp_shard=4`` or any other layout.
+
+The folder is written under a temporary name and renamed (``state.json`` last), then
+``latest.json`` (which checkpoint to resume from) is replaced, and only then are older
+checkpoints beyond the retention deleted, so a run killed at any moment (a checkpoint write
+included) resumes from its last complete checkpoint. ``torch.distributed.checkpoint`` is not
+used: its metadata file is a pickle, and crosskd never unpickles its own artifacts.
 """
 
 from __future__ import annotations
@@ -16,18 +29,22 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import fsspec
 import torch
-from safetensors.torch import load, load_model, save, save_model
+from fsspec.implementations.local import LocalFileSystem
+from safetensors import safe_open
+from safetensors.torch import save
 
 from crosskd.artifacts import move_folder
 from crosskd.errors import CrosskdError
+from crosskd.train.parallelize import ParallelStudent, local_part
 
+FORMAT = 2
 LATEST = "latest.json"
 STATE = "state.json"
+INDEX = "index.json"
 _NAME = re.compile(r"step-(\d{7,})$")
 
 
@@ -36,32 +53,96 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:07d}"
 
 
-def save_checkpoint(
-    uri: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict,
-    *, keep: int = 0,
-) -> str:  # fmt: skip
-    """Write the checkpoint of ``step`` under ``uri``, point ``latest.json`` at it, then keep
-    the newest ``keep`` checkpoints (0: all); returns its folder URI."""
+def _rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _tmp(uri: str, step: int) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, root = fsspec.core.url_to_fs(uri)
-    name = checkpoint_name(step)
-    tmp = f"{root}/.tmp-{name}"
-    if fs.exists(tmp):  # left by a write that was killed
+    return fs, f"{root}/.tmp-{checkpoint_name(step)}"
+
+
+def begin_checkpoint(uri: str, step: int) -> None:
+    """Rank 0, before any rank writes its parts: clear the temporary folder of ``step`` a
+    killed write may have left."""
+    fs, tmp = _tmp(uri, step)
+    if fs.exists(tmp):
         fs.rm(tmp, recursive=True)
     fs.makedirs(tmp, exist_ok=True)
-    with fs.open(f"{tmp}/model.safetensors", "wb") as fh:
-        fh.write(_model_bytes(model))
-    state = optimizer.state_dict()
-    tensors = {"rng.torch": torch.get_rng_state()}
+
+
+def _tensors(
+    student: ParallelStudent, optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor, torch.Tensor | None, str]]:
+    """``(key, tensor, like, parameter name)`` of every parameter and optimizer state tensor:
+    ``like`` is the parameter the tensor is laid out like (None for a tensor every rank holds
+    whole, such as AdamW's step count)."""
+    out = []
+    states = optimizer.state
+    for name, param in student.named_parameters():
+        out.append((f"model.{name}", param.data, param, name))
+        for key, value in sorted(states.get(param, {}).items()):
+            value = torch.as_tensor(value)
+            like = param if value.shape == param.shape else None
+            out.append((f"optim.{name}.{key}", value, like, name))
+    return out
+
+
+def write_parts(
+    uri: str, step: int, student: ParallelStudent, optimizer: torch.optim.Optimizer
+) -> None:
+    """Every rank, after :func:`begin_checkpoint`: write this rank's parts of the checkpoint of
+    ``step`` into its temporary folder (the where-file first, then the tensors)."""
+    fs, tmp = _tmp(uri, step)
+    rank = student.mesh.rank
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, dict] = {}
+    for key, value, like, name in _tensors(student, optimizer):
+        if like is None:
+            if rank != 0:
+                continue
+            shape, offset, part = list(value.shape), [0] * value.dim(), value
+        else:
+            placement = student.placement(name, value)
+            if not placement.writer:
+                continue
+            shape, offset, part = list(placement.shape), list(placement.offset), local_part(value)
+        tensors[key] = part.detach().to("cpu", copy=True).contiguous()
+        where[key] = {"shape": shape, "dtype": str(part.dtype).removeprefix("torch."),
+                      "offset": offset, "size": list(part.shape)}  # fmt: skip
+    tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    for index, values in state["state"].items():
-        for key, value in values.items():
-            tensors[f"state.{index}.{key}"] = torch.as_tensor(value).contiguous()
-    fs.pipe_file(f"{tmp}/optimizer.safetensors", save(tensors))
-    groups = [dict(g) for g in state["param_groups"]]
+    fs.pipe_file(f"{tmp}/{_rank_name(rank)}.json", json.dumps(where).encode())
+    fs.pipe_file(f"{tmp}/{_rank_name(rank)}.safetensors", save(tensors))
+
+
+def publish_checkpoint(
+    uri: str, step: int, student: ParallelStudent, optimizer: torch.optim.Optimizer, extra: dict,
+    *, keep: int = 0,
+) -> str:  # fmt: skip
+    """Rank 0, once every rank's :func:`write_parts` is done: merge the where-files into
+    ``index.json``, write ``state.json``, rename the folder, point ``latest.json`` at it, then
+    keep the newest ``keep`` checkpoints (0: all); returns the folder's URI."""
+    fs, tmp = _tmp(uri, step)
+    root = tmp.rsplit("/", 1)[0]
+    world = 1 if student.mesh.mesh is None else student.mesh.mesh.size()
+    tensors: dict[str, dict] = {}
+    for rank in range(world):
+        file = f"{_rank_name(rank)}.safetensors"
+        for key, part in json.loads(fs.cat_file(f"{tmp}/{_rank_name(rank)}.json")).items():
+            entry = tensors.setdefault(key, {"shape": part["shape"], "dtype": part["dtype"],
+                                             "parts": []})  # fmt: skip
+            entry["parts"].append({"file": file, "offset": part["offset"], "size": part["size"]})
+    index = {"format": FORMAT, "ranks": world, "layout": student.mesh.layout.to_json(),
+             "tensors": tensors}  # fmt: skip
+    fs.pipe_file(f"{tmp}/{INDEX}", json.dumps(index, indent=1).encode())
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in optimizer.state_dict()["param_groups"]]  # fmt: skip
     fs.pipe_file(f"{tmp}/{STATE}", json.dumps(
         {"step": step, "param_groups": groups, **extra}, indent=1
     ).encode())  # fmt: skip
+    name = checkpoint_name(step)
     final = f"{root}/{name}"
     if fs.exists(final):  # the same step saved again (a rerun): replace it, never nest into it
         fs.rm(final, recursive=True)
@@ -71,6 +152,16 @@ def save_checkpoint(
     if keep:
         prune_checkpoints(uri, keep)
     return f"{uri.rstrip('/')}/{name}"
+
+
+def save_checkpoint(
+    uri: str, step: int, student: ParallelStudent, optimizer: torch.optim.Optimizer, extra: dict,
+    *, keep: int = 0,
+) -> str:  # fmt: skip
+    """The three steps of a checkpoint in one process (a one-rank layout)."""
+    begin_checkpoint(uri, step)
+    write_parts(uri, step, student, optimizer)
+    return publish_checkpoint(uri, step, student, optimizer, extra, keep=keep)
 
 
 def prune_checkpoints(uri: str, keep: int) -> list[int]:
@@ -114,66 +205,162 @@ def latest_step(uri: str) -> int | None:
 
 
 def load_checkpoint(
-    uri: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    uri: str, step: int, student: ParallelStudent, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """Restore the checkpoint of ``step`` under ``uri`` into ``model`` and ``optimizer`` (and
-    the torch RNG states); returns its ``state.json``."""
+    """Restore the checkpoint of ``step`` under ``uri`` into ``student`` and ``optimizer``
+    (whatever layout either was written with; this rank's RNG state where the writing run had
+    a rank of its number); returns its ``state.json``."""
     fs, root = fsspec.core.url_to_fs(uri)
     name = checkpoint_name(step)
     folder = f"{root}/{name}"
+    where = f"{uri.rstrip('/')}/{name}"
     if not fs.exists(f"{folder}/{STATE}"):
         raise CrosskdError(
-            f"checkpoint {uri}/{name} cannot be read here ({LATEST} names it); every process "
+            f"checkpoint {where} cannot be read here ({LATEST} names it); every process "
             f"of a run must see the same output: put output on storage all of them share (S3, "
             f"a shared volume), not on one machine's local disk."
         )
     try:
-        model_bytes = fs.cat_file(f"{folder}/model.safetensors")
-        tensors = load(fs.cat_file(f"{folder}/optimizer.safetensors"))
         state = json.loads(fs.cat_file(f"{folder}/{STATE}"))
         if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
             raise ValueError(f"{STATE} has no param_groups list")
-        _load_model_bytes(model, model_bytes)
+        if not fs.exists(f"{folder}/{INDEX}"):
+            raise CrosskdError(
+                f"checkpoint {where} has no {INDEX}: it was written by an earlier crosskd "
+                f"(one file per model); resume it with that version, or start a new output."
+            )
+        index = json.loads(fs.cat_file(f"{folder}/{INDEX}"))
+        with _Parts(fs, folder) as parts:
+            _restore(student, optimizer, index["tensors"], parts, where)
+            rng = parts.tensor(f"{_rank_name(student.mesh.rank)}.safetensors", "rng.torch") \
+                if student.mesh.rank < index["ranks"] else None
+            cuda = parts.tensor(f"{_rank_name(student.mesh.rank)}.safetensors", "rng.cuda") \
+                if rng is not None and torch.cuda.is_available() else None
     except CrosskdError:
         raise
     except Exception as exc:  # safetensors raises its own error type for damaged files
         raise CrosskdError(
-            f"checkpoint {uri}/{name} is incomplete or damaged ({exc}); delete it and point "
+            f"checkpoint {where} is incomplete or damaged ({exc}); delete it and point "
             f"{LATEST} at an earlier one, or start a new run."
         ) from exc
-    per_param: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        if key.startswith("state."):
-            _, index, field = key.split(".", 2)
-            per_param.setdefault(int(index), {})[field] = value
     try:
-        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        optimizer.load_state_dict({"state": optimizer.state_dict()["state"],
+                                   "param_groups": _groups(optimizer, state["param_groups"])})
     except (ValueError, KeyError, TypeError) as exc:
         raise CrosskdError(
-            f"checkpoint {uri}/{name}: its optimizer state does not fit this model's "
+            f"checkpoint {where}: its optimizer state does not fit this model's "
             f"optimizer ({exc}); it was written for another model or optimizer. Start a new "
             f"output, or delete the checkpoints to train from scratch."
         ) from exc
-    torch.set_rng_state(tensors["rng.torch"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    if rng is not None:
+        torch.set_rng_state(rng)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
     return state
 
 
-def _model_bytes(model: torch.nn.Module) -> bytes:
-    """``safetensors.torch.save_model`` into memory (it handles tied weights)."""
-    with tempfile.NamedTemporaryFile(suffix=".safetensors") as fh:
-        save_model(model, fh.name)
-        return Path(fh.name).read_bytes()
+def _groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> list[dict]:
+    """The saved hyperparameters with this optimizer's parameter indices."""
+    current = optimizer.state_dict()["param_groups"]
+    if len(saved) != len(current):
+        raise ValueError(f"{len(saved)} parameter group(s) saved, {len(current)} here")
+    return [{**g, "params": c["params"]} for g, c in zip(saved, current, strict=True)]
 
 
-def _load_model_bytes(model: torch.nn.Module, payload: bytes) -> None:
-    with tempfile.NamedTemporaryFile(suffix=".safetensors") as fh:
-        fh.write(payload)
-        fh.flush()
-        missing, unexpected = load_model(model, fh.name, strict=False)
-    if missing or unexpected:
+class _Parts:
+    """The checkpoint's rank files, opened lazily (copied to a temporary folder first where
+    they are not on a local disk)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, folder: str) -> None:
+        self.fs, self.folder = fs, folder
+        self.local = isinstance(fs, LocalFileSystem)
+        self.open: dict[str, Any] = {}
+
+    def __enter__(self) -> _Parts:
+        self.tmp = tempfile.TemporaryDirectory()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.open.clear()
+        self.tmp.cleanup()
+
+    def file(self, name: str):
+        if name not in self.open:
+            path = f"{self.folder}/{name}"
+            if not self.local:
+                self.fs.get_file(path, f"{self.tmp.name}/{name}")
+                path = f"{self.tmp.name}/{name}"
+            self.open[name] = safe_open(path, framework="pt")
+        return self.open[name]
+
+    def tensor(self, name: str, key: str) -> torch.Tensor | None:
+        handle = self.file(name)
+        return handle.get_tensor(key) if key in set(handle.keys()) else None
+
+    def region(self, name: str, key: str, box: tuple[slice, ...]) -> torch.Tensor:
+        handle = self.file(name)
+        return handle.get_slice(key)[box] if box else handle.get_tensor(key)
+
+
+def _fill(target: torch.Tensor, offset: tuple[int, ...], entry: dict, parts: _Parts, key: str,
+          where: str) -> None:  # fmt: skip
+    """Copy into ``target`` (this rank's part, at ``offset`` of the whole tensor) every
+    overlapping region of the saved parts of ``key``."""
+    covered = 0
+    for part in entry["parts"]:
+        box_src, box_dst = [], []
+        for lo_t, n_t, lo_p, n_p in zip(offset, target.shape, part["offset"], part["size"],
+                                        strict=True):  # fmt: skip
+            lo, hi = max(lo_t, lo_p), min(lo_t + n_t, lo_p + n_p)
+            if lo >= hi:
+                break
+            box_src.append(slice(lo - lo_p, hi - lo_p))
+            box_dst.append(slice(lo - lo_t, hi - lo_t))
+        else:
+            region = parts.region(part["file"], key, tuple(box_src))
+            target[tuple(box_dst)] = region.to(target.dtype)
+            covered += region.numel()
+    if covered != target.numel():
         raise CrosskdError(
-            f"checkpoint does not fit the student: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]}; resume with the student the run started from."
+            f"checkpoint {where}: the parts of {key} cover {covered} of the {target.numel()} "
+            f"values this rank needs; a rank's file is missing from the index. Point "
+            f"{LATEST} at an earlier checkpoint."
         )
+
+
+def _restore(student: ParallelStudent, optimizer: torch.optim.Optimizer, index: dict,
+             parts: _Parts, where: str) -> None:  # fmt: skip
+    """Every parameter and AdamW state tensor of this rank from the checkpoint's parts."""
+    names = sorted(k for k in index if k.startswith("model."))
+    here = {f"model.{name}" for name, _ in student.named_parameters()}
+    if set(names) != here:
+        missing, unexpected = sorted(here - set(names)), sorted(set(names) - here)
+        raise CrosskdError(
+            f"checkpoint {where} does not fit the student: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; resume with the student the run started from."
+        )
+    with torch.no_grad():
+        for name, param in student.named_parameters():
+            placement = student.placement(name, param)
+            if list(placement.shape) != index[f"model.{name}"]["shape"]:
+                raise CrosskdError(
+                    f"checkpoint {where}: model.{name} has shape "
+                    f"{index[f'model.{name}']['shape']} there but {list(placement.shape)} "
+                    f"here; resume with the student the run started from."
+                )
+            _fill(local_part(param.data), placement.offset, index[f"model.{name}"], parts,
+                  f"model.{name}", where)  # fmt: skip
+            prefix = f"optim.{name}."
+            saved = sorted(k[len(prefix):] for k in index if k.startswith(prefix))
+            if not saved:
+                continue
+            state = optimizer.state[param]
+            for key in saved:
+                entry = index[prefix + key]
+                if list(entry["shape"]) == list(placement.shape):
+                    value = torch.zeros_like(param.data)
+                    _fill(local_part(value), placement.offset, entry, parts, prefix + key, where)
+                else:
+                    value = torch.zeros(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+                    _fill(value, (0,) * value.dim(), entry, parts, prefix + key, where)
+                state[key] = value

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crosskd.errors import ConfigError
+from crosskd.layout import ParallelLayout
 from crosskd.loss import LossConfig
 from crosskd.zoo.models import check_shape
 
@@ -65,6 +66,13 @@ class TrainConfig:
     prefetch_steps: int = 2
     """Steps whose inputs a background thread reads, collates and plans ahead of training
     (0: each step reads its own, inline)."""
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    """How the student is spread over the processes (a mapping of
+    :class:`crosskd.layout.ParallelLayout` keys: ``dp_replicate``, ``dp_shard``, ``tp``,
+    ``cp``; their product is the number of processes). Default: plain data parallelism (DDP)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (less memory, about a third more compute)."""
     grad_accum: int | None = None
     """Micro-batches per optimizer step per rank. None: ``global_batch_rows / (micro_batch_rows
     * data-parallel ranks)`` (1 when ``global_batch_rows`` is unset too)."""
@@ -114,6 +122,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
             self.loss = loss_from_mapping(self.loss)
+        if isinstance(self.parallel, dict):
+            self.parallel = ParallelLayout.from_mapping(self.parallel)
         self.check()
 
     def check(self) -> None:
@@ -132,6 +142,22 @@ class TrainConfig:
             )
         if not isinstance(self.loss, LossConfig):
             raise ConfigError(f"loss is {self.loss!r}; it must be a mapping of loss keys.")
+        if not isinstance(self.parallel, ParallelLayout):
+            raise ConfigError(f"parallel is {self.parallel!r}; it must be a mapping of "
+                              f"dp_replicate, dp_shard, tp, cp.")  # fmt: skip
+        try:
+            self.parallel.check()
+        except ConfigError as exc:
+            raise ConfigError(f"parallel.{exc}") from exc
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ConfigError(f"activation_checkpointing is {self.activation_checkpointing!r}; "
+                              f"it must be true or false.")  # fmt: skip
+        if (self.parallel.tp > 1 or self.parallel.cp > 1) and self.loss.kd != "csd":
+            raise ConfigError(
+                f"parallel.tp / parallel.cp split the logits, which loss.kd {self.loss.kd!r} "
+                f"cannot use (ULD sorts each row's whole distribution); use kd: csd or tp = cp "
+                f"= 1."
+            )
         for key in ("steps", "micro_batch_rows", "window_shards"):
             _int(key, getattr(self, key), 1)
         _int("prefetch_steps", self.prefetch_steps, 0)

@@ -2,8 +2,11 @@
 
 It runs the same way in one process, under ``torchrun`` on a laptop (gloo) and in a PyTorchJob
 pod (NCCL): the process group comes from the environment when ``WORLD_SIZE`` > 1, the device
-from ``LOCAL_RANK``, and the student is wrapped in DDP in one place (:meth:`Trainer.setup`).
-Every data-parallel rank is one process today (``dp = world size``).
+from ``LOCAL_RANK``, and the student is spread over the ranks by ``parallel``
+(:mod:`crosskd.layout`: DDP, FSDP2, a vocabulary-parallel head, position windows) in one
+place (:func:`crosskd.train.parallelize.parallelize`). The ``dp`` data-parallel shards each read
+their slice of every step's rows; the ``cp x tp`` ranks of a shard read the same rows and feed
+their slice of the logits to the sharded loss (:mod:`crosskd.loss.parallel`).
 
 One optimizer step: the step's packed rows (``global_batch_rows`` of them, a deterministic order
 fixed by the data, the seed and the global batch: :mod:`crosskd.train.order`) are split into
@@ -18,11 +21,13 @@ stops the run with an error naming the step and the term, before the optimizer s
 last good checkpoint.
 
 Resume: rank 0 reads which checkpoint is the latest and broadcasts its step; every rank loads
-that checkpoint (so ``output`` must be storage every rank sees) and the run refuses to go on
-with another data order. Held-out evaluation (``eval_data``): bits per byte of the student, each
-rank scoring its share of the samples, logged, exported, and the best student kept under
-``best/``. Model folders (``final/``, ``best/``) hold ``crosskd-model.json`` (written last:
-the step, the held-out figure and the best step).
+its part of that checkpoint, whatever layout wrote it (so ``output`` must be storage every rank
+sees; :mod:`crosskd.train.checkpoint`), and the run refuses to go on with another data order.
+Held-out evaluation (``eval_data``, unsharded students only): bits per byte of the student,
+each rank scoring its share of the samples, logged, exported, and the best student kept under
+``best/``. Model folders (``final/``, ``best/``) are gathered one tensor at a time
+(:mod:`crosskd.train.export`) and hold ``crosskd-model.json`` (written last: the step, the
+held-out figure and the best step).
 """
 
 from __future__ import annotations
@@ -53,14 +58,24 @@ from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_ta
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
 from crosskd.loss.objective import term_names
+from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
 from crosskd.teacher.model import model_folder
 from crosskd.tokenization import load_tokenizer
-from crosskd.train.attention import packed_inputs
-from crosskd.train.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from crosskd.train.attention import FLASH, packed_inputs
+from crosskd.train.checkpoint import (
+    begin_checkpoint,
+    latest_step,
+    load_checkpoint,
+    publish_checkpoint,
+    write_parts,
+)
 from crosskd.train.config import INIT, TrainConfig
+from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
+from crosskd.train.mesh import build_train_mesh
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
+from crosskd.train.parallelize import parallelize, state_bytes
 from crosskd.train.teachers import load_teachers
 
 log = logging.getLogger(__name__)
@@ -164,8 +179,9 @@ class Trainer:
         for source in self.teachers.sources:
             if source.cache is not None:
                 source.cache.keep_shards = 2 * cfg.window_shards
-        self.global_batch, self.accum = cfg.batch_layout(self.world)
+        self.global_batch, self.accum = cfg.batch_layout(self.layout.dp)
         self._student()
+        self.state_bytes: dict[str, int] | None = None
         self.best: dict | None = None
         self.start = self._resume()
         self.done = self.start
@@ -173,6 +189,12 @@ class Trainer:
         self.eval_sequences = self.eval_targets = None
         self.last_heldout: tuple[int, float | None] = (-1, None)
         if cfg.eval_data is not None:
+            if self.layout.dp_shard > 1 or self.layout.model_parallel > 1:
+                raise ConfigError(
+                    f"eval_data is set with parallel {self.layout.to_json()}: held-out "
+                    f"evaluation runs on whole, unsharded students only (dp_shard, cp and tp "
+                    f"1); evaluate final/ with crosskd evaluate, or drop eval_data."
+                )
             heldout = load_prepared(cfg.eval_data, fingerprints=fingerprints)
             self.eval_sequences = prepared_sequences(heldout, "student")
             self.eval_targets = prepared_targets(heldout, "student", self.student_tok)
@@ -212,6 +234,9 @@ class Trainer:
         self.rank, self.world = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         )
+        self.mesh = self._together("build the parallel layout",
+                                   lambda: build_train_mesh(self.config.parallel, self.device))
+        self.layout = self.mesh.layout
 
     def _student(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -233,13 +258,19 @@ class Trainer:
             )  # fmt: skip
         self.model.to(self.device).train()
         self.attention = self.model.config._attn_implementation
-        self.vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        if self.layout.cp > 1 and self.attention in FLASH:
+            raise ConfigError(
+                f"parallel.cp is {self.layout.cp} with attn_implementation "
+                f"{self.attention!r}, which runs a micro-batch as one row; windows of positions "
+                f"need eager or sdpa attention."
+            )
+        self.student = self._together("spread the student over the ranks", lambda: parallelize(
+            self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing))
+        self.wrapped = self.student.wrapped
+        self.vocab = self.student.vocab
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
-        self.wrapped = self.model
-        if self.world > 1:
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model)
 
     def _resume(self) -> int:
         """Rank 0 decides the step to resume from (its latest complete checkpoint) and
@@ -251,14 +282,14 @@ class Trainer:
         if code == -1:
             return 0
         state = self._together(f"load checkpoint step {code} of {uri}",
-                               lambda: load_checkpoint(uri, code, self.model, self.optimizer))
+                               lambda: load_checkpoint(uri, code, self.student, self.optimizer))
         for group in self.optimizer.param_groups:  # moments from the checkpoint, settings not
             group["weight_decay"] = cfg.weight_decay
         recorded = state.get("data_order") or {}
         if cfg.global_batch_rows is None and cfg.grad_accum is None and recorded:
             # A restart without an explicit batch keeps the one the run was started with.
             cfg.global_batch_rows = recorded.get("global_batch_rows")
-            self.global_batch, self.accum = cfg.batch_layout(self.world)
+            self.global_batch, self.accum = cfg.batch_layout(self.layout.dp)
         self._data_order().require(recorded, cfg.output)
         self.best = state.get("best")
         log.info("resumed from step %d", code)
@@ -319,7 +350,7 @@ class Trainer:
         """Read, collate and plan one micro-batch of packed rows (global numbers)."""
         sources = self.teachers.sources
         packed, where = self.read_rows(rows)
-        batch = collate(packed, n_teachers=len(sources))
+        batch = collate(packed, n_teachers=len(sources), student_multiple=self.layout.cp)
         teachers = [
             TeacherBatch(batch.models[f"teacher{i}"].input_ids, batch.chunks[i],
                          source.signal(batch, i, where))
@@ -330,26 +361,31 @@ class Trainer:
                          teacher_bytes=self.teachers.token_bytes)  # fmt: skip
         return batch, plan
 
-    def _reduce(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks (on the training device: NCCL reduces CUDA tensors only)."""
+    def _reduce(self, values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Sum over the ranks of ``group`` (all of them by default; on the training device:
+        NCCL reduces CUDA tensors only)."""
         if self.world == 1:
             return values
         out = values.detach().to(self.device, copy=True)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out.to(values.device)
 
     def _counts(self, plans: list[LossPlan]) -> StepCounts:
+        """The step's counts: this data-parallel shard's micro-batches, summed over the shards
+        (the ``cp x tp`` ranks of a shard planned the same rows)."""
         counts = plans[0].counts
         for plan in plans[1:]:
             counts = counts + plan.counts
-        values = self._reduce(torch.tensor([counts.tokens, *counts.chunks], dtype=torch.int64))
+        values = self._reduce(torch.tensor([counts.tokens, *counts.chunks], dtype=torch.int64),
+                              self.mesh.dp_group())  # fmt: skip
         tokens, *chunks = values.tolist()
         return StepCounts(tokens, tuple(chunks))
 
     def step_micro_batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches (packed-row indices) of optimizer step ``step``."""
         rows = self.shard_order.step_rows(step, self.global_batch)
-        return rank_micro_batches(rows, self.rank, self.world, self.config.micro_batch_rows)
+        return rank_micro_batches(rows, self.mesh.dp_rank, self.layout.dp,
+                                  self.config.micro_batch_rows)  # fmt: skip
 
     def step_inputs(self, step: int) -> list[tuple[Batch, LossPlan]]:
         """This rank's micro-batches of step ``step``, read, collated and planned (what the
@@ -370,11 +406,9 @@ class Trainer:
         sums: dict[str, float] = {}
         scale = 0.0
         for m, (batch, plan) in enumerate(planned):
-            sync = m == len(planned) - 1 or self.world == 1
-            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+            with self.student.gradient_sync(m == len(planned) - 1):
                 logits = self._forward(batch.models["student"])
-                out = compute_loss(logits, plan, cfg.loss, counts,
-                                   reduce=self._reduce if self.world > 1 else None)  # fmt: skip
+                out = self._loss(logits, plan, counts)
                 for term in ("loss", "ce", "kd"):
                     value = out.totals[term]
                     if not math.isfinite(value):
@@ -386,22 +420,35 @@ class Trainer:
                         )
                 for term, value in out.totals.items():
                     totals[term] = totals.get(term, 0.0) + value
-                # DDP averages gradients over ranks; each rank's loss is its share of a sum.
-                (out.loss * self.world).backward()
+                # DDP and FSDP average gradients over the data-parallel ranks; each rank's
+                # loss is its share of a sum.
+                (out.loss * self.layout.dp).backward()
             scale = out.kd_scale
             sums = add_sums(sums, out.sums)
         # The norm before clipping (an infinite max_norm measures without clipping).
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
+        grad_norm = self.student.clip_gradients(cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
         self.optimizer.step()
+        if step == self.start:
+            self.state_bytes = state_bytes(self.student, self.optimizer)
+            log.info("rank %d holds %s MiB of parameters, gradients and optimizer state", self.rank,
+                     " + ".join(f"{v / 2**20:.1f}" for v in self.state_bytes.values()))  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
         return {**totals, "kd_scale": scale, "lr": lr_at(step, cfg),
                 "grad_norm": float(grad_norm), "tokens": float(counts.tokens),
                 } | summarize(sums)  # fmt: skip
 
+    def _loss(self, logits: torch.Tensor, plan: LossPlan, counts: StepCounts):
+        """This rank's share of a micro-batch's loss (the sharded loss where the logits are a
+        slice of the vocabulary or of the positions)."""
+        if self.mesh.loss is not None:
+            return sharded_loss(logits, plan, self.config.loss, counts, self.mesh.loss)
+        return compute_loss(logits, plan, self.config.loss, counts,
+                            reduce=self._reduce if self.world > 1 else None)  # fmt: skip
+
     def _forward(self, student) -> torch.Tensor:
-        """Logits ``[B, L, V]`` of the student's side of a batch: the call every training step
-        makes (packed rows, the attention inputs of the model's implementation, no cache)."""
+        """Logits ``[B, L / cp, V / tp]`` of the student's side of a batch: the call every
+        training step makes (packed rows, the attention inputs of the model's implementation,
+        no cache)."""
         inputs = packed_inputs(
             self.attention, student.input_ids.to(self.device),
             student.segment_ids.to(self.device), student.position_ids.to(self.device),
@@ -410,7 +457,7 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.device.type == "cuda"):  # fmt: skip
             logits = self.wrapped(use_cache=False, **inputs).logits
-        return logits.reshape(*student.input_ids.shape, -1)
+        return logits.reshape(student.input_ids.shape[0], -1, logits.shape[-1])
 
     def heldout_bits_per_byte(self) -> float:
         """The student's bits per byte on ``eval_data`` (each rank scores every world-th
@@ -483,8 +530,11 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         uri = f"{self.config.output}/checkpoints"
         started = time.perf_counter()
-        self._on_rank0(f"write checkpoint step {step} to {uri}", lambda: save_checkpoint(
-            uri, step, self.model, self.optimizer,
+        what = f"write checkpoint step {step} to {uri}"
+        self._on_rank0(what, lambda: begin_checkpoint(uri, step))
+        self._together(what, lambda: write_parts(uri, step, self.student, self.optimizer))
+        self._on_rank0(what, lambda: publish_checkpoint(
+            uri, step, self.student, self.optimizer,
             {"seed": self.config.seed, "data_order": self.order.to_json(), "best": self.best},
             keep=self.config.keep_checkpoints,
         ))  # fmt: skip
@@ -507,23 +557,26 @@ class Trainer:
         return path
 
     def _publish(self, path: str, step: int, heldout: float | None) -> None:
-        """Write the student to ``path`` as a model folder: every file into ``path.tmp``, then
-        renamed, ``crosskd-model.json`` last (rank 0; the others wait)."""
+        """Write the student to ``path`` as a model folder: gathered by every rank into a local
+        folder of rank 0, every file copied into ``path.tmp``, then renamed,
+        ``crosskd-model.json`` last (rank 0; the others wait)."""
         info = {"step": step, "heldout_bits_per_byte": heldout, "best": self.best,
                 "data_order": self.order.to_json()}  # fmt: skip
-        self._on_rank0(f"write the model folder {path}", lambda: self._write_model(path, info))
+        with tempfile.TemporaryDirectory() as local:
+            self._together(f"gather the model for {path}", lambda: save_gathered(
+                self.student, Path(local) if self.rank == 0 else None))  # fmt: skip
+            self._on_rank0(f"write the model folder {path}",
+                           lambda: self._write_model(path, Path(local), info))  # fmt: skip
 
-    def _write_model(self, path: str, info: dict) -> None:
+    def _write_model(self, path: str, local: Path, info: dict) -> None:
         fs, root = fsspec.core.url_to_fs(path)
         staging = f"{root}.tmp"
         if fs.exists(staging):
             fs.rm(staging, recursive=True)
         fs.makedirs(staging, exist_ok=True)
-        with tempfile.TemporaryDirectory() as local:
-            self.model.save_pretrained(local, safe_serialization=True)
-            self.student_tok.hf.save_pretrained(local)
-            for file in sorted(Path(local).iterdir()):
-                fs.put_file(str(file), f"{staging}/{file.name}")
+        self.student_tok.hf.save_pretrained(str(local))
+        for file in sorted(local.iterdir()):
+            fs.put_file(str(file), f"{staging}/{file.name}")
         if fs.exists(root):
             fs.rm(root, recursive=True)
         move_folder(fs, staging, root)

@@ -1,0 +1,172 @@
+"""Parallel layouts of the student in real gloo processes against one process: FSDP2
+(``dp_shard``), the vocabulary-parallel head and embedding (``tp``), position windows (``cp``),
+``dp_shard x tp`` on 4 ranks; checkpoints written under one layout resumed under others; the
+bytes each rank holds; the final model gathered from the shards; bad layouts refused by key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_inputs import train_config
+from train_workers import run_ddp
+
+from crosskd.errors import ConfigError
+from crosskd.layout import ParallelLayout
+from crosskd.train import TrainConfig, Trainer
+from crosskd.train.mesh import TrainMesh
+from crosskd.train.parallelize import parallelize
+
+KEYS = ("loss", "ce", "kd", "kd_scale", "grad_norm", "tokens")
+
+
+def _config(setup, output, **kw) -> TrainConfig:
+    return train_config(setup, output, checkpoint_every=2, **kw)
+
+
+def _single(config: TrainConfig) -> tuple[list[dict], Trainer]:
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    history = trainer.train()
+    trainer.save()
+    trainer.close()
+    return history, trainer
+
+
+def _same_curve(got: list[dict], want: list[dict], rel: float = 1e-5) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for key in KEYS:
+            assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-7), key
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "final" / "model.safetensors"))
+
+
+def _rank(out, name: str, rank: int) -> dict:
+    return json.loads((out / f"{name}-rank{rank}.json").read_text())
+
+
+def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_path):
+    """Each layout on 2 gloo ranks: the curve of one process to 1e-5 (loss, its terms, the
+    gradient norm) and the same final model (gathered from FSDP2 shards and vocabulary slices
+    one tensor at a time); under FSDP2 each rank holds half the parameter, gradient and AdamW
+    bytes, the two halves adding up to the one-process figure."""
+    want, single = _single(_config(train_inputs, tmp_path / "one"))
+    runs = [
+        ("fsdp", _config(train_inputs, tmp_path / "fsdp", micro_batch_rows=1,
+                         parallel={"dp_shard": 2})),
+        ("tp", _config(train_inputs, tmp_path / "tp", parallel={"tp": 2})),
+        ("cp", _config(train_inputs, tmp_path / "cp", parallel={"cp": 2})),
+    ]  # fmt: skip
+    run_ddp([(name, config, None) for name, config in runs], tmp_path)
+    reference = _weights(tmp_path / "one")
+    for name, _ in runs:
+        for rank in (0, 1):
+            _same_curve(_rank(tmp_path, name, rank)["history"], want)
+        got = _weights(tmp_path / name)
+        assert sorted(got) == sorted(reference), name
+        for key, value in reference.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    whole = single.state_bytes
+    halves = [_rank(tmp_path, "fsdp", r)["state_bytes"] for r in (0, 1)]
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert max(h[kind] for h in halves) <= 0.55 * whole[kind], kind
+    # The shards partition the tensors; only AdamW's step counts (a float32 scalar per
+    # parameter) are held whole by every rank.
+    steps = 4 * len(list(single.model.parameters()))
+    assert [halves[0][k] + halves[1][k] for k in ("parameters", "gradients", "optimizer")] == [
+        whole["parameters"], whole["gradients"], whole["optimizer"] + steps]
+    # tp = 2: each rank holds half the (tied) embedding and head; the decoder layers whole.
+    vocab_bytes = single.model.get_input_embeddings().weight.numel() * 4
+    tp_bytes = _rank(tmp_path, "tp", 0)["state_bytes"]["parameters"]
+    assert tp_bytes == whole["parameters"] - vocab_bytes // 2
+
+
+def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_path):
+    """``dp_shard=2 x tp=2`` on 4 ranks trains like one process; its step-2 checkpoint (each
+    rank's own parts) resumes under ``dp_shard=4`` and in one process with an identical
+    continuation, and loads in one process to the parameters and AdamW state of the
+    one-process run's own step-2 checkpoint."""
+    # One micro-batch of 4 rows per step on every layout (kd_scale is the last micro-batch's).
+    global_batch = {"global_batch_rows": 4}
+    want, _ = _single(_config(train_inputs, tmp_path / "one", micro_batch_rows=4, **global_batch))
+    grid = _config(train_inputs, tmp_path / "grid", micro_batch_rows=2,
+                   parallel={"dp_shard": 2, "tp": 2}, **global_batch)  # fmt: skip
+    reshard = _config(train_inputs, tmp_path / "grid", micro_batch_rows=1,
+                      parallel={"dp_shard": 4}, **global_batch)  # fmt: skip
+    run_ddp([("grid", grid, 2), ("reshard", reshard, None)], tmp_path, world=4)
+    for rank in range(4):
+        _same_curve(_rank(tmp_path, "grid", rank)["history"], want[:2])
+        resumed = _rank(tmp_path, "reshard", rank)
+        assert resumed["start"] == 2
+        _same_curve(resumed["history"], want[2:])
+    written = json.loads((tmp_path / "grid/checkpoints/step-0000002/index.json").read_text())
+    assert written["ranks"] == 4 and written["layout"]["tp"] == 2
+    head = written["tensors"]["model.model.embed_tokens.weight"]
+    assert sorted(p["offset"][0] for p in head["parts"]) == [0, 83, 165, 248]  # 330 = 2 x 165
+    # The 4-rank checkpoint in one process: the one-process run's own step-2 state.
+    alone = tmp_path / "alone" / "checkpoints"
+    shutil.copytree(tmp_path / "grid/checkpoints/step-0000002", alone / "step-0000002")
+    (alone / "latest.json").write_text(json.dumps({"step": 2, "path": "step-0000002"}))
+    loaded = Trainer(_config(train_inputs, tmp_path / "alone", micro_batch_rows=4,
+                             **global_batch), progress=False)  # fmt: skip
+    loaded.setup()
+    mine = Trainer(_config(train_inputs, tmp_path / "mine", micro_batch_rows=4, steps=2,
+                           **global_batch), progress=False)  # fmt: skip
+    mine.setup()
+    mine.train()
+    for (name, a), b in zip(loaded.model.named_parameters(), mine.model.parameters(), strict=True):
+        # Float32 rounding of other reduction orders, through two AdamW steps of lr 3e-3.
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            x, y = loaded.optimizer.state[a][key], mine.optimizer.state[b][key]
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4 * float(y.abs().max()),
+                                       msg=f"{name} {key}")  # fmt: skip
+    _same_curve(loaded.train(), want[2:])
+    loaded.close()
+    mine.close()
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world", "message"),
+    [
+        ({"dp_shard": 0}, 1, r"parallel.dp_shard is 0; it must be an integer >= 1"),
+        ({"tp": 3}, 2, r"parallel.dp_shard \* parallel.cp \* parallel.tp = 1 \* 1 \* 3 = 3 "
+                       r"does not divide the 2 processes"),
+        ({"dp_replicate": 2, "dp_shard": 2}, 2, r"parallel.dp_replicate \* parallel.dp_shard \* "
+                                                r"parallel.cp \* parallel.tp = 2 \* 2 \* 1 \* 1 "
+                                                r"= 4, but there are 2 processes"),
+        ({"pp": 2}, 1, r"parallel: unknown key\(s\) pp; known keys: dp_replicate, dp_shard"),
+    ],
+)  # fmt: skip
+def test_bad_layouts_are_refused_by_key(parallel, world, message):
+    with pytest.raises(ConfigError, match=message):
+        config = TrainConfig(student="s", data="d", output="o", teachers=["c"], parallel=parallel)
+        config.parallel.resolved(world)
+
+
+def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, tmp_path):
+    """A vocabulary that tp does not divide, ULD with split logits, held-out evaluation of a
+    sharded student: each refused with the key to change (the last in 2 real ranks)."""
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ConfigError, match=r"parallel.tp / parallel.cp split the logits, which "
+                                          r"loss.kd 'uld'"):  # fmt: skip
+        train_config(train_inputs, tmp_path / "a", parallel={"tp": 2},
+                     loss={"kd": "uld", "teachers": [{}]})  # fmt: skip
+    layout = ParallelLayout(tp=4).resolved(4)
+    assert layout.dp_replicate == 1 and layout.dp == 1 and layout.model_parallel == 4
+    model = AutoModelForCausalLM.from_pretrained(train_inputs["student"])  # 330 entries
+    with pytest.raises(ConfigError, match=r"vocabulary has 330 entries, which parallel.tp = 4 "
+                                          r"does not divide"):  # fmt: skip
+        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None, None))
+    config = train_config(train_inputs, tmp_path / "eval", micro_batch_rows=1,
+                          parallel={"dp_shard": 2}, eval_data=train_inputs["heldout"])  # fmt: skip
+    with pytest.raises(AssertionError, match=r"held-out evaluation runs on whole, unsharded "
+                                             r"students only"):  # fmt: skip
+        run_ddp([("eval", config, None)], tmp_path, timeout=120)
