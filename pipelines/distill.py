@@ -117,7 +117,8 @@ def distill(
     ``job``: any other JobConfig key of the training PyTorchJob (tolerations, node selector,
     ...; its pods get ``s3_secret`` unless ``job`` names another); ``executor``: ``cluster`` (a
     PyTorchJob), ``local`` (the local executor, this machine) or ``inprocess``; ``score_gpus``
-    GPUs per scoring and evaluation pod (0: CPU); ``metrics_port``: the port the prepare and
+    GPUs per scoring and evaluation pod (0: CPU; > 1: each teacher sharded over the pod's GPUs,
+    :mod:`crosskd.teacher.sharded`); ``metrics_port``: the port the prepare and
     scoring pods serve ``/metrics`` on (the step PodMonitor of ``manifests/monitoring`` scrapes
     it; 0: a free port, -1: not served)."""
     inputs = validate_inputs(

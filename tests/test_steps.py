@@ -57,11 +57,11 @@ def _part(start: int, stop: int, total: int, **extra) -> dict:
               "tokenizer": {"name": "t", "fingerprint": "g"},
               "data": {"uri": "d", "fingerprint": "h", "teacher": "teacher0"},
               "config": {"k": 4, "tau": 1.0, "encoding": "lossless"}}  # fmt: skip
+    digest = extra.pop("sha256", None)  # every shard's digest (default: its index)
     shards = [{"path": f"part-{i:05d}.parquet", "samples": 1, "tokens": 10 * (i + 1),
-               "sha256": str(i), "bytes": 100} for i in range(start, stop)]  # fmt: skip
-    return {"start": start, "stop": stop, "total": total, **header,
-            "nll_bits": 8.0 * (stop - start), "predicted_bytes": 4 * (stop - start),
-            "shards": shards,
+               "sha256": digest or str(i), "bytes": 100, "nll_bits": 8.0,
+               "predicted_bytes": 4} for i in range(start, stop)]  # fmt: skip
+    return {"start": start, "stop": stop, "total": total, **header, "shards": shards,
             "samples": stop - start} | extra  # fmt: skip
 
 
@@ -83,13 +83,23 @@ def test_merging_scored_ranges_writes_one_manifest(tmp_path):
     assert (manifest["k"], manifest["tau"], manifest["encoding"]) == (4, 1.0, "lossless")
 
 
+def test_ranges_split_otherwise_by_a_rerun_merge_once_per_shard(tmp_path):
+    """0..1 from one run, 1..2 from a rerun split otherwise: shard 1 counted once."""
+    uri = _write_parts(tmp_path / "c", [_part(0, 2, 3), _part(1, 3, 3)])
+    (merged,) = steps.merge_caches([{"index": 0, "cache": uri}])
+    assert merged["tokens"] == 10 + 20 + 30
+    assert merged["bits_per_byte"] == pytest.approx(24.0 / 12)
+
+
 @pytest.mark.parametrize("parts, message", [
-    ([(0, 1), (2, 3)], r"do not cover the 3 shards once \(a gap or an overlap at shard 1\)"),
-    ([(0, 2), (1, 3)], r"a gap or an overlap at shard 2"),
+    ([(0, 1), (2, 3)], r"shards 1..1 are not scored yet"),
+    ([(0, 2), (1, 3, "other")], r"shard 1 is recorded twice with different digests"),
     ([(0, 2)], r"shards 2..2 are not scored yet"),
+    ([(0, 1)], r"shards 1..2 are not scored yet"),
 ])  # fmt: skip
 def test_merging_refuses_gaps_overlaps_and_missing_ranges(tmp_path, parts, message):
-    uri = _write_parts(tmp_path / "c", [_part(a, b, 3) for a, b in parts])
+    uri = _write_parts(tmp_path / "c", [_part(a, b, 3, **({"sha256": p[0]} if p else {}))
+                                        for a, b, *p in parts])  # fmt: skip
     with pytest.raises(CrosskdError, match=message):
         steps.merge_caches([{"index": 0, "cache": uri}])
     assert not (tmp_path / "c" / "manifest.json").exists()

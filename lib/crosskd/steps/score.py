@@ -50,12 +50,14 @@ def cache_uri(root: str, data: str, teacher: dict[str, Any], *, k: int, tau: flo
 
 
 def score_teacher(job: dict[str, Any], *, progress: bool = True, metrics_port: int | None = None,
-                  final_scrape_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
+                  final_scrape_s: float = 30.0, processes: int = 1) -> dict[str, Any]:  # fmt: skip
     """Score the shard range of ``job`` (:func:`plan_scoring`) with the job's teacher into its
     cache (:func:`cache_uri`); returns ``{"index", "cache", "start", "stop", "samples"}``. A
     range scored before returns at once; an interrupted one resumes. ``metrics_port``: serve
     the scoring metrics (:class:`crosskd.metrics.steps.ScoringMetrics`) there while it runs
-    (0: a free port; None: not served), ``final_scrape_s`` seconds at most for a last scrape."""
+    (0: a free port; None: not served), ``final_scrape_s`` seconds at most for a last scrape.
+    ``processes`` > 1: the teacher sharded over that many processes, one per GPU of the pod
+    (:mod:`crosskd.teacher.sharded`; the metrics then count the range's shards at its end)."""
     from crosskd.metrics.steps import ScoringMetrics, served
     from crosskd.teacher.scoring import ScoreConfig, score_shards
 
@@ -67,11 +69,18 @@ def score_teacher(job: dict[str, Any], *, progress: bool = True, metrics_port: i
                     token_budget=budget, device=device)  # fmt: skip
     config = ScoreConfig(data=job["data"], teacher=teacher["ref"], output=uri,
                          teacher_index=int(teacher["index"]), k=k, tau=tau, encoding=encoding,
-                         token_budget=budget, device=device)  # fmt: skip
+                         token_budget=budget, device=device, processes=processes)  # fmt: skip
     metrics = ScoringMetrics(f"teacher{int(teacher['index'])}")
+    start, stop = int(job["start"]), int(job["stop"])
     with served(metrics, metrics_port, "score_teacher", final_scrape_s):
-        part = score_shards(config, int(job["start"]), int(job["stop"]), progress=progress,
-                            metrics=metrics)  # fmt: skip
+        if processes > 1:
+            from crosskd.teacher.sharded import score_on_processes
+
+            metrics.shards.set(stop - start)
+            part = score_on_processes(config, start, stop, progress=progress)
+            metrics.shards_done.set(stop - start)
+        else:
+            part = score_shards(config, start, stop, progress=progress, metrics=metrics)
     return {"index": int(teacher["index"]), "cache": uri, "start": part["start"],
             "stop": part["stop"], "samples": part["samples"]}  # fmt: skip
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,9 @@ class TeacherError(CrosskdError):
 @dataclass(frozen=True, eq=False)
 class LoadedTeacher:
     """A teacher ready to score: ``model`` (eval mode, on ``device`` in ``dtype``), ``name``
-    (the reference), ``folder`` (local), ``fingerprint`` and ``vocab_size`` (output rows)."""
+    (the reference), ``folder`` (local), ``fingerprint`` and ``vocab_size`` (output rows);
+    ``lockstep``: for a teacher sharded over processes, called before every forward pass
+    (:class:`crosskd.teacher.sharded.Lockstep`)."""
 
     name: str
     folder: Path
@@ -39,6 +42,7 @@ class LoadedTeacher:
     vocab_size: int
     device: torch.device
     dtype: torch.dtype
+    lockstep: Callable[[], None] | None = None
 
 
 def default_device() -> torch.device:
@@ -51,6 +55,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def teacher_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype a teacher is loaded in on ``device``: ``dtype`` (a name such as ``bfloat16``,
+    or a torch dtype), or :func:`default_dtype`."""
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise TeacherError(f"dtype {dtype!r} is not a torch dtype (float32, bfloat16, ...).")
+        dtype = getattr(torch, dtype)
+    return dtype or default_dtype(device)
 
 
 def load_teacher(
@@ -76,11 +90,7 @@ def load_teacher(
             f"True)."
         )
     device = torch.device(device) if device is not None else default_device()
-    if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise TeacherError(f"dtype {dtype!r} is not a torch dtype (float32, bfloat16, ...).")
-        dtype = getattr(torch, dtype)
-    dtype = dtype or default_dtype(device)
+    dtype = teacher_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=dtype, use_safetensors=True, local_files_only=True,
         trust_remote_code=trust_remote_code,

@@ -86,9 +86,17 @@ class ScoreConfig:
     """``float32``, ``bfloat16``, ... (default: bfloat16 on GPU, float32 on CPU)."""
     trust_remote_code: bool = False
     """Passed to transformers; off unless you trust the model's code."""
+    processes: int = 1
+    """Processes that share the teacher (one per GPU of the pod): its weights are sharded over
+    them (FSDP2, each holds ~1/N) and each scores its own contiguous part of the shards
+    (:mod:`crosskd.teacher.sharded`). The stored numbers do not depend on it."""
 
     def check(self) -> None:
         """Refuse bad values naming the key."""
+        if isinstance(self.processes, bool) or not isinstance(self.processes, int) or (
+            self.processes < 1
+        ):  # fmt: skip
+            raise CrosskdError(f"processes is {self.processes!r}; it must be an integer >= 1.")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise CrosskdError(f"k is {self.k!r}; the cache stores a top K, so k must be >= 1.")
         if not isinstance(self.tau, int | float) or not math.isfinite(self.tau) or self.tau <= 0:
@@ -122,6 +130,8 @@ def score_sequences(
         ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         mask[b, : len(seq)] = 1
     ids, mask = ids.to(teacher.device), mask.to(teacher.device)
+    if teacher.lockstep is not None:
+        teacher.lockstep()
     logits = teacher.model(input_ids=ids, attention_mask=mask).logits
     if logits.shape[-1] != teacher.vocab_size:
         raise SignalError(
@@ -180,14 +190,20 @@ def budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 def score(config: ScoreConfig, *, progress: bool = True) -> dict:
     """Score every sample of the prepared data and write the cache; returns its manifest
-    (:func:`score_shards` over every shard, then :func:`merge_cache`)."""
-    score_shards(config, progress=progress)
+    (:func:`score_shards` over every shard, in ``config.processes`` processes, then
+    :func:`merge_cache`)."""
+    if config.processes > 1:
+        from crosskd.teacher.sharded import score_on_processes
+
+        score_on_processes(config, 0, None, progress=progress)
+    else:
+        score_shards(config, progress=progress)
     return merge_cache(config.output)
 
 
 def score_shards(
     config: ScoreConfig, start: int = 0, stop: int | None = None, *, progress: bool = True,
-    metrics: ScoringMetrics | None = None,
+    metrics: ScoringMetrics | None = None, teacher: LoadedTeacher | None = None,
 ) -> dict:
     """Score the prepared shards ``start .. stop - 1`` (``stop`` None: to the last) into the
     cache at ``config.output`` and record them in ``parts/START-STOP.json`` (written last);
@@ -195,7 +211,8 @@ def score_shards(
     pod), followed by :func:`merge_cache`, write the same cache as :func:`score`. A range whose
     record exists returns it once the run's values are checked (the teacher is loaded); an
     interrupted one keeps its finished shards. ``metrics``: counted as shards are scored (and
-    served by the caller; default: counted, not served)."""
+    served by the caller; default: counted, not served). ``teacher``: the loaded teacher
+    (default: loaded here from ``config``)."""
     config.check()
     fs, root = fsspec.core.url_to_fs(config.output)
     prepared = load_prepared(config.data)
@@ -214,15 +231,12 @@ def score_shards(
             f"teacher_index is {config.teacher_index}, but prepared data {config.data} has "
             f"teachers {', '.join(n for n in models if n != 'student')}."
         )
-    teacher = load_teacher(config.teacher, device=config.device, dtype=config.dtype,
-                           trust_remote_code=config.trust_remote_code)  # fmt: skip
+    if teacher is None:
+        teacher = load_teacher(config.teacher, device=config.device, dtype=config.dtype,
+                               trust_remote_code=config.trust_remote_code)  # fmt: skip
     tokenizer = _check_tokenizer(teacher, models[name], config)
-    # Everything that changes the stored numbers: a rerun must match to resume.
-    run = {"config_fingerprint": config.fingerprint(),
-           "data_fingerprint": prepared.manifest["data_fingerprint"],
-           "teacher_fingerprint": teacher.fingerprint, "device_type": teacher.device.type,
-           "dtype": str(teacher.dtype), "token_budget": config.token_budget}  # fmt: skip
-    start_run(fs, f"{root}/{RUN}", config.output, run, what="a cache", activity="scoring")
+    begin_cache(config, prepared.manifest["data_fingerprint"], teacher.fingerprint,
+                teacher.device, teacher.dtype)  # fmt: skip
     part_path = f"{root}/{PARTS}/{start:05d}-{stop:05d}.json"
     metrics.shards.set(stop - start)
     if fs.exists(part_path):
@@ -235,7 +249,6 @@ def score_shards(
     whole = (start, stop) == (0, total)
     bar = tqdm(total=models[name]["tokens"] if whole else None, desc=f"score {name}", unit="tok",
                unit_scale=True, disable=not progress)  # fmt: skip
-    nll_bits, predicted_bytes = 0.0, 0
     for i in range(start, stop):
         shard = prepared.manifest["shards"][i]
         path = f"{root}/{shard['path']}"
@@ -257,13 +270,13 @@ def score_shards(
             metrics.tokens.inc(sum(len(x) for x in ids))
             metrics.bytes.inc(len(payload))
             metrics.shard_seconds.observe(time.perf_counter() - started)
-        for seq, sig in zip(ids, signals, strict=True):
-            nll_bits -= float(sig.realized_t1.astype(np.float64).sum()) / math.log(2)
-            predicted_bytes += int(bytes_of[seq[1:]].sum())
         n_samples += len(sample_ids)
         shards.append({
             "path": shard["path"], "samples": len(samples), "tokens": sum(len(x) for x in ids),
             "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
+            "nll_bits": -sum(float(sig.realized_t1.astype(np.float64).sum())
+                             for sig in signals) / math.log(2),
+            "predicted_bytes": sum(int(bytes_of[seq[1:]].sum()) for seq in ids),
         })  # fmt: skip
         bar.update(shards[-1]["tokens"])
         metrics.shards_done.inc()
@@ -276,7 +289,6 @@ def score_shards(
         "data": {"uri": config.data, "fingerprint": prepared.manifest["data_fingerprint"],
                  "teacher": name},
         "config": asdict(config) | {"fingerprint": config.fingerprint()},
-        "nll_bits": nll_bits, "predicted_bytes": predicted_bytes,
         "shards": shards, "samples": n_samples,
     }  # fmt: skip
     fs.makedirs(f"{root}/{PARTS}", exist_ok=True)
@@ -286,10 +298,22 @@ def score_shards(
     return part
 
 
+def begin_cache(config: ScoreConfig, data_fingerprint: str, teacher_fingerprint: str,
+                device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+    """Write the cache's ``run.json`` (or check it against a resumed run's): everything that
+    changes the stored numbers, so a rerun must match to resume."""
+    run = {"config_fingerprint": config.fingerprint(), "data_fingerprint": data_fingerprint,
+           "teacher_fingerprint": teacher_fingerprint, "device_type": device.type,
+           "dtype": str(dtype), "token_budget": config.token_budget}  # fmt: skip
+    fs, root = fsspec.core.url_to_fs(config.output)
+    start_run(fs, f"{root}/{RUN}", config.output, run, what="a cache", activity="scoring")
+
+
 def merge_cache(output: str) -> dict:
     """Write the cache manifest at ``output`` from the range records of :func:`score_shards`,
-    which must cover every shard of the data once; returns the manifest (at once when it
-    exists)."""
+    which must cover every shard of the data (ranges may overlap where a rerun split them
+    otherwise: a shard recorded twice must have the same digest); returns the manifest (at
+    once when it exists)."""
     fs, root = fsspec.core.url_to_fs(output)
     if fs.exists(f"{root}/{MANIFEST}"):
         return json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
@@ -298,30 +322,35 @@ def merge_cache(output: str) -> dict:
         raise CrosskdError(f"teacher cache {output}: no scored shard ranges under {PARTS}/; run "
                            f"`crosskd score` (or the score step) first.")  # fmt: skip
     parts = sorted((json.loads(fs.cat_file(p)) for p in paths), key=lambda p: p["start"])
-    total, covered = parts[0]["total"], 0
-    ranges = ", ".join(f"{p['start']}..{p['stop'] - 1}" for p in parts)
+    total = parts[0]["total"]
+    by_index: dict[int, dict] = {}
     for part in parts:
-        if part["start"] != covered or part["total"] != total:
-            raise CrosskdError(
-                f"teacher cache {output}: the scored ranges {ranges} do not cover the "
-                f"{total} shards once (a gap or an overlap at shard {covered}); "
-                f"score the missing range."
-            )
         for key in ("teacher", "tokenizer", "data", "config"):
             if part[key] != parts[0][key]:
                 raise CrosskdError(
                     f"teacher cache {output}: shard ranges were scored with another {key}; "
                     f"delete the cache and score it again."
                 )
-        covered = part["stop"]
-    if covered != total:
-        raise CrosskdError(f"teacher cache {output}: shards {covered}..{total - 1} are not "
-                           f"scored yet; score that range, then merge.")  # fmt: skip
+        if part["total"] != total:
+            raise CrosskdError(f"teacher cache {output}: shard ranges were scored from data of "
+                               f"{part['total']} and {total} shards; delete the cache and score "
+                               f"it again.")  # fmt: skip
+        for index, entry in enumerate(part["shards"], start=part["start"]):
+            seen = by_index.setdefault(index, entry)
+            if seen["sha256"] != entry["sha256"]:
+                raise CrosskdError(
+                    f"teacher cache {output}: shard {index} is recorded twice with different "
+                    f"digests (ranges overlap); delete the cache and score it again."
+                )
+    missing = [i for i in range(total) if i not in by_index]
+    if missing:
+        raise CrosskdError(f"teacher cache {output}: shards {_ranges(missing)} are not scored "
+                           f"yet; score them, then merge.")  # fmt: skip
+    shards = [by_index[i] for i in range(total)]
     first = parts[0]
-    shards = [s for p in parts for s in p["shards"]]
     tokens = sum(s["tokens"] for s in shards)
-    nll_bits = sum(p["nll_bits"] for p in parts)
-    predicted_bytes = sum(p["predicted_bytes"] for p in parts)
+    nll_bits = sum(s["nll_bits"] for s in shards)
+    predicted_bytes = sum(s["predicted_bytes"] for s in shards)
     config = first["config"]
     manifest = {
         "kind": KIND, "format_version": FORMAT_VERSION, "created_by": f"crosskd {__version__}",
@@ -333,12 +362,25 @@ def merge_cache(output: str) -> dict:
         "bits_per_byte": nll_bits / predicted_bytes if predicted_bytes else None,
         "tokens": tokens,
         "bytes_per_token": sum(s["bytes"] for s in shards) / max(tokens, 1),
-        "shards": shards, "samples": sum(p["samples"] for p in parts),
+        "shards": [{k: v for k, v in s.items() if k not in ("nll_bits", "predicted_bytes")}
+                   for s in shards],
+        "samples": sum(s["samples"] for s in shards),
     }  # fmt: skip
     fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=1).encode("utf-8"))
     log.info("merged %d shard range(s) into %s (%.1f bytes/token)", len(parts), output,
              manifest["bytes_per_token"])  # fmt: skip
     return manifest
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0..2, 5..5``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}..{b}" for a, b in runs)
 
 
 def _score_shard(
