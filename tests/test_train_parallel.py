@@ -170,3 +170,23 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     with pytest.raises(AssertionError, match=r"held-out evaluation runs on whole, unsharded "
                                              r"students only"):  # fmt: skip
         run_ddp([("eval", config, None)], tmp_path, timeout=120)
+
+
+def test_activation_checkpointing_recomputes_the_same_step(train_inputs, tmp_path):
+    """Each decoder layer recomputed in the backward pass: the same curve as keeping the
+    activations (the same arithmetic, in another order of evaluation)."""
+    want = Trainer(_config(train_inputs, tmp_path / "kept", steps=3), progress=False)
+    want.setup()
+    kept = want.train()
+    want.close()
+    again = Trainer(_config(train_inputs, tmp_path / "again", steps=3,
+                            activation_checkpointing=True), progress=False)  # fmt: skip
+    again.setup()
+    checkpointed = [m for m in again.model.modules()
+                    if getattr(m, "gradient_checkpointing", False)]  # fmt: skip
+    assert checkpointed, "no layer is checkpointed"
+    _same_curve(again.train(), kept)
+    again.close()
+    with pytest.raises(ConfigError, match=r"activation_checkpointing is 'yes'; it must be true "
+                                          r"or false"):  # fmt: skip
+        _config(train_inputs, tmp_path / "bad", activation_checkpointing="yes")

@@ -250,7 +250,11 @@ def parallelize(
     if layout.model_parallel > 1:
         sliced = _vocab_parallel(model, mesh, vocab)
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     wrapped = model
     if layout.dp_shard > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
