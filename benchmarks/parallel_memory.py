@@ -1,0 +1,109 @@
+"""What each rank holds of the student's training state under each parallel layout: the bytes
+of parameters, gradients and AdamW state (``crosskd.train.parallelize.state_bytes``) after one
+optimizer step, per rank, against one process holding all of it (measured in the same run).
+
+    python benchmarks/parallel_memory.py [--hidden-size 512] [--layers 8] [--vocab 128256]
+
+Each layout runs in real processes (gloo on CPU, torch's elastic agent) on a random-init Llama
+of the given shape (default: ~91M parameters, two thirds of them the tied 128k-row embedding of
+the Llama-3 vocabulary, the share a small cross-tokenizer student really has): the layout is
+applied by ``parallelize`` exactly as the trainer does, then one forward and backward pass of a
+batch of 2 x 128 tokens (a sum of squared logits: the bytes do not depend on the loss) and one
+AdamW step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+LAYOUTS = [
+    (1, {}),
+    (2, {"dp_shard": 2}),
+    (2, {"tp": 2}),
+    (4, {"dp_shard": 4}),
+    (4, {"dp_shard": 2, "tp": 2}),
+]
+KINDS = ("parameters", "gradients", "optimizer")
+
+
+def _rank(shape: dict, vocab: int, parallel: dict) -> dict:
+    """One rank: the layout applied, one step, what this rank holds."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from crosskd.layout import ParallelLayout
+    from crosskd.train.mesh import build_train_mesh
+    from crosskd.train.parallelize import parallelize, state_bytes
+
+    torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **shape)
+    model = LlamaForCausalLM(config)
+    student = parallelize(model, build_train_mesh(ParallelLayout(**parallel),
+                                                  torch.device("cpu")))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (2, 128), generator=torch.Generator().manual_seed(1))
+    logits = student.wrapped(input_ids=ids, use_cache=False).logits
+    logits.float().square().mean().backward()
+    optimizer.step()
+    held = state_bytes(student, optimizer)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return held
+
+
+def run_layout(processes: int, parallel: dict, shape: dict, vocab: int) -> list[dict]:
+    """Every rank's bytes under ``parallel`` on ``processes`` processes."""
+    if processes == 1:
+        return [_rank(shape, vocab, parallel)]
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from crosskd.train.launch import rendezvous
+
+    launch = LaunchConfig(nproc_per_node=processes, max_restarts=0, start_method="spawn",
+                          monitor_interval=0.5, **rendezvous({}))  # fmt: skip
+    results = elastic_launch(launch, _rank)(shape, vocab, parallel)
+    return [results[r] for r in sorted(results)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=128256)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
+             "intermediate_size": 3 * args.hidden_size, "num_attention_heads": 8,
+             "num_key_value_heads": 4}  # fmt: skip
+    rows, whole = [], None
+    for processes, parallel in LAYOUTS:
+        ranks = run_layout(processes, parallel, shape, args.vocab)
+        if whole is None:
+            whole = ranks[0]
+        worst = {k: max(r[k] for r in ranks) for k in KINDS}
+        rows.append({"processes": processes, "parallel": parallel, "per_rank_max": worst,
+                     "total": sum(worst.values()),
+                     "ratio": sum(worst.values()) / sum(whole.values())})  # fmt: skip
+    params = whole["parameters"] // 4
+    print(f"student: {params / 1e6:.1f}M parameters (hidden {args.hidden_size}, {args.layers} "
+          f"layers, vocabulary {args.vocab}, tied)")
+    print(f"{'procs':>5}  {'parallel':<26}{'params MiB':>11}{'grads MiB':>10}{'AdamW MiB':>10}"
+          f"{'total MiB':>10}{'x one':>7}")
+    for row in rows:
+        w = row["per_rank_max"]
+        print(f"{row['processes']:>5}  {json.dumps(row['parallel']):<26}"
+              f"{w['parameters'] / 2**20:>11.1f}{w['gradients'] / 2**20:>10.1f}"
+              f"{w['optimizer'] / 2**20:>10.1f}{row['total'] / 2**20:>10.1f}{row['ratio']:>7.3f}")
+    print(json.dumps({"parameters": params, "layouts": rows}))
+
+
+if __name__ == "__main__":
+    main()
