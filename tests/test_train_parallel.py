@@ -151,8 +151,8 @@ def test_bad_layouts_are_refused_by_key(parallel, world, message):
 
 
 def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, tmp_path):
-    """A vocabulary that tp does not divide, ULD with split logits, held-out evaluation of a
-    sharded student: each refused with the key to change (the last in 2 real ranks)."""
+    """A vocabulary that tp does not divide, ULD with split logits, held-out evaluation of
+    vocabulary-split logits: each refused with the key to change (the last in 2 real ranks)."""
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(ConfigError, match=r"parallel.tp / parallel.cp split the logits, which "
@@ -165,11 +165,31 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     with pytest.raises(ConfigError, match=r"vocabulary has 330 entries, which parallel.tp = 4 "
                                           r"does not divide"):  # fmt: skip
         parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None, None))
-    config = train_config(train_inputs, tmp_path / "eval", micro_batch_rows=1,
-                          parallel={"dp_shard": 2}, eval_data=train_inputs["heldout"])  # fmt: skip
-    with pytest.raises(AssertionError, match=r"held-out evaluation runs on whole, unsharded "
-                                             r"students only"):  # fmt: skip
+    config = train_config(train_inputs, tmp_path / "eval", parallel={"tp": 2},
+                          eval_data=train_inputs["heldout"])  # fmt: skip
+    with pytest.raises(AssertionError, match=r"held-out evaluation needs whole logits \(cp and "
+                                             r"tp 1\)"):  # fmt: skip
         run_ddp([("eval", config, None)], tmp_path, timeout=120)
+
+
+def test_heldout_evaluation_under_fsdp2_equals_one_process(train_inputs, tmp_path):
+    """Two FSDP2 ranks score 2 and 1 held-out samples (their forward passes in lockstep: the
+    one with fewer batches joins the other's): the one-process bits per byte, and the same
+    best/ step."""
+    want, _ = _single(_config(train_inputs, tmp_path / "one", steps=4,
+                              eval_data=train_inputs["heldout"]))  # fmt: skip
+    config = _config(train_inputs, tmp_path / "fsdp", steps=4, micro_batch_rows=1,
+                     parallel={"dp_shard": 2}, eval_data=train_inputs["heldout"])  # fmt: skip
+    run_ddp([("fsdp", config, None)], tmp_path)
+    got = _rank(tmp_path, "fsdp", 0)["history"]
+    scored = [(g["heldout_bits_per_byte"], w["heldout_bits_per_byte"])
+              for g, w in zip(got, want, strict=True) if "heldout_bits_per_byte" in w]  # fmt: skip
+    assert len(scored) == 2
+    for g, w in scored:
+        assert g == pytest.approx(w, rel=1e-5)
+    best = [json.loads((tmp_path / run / "best/crosskd-model.json").read_text())["step"]
+            for run in ("fsdp", "one")]  # fmt: skip
+    assert best[0] == best[1]
 
 
 def test_activation_checkpointing_recomputes_the_same_step(train_inputs, tmp_path):

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import numpy as np
@@ -42,12 +42,15 @@ def nll_bits_and_bytes(
     device: torch.device | str = "cpu",
     token_budget: int = 4096,
     targets: list[np.ndarray] | None = None,
+    lockstep: Any = None,
 ) -> tuple[float, int]:
     """The summed negative log likelihood in bits of the target tokens of each of
     ``sequences`` (int token ids ``[L_i]``), and those tokens' UTF-8 bytes; ``token_bytes`` int
     ``[V]``: each id's UTF-8 length; ``targets``: bool ``[L_i]`` per sequence, the tokens that
     count (their first entry is ignored: the first token has no prediction); None: every token
-    after the first."""
+    after the first. ``lockstep``: for a model sharded over processes, called before every
+    forward pass, and its ``finish()`` at the end
+    (:class:`crosskd.train.parallelize.Lockstep`)."""
     from crosskd.teacher.scoring import budget_batches
 
     was_training = model.training
@@ -65,6 +68,8 @@ def nll_bits_and_bytes(
             mask[b, : len(seq)] = 1
             counted[b, : len(seq)] = True if targets is None else torch.as_tensor(targets[i])
         ids, mask = ids.to(device), mask.to(device)
+        if lockstep is not None:
+            lockstep()
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
         # logit - logsumexp: float32 log_softmax can lose the small entries' mass next to a
         # dominant logit (up to ~5e-4 nats); logsumexp stays within a few ulps.
@@ -73,6 +78,8 @@ def nll_bits_and_bytes(
         keep = counted[:, 1:].to(lp.device)
         bits -= lp[keep].double().sum().item() / math.log(2)
         n_bytes += int(token_bytes[ids[:, 1:][keep].cpu().numpy()].sum())
+    if lockstep is not None:
+        lockstep.finish()
     model.train(was_training)
     return bits, n_bytes
 

@@ -11,7 +11,8 @@ copy in host memory at a time, sharded and moved to the GPU layer by layer as FS
 Each worker scores a contiguous part of the pod's shard range with :func:`score_shards` (its
 own range record), so every GPU computes at once on its own rows, and each row's logits stay on
 the GPU that computed them: nothing ``[tokens, V]`` is gathered. Because every forward pass is
-a collective, the workers run them in lockstep (:class:`Lockstep`): a worker whose shards are
+a collective, the workers run them in lockstep
+(:class:`~crosskd.train.parallelize.Lockstep`): a worker whose shards are
 done joins the others' passes with a one-token batch until all are done.
 
 Why this and not a layer-wise ``device_map`` (accelerate): that keeps one GPU busy at a time
@@ -41,34 +42,6 @@ from crosskd.teacher.model import (
 log = logging.getLogger(__name__)
 
 
-class Lockstep:
-    """Keeps the forward passes of the processes sharing a teacher aligned: call it before
-    every real forward pass, and :meth:`finish` when this process has no more."""
-
-    def __init__(self, teacher_model: torch.nn.Module, device: torch.device) -> None:
-        self.model = teacher_model
-        self.device = device
-
-    def _others_busy(self, busy: bool) -> bool:
-        flag = torch.tensor([int(busy)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def __call__(self) -> None:
-        self._others_busy(True)
-
-    @torch.no_grad()
-    def finish(self) -> int:
-        """Join the other processes' forward passes with a one-token batch until every
-        process is done; returns how many it joined."""
-        joined = 0
-        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        while self._others_busy(False):
-            self.model(input_ids=one, attention_mask=torch.ones_like(one))
-            joined += 1
-        return joined
-
-
 def load_sharded_teacher(config: Any, device: torch.device) -> LoadedTeacher:
     """The teacher of ``config`` (a :class:`~crosskd.teacher.scoring.ScoreConfig`) sharded with
     FSDP2 over every process of the initialised process group, loaded in turns."""
@@ -88,6 +61,8 @@ def load_sharded_teacher(config: Any, device: torch.device) -> LoadedTeacher:
             whole.model.eval()
             loaded = whole
         dist.barrier()
+    from crosskd.train.parallelize import Lockstep
+
     return LoadedTeacher(loaded.name, loaded.folder, loaded.model, loaded.fingerprint,
                          loaded.vocab_size, device, loaded.dtype,
                          Lockstep(loaded.model, device))  # fmt: skip

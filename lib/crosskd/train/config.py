@@ -96,7 +96,8 @@ class TrainConfig:
     one is complete."""
     eval_data: str | None = None
     """Prepared held-out data (for the same student tokenizer): held-out bits per byte are
-    logged and exported, and the best student is kept under ``best/``. None: no evaluation."""
+    logged and exported, and the best student is kept under ``best/``. None: no evaluation.
+    Needs whole logits: ``parallel.tp`` and ``parallel.cp`` 1."""
     eval_every: int | None = None
     """Steps between held-out evaluations (0: only at the end). None: with every checkpoint."""
     attn_implementation: str | None = None

@@ -216,6 +216,35 @@ class ParallelStudent:
         return norm
 
 
+class Lockstep:
+    """Keeps the forward passes of processes sharing an FSDP2 model aligned (each pass is a
+    collective, and each process may have another number of batches): call it before every
+    real forward pass, and :meth:`finish` when this process has no more."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def _others_busy(self, busy: bool) -> bool:
+        flag = torch.tensor([int(busy)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def __call__(self) -> None:
+        self._others_busy(True)
+
+    @torch.no_grad()
+    def finish(self) -> int:
+        """Join the other processes' forward passes with a one-token batch until every
+        process is done; returns how many it joined."""
+        joined = 0
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        while self._others_busy(False):
+            self.model(input_ids=one, attention_mask=torch.ones_like(one))
+            joined += 1
+        return joined
+
+
 @contextlib.contextmanager
 def _fsdp_no_sync(model: nn.Module):
     model.set_requires_gradient_sync(False)

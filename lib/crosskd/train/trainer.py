@@ -23,7 +23,7 @@ last good checkpoint.
 Resume: rank 0 reads which checkpoint is the latest and broadcasts its step; every rank loads
 its part of that checkpoint, whatever layout wrote it (so ``output`` must be storage every rank
 sees; :mod:`crosskd.train.checkpoint`), and the run refuses to go on with another data order.
-Held-out evaluation (``eval_data``, unsharded students only): bits per byte of the student,
+Held-out evaluation (``eval_data``; not with ``cp`` or ``tp``): bits per byte of the student,
 each rank scoring its share of the samples, logged, exported, and the best student kept under
 ``best/``. Model folders (``final/``, ``best/``) are gathered one tensor at a time
 (:mod:`crosskd.train.export`) and hold ``crosskd-model.json`` (written last: the step, the
@@ -75,7 +75,7 @@ from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
 from crosskd.train.mesh import build_train_mesh
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
-from crosskd.train.parallelize import parallelize, state_bytes
+from crosskd.train.parallelize import Lockstep, parallelize, state_bytes
 from crosskd.train.teachers import load_teachers
 
 log = logging.getLogger(__name__)
@@ -189,11 +189,11 @@ class Trainer:
         self.eval_sequences = self.eval_targets = None
         self.last_heldout: tuple[int, float | None] = (-1, None)
         if cfg.eval_data is not None:
-            if self.layout.dp_shard > 1 or self.layout.model_parallel > 1:
+            if self.layout.model_parallel > 1:
                 raise ConfigError(
                     f"eval_data is set with parallel {self.layout.to_json()}: held-out "
-                    f"evaluation runs on whole, unsharded students only (dp_shard, cp and tp "
-                    f"1); evaluate final/ with crosskd evaluate, or drop eval_data."
+                    f"evaluation needs whole logits (cp and tp 1); evaluate final/ with "
+                    f"crosskd evaluate, or drop eval_data."
                 )
             heldout = load_prepared(cfg.eval_data, fingerprints=fingerprints)
             self.eval_sequences = prepared_sequences(heldout, "student")
@@ -465,9 +465,11 @@ class Trainer:
         shares = self.eval_sequences[self.rank :: self.world]
         targets = self.eval_targets[self.rank :: self.world]
         budget = self.config.micro_batch_rows * int(self.data.manifest["models"][0]["capacity"])
+        # Under FSDP2 every forward pass is a collective: the ranks run theirs in lockstep.
+        lockstep = Lockstep(self.model, self.device) if self.layout.dp_shard > 1 else None
         bits, n_bytes = nll_bits_and_bytes(self.model, shares, self.student_tok.bytes.lengths,
                                            device=self.device, token_budget=budget,
-                                           targets=targets)  # fmt: skip
+                                           targets=targets, lockstep=lockstep)  # fmt: skip
         total = self._reduce(torch.tensor([bits, float(n_bytes)], dtype=torch.float64))
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
