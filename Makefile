@@ -48,6 +48,8 @@ bench: venv
 	$(PY) benchmarks/sharded_loss.py
 	$(PY) benchmarks/teacher.py
 	$(PY) benchmarks/metrics.py
+	$(PY) benchmarks/parallel_memory.py
+	$(PY) benchmarks/train_step.py
 
 lint: venv
 	$(PY) -m ruff check lib tests benchmarks components pipelines

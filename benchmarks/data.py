@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from inputs import write_benchmark_jsonl
 
 PREPARE = """
 import json, sys, time
@@ -43,31 +44,13 @@ print(json.dumps({"seconds": seconds, "peak_rss": int(status["VmHWM"].split()[0]
 """
 
 
-def write_text(path: Path, megabytes: float) -> int:
-    """JSON Lines of about ``megabytes`` MB of this machine's text (documents of ~1.5 kB, the
-    corpus repeated with new ids as often as needed); returns the bytes of text."""
-    from crosskd.alignment.corpus import benchmark_corpus
-
-    documents = benchmark_corpus(2_000_000, document_bytes=1536)
-    target, total, n = int(megabytes * 1e6), 0, 0
-    with path.open("w", encoding="utf-8") as f:
-        while total < target:
-            for doc in documents:
-                f.write(json.dumps({"id": f"d{n}", "text": doc}, ensure_ascii=False) + "\n")
-                total += len(doc.encode("utf-8"))
-                n += 1
-                if total >= target:
-                    break
-    return total
-
-
 def bench_prepare(sizes: list[float], work: Path) -> None:
     print("prepare (one process, Llama-3 / Qwen3 tokenizers, max_length 512, shard_rows 4096):")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = None
     for mb in sizes:
         data = work / f"text-{mb:g}MB.jsonl"
-        n_bytes = write_text(data, mb)
+        n_bytes = write_benchmark_jsonl(data, int(mb * 1e6), document_bytes=1536)
         done = subprocess.run([sys.executable, "-c", PREPARE, str(data), str(work / f"out-{mb:g}")],
                               capture_output=True, text=True, env=env)  # fmt: skip
         if done.returncode:

@@ -33,6 +33,25 @@ def rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
+def write_benchmark_jsonl(path: Path, n_bytes: int, *, document_bytes: int,
+                          pool_bytes: int = 2_000_000) -> int:  # fmt: skip
+    """JSON Lines (``{"id", "text"}``) of at least ``n_bytes`` UTF-8 bytes of text, in
+    documents of about ``document_bytes`` bytes: :func:`benchmark_corpus` of ``pool_bytes``
+    (or ``n_bytes`` where smaller), repeated with new ids as often as needed; returns the
+    bytes of text written."""
+    documents = benchmark_corpus(min(n_bytes, pool_bytes), document_bytes=document_bytes)
+    total = n = 0
+    with path.open("w", encoding="utf-8") as f:
+        while total < n_bytes:
+            for document in documents:
+                f.write(json.dumps({"id": f"d{n}", "text": document}, ensure_ascii=False) + "\n")
+                total += len(document.encode("utf-8"))
+                n += 1
+                if total >= n_bytes:
+                    break
+    return total
+
+
 def measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
     """Median seconds of ``repeat`` calls of ``step`` (after one untimed warm-up call), and the
     largest peak-memory rise."""

