@@ -289,7 +289,7 @@ def test_render_cli(tmp_path, capsys):
 def test_the_train_layout_must_fit_the_jobs_workers(tmp_path, capsys):
     """``parallel.*`` train overrides (over the train config's ``parallel:`` when render is
     given it) resolved for ``nodes * procs per node``; a layout that does not fit is refused
-    at render time in one line naming both sides."""
+    at render time in one line naming both sides, a size that is no size by its key."""
     job = JobConfig(run_id="r", image="i", nodes=4, gpus_per_node=8,
                     train_overrides=["parallel.dp_shard=8"])  # fmt: skip
     assert job_layout(job) == ParallelLayout(dp_replicate=4, dp_shard=8)
@@ -300,6 +300,8 @@ def test_the_train_layout_must_fit_the_jobs_workers(tmp_path, capsys):
                                           r"4 node\(s\) x 8 process\(es\) = 32"):  # fmt: skip
         JobConfig(run_id="r", image="i", nodes=4, gpus_per_node=8,
                   train_overrides=["parallel.dp_shard=3"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^parallel.tp is 0; it must be an integer >= 1\.$"):
+        JobConfig(run_id="r", image="i", train_overrides=["parallel.tp=0"])
     config = tmp_path / "job.yaml"
     config.write_text("run_id: r\nimage: i\nnodes: 2\ncpu_procs_per_node: 2\n")
     train = tmp_path / "train.yaml"

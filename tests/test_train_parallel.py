@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from train_inputs import train_config
-from train_workers import run_ddp
+from train_workers import run_ddp, run_ranks, sync_copies_worker
 
 from crosskd.errors import ConfigError
 from crosskd.layout import ParallelLayout
@@ -88,10 +88,11 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
 
 
 def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_path):
-    """``dp_shard=2 x tp=2`` on 4 ranks trains like one process; its step-2 checkpoint (each
-    rank's own parts) resumes under ``dp_shard=4`` and in one process with an identical
-    continuation, and loads in one process to the parameters and AdamW state of the
-    one-process run's own step-2 checkpoint."""
+    """``dp_shard=2 x tp=2``, HSDP (``dp_replicate=2 x dp_shard=2``) and ``cp=2 x tp=2`` on 4
+    ranks train like one process; the first's step-2 checkpoint (each rank's own parts) resumes
+    under ``dp_shard=4`` and in one process with an identical continuation, and loads in one
+    process to the parameters and AdamW state of the one-process run's own step-2
+    checkpoint."""
     # One micro-batch of 4 rows per step on every layout (kd_scale is the last micro-batch's).
     global_batch = {"global_batch_rows": 4}
     want, _ = _single(_config(train_inputs, tmp_path / "one", micro_batch_rows=4, **global_batch))
@@ -99,9 +100,16 @@ def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_
                    parallel={"dp_shard": 2, "tp": 2}, **global_batch)  # fmt: skip
     reshard = _config(train_inputs, tmp_path / "grid", micro_batch_rows=1,
                       parallel={"dp_shard": 4}, **global_batch)  # fmt: skip
-    run_ddp([("grid", grid, 2), ("reshard", reshard, None)], tmp_path, world=4)
+    hsdp = _config(train_inputs, tmp_path / "hsdp", micro_batch_rows=1,
+                   parallel={"dp_replicate": 2, "dp_shard": 2}, **global_batch)  # fmt: skip
+    cp_tp = _config(train_inputs, tmp_path / "cp_tp", micro_batch_rows=4,
+                    parallel={"cp": 2, "tp": 2}, **global_batch)  # fmt: skip
+    run_ddp([("grid", grid, 2), ("reshard", reshard, None), ("hsdp", hsdp, 2),
+             ("cp_tp", cp_tp, 2)], tmp_path, world=4)  # fmt: skip
     for rank in range(4):
         _same_curve(_rank(tmp_path, "grid", rank)["history"], want[:2])
+        _same_curve(_rank(tmp_path, "hsdp", rank)["history"], want[:2])
+        _same_curve(_rank(tmp_path, "cp_tp", rank)["history"], want[:2])
         resumed = _rank(tmp_path, "reshard", rank)
         assert resumed["start"] == 2
         _same_curve(resumed["history"], want[2:])
@@ -132,6 +140,24 @@ def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_
     mine.close()
 
 
+def test_copies_of_a_gradient_on_cp_and_tp_ranks_are_made_equal(tmp_path):
+    """Gradients that differ on every rank (rank + 1) after sync_copies: each whole tensor holds
+    the first value of its cp x tp ranks, each vocabulary slice the first of its cp ranks, on
+    plain tensors and on FSDP2 shards; nothing crosses the data-parallel ranks."""
+    layouts = [{"cp": 2, "tp": 2}, {"dp_shard": 2, "tp": 2}]
+    run_ranks(sync_copies_worker, (layouts, tmp_path), tmp_path, world=4, timeout=300)
+    sliced = {"model.embed_tokens.weight"}  # tied: the head's weight is the same parameter
+    for rank in range(4):
+        seen = json.loads((tmp_path / f"sync-rank{rank}.json").read_text())
+        # {cp: 2, tp: 2}: rank = 2 cp + tp; {dp_shard: 2, tp: 2}: rank = 2 dp_shard + tp.
+        cp_tp, fsdp_tp = seen["0"], seen["1"]
+        assert len(cp_tp) == len(fsdp_tp) == 1 + 2 * 9 + 1  # embedding, 2 layers, final norm
+        for name, values in cp_tp.items():
+            assert values == [rank % 2 + 1 if name in sliced else 1], (rank, name)
+        for name, values in fsdp_tp.items():
+            assert values == [rank + 1 if name in sliced else rank - rank % 2 + 1], (rank, name)
+
+
 @pytest.mark.parametrize(
     ("parallel", "world", "message"),
     [
@@ -151,8 +177,9 @@ def test_bad_layouts_are_refused_by_key(parallel, world, message):
 
 
 def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, tmp_path):
-    """A vocabulary that tp does not divide, ULD with split logits, held-out evaluation of
-    vocabulary-split logits: each refused with the key to change (the last in 2 real ranks)."""
+    """A vocabulary that tp does not divide, an embedding that is not a plain lookup under tp,
+    ULD with split logits, held-out evaluation of vocabulary-split logits: each refused with
+    the key to change (the last in 2 real ranks)."""
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(ConfigError, match=r"parallel.tp / parallel.cp split the logits, which "
@@ -165,6 +192,18 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     with pytest.raises(ConfigError, match=r"vocabulary has 330 entries, which parallel.tp = 4 "
                                           r"does not divide"):  # fmt: skip
         parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None, None))
+
+    class ScaledEmbedding(torch.nn.Embedding):  # as Gemma's: the lookup times sqrt(hidden)
+        def forward(self, ids):
+            return super().forward(ids) * self.embedding_dim**0.5
+
+    scaled = ScaledEmbedding(330, model.config.hidden_size)
+    model.set_input_embeddings(scaled)
+    plain = r"needs a plain nn.Linear head and nn.Embedding; LlamaForCausalLM has Linear and "
+    with pytest.raises(ConfigError, match=plain + "ScaledEmbedding"):
+        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None, None))
+    cp_only = ParallelLayout(cp=2).resolved(2)  # cp keeps the embedding: only the head counts
+    assert parallelize(model, TrainMesh(cp_only, 0, torch.device("cpu"), None, None, None))
     config = train_config(train_inputs, tmp_path / "eval", parallel={"tp": 2},
                           eval_data=train_inputs["heldout"])  # fmt: skip
     with pytest.raises(AssertionError, match=r"held-out evaluation needs whole logits \(cp and "

@@ -113,9 +113,16 @@ def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: i
     micro-batches and state bytes go to ``out/<name>-rank<r>.json``. Raises with the ranks'
     tracebacks when one fails, or kills them and says so when they are not done in
     ``timeout`` seconds (a hang)."""
+    run_ranks(_ddp_worker, (runs, out), out, world, timeout)
+
+
+def run_ranks(target, args: tuple, out: Path, world: int, timeout: float = 600) -> None:
+    """``target(rank, world, port, *args)`` in ``world`` fresh processes (a target writes its
+    traceback to ``out/error<rank>.txt`` and exits 1 when it fails): raises with the ranks'
+    tracebacks when one fails, or kills them and says so when they are not done in
+    ``timeout`` seconds (a hang)."""
     port = free_port()
-    procs = [SPAWN.Process(target=_ddp_worker, args=(r, world, port, runs, out))
-             for r in range(world)]  # fmt: skip
+    procs = [SPAWN.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -131,3 +138,41 @@ def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: i
     errors = [f.read_text() for f in sorted(out.glob("error*.txt"))]
     if any(p.exitcode != 0 for p in procs):
         raise AssertionError("a training rank failed:\n" + "\n".join(errors))
+
+
+def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], out: Path) -> None:
+    """For each layout: a tiny Llama spread over it, every gradient set to ``rank + 1``, then
+    :meth:`ParallelStudent.sync_copies`; writes ``{layout index: {parameter: the values its
+    local gradient holds}}`` to ``out/sync-rank<r>.json``."""
+    try:
+        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+        _quiet()
+        import torch
+        import torch.distributed as dist
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from crosskd.layout import ParallelLayout
+        from crosskd.train.mesh import build_train_mesh
+        from crosskd.train.parallelize import local_part, parallelize
+
+        dist.init_process_group("gloo")
+        seen = {}
+        for i, parallel in enumerate(layouts):
+            mesh = build_train_mesh(ParallelLayout.from_mapping(parallel), torch.device("cpu"))
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+            student = parallelize(model, mesh)
+            for _, param in student.named_parameters():
+                param.grad = torch.full_like(param, float(rank + 1))
+            student.sync_copies()
+            seen[i] = {name: sorted(set(local_part(param.grad).flatten().tolist()))
+                       for name, param in student.named_parameters()}  # fmt: skip
+        (out / f"sync-rank{rank}.json").write_text(json.dumps(seen))
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)

@@ -20,13 +20,14 @@ from crosskd.errors import ConfigError, CrosskdError
 T = TypeVar("T")
 
 
-def require_positive_ints(config: object, keys: Sequence[str]) -> None:
-    """Refuse (:class:`crosskd.errors.ConfigError`, naming the key and the value) any of
-    ``config``'s fields ``keys`` that is not an integer >= 1 (a bool is not one)."""
+def require_positive_ints(config: object, keys: Sequence[str], prefix: str = "") -> None:
+    """Refuse (:class:`crosskd.errors.ConfigError`, naming the key, after ``prefix``, and the
+    value) any of ``config``'s fields ``keys`` that is not an integer >= 1 (a bool is not
+    one)."""
     for key in keys:
         value = getattr(config, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key} is {value!r}; it must be an integer >= 1.")
+            raise ConfigError(f"{prefix}{key} is {value!r}; it must be an integer >= 1.")
 
 
 def load_config(

@@ -63,9 +63,9 @@ class ParallelLayout:
 
     def check(self) -> None:
         """Refuse sizes that are not positive integers, naming the key."""
-        require_positive_ints(self, ("dp_shard", "tp", "cp"))
+        require_positive_ints(self, ("dp_shard", "tp", "cp"), prefix="parallel.")
         if self.dp_replicate is not None:
-            require_positive_ints(self, ("dp_replicate",))
+            require_positive_ints(self, ("dp_replicate",), prefix="parallel.")
 
     def resolved(self, world: int) -> ParallelLayout:
         """This layout for ``world`` processes (``dp_replicate`` filled in), refusing sizes that

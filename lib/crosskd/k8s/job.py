@@ -410,8 +410,10 @@ def job_layout(
         if key.startswith("parallel."):
             values[key.removeprefix("parallel.")] = yaml.safe_load(raw)
     world = config.nodes * config.procs_per_node
+    layout = ParallelLayout.from_mapping(values)
+    layout.check()
     try:
-        return ParallelLayout.from_mapping(values).resolved(world)
+        return layout.resolved(world)
     except ConfigError as exc:
         raise ConfigError(
             f"the train layout parallel {values} does not fit this job's {config.nodes} "

@@ -146,10 +146,7 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelLayout):
             raise ConfigError(f"parallel is {self.parallel!r}; it must be a mapping of "
                               f"dp_replicate, dp_shard, tp, cp.")  # fmt: skip
-        try:
-            self.parallel.check()
-        except ConfigError as exc:
-            raise ConfigError(f"parallel.{exc}") from exc
+        self.parallel.check()
         if not isinstance(self.activation_checkpointing, bool):
             raise ConfigError(f"activation_checkpointing is {self.activation_checkpointing!r}; "
                               f"it must be true or false.")  # fmt: skip

@@ -9,11 +9,16 @@
    embedding's output is all-reduced over ``tp`` in the forward pass (identity backward), the
    head's input all-reduces its gradient over ``cp x tp`` in the backward pass (identity
    forward); the head's weights sum their gradients over the ``cp`` windows. No rank ever
-   holds ``rows x V`` logits.
+   holds ``rows x V`` logits. The copies of a gradient that several ``cp`` / ``tp`` ranks
+   compute are equal in exact arithmetic; :meth:`ParallelStudent.sync_copies` makes them
+   bitwise equal (the first copy's, broadcast) before each optimizer step, so that GPU kernels
+   that add in a varying order cannot let the copies drift apart.
 2. Activation checkpointing of every decoder layer (optional; transformers' own).
 3. ``dp_shard`` > 1: FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) on every decoder layer
    and the root over the ``(dp_replicate, dp_shard)`` mesh (HSDP when ``dp_replicate`` > 1),
-   bf16 parameters with float32 gradient reduction on GPU. ``dp_shard`` = 1 and
+   computing in ``compute_dtype`` (the trainer: bf16 on GPU) with float32 gradient reduction;
+   parameters on the CPU are moved to the device a layer at a time (no rank holds the whole
+   model on its device). ``dp_shard`` = 1 and
    ``dp_replicate`` > 1: DDP over the data-parallel ranks.
 
 Both data-parallel wrappers *average* gradients over the data-parallel ranks while each rank's
@@ -193,6 +198,24 @@ class ParallelStudent:
             return _fsdp_no_sync(self.model)
         return contextlib.nullcontext()
 
+    def sync_copies(self, bucket_bytes: int = 2**28) -> None:
+        """Make every gradient's copies on the ``cp`` / ``tp`` ranks bitwise equal: the first
+        copy's (the one checkpoints write) is broadcast over the ranks holding it, in buckets
+        of about ``bucket_bytes`` (module docstring). Nothing to do without ``cp`` or ``tp``."""
+        layout = self.mesh.layout
+        if layout.model_parallel == 1:
+            return
+        groups: dict[str, list[Tensor]] = {"whole": [], "sliced": []}
+        for name, param in self.named_parameters():
+            if param.grad is not None:
+                groups["sliced" if name in self.sliced else "whole"].append(
+                    local_part(param.grad))
+        targets = {"whole": self.mesh.model_group,
+                   "sliced": self.mesh.group("cp") if layout.cp > 1 else None}  # fmt: skip
+        for kind, grads in groups.items():
+            if targets[kind] is not None:
+                _broadcast_buckets(grads, targets[kind], bucket_bytes)
+
     def clip_gradients(self, max_norm: float) -> float:
         """Scale the gradients so that their global L2 norm is at most ``max_norm`` (as
         :func:`torch.nn.utils.clip_grad_norm_`: by ``max_norm / (norm + 1e-6)`` when that is
@@ -245,6 +268,27 @@ class Lockstep:
         return joined
 
 
+def _broadcast_buckets(tensors: list[Tensor], group: dist.ProcessGroup, bucket_bytes: int) -> None:
+    """Broadcast ``tensors`` in place from the first rank of ``group``, flattened into buckets
+    of one dtype and about ``bucket_bytes`` bytes (one collective per bucket)."""
+    buckets: list[list[Tensor]] = []
+    sizes: dict[torch.dtype, int] = {}
+    open_bucket: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if tensor.dtype not in open_bucket or sizes[tensor.dtype] + size > bucket_bytes:
+            open_bucket[tensor.dtype] = []
+            buckets.append(open_bucket[tensor.dtype])
+            sizes[tensor.dtype] = 0
+        open_bucket[tensor.dtype].append(tensor)
+        sizes[tensor.dtype] += size
+    for bucket in buckets:
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(flat, group=group, group_src=0)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+            t.copy_(part.view_as(t))
+
+
 @contextlib.contextmanager
 def _fsdp_no_sync(model: nn.Module):
     model.set_requires_gradient_sync(False)
@@ -268,10 +312,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(
-    model: nn.Module, mesh: TrainMesh, *, activation_checkpointing: bool = False
+    model: nn.Module, mesh: TrainMesh, *, activation_checkpointing: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> ParallelStudent:
-    """Spread ``model`` (on ``mesh.device``, float32, every rank holding the same weights)
-    over ``mesh``'s layout; see the module docstring."""
+    """Spread ``model`` (every rank holding the same weights; on ``mesh.device``, or on the
+    CPU where ``dp_shard`` > 1) over ``mesh``'s layout; see the module docstring.
+    ``compute_dtype``: what FSDP2 casts the parameters to for the forward and backward passes
+    (None: their own dtype)."""
     layout = mesh.layout
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     vocab = None if head is None else int(head.weight.shape[0])
@@ -290,8 +337,8 @@ def parallelize(
 
         fsdp_mesh = mesh.mesh["dp_replicate", "dp_shard"]
         policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        ) if mesh.device.type == "cuda" else MixedPrecisionPolicy()  # fmt: skip
+            param_dtype=compute_dtype, reduce_dtype=torch.float32
+        ) if compute_dtype is not None else MixedPrecisionPolicy()  # fmt: skip
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
         fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
@@ -307,6 +354,16 @@ def _vocab_parallel(model: nn.Module, mesh: TrainMesh, vocab: int) -> set[str]:
     """Replace the embedding and head by their vocabulary slices; returns the sliced
     parameters' names."""
     layout = mesh.layout
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    plain = type(head) is nn.Linear and (layout.tp == 1 or type(embedding) is nn.Embedding)
+    if not plain:
+        raise ConfigError(
+            f"parallel.tp / parallel.cp replace the student's output head (and with tp its "
+            f"input embedding) by vocabulary slices, which needs a plain nn.Linear head and "
+            f"nn.Embedding; {type(model).__name__} has {type(head).__name__} and "
+            f"{type(embedding).__name__} (they may scale or transform what they compute). "
+            f"Train it with parallel.tp=1 and parallel.cp=1."
+        )
     if vocab % layout.tp:
         raise ConfigError(
             f"the student's vocabulary has {vocab} entries, which parallel.tp = {layout.tp} does "
@@ -314,7 +371,6 @@ def _vocab_parallel(model: nn.Module, mesh: TrainMesh, vocab: int) -> set[str]:
         )
     rows = vocab // layout.tp
     start = mesh.coordinate("tp") * rows
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
 
     def part(param: nn.Parameter) -> nn.Parameter:
         if layout.tp == 1:

@@ -256,7 +256,9 @@ class Trainer:
                 str(folder), dtype=torch.float32, use_safetensors=True, local_files_only=True,
                 **extra,
             )  # fmt: skip
-        self.model.to(self.device).train()
+        if self.layout.dp_shard == 1:  # FSDP2 moves its shards to the device a layer at a time
+            self.model.to(self.device)
+        self.model.train()
         self.attention = self.model.config._attn_implementation
         if self.layout.cp > 1 and self.attention in FLASH:
             raise ConfigError(
@@ -264,8 +266,10 @@ class Trainer:
                 f"{self.attention!r}, which runs a micro-batch as one row; windows of positions "
                 f"need eager or sdpa attention."
             )
+        compute = torch.bfloat16 if self.device.type == "cuda" else None
         self.student = self._together("spread the student over the ranks", lambda: parallelize(
-            self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing))
+            self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing,
+            compute_dtype=compute))
         self.wrapped = self.student.wrapped
         self.vocab = self.student.vocab
         self.optimizer = torch.optim.AdamW(
@@ -425,6 +429,7 @@ class Trainer:
                 (out.loss * self.layout.dp).backward()
             scale = out.kd_scale
             sums = add_sums(sums, out.sums)
+        self.student.sync_copies()
         # The norm before clipping (an infinite max_norm measures without clipping).
         grad_norm = self.student.clip_gradients(cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
         self.optimizer.step()
