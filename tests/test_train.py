@@ -230,6 +230,26 @@ def test_a_nan_loss_stops_the_run_naming_step_and_term(setup, tmp_path, monkeypa
     assert latest["step"] == 2
 
 
+def test_an_infinite_gradient_under_a_finite_loss_stops_before_the_step(setup, tmp_path):
+    """A gradient that overflows while the loss is finite: no optimizer step (the weights stay
+    those of step 2), the gradient-norm gauge shows it, the stop is counted."""
+    trainer = Trainer(_config(setup, tmp_path / "run"), progress=False)
+    trainer.setup()
+    trainer.train(stop_after=2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    param = next(iter(trainer.model.parameters()))
+    param.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    stop = r"step 3: the gradient norm is inf \(the loss [0-9.]+\); stopping before the optimizer"
+    with pytest.raises(TrainingError, match=stop):
+        trainer.train_step(2)
+    assert math.isinf(trainer.exporter.grad_norm._value.get())
+    assert math.isfinite(trainer.exporter.loss._value.get())
+    assert trainer.exporter.nonfinite._value.get() == 1
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    trainer.close()
+
+
 def test_metrics_are_served_over_http_during_the_run(setup, tmp_path):
     trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=0,
                               metrics_final_scrape_s=0), progress=False)  # fmt: skip

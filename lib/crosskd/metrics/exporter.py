@@ -121,11 +121,12 @@ class MetricsExporter(MetricsServer):
                 self._chunks.labels(rank=self._rank, teacher=parts[0], shape=parts[1]).inc(value)
 
     def stopped_by(self, term: str, value: float) -> None:
-        """A non-finite ``term`` (``loss``, ``ce`` or ``kd``) stopped the run: the loss and the
-        term's gauges show the value and ``crosskd_train_nonfinite_stops_total`` counts the
-        stop."""
-        gauges = {"ce": [self.ce], "kd": list(self.kd.values())}.get(term, [])
-        for gauge in [self.loss, *gauges]:
+        """A non-finite ``term`` (``loss``, ``ce``, ``kd`` or ``grad_norm``) stopped the run:
+        the term's gauges (the loss gauge too for a loss term) show the value and
+        ``crosskd_train_nonfinite_stops_total`` counts the stop."""
+        gauges = {"ce": [self.loss, self.ce], "kd": [self.loss, *self.kd.values()],
+                  "grad_norm": [self.grad_norm]}.get(term, [self.loss])  # fmt: skip
+        for gauge in gauges:
             gauge.set(value)
         self.nonfinite.inc()
 

@@ -220,16 +220,17 @@ class ParallelStudent:
         """Scale the gradients so that their global L2 norm is at most ``max_norm`` (as
         :func:`torch.nn.utils.clip_grad_norm_`: by ``max_norm / (norm + 1e-6)`` when that is
         below 1; an infinite ``max_norm`` only measures); returns the norm before clipping,
-        the same on every rank (each part counted once, in float64)."""
-        grads, total = [], torch.zeros((), dtype=torch.float64)
+        the same on every rank (each part counted once, in float64; summed on the device, one
+        synchronisation per step). A non-finite norm scales nothing (the trainer stops)."""
+        grads, total = [], torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for name, param in self.named_parameters():
             if param.grad is None:
                 continue
             grads.append(param.grad)
-            part = local_part(param.grad).detach().double()
-            total += part.pow(2).sum().cpu() / self.placement(name, param).copies
+            part = local_part(param.grad).detach()
+            norm = torch.linalg.vector_norm(part, dtype=torch.float64)
+            total += norm.square() / self.placement(name, param).copies
         if dist.is_initialized() and dist.get_world_size() > 1:
-            total = total.to(self.mesh.device)
             dist.all_reduce(total)
         norm = float(total.sqrt())
         coef = min(max_norm / (norm + 1e-6), 1.0)

@@ -432,6 +432,13 @@ class Trainer:
         self.student.sync_copies()
         # The norm before clipping (an infinite max_norm measures without clipping).
         grad_norm = self.student.clip_gradients(cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
+        if not math.isfinite(grad_norm):  # a finite loss can still overflow a gradient
+            self.exporter.stopped_by("grad_norm", grad_norm)
+            raise NonFiniteLoss(
+                f"step {step + 1}: the gradient norm is {grad_norm} (the loss {totals['loss']}); "
+                f"stopping before the optimizer step. The last good checkpoint is kept; lower "
+                f"lr or check the data."
+            )
         self.optimizer.step()
         if step == self.start:
             self.state_bytes = state_bytes(self.student, self.optimizer)
