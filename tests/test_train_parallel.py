@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from train_inputs import train_config
-from train_workers import run_ddp, run_ranks, sync_copies_worker
+from train_workers import gather_failure_worker, run_ddp, run_ranks, sync_copies_worker
 
 from crosskd.errors import ConfigError
 from crosskd.layout import ParallelLayout
@@ -156,6 +156,16 @@ def test_copies_of_a_gradient_on_cp_and_tp_ranks_are_made_equal(tmp_path):
             assert values == [rank % 2 + 1 if name in sliced else 1], (rank, name)
         for name, values in fsdp_tp.items():
             assert values == [rank + 1 if name in sliced else rank - rank % 2 + 1], (rank, name)
+
+
+def test_a_failed_write_of_the_gathered_model_leaves_no_rank_in_a_gather(tmp_path):
+    """Rank 0's first file write fails with every tensor still to gather: it goes on gathering
+    with the other rank and raises at the end; both reach the barrier after (no hang)."""
+    run_ranks(gather_failure_worker, (tmp_path,), tmp_path, world=2, timeout=120)
+    raised = [json.loads((tmp_path / f"gather-rank{r}.json").read_text())["raised"]
+              for r in (0, 1)]  # fmt: skip
+    assert raised[0] is not None and raised[1] is None
+    assert not (tmp_path / "missing").exists()
 
 
 @pytest.mark.parametrize(

@@ -176,3 +176,40 @@ def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], ou
         (out / f"error{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)
     os._exit(0)
+
+
+def gather_failure_worker(rank: int, world: int, port: int, out: Path) -> None:
+    """A tiny Llama under FSDP2 on every rank, gathered by :func:`save_gathered` into a folder
+    of rank 0 that does not exist, one file per tensor (so the first write fails with most
+    gathers still to come); writes what each rank raised to ``out/gather-rank<r>.json``."""
+    try:
+        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+        _quiet()
+        import torch
+        import torch.distributed as dist
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from crosskd.layout import ParallelLayout
+        from crosskd.train.export import save_gathered
+        from crosskd.train.mesh import build_train_mesh
+        from crosskd.train.parallelize import parallelize
+
+        dist.init_process_group("gloo")
+        mesh = build_train_mesh(ParallelLayout(dp_shard=world), torch.device("cpu"))
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+        student = parallelize(model, mesh)
+        raised = None
+        try:
+            save_gathered(student, out / "missing" if rank == 0 else None, max_file_bytes=1)
+        except Exception as exc:
+            raised = type(exc).__name__
+        dist.barrier()  # every rank got here: none is left in a gather
+        (out / f"gather-rank{rank}.json").write_text(json.dumps({"raised": raised}))
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)

@@ -41,7 +41,8 @@ def save_gathered(
 ) -> None:
     """Every rank: gather the student's parameters and persistent buffers one at a time; the
     rank given a ``folder`` (an existing local directory) writes them there as safetensors with
-    the model's ``config.json`` (and generation config)."""
+    the model's ``config.json`` (and generation config). A write that fails is raised after
+    the last gather, so that the other ranks are not left waiting in one."""
     model = student.model
     persistent = set(model.state_dict().keys())
     files: list[dict[str, int]] = []
@@ -50,17 +51,23 @@ def save_gathered(
     names = [(n, p) for n, p in student.named_parameters()] + [
         (n, b) for n, b in model.named_buffers() if n in persistent
     ]  # fmt: skip
+    failure: Exception | None = None
     for name, tensor in names:
         whole = gather_parameter(student, name, tensor)
-        if folder is None:
+        if folder is None or failure is not None:
             continue
-        if current and size + whole.numel() * whole.element_size() > max_file_bytes:
-            files.append(_write(folder, len(files), current))
-            current, size = {}, 0
-        current[name] = whole.to("cpu", copy=True).contiguous()
-        size += whole.numel() * whole.element_size()
+        try:
+            if current and size + whole.numel() * whole.element_size() > max_file_bytes:
+                files.append(_write(folder, len(files), current))
+                current, size = {}, 0
+            current[name] = whole.to("cpu", copy=True).contiguous()
+            size += whole.numel() * whole.element_size()
+        except Exception as exc:  # raised after the gathers, which every rank must finish
+            failure, current = exc, {}
     if folder is None:
         return
+    if failure is not None:
+        raise failure
     files.append(_write(folder, len(files), current))
     _name_files(folder, files)
     model.config.save_pretrained(str(folder))
