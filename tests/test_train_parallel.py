@@ -52,16 +52,23 @@ def _rank(out, name: str, rank: int) -> dict:
 
 
 def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_path):
-    """Each layout on 2 gloo ranks: the curve of one process to 1e-5 (loss, its terms, the
-    gradient norm) and the same final model (gathered from FSDP2 shards and vocabulary slices
-    one tensor at a time); under FSDP2 each rank holds half the parameter, gradient and AdamW
-    bytes, the two halves adding up to the one-process figure."""
+    """Each layout on 2 gloo ranks (FSDP2 and cp also with activation checkpointing): the
+    curve of one process to 1e-5 (loss, its terms, the gradient norm) and the same final model
+    (gathered from FSDP2 shards and vocabulary slices one tensor at a time); under FSDP2 each
+    rank holds half the parameter, gradient and AdamW bytes, the two halves adding up to the
+    one-process figure."""
     want, single = _single(_config(train_inputs, tmp_path / "one"))
     runs = [
         ("fsdp", _config(train_inputs, tmp_path / "fsdp", micro_batch_rows=1,
                          parallel={"dp_shard": 2})),
         ("tp", _config(train_inputs, tmp_path / "tp", parallel={"tp": 2})),
         ("cp", _config(train_inputs, tmp_path / "cp", parallel={"cp": 2})),
+        # Recomputed layers repeat their collectives (FSDP2 gathers, cp's key/value gathers).
+        ("fsdp_recompute", _config(train_inputs, tmp_path / "fsdp_recompute",
+                                   parallel={"dp_shard": 2}, micro_batch_rows=1,
+                                   activation_checkpointing=True)),
+        ("cp_recompute", _config(train_inputs, tmp_path / "cp_recompute", parallel={"cp": 2},
+                                 activation_checkpointing=True)),
     ]  # fmt: skip
     run_ddp([(name, config, None) for name, config in runs], tmp_path)
     reference = _weights(tmp_path / "one")
@@ -141,9 +148,10 @@ def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_
 
 
 def test_copies_of_a_gradient_on_cp_and_tp_ranks_are_made_equal(tmp_path):
-    """Gradients that differ on every rank (rank + 1) after sync_copies: each whole tensor holds
-    the first value of its cp x tp ranks, each vocabulary slice the first of its cp ranks, on
-    plain tensors and on FSDP2 shards; nothing crosses the data-parallel ranks."""
+    """Gradients that differ on every rank (rank + 1) after sync_copies: each is summed over
+    its cp ranks (their windows' shares), and each whole tensor then holds the first tp rank's
+    value, a vocabulary slice its own; on plain tensors and on FSDP2 shards; nothing crosses
+    the data-parallel ranks."""
     layouts = [{"cp": 2, "tp": 2}, {"dp_shard": 2, "tp": 2}]
     run_ranks(sync_copies_worker, (layouts, tmp_path), tmp_path, world=4, timeout=300)
     sliced = {"model.embed_tokens.weight"}  # tied: the head's weight is the same parameter
@@ -152,8 +160,8 @@ def test_copies_of_a_gradient_on_cp_and_tp_ranks_are_made_equal(tmp_path):
         # {cp: 2, tp: 2}: rank = 2 cp + tp; {dp_shard: 2, tp: 2}: rank = 2 dp_shard + tp.
         cp_tp, fsdp_tp = seen["0"], seen["1"]
         assert len(cp_tp) == len(fsdp_tp) == 1 + 2 * 9 + 1  # embedding, 2 layers, final norm
-        for name, values in cp_tp.items():
-            assert values == [rank % 2 + 1 if name in sliced else 1], (rank, name)
+        for name, values in cp_tp.items():  # (tp + 1) + (2 + tp + 1), tp 0 for whole ones
+            assert values == [2 * (rank % 2) + 4 if name in sliced else 4], (rank, name)
         for name, values in fsdp_tp.items():
             assert values == [rank + 1 if name in sliced else rank - rank % 2 + 1], (rank, name)
 
@@ -201,7 +209,7 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     model = AutoModelForCausalLM.from_pretrained(train_inputs["student"])  # 330 entries
     with pytest.raises(ConfigError, match=r"vocabulary has 330 entries, which parallel.tp = 4 "
                                           r"does not divide"):  # fmt: skip
-        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None, None))
+        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None))
 
     class ScaledEmbedding(torch.nn.Embedding):  # as Gemma's: the lookup times sqrt(hidden)
         def forward(self, ids):
@@ -209,11 +217,12 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
 
     scaled = ScaledEmbedding(330, model.config.hidden_size)
     model.set_input_embeddings(scaled)
-    plain = r"needs a plain nn.Linear head and nn.Embedding; LlamaForCausalLM has Linear and "
-    with pytest.raises(ConfigError, match=plain + "ScaledEmbedding"):
-        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None, None))
-    cp_only = ParallelLayout(cp=2).resolved(2)  # cp keeps the embedding: only the head counts
-    assert parallelize(model, TrainMesh(cp_only, 0, torch.device("cpu"), None, None, None))
+    plain = r"needs a plain nn.Embedding and nn.Linear head; LlamaForCausalLM has "
+    with pytest.raises(ConfigError, match=plain + "ScaledEmbedding and Linear"):
+        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None))
+    cp_only = ParallelLayout(cp=2).resolved(2)  # cp runs the model's own embedding and head
+    student = parallelize(model, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
+    assert student.sliced == frozenset() and model.get_input_embeddings() is scaled
     config = train_config(train_inputs, tmp_path / "eval", parallel={"tp": 2},
                           eval_data=train_inputs["heldout"])  # fmt: skip
     with pytest.raises(AssertionError, match=r"held-out evaluation needs whole logits \(cp and "

@@ -81,6 +81,29 @@ def test_flash_attention_gets_the_micro_batch_as_one_row_of_packed_samples():
     assert not fa._is_packed_sequence(positions, batch_size=2)  # why it is flattened
 
 
+def test_a_window_of_positions_gets_its_rows_of_the_whole_mask():
+    """Context parallelism: the window [3, 6) of a packed batch is its ids and positions with
+    the whole mask's rows of those queries over every key (worked out by hand for row 0);
+    flash attention, one flattened row, refuses a window."""
+    from crosskd.train.attention import packed_inputs
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 4], [1, 2, 3, 4, 0, 0]])
+    segments = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, -1, -1]])
+    positions = torch.tensor([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0]])
+    for implementation in ("sdpa", "eager"):
+        whole = packed_inputs(implementation, ids, segments, positions, torch.float32)
+        window = packed_inputs(implementation, ids, segments, positions, torch.float32, (3, 6))
+        assert window["input_ids"].tolist() == [[8, 9, 4], [4, 0, 0]]
+        assert window["position_ids"].tolist() == [[1, 2, 0], [3, 0, 0]]
+        assert torch.equal(window["attention_mask"], whole["attention_mask"][:, :, 3:6])
+    allowed = packed_inputs("sdpa", ids, segments, positions, torch.float32, (3, 6))
+    assert allowed["attention_mask"][0, 0].int().tolist() == [[0, 0, 1, 1, 0, 0],
+                                                              [0, 0, 1, 1, 1, 0],
+                                                              [0, 0, 0, 0, 0, 1]]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"windows of positions need eager or sdpa"):
+        packed_inputs("flash_attention_2", ids, segments, positions, torch.bfloat16, (3, 6))
+
+
 def test_gradient_accumulation_equals_one_bigger_batch(train_inputs, tmp_path):
     """Two micro-batches of one row per step train exactly like one micro-batch of two rows
     (static kd_scale: the dynamic one is per micro-batch by definition)."""

@@ -44,9 +44,9 @@ class ParallelLayout:
     """Vocabulary slices of the input embedding and output head (the vocabulary size must be a
     multiple of it); the loss runs on the sliced logits."""
     cp: int = 1
-    """Windows of positions over which the head and the loss of each row are split (the rows'
-    length must be a multiple of it). Attention itself is not split: every ``cp`` rank runs the
-    decoder layers on the whole row."""
+    """Windows of positions over which each row is split (context parallelism: each ``cp`` rank
+    runs the model on its window, attention gathering the row's keys and values; the rows are
+    padded to a multiple of it; :mod:`crosskd.train.context_parallel`)."""
 
     @classmethod
     def from_mapping(cls, values: Any) -> ParallelLayout:

@@ -17,6 +17,10 @@ implementations of transformers read the mask differently, so each gets what it 
 
 Padding (``segment_ids`` -1) attends to itself only, so no row of a mask is empty; its logits
 are never read.
+
+Under context parallelism (``window``) the inputs are a window of positions ``[start, stop)``
+of each row and the mask holds that window's rows over the whole row, ``[B, 1, stop - start,
+L]`` (:mod:`crosskd.train.context_parallel`).
 """
 
 from __future__ import annotations
@@ -30,22 +34,30 @@ FLASH = ("flash_attention_2", "flash_attention_3")
 
 def packed_inputs(
     implementation: str, input_ids: torch.Tensor, segment_ids: torch.Tensor,
-    position_ids: torch.Tensor, dtype: torch.dtype,
+    position_ids: torch.Tensor, dtype: torch.dtype, window: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor | None]:  # fmt: skip
     """The ``input_ids`` / ``attention_mask`` / ``position_ids`` keyword arguments of a packed
     batch for the attention ``implementation``; ``input_ids``, ``segment_ids`` (sample index
     within the row, -1 in padding) and ``position_ids`` (position within the sample) are int64
     ``[B, L]``, ``dtype`` the model's parameter dtype (for the additive mask). The logits of
-    the forward have ``B * L`` rows in order: reshape them to ``[B, L, V]``."""
+    the forward have ``B * L`` rows in order: reshape them to ``[B, L, V]``. ``window``: only
+    positions ``[start, stop)`` as queries (module docstring; not with flash attention)."""
     if implementation in FLASH:
+        if window is not None:
+            raise ConfigError(f"attn_implementation {implementation!r} runs a micro-batch as "
+                              f"one row; windows of positions need eager or sdpa attention.")
         return {"input_ids": input_ids.reshape(1, -1), "attention_mask": None,
                 "position_ids": position_ids.reshape(1, -1)}  # fmt: skip
     width = segment_ids.shape[1]
+    start, stop = window if window is not None else (0, width)
     device = segment_ids.device
-    causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
-    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-    allowed &= (segment_ids >= 0)[:, None]
-    allowed |= torch.eye(width, dtype=torch.bool, device=device)
+    query = torch.arange(start, stop, device=device)[:, None]
+    keys = torch.arange(width, device=device)[None, :]
+    queries = segment_ids[:, start:stop]
+    allowed = (queries[:, :, None] == segment_ids[:, None, :]) & (keys <= query)
+    allowed &= (segment_ids >= 0)[:, None, :]
+    allowed |= keys == query
+    input_ids, position_ids = input_ids[:, start:stop], position_ids[:, start:stop]
     if implementation == "sdpa":
         mask = allowed[:, None]
     elif implementation == "eager":

@@ -25,8 +25,6 @@ class TrainMesh:
     """The ``(dp_replicate, dp_shard, cp, tp)`` device mesh (None in one process)."""
     loss: Mesh | None
     """The loss's ``(dp, cp, tp)`` mesh where ``cp`` or ``tp`` is > 1, else None."""
-    model_group: dist.ProcessGroup | None
-    """The ``cp * tp`` ranks of this data-parallel shard (None when that is one rank)."""
 
     @property
     def dp_rank(self) -> int:
@@ -55,16 +53,12 @@ def build_train_mesh(layout: ParallelLayout, device: torch.device) -> TrainMesh:
     every rank must call it (it creates process groups)."""
     if not dist.is_initialized():
         resolved = layout.resolved(1)
-        return TrainMesh(resolved, 0, device, None, None, None)
+        return TrainMesh(resolved, 0, device, None, None)
     world = dist.get_world_size()
     resolved = layout.resolved(world)
     mesh = init_device_mesh(device.type, tuple(getattr(resolved, d) for d in DIMS),
                             mesh_dim_names=DIMS)  # fmt: skip
-    loss = model_group = None
+    loss = None
     if resolved.model_parallel > 1:
         loss = build_mesh(ParallelConfig(resolved.dp, resolved.cp, resolved.tp), device.type)
-        size = resolved.model_parallel
-        model_group, _ = dist.new_subgroups_by_enumeration(
-            [list(range(start, start + size)) for start in range(0, world, size)]
-        )  # fmt: skip
-    return TrainMesh(resolved, dist.get_rank(), device, mesh, loss, model_group)
+    return TrainMesh(resolved, dist.get_rank(), device, mesh, loss)

@@ -1,31 +1,32 @@
 """The parallel pieces applied to a plain Hugging Face causal LM, in one place
 (:func:`parallelize`), for a :class:`~crosskd.layout.ParallelLayout`.
 
-1. ``tp`` / ``cp`` > 1: the input embedding and the output head become vocabulary-parallel
+1. ``tp`` > 1: the input embedding and the output head become vocabulary-parallel
    (:class:`VocabParallelEmbedding`, :class:`VocabParallelHead`: rank ``t`` keeps rows
-   ``[t V / tp, (t + 1) V / tp)``; tied weights stay tied), and the head evaluates only this
-   rank's window of ``L / cp`` positions. The decoder layers are replicated over ``cp`` and
-   ``tp``; the two conjugate collectives of Megatron-LM keep their gradients whole: the
+   ``[t V / tp, (t + 1) V / tp)``; tied weights stay tied). The decoder layers are replicated
+   over ``tp``; the two conjugate collectives of Megatron-LM keep their gradients whole: the
    embedding's output is all-reduced over ``tp`` in the forward pass (identity backward), the
-   head's input all-reduces its gradient over ``cp x tp`` in the backward pass (identity
-   forward); the head's weights sum their gradients over the ``cp`` windows. No rank ever
-   holds ``rows x V`` logits. The copies of a gradient that several ``cp`` / ``tp`` ranks
-   compute are equal in exact arithmetic; :meth:`ParallelStudent.sync_copies` makes them
-   bitwise equal (the first copy's, broadcast) before each optimizer step, so that GPU kernels
-   that add in a varying order cannot let the copies drift apart.
-2. Activation checkpointing of every decoder layer (optional; transformers' own).
-3. ``dp_shard`` > 1: FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) on every decoder layer
+   head's input all-reduces its gradient over ``tp`` in the backward pass (identity forward).
+   No rank ever holds ``rows x V`` logits.
+2. ``cp`` > 1: each ``cp`` rank runs the model on its window of ``L / cp`` positions of every
+   row, attention gathering the row's keys and values
+   (:mod:`crosskd.train.context_parallel`); its weights' gradients are its window's share.
+3. Activation checkpointing of every decoder layer (optional; transformers' own).
+4. ``dp_shard`` > 1: FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) on every decoder layer
    and the root over the ``(dp_replicate, dp_shard)`` mesh (HSDP when ``dp_replicate`` > 1),
    computing in ``compute_dtype`` (the trainer: bf16 on GPU) with float32 gradient reduction;
    parameters on the CPU are moved to the device a layer at a time (no rank holds the whole
-   model on its device). ``dp_shard`` = 1 and
-   ``dp_replicate`` > 1: DDP over the data-parallel ranks.
+   model on its device). ``dp_shard`` = 1 and ``dp_replicate`` > 1: DDP over the
+   data-parallel ranks.
 
 Both data-parallel wrappers *average* gradients over the data-parallel ranks while each rank's
-loss is its share of the step's sum, so the trainer scales its share by ``dp``. Where a tensor
-is, globally, is described by :class:`Placement` (for the gradient norm and the checkpoints).
+loss is its share of the step's sum, so the trainer scales its share by ``dp``; before the
+optimizer step :meth:`ParallelStudent.sync_copies` sums the ``cp`` windows' shares and makes
+the ``tp`` ranks' copies of the replicated gradients bitwise equal (the first copy's,
+broadcast: equal in exact arithmetic, but GPU kernels that add in a varying order must not let
+the copies drift apart). Where a tensor is, globally, is described by :class:`Placement` (for
+the gradient norm and the checkpoints).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from crosskd.errors import ConfigError
+from crosskd.train.context_parallel import enable_context_parallel
 from crosskd.train.mesh import TrainMesh
 
 
@@ -94,35 +96,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """An output head holding vocabulary rows ``[start, start + rows)`` that evaluates window
-    ``window`` of ``windows`` equal windows of positions: ``[B, L, H]`` hidden states ->
-    ``[B, L / windows, rows]`` logits. ``group``: the ranks whose gradients of the hidden
-    states add up (``cp x tp``); ``window_group``: the ranks whose gradients of the head's own
-    weights add up (the ``cp`` windows; the embedding's share of a tied weight is whole on
-    every rank and is not summed)."""
+    """An output head holding vocabulary rows ``[start, start + rows)``: ``[B, L, H]`` hidden
+    states -> ``[B, L, rows]`` logits; the gradient of the hidden states is summed over
+    ``group`` (the ``tp`` ranks)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, start: int,
-                 window: int, windows: int, group: dist.ProcessGroup,
-                 window_group: dist.ProcessGroup | None) -> None:  # fmt: skip
+                 group: dist.ProcessGroup) -> None:  # fmt: skip
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.start = start
-        self.window = window
-        self.windows = windows
         self.group = group
-        self.window_group = window_group
 
     def forward(self, hidden: Tensor) -> Tensor:
-        hidden = _ReduceBackward.apply(hidden, self.group)
-        weight, bias = self.weight, self.bias
-        if self.windows > 1:
-            width = hidden.shape[1] // self.windows
-            hidden = hidden[:, self.window * width : (self.window + 1) * width]
-            weight = _ReduceBackward.apply(weight, self.window_group)
-            if bias is not None:
-                bias = _ReduceBackward.apply(bias, self.window_group)
-        return F.linear(hidden, weight, bias)
+        return F.linear(_ReduceBackward.apply(hidden, self.group), self.weight, self.bias)
 
 
 @dataclass(frozen=True)
@@ -199,22 +186,20 @@ class ParallelStudent:
         return contextlib.nullcontext()
 
     def sync_copies(self, bucket_bytes: int = 2**28) -> None:
-        """Make every gradient's copies on the ``cp`` / ``tp`` ranks bitwise equal: the first
-        copy's (the one checkpoints write) is broadcast over the ranks holding it, in buckets
-        of about ``bucket_bytes`` (module docstring). Nothing to do without ``cp`` or ``tp``."""
+        """Sum every gradient over the ``cp`` ranks (each holds its window's share), then make
+        the ``tp`` ranks' copies of each replicated gradient bitwise equal (the first copy's,
+        the one checkpoints write, broadcast); in buckets of about ``bucket_bytes`` (module
+        docstring). Nothing to do without ``cp`` or ``tp``."""
         layout = self.mesh.layout
-        if layout.model_parallel == 1:
-            return
-        groups: dict[str, list[Tensor]] = {"whole": [], "sliced": []}
-        for name, param in self.named_parameters():
-            if param.grad is not None:
-                groups["sliced" if name in self.sliced else "whole"].append(
-                    local_part(param.grad))
-        targets = {"whole": self.mesh.model_group,
-                   "sliced": self.mesh.group("cp") if layout.cp > 1 else None}  # fmt: skip
-        for kind, grads in groups.items():
-            if targets[kind] is not None:
-                _broadcast_buckets(grads, targets[kind], bucket_bytes)
+        grads = {name: local_part(param.grad) for name, param in self.named_parameters()
+                 if param.grad is not None}  # fmt: skip
+        if layout.cp > 1:
+            _in_buckets(list(grads.values()), bucket_bytes,
+                        lambda flat: dist.all_reduce(flat, group=self.mesh.group("cp")))
+        if layout.tp > 1:
+            whole = [grad for name, grad in grads.items() if name not in self.sliced]
+            _in_buckets(whole, bucket_bytes, lambda flat: dist.broadcast(
+                flat, group=self.mesh.group("tp"), group_src=0))
 
     def clip_gradients(self, max_norm: float) -> float:
         """Scale the gradients so that their global L2 norm is at most ``max_norm`` (as
@@ -269,9 +254,9 @@ class Lockstep:
         return joined
 
 
-def _broadcast_buckets(tensors: list[Tensor], group: dist.ProcessGroup, bucket_bytes: int) -> None:
-    """Broadcast ``tensors`` in place from the first rank of ``group``, flattened into buckets
-    of one dtype and about ``bucket_bytes`` bytes (one collective per bucket)."""
+def _in_buckets(tensors: list[Tensor], bucket_bytes: int, collective) -> None:
+    """Run the in-place ``collective(flat)`` on ``tensors`` flattened into buckets of one dtype
+    and about ``bucket_bytes`` bytes (one collective per bucket), and copy the results back."""
     buckets: list[list[Tensor]] = []
     sizes: dict[torch.dtype, int] = {}
     open_bucket: dict[torch.dtype, list[Tensor]] = {}
@@ -285,7 +270,7 @@ def _broadcast_buckets(tensors: list[Tensor], group: dist.ProcessGroup, bucket_b
         sizes[tensor.dtype] += size
     for bucket in buckets:
         flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.broadcast(flat, group=group, group_src=0)
+        collective(flat)
         for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
             t.copy_(part.view_as(t))
 
@@ -324,8 +309,10 @@ def parallelize(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     vocab = None if head is None else int(head.weight.shape[0])
     sliced: set[str] = set()
-    if layout.model_parallel > 1:
+    if layout.tp > 1:
         sliced = _vocab_parallel(model, mesh, vocab)
+    if layout.cp > 1:
+        enable_context_parallel(model, decoder_layers(model), mesh.group("cp"))
     if activation_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
@@ -351,52 +338,40 @@ def parallelize(
     return ParallelStudent(model, wrapped, mesh, frozenset(sliced), vocab)
 
 
-def _vocab_parallel(model: nn.Module, mesh: TrainMesh, vocab: int) -> set[str]:
-    """Replace the embedding and head by their vocabulary slices; returns the sliced
+def _vocab_parallel(model: nn.Module, mesh: TrainMesh, vocab: int | None) -> set[str]:
+    """Replace the embedding and head by their ``tp`` vocabulary slices; returns the sliced
     parameters' names."""
-    layout = mesh.layout
+    tp = mesh.layout.tp
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    plain = type(head) is nn.Linear and (layout.tp == 1 or type(embedding) is nn.Embedding)
-    if not plain:
+    if type(head) is not nn.Linear or type(embedding) is not nn.Embedding:
         raise ConfigError(
-            f"parallel.tp / parallel.cp replace the student's output head (and with tp its "
-            f"input embedding) by vocabulary slices, which needs a plain nn.Linear head and "
-            f"nn.Embedding; {type(model).__name__} has {type(head).__name__} and "
-            f"{type(embedding).__name__} (they may scale or transform what they compute). "
-            f"Train it with parallel.tp=1 and parallel.cp=1."
+            f"parallel.tp replaces the student's input embedding and output head by vocabulary "
+            f"slices, which needs a plain nn.Embedding and nn.Linear head; "
+            f"{type(model).__name__} has {type(embedding).__name__} and {type(head).__name__} "
+            f"(they may scale or transform what they compute). Train it with parallel.tp=1."
         )
-    if vocab % layout.tp:
+    if vocab % tp:
         raise ConfigError(
-            f"the student's vocabulary has {vocab} entries, which parallel.tp = {layout.tp} does "
-            f"not divide; choose a tp that divides it (or pad the model's vocabulary)."
+            f"the student's vocabulary has {vocab} entries, which parallel.tp = {tp} does not "
+            f"divide; choose a tp that divides it (or pad the model's vocabulary)."
         )
-    rows = vocab // layout.tp
+    rows = vocab // tp
     start = mesh.coordinate("tp") * rows
 
     def part(param: nn.Parameter) -> nn.Parameter:
-        if layout.tp == 1:
-            return param
         with torch.no_grad():
             return nn.Parameter(param[start : start + rows].clone())
 
     head_weight = part(head.weight)
-    bias = part(head.bias) if getattr(head, "bias", None) is not None else None
-    sliced = {id(p) for p in (head_weight, bias) if p is not None}
-    if layout.tp > 1:
-        tied = embedding.weight is head.weight
-        embed_weight = head_weight if tied else part(embedding.weight)
-        sliced.add(id(embed_weight))
-        pad = getattr(embedding, "padding_idx", None)
-        pad = pad - start if pad is not None and start <= pad < start + rows else None
-        model.set_input_embeddings(
-            VocabParallelEmbedding(embed_weight, start, mesh.group("tp"), pad)
-        )  # fmt: skip
-    model.set_output_embeddings(VocabParallelHead(
-        head_weight, bias, start, mesh.coordinate("cp"), layout.cp, mesh.model_group,
-        mesh.group("cp"),
-    ))  # fmt: skip
-    if layout.tp == 1:
-        return set()
+    bias = part(head.bias) if head.bias is not None else None
+    tied = embedding.weight is head.weight
+    embed_weight = head_weight if tied else part(embedding.weight)
+    sliced = {id(p) for p in (head_weight, bias, embed_weight) if p is not None}
+    pad = embedding.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + rows else None
+    group = mesh.group("tp")
+    model.set_input_embeddings(VocabParallelEmbedding(embed_weight, start, group, pad))
+    model.set_output_embeddings(VocabParallelHead(head_weight, bias, start, group))
     return {name for name, param in model.named_parameters() if id(param) in sliced}
 
 

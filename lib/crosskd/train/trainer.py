@@ -461,10 +461,14 @@ class Trainer:
         """Logits ``[B, L / cp, V / tp]`` of the student's side of a batch: the call every
         training step makes (packed rows, the attention inputs of the model's implementation,
         no cache)."""
+        window = None
+        if self.layout.cp > 1:  # this rank's window of positions (crosskd.train.context_parallel)
+            width = student.input_ids.shape[1] // self.layout.cp
+            window = (self.mesh.coordinate("cp") * width, (self.mesh.coordinate("cp") + 1) * width)
         inputs = packed_inputs(
             self.attention, student.input_ids.to(self.device),
             student.segment_ids.to(self.device), student.position_ids.to(self.device),
-            next(self.model.parameters()).dtype,
+            next(self.model.parameters()).dtype, window,
         )  # fmt: skip
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.device.type == "cuda"):  # fmt: skip

@@ -1,0 +1,90 @@
+"""Context parallelism of the decoder (``parallel.cp``): each of the ``cp`` ranks of a
+data-parallel shard runs every decoder layer on its own window of ``L / cp`` positions of each
+row, and attention sees the whole row by all-gathering the keys and values.
+
+Everything in a decoder layer but attention works position by position, so a window's hidden
+states need nothing from the other windows; attention needs every earlier key and value of the
+row. Each attention layer therefore all-gathers its keys and values (after the rotary
+embedding, which each rank applied at its own positions) over the ``cp`` group and attends its
+window's queries to the whole row through the packed-row mask's rows of the window
+(:func:`crosskd.train.attention.packed_inputs` with ``window``). In the backward pass the
+gradient of the gathered keys and values is summed over the ranks and each keeps its window's
+part. This is the all-gather form of context parallelism (as in Llama 3's training): exact, and
+the same on gloo and NCCL; each rank holds a row's keys and values for one layer at a time.
+The gradients of the weights are then partial on each ``cp`` rank (its window's share), and
+:meth:`crosskd.train.parallelize.ParallelStudent.sync_copies` sums them over the ``cp`` ranks.
+
+The attention is hooked in through transformers' attention registry (the ``crosskd_cp``
+implementation, computed with its ``sdpa`` function over the gathered keys), so it applies to
+any model that dispatches attention through it (Llama, Qwen, Mistral, Gemma, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+IMPLEMENTATION = "crosskd_cp"
+"""The name of the context-parallel attention in transformers' attention registry."""
+
+
+class _GatherPositions(torch.autograd.Function):
+    """All-gather along the positions (dimension 2 of ``[B, H, L / cp, D]``) over a group;
+    backward: the gradient summed over the group, this rank's window of it."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        ctx.rank = dist.get_rank(group)
+        ctx.width = tensor.shape[2]
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        total = grad.contiguous()
+        dist.all_reduce(total, group=ctx.group)  # gloo has no reduce-scatter
+        start = ctx.rank * ctx.width
+        return total[:, :, start : start + ctx.width], None
+
+
+def context_parallel_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Attention of this window's ``query`` ``[B, H, L / cp, D]`` to the whole row: ``key`` and
+    ``value`` ``[B, H_kv, L / cp, D]`` gathered over ``module.context_group``;
+    ``attention_mask``: the window's rows of the packed mask ``[B, 1, L / cp, L]``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    group = module.context_group
+    key = _GatherPositions.apply(key, group)
+    value = _GatherPositions.apply(value, group)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def enable_context_parallel(
+    model: nn.Module, layers: list[nn.Module], group: dist.ProcessGroup
+) -> None:
+    """Make the attention of each decoder layer of ``layers`` (its submodules whose class name
+    ends in ``Attention``, transformers' convention) context-parallel over ``group`` (module
+    docstring). The model must then be called on a window of positions with the window's rows
+    of the packed mask."""
+    from transformers import AttentionInterface
+
+    from crosskd.errors import ConfigError
+
+    AttentionInterface.register(IMPLEMENTATION, context_parallel_attention)
+    for layer in layers:
+        attention = [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
+        if not attention:
+            raise ConfigError(
+                f"{type(model).__name__}'s decoder layer {type(layer).__name__} has no "
+                f"attention module (a class named *Attention), so it cannot be split over "
+                f"positions; train it with parallel.cp=1."
+            )
+        for module in attention:
+            module.context_group = group
+    model.config._attn_implementation = IMPLEMENTATION
