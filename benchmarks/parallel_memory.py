@@ -10,6 +10,12 @@ the Llama-3 vocabulary, the share a small cross-tokenizer student really has): t
 applied by ``parallelize`` exactly as the trainer does, then one forward and backward pass of a
 batch of 2 x 128 tokens (a sum of squared logits: the bytes do not depend on the loss) and one
 AdamW step.
+
+Then what a step's activations and logits take per rank under ``cp`` (and ``tp`` for
+comparison): the rise of each process's peak resident set (``VmHWM``, reset just before) over
+one forward and backward pass of one packed row of ``--length`` tokens (sdpa attention, the
+packed-row mask; under ``cp`` each rank its window, attention gathering the row's keys and
+values), against one process in the same run.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ LAYOUTS = [
     (4, {"dp_shard": 2, "tp": 2}),
 ]
 KINDS = ("parameters", "gradients", "optimizer")
+STEP_LAYOUTS = [(1, {}), (2, {"cp": 2}), (4, {"cp": 4}), (2, {"tp": 2})]
 
 
 def _rank(shape: dict, vocab: int, parallel: dict) -> dict:
@@ -58,17 +65,64 @@ def _rank(shape: dict, vocab: int, parallel: dict) -> dict:
     return held
 
 
-def run_layout(processes: int, parallel: dict, shape: dict, vocab: int) -> list[dict]:
-    """Every rank's bytes under ``parallel`` on ``processes`` processes."""
+def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
+    """One rank: the layout applied, then the rise of the peak resident set over one forward
+    and backward pass of one row of ``length`` tokens (bytes)."""
+    import gc
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from inputs import rss
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from crosskd.layout import ParallelLayout
+    from crosskd.train.attention import packed_inputs
+    from crosskd.train.mesh import build_train_mesh
+    from crosskd.train.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **shape)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    mesh = build_train_mesh(ParallelLayout(**parallel), torch.device("cpu"))
+    student = parallelize(model, mesh)
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
+    cp = mesh.layout.cp
+    window = None if cp == 1 else (mesh.coordinate("cp") * length // cp,
+                                   (mesh.coordinate("cp") + 1) * length // cp)  # fmt: skip
+    inputs = packed_inputs("sdpa", ids, torch.zeros_like(ids), torch.arange(length)[None],
+                           torch.float32, window)  # fmt: skip
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before, _ = rss()
+    logits = student.wrapped(use_cache=False, **inputs).logits
+    logits.float().square().mean().backward()
+    _, peak = rss()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"peak_rise": peak - before, "positions": int(logits.shape[1]),
+            "vocab_columns": int(logits.shape[2])}  # fmt: skip
+
+
+def run_layout(processes: int, parallel: dict, shape: dict, vocab: int, length: int = 0
+               ) -> list[dict]:  # fmt: skip
+    """Every rank's bytes under ``parallel`` on ``processes`` processes (``length`` > 0: the
+    peak rise of a step over one row of that many tokens instead)."""
+    work, args = (_step_peak, (shape, vocab, parallel, length)) if length else (
+        _rank, (shape, vocab, parallel))  # fmt: skip
     if processes == 1:
-        return [_rank(shape, vocab, parallel)]
+        return [work(*args)]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from crosskd.train.launch import rendezvous
 
     launch = LaunchConfig(nproc_per_node=processes, max_restarts=0, start_method="spawn",
                           monitor_interval=0.5, **rendezvous({}))  # fmt: skip
-    results = elastic_launch(launch, _rank)(shape, vocab, parallel)
+    results = elastic_launch(launch, work)(*args)
     return [results[r] for r in sorted(results)]
 
 
@@ -77,6 +131,8 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--length", type=int, default=2048,
+                        help="tokens of the row whose step's peak memory is measured")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -102,7 +158,23 @@ def main() -> None:
         print(f"{row['processes']:>5}  {json.dumps(row['parallel']):<26}"
               f"{w['parameters'] / 2**20:>11.1f}{w['gradients'] / 2**20:>10.1f}"
               f"{w['optimizer'] / 2**20:>10.1f}{row['total'] / 2**20:>10.1f}{row['ratio']:>7.3f}")
-    print(json.dumps({"parameters": params, "layouts": rows}))
+    steps, alone = [], None
+    for processes, parallel in STEP_LAYOUTS:
+        ranks = run_layout(processes, parallel, shape, args.vocab, args.length)
+        worst = max(r["peak_rise"] for r in ranks)
+        alone = alone or worst
+        steps.append({"processes": processes, "parallel": parallel, "peak_rise": worst,
+                      "positions": ranks[0]["positions"],
+                      "vocab_columns": ranks[0]["vocab_columns"], "ratio": worst / alone})
+    print(f"one forward and backward pass of a row of {args.length} tokens: the largest rise "
+          f"of a rank's peak resident set")
+    print(f"{'procs':>5}  {'parallel':<26}{'positions':>10}{'logit cols':>11}{'peak MiB':>10}"
+          f"{'x one':>7}")
+    for row in steps:
+        print(f"{row['processes']:>5}  {json.dumps(row['parallel']):<26}{row['positions']:>10}"
+              f"{row['vocab_columns']:>11}{row['peak_rise'] / 2**20:>10.1f}{row['ratio']:>7.3f}")
+    print(json.dumps({"parameters": params, "layouts": rows, "length": args.length,
+                      "steps": steps}))
 
 
 if __name__ == "__main__":
