@@ -52,7 +52,8 @@ def _rank(out, name: str, rank: int) -> dict:
 
 
 def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_path):
-    """Each layout on 2 gloo ranks (FSDP2 and cp also with activation checkpointing): the
+    """Each layout on 2 gloo ranks (FSDP2 and cp also with activation checkpointing, cp also
+    over eager attention): the
     curve of one process to 1e-5 (loss, its terms, the gradient norm) and the same final model
     (gathered from FSDP2 shards and vocabulary slices one tensor at a time); under FSDP2 each
     rank holds half the parameter, gradient and AdamW bytes, the two halves adding up to the
@@ -69,6 +70,8 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
                                    activation_checkpointing=True)),
         ("cp_recompute", _config(train_inputs, tmp_path / "cp_recompute", parallel={"cp": 2},
                                  activation_checkpointing=True)),
+        ("cp_eager", _config(train_inputs, tmp_path / "cp_eager", parallel={"cp": 2},
+                             attn_implementation="eager")),
     ]  # fmt: skip
     run_ddp([(name, config, None) for name, config in runs], tmp_path)
     reference = _weights(tmp_path / "one")
@@ -95,11 +98,11 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
 
 
 def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_path):
-    """``dp_shard=2 x tp=2``, HSDP (``dp_replicate=2 x dp_shard=2``) and ``cp=2 x tp=2`` on 4
-    ranks train like one process; the first's step-2 checkpoint (each rank's own parts) resumes
-    under ``dp_shard=4`` and in one process with an identical continuation, and loads in one
-    process to the parameters and AdamW state of the one-process run's own step-2
-    checkpoint."""
+    """``dp_shard=2 x tp=2``, HSDP (``dp_replicate=2 x dp_shard=2``), ``cp=2 x tp=2`` and
+    ``dp_shard=2 x cp=2`` on 4 ranks train like one process; the first's step-2 checkpoint
+    (each rank's own parts) resumes under ``dp_shard=4`` and in one process with an identical
+    continuation, and loads in one process to the parameters and AdamW state of the
+    one-process run's own step-2 checkpoint."""
     # One micro-batch of 4 rows per step on every layout (kd_scale is the last micro-batch's).
     global_batch = {"global_batch_rows": 4}
     want, _ = _single(_config(train_inputs, tmp_path / "one", micro_batch_rows=4, **global_batch))
@@ -111,12 +114,15 @@ def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_
                    parallel={"dp_replicate": 2, "dp_shard": 2}, **global_batch)  # fmt: skip
     cp_tp = _config(train_inputs, tmp_path / "cp_tp", micro_batch_rows=4,
                     parallel={"cp": 2, "tp": 2}, **global_batch)  # fmt: skip
+    fsdp_cp = _config(train_inputs, tmp_path / "fsdp_cp", micro_batch_rows=2,
+                      parallel={"dp_shard": 2, "cp": 2}, **global_batch)  # fmt: skip
     run_ddp([("grid", grid, 2), ("reshard", reshard, None), ("hsdp", hsdp, 2),
-             ("cp_tp", cp_tp, 2)], tmp_path, world=4)  # fmt: skip
+             ("cp_tp", cp_tp, 2), ("fsdp_cp", fsdp_cp, 2)], tmp_path, world=4)  # fmt: skip
     for rank in range(4):
         _same_curve(_rank(tmp_path, "grid", rank)["history"], want[:2])
         _same_curve(_rank(tmp_path, "hsdp", rank)["history"], want[:2])
         _same_curve(_rank(tmp_path, "cp_tp", rank)["history"], want[:2])
+        _same_curve(_rank(tmp_path, "fsdp_cp", rank)["history"], want[:2])
         resumed = _rank(tmp_path, "reshard", rank)
         assert resumed["start"] == 2
         _same_curve(resumed["history"], want[2:])
@@ -159,6 +165,7 @@ def test_copies_of_a_gradient_on_cp_and_tp_ranks_are_made_equal(tmp_path):
         seen = json.loads((tmp_path / f"sync-rank{rank}.json").read_text())
         # {cp: 2, tp: 2}: rank = 2 cp + tp; {dp_shard: 2, tp: 2}: rank = 2 dp_shard + tp.
         cp_tp, fsdp_tp = seen["0"], seen["1"]
+        assert "needs the window's rows of the whole row's mask" in seen["0-unmasked"]
         assert len(cp_tp) == len(fsdp_tp) == 1 + 2 * 9 + 1  # embedding, 2 layers, final norm
         for name, values in cp_tp.items():  # (tp + 1) + (2 + tp + 1), tp 0 for whole ones
             assert values == [2 * (rank % 2) + 4 if name in sliced else 4], (rank, name)
@@ -196,8 +203,9 @@ def test_bad_layouts_are_refused_by_key(parallel, world, message):
 
 def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, tmp_path):
     """A vocabulary that tp does not divide, an embedding that is not a plain lookup under tp,
-    ULD with split logits, held-out evaluation of vocabulary-split logits: each refused with
-    the key to change (the last in 2 real ranks)."""
+    rotary frequencies that depend on the positions under cp, ULD with split logits, held-out
+    evaluation of vocabulary-split logits: each refused with the key to change (the last in 2
+    real ranks)."""
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(ConfigError, match=r"parallel.tp / parallel.cp split the logits, which "
@@ -223,6 +231,15 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     cp_only = ParallelLayout(cp=2).resolved(2)  # cp runs the model's own embedding and head
     student = parallelize(model, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
     assert student.sliced == frozenset() and model.get_input_embeddings() is scaled
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dynamic = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM uses 'dynamic' rotary embeddings, "
+                                          r".* train it with parallel.cp=1"):  # fmt: skip
+        parallelize(dynamic, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
     config = train_config(train_inputs, tmp_path / "eval", parallel={"tp": 2},
                           eval_data=train_inputs["heldout"])  # fmt: skip
     with pytest.raises(AssertionError, match=r"held-out evaluation needs whole logits \(cp and "

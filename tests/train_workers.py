@@ -143,7 +143,8 @@ def run_ranks(target, args: tuple, out: Path, world: int, timeout: float = 600) 
 def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], out: Path) -> None:
     """For each layout: a tiny Llama spread over it, every gradient set to ``rank + 1``, then
     :meth:`ParallelStudent.sync_copies`; writes ``{layout index: {parameter: the values its
-    local gradient holds}}`` to ``out/sync-rank<r>.json``."""
+    local gradient holds}}`` to ``out/sync-rank<r>.json`` (and under cp, ``"<index>-unmasked"``:
+    the error of a forward pass without the window's mask)."""
     try:
         os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
@@ -170,6 +171,11 @@ def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], ou
             student.sync_copies()
             seen[i] = {name: sorted(set(local_part(param.grad).flatten().tolist()))
                        for name, param in student.named_parameters()}  # fmt: skip
+            if mesh.layout.cp > 1:  # without the window's mask: refused, not a wrong window
+                try:
+                    model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+                except ValueError as exc:
+                    seen[f"{i}-unmasked"] = str(exc)
         (out / f"sync-rank{rank}.json").write_text(json.dumps(seen))
         dist.destroy_process_group()
     except BaseException:

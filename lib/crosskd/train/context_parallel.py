@@ -15,11 +15,17 @@ The gradients of the weights are then partial on each ``cp`` rank (its window's 
 :meth:`crosskd.train.parallelize.ParallelStudent.sync_copies` sums them over the ``cp`` ranks.
 
 The attention is hooked in through transformers' attention registry (the ``crosskd_cp``
-implementation, computed with its ``sdpa`` function over the gathered keys), so it applies to
-any model that dispatches attention through it (Llama, Qwen, Mistral, Gemma, ...).
+implementation), so it applies to any model that dispatches attention through it (Llama, Qwen,
+Mistral, Gemma, ...); over the gathered keys it computes with the model's own implementation
+(``sdpa``, or the model's ``eager_attention_forward``). Refused: rotary embeddings whose
+frequencies depend on the longest position a forward pass sees (``dynamic``, ``longrope``:
+each window would rotate with other frequencies), and a call without the window's 4D mask
+(transformers would then make one for the window's own keys only).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,8 @@ from torch import Tensor, nn
 
 IMPLEMENTATION = "crosskd_cp"
 """The name of the context-parallel attention in transformers' attention registry."""
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""Rotary embedding types whose frequencies depend on the positions of the forward pass."""
 
 
 class _GatherPositions(torch.autograd.Function):
@@ -55,14 +63,20 @@ def context_parallel_attention(
     **kwargs,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Attention of this window's ``query`` ``[B, H, L / cp, D]`` to the whole row: ``key`` and
-    ``value`` ``[B, H_kv, L / cp, D]`` gathered over ``module.context_group``;
-    ``attention_mask``: the window's rows of the packed mask ``[B, 1, L / cp, L]``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    group = module.context_group
-    key = _GatherPositions.apply(key, group)
-    value = _GatherPositions.apply(value, group)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    ``value`` ``[B, H_kv, L / cp, D]`` gathered over ``module.context_group``, then
+    ``module.context_attention`` (the model's own implementation); ``attention_mask``: the
+    window's rows of the packed mask ``[B, 1, L / cp, L]``."""
+    key = _GatherPositions.apply(key, module.context_group)
+    value = _GatherPositions.apply(value, module.context_group)
+    if attention_mask is None or attention_mask.dim() != 4 or (
+            attention_mask.shape[-1] != key.shape[2]):  # fmt: skip
+        shape = None if attention_mask is None else tuple(attention_mask.shape)
+        raise ValueError(
+            f"context-parallel attention got the mask {shape}; it needs the window's rows of "
+            f"the whole row's mask, [B, 1, L / cp, {key.shape[2]}] "
+            f"(crosskd.train.attention.packed_inputs with window)."
+        )
+    return module.context_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def enable_context_parallel(
@@ -73,18 +87,42 @@ def enable_context_parallel(
     docstring). The model must then be called on a window of positions with the window's rows
     of the packed mask."""
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from crosskd.errors import ConfigError
 
-    AttentionInterface.register(IMPLEMENTATION, context_parallel_attention)
+    name = type(model).__name__
+    rope = getattr(model.config, "rope_parameters", None) or getattr(
+        model.config, "rope_scaling", None) or {}  # fmt: skip
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in POSITION_DEPENDENT_ROPE:
+        raise ConfigError(
+            f"{name} uses {rope_type!r} rotary embeddings, whose frequencies depend on the "
+            f"longest position of a forward pass, so windows of a row would rotate differently; "
+            f"train it with parallel.cp=1."
+        )
+    base = model.config._attn_implementation
     for layer in layers:
         attention = [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
         if not attention:
             raise ConfigError(
-                f"{type(model).__name__}'s decoder layer {type(layer).__name__} has no "
-                f"attention module (a class named *Attention), so it cannot be split over "
-                f"positions; train it with parallel.cp=1."
+                f"{name}'s decoder layer {type(layer).__name__} has no attention module (a "
+                f"class named *Attention), so it cannot be split over positions; train it with "
+                f"parallel.cp=1."
             )
         for module in attention:
+            if base == "sdpa":
+                function = sdpa_attention_forward
+            else:
+                modeling = sys.modules[type(module).__module__]
+                function = getattr(modeling, "eager_attention_forward", None)
+            if base not in ("sdpa", "eager") or function is None:
+                raise ConfigError(
+                    f"parallel.cp runs {name}'s attention over gathered keys with sdpa or "
+                    f"eager attention; it has {base!r}{'' if function else ' (no eager function)'}"
+                    f". Set attn_implementation to sdpa or eager."
+                )
             module.context_group = group
+            module.context_attention = function
+    AttentionInterface.register(IMPLEMENTATION, context_parallel_attention)
     model.config._attn_implementation = IMPLEMENTATION
