@@ -13,8 +13,9 @@ node):
 * ``tp`` ranks of a shard each hold ``V / tp`` rows of the input embedding and the output head
   (vocabulary-parallel): their logits stay ``[B, L, V / tp]`` and go straight into the sharded
   loss (:mod:`crosskd.loss.parallel`).
-* ``cp`` ranks of a shard each evaluate the head and the loss on a window of ``L / cp``
-  positions of every row (the decoder layers run on the whole row on each of them).
+* ``cp`` ranks of a shard each run the model and the loss on a window of ``L / cp`` positions
+  of every row, attention gathering the row's keys and values
+  (:mod:`crosskd.train.context_parallel`).
 """
 
 from __future__ import annotations
