@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 from typing import Any
 
 import fsspec
@@ -267,9 +266,48 @@ def _groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> list[dict]:
     return [{**g, "params": c["params"]} for g, c in zip(saved, current, strict=True)]
 
 
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+"""safetensors' dtype names."""
+
+
+class _RangedFile:
+    """A safetensors file on remote storage read by byte ranges: its header once, then only
+    the rows of dimension 0 a region needs (the parts of a checkpoint are split on dimension
+    0, so those rows are one contiguous range)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        self.fs, self.path = fs, path
+        size = int.from_bytes(fs.cat_file(path, start=0, end=8), "little")
+        header = json.loads(fs.cat_file(path, start=8, end=8 + size))
+        header.pop("__metadata__", None)
+        self.entries, self.data = header, 8 + size
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def region(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """``key``'s values in ``box`` (a slice per dimension; empty: the whole tensor)."""
+        entry = self.entries[key]
+        dtype, shape = DTYPES[entry["dtype"]], list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        rows = range(shape[0])[box[0]] if box and shape else None
+        if rows is not None and rows.step == 1:
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            begin, end = begin + rows.start * row_bytes, begin + rows.stop * row_bytes
+            shape[0], box = len(rows), (slice(None), *box[1:])
+        if end == begin:
+            tensor = torch.empty(shape, dtype=dtype)
+        else:
+            raw = self.fs.cat_file(self.path, start=self.data + begin, end=self.data + end)
+            tensor = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        return tensor[box] if box else tensor
+
+
 class _Parts:
-    """The checkpoint's rank files, opened lazily (copied to a temporary folder first where
-    they are not on a local disk)."""
+    """The checkpoint's rank files, opened lazily: memory-mapped on a local disk, read by byte
+    ranges elsewhere (each rank fetches only the rows of the parts it needs)."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, folder: str) -> None:
         self.fs, self.folder = fs, folder
@@ -277,28 +315,28 @@ class _Parts:
         self.open: dict[str, Any] = {}
 
     def __enter__(self) -> _Parts:
-        self.tmp = tempfile.TemporaryDirectory()
         return self
 
     def __exit__(self, *exc) -> None:
         self.open.clear()
-        self.tmp.cleanup()
 
     def file(self, name: str):
         if name not in self.open:
             path = f"{self.folder}/{name}"
-            if not self.local:
-                self.fs.get_file(path, f"{self.tmp.name}/{name}")
-                path = f"{self.tmp.name}/{name}"
-            self.open[name] = safe_open(path, framework="pt")
+            self.open[name] = safe_open(path, framework="pt") if self.local else (
+                _RangedFile(self.fs, path))  # fmt: skip
         return self.open[name]
 
     def tensor(self, name: str, key: str) -> torch.Tensor | None:
         handle = self.file(name)
-        return handle.get_tensor(key) if key in set(handle.keys()) else None
+        if key not in set(handle.keys()):
+            return None
+        return handle.get_tensor(key) if self.local else handle.region(key, ())
 
     def region(self, name: str, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         handle = self.file(name)
+        if not self.local:
+            return handle.region(key, box)
         return handle.get_slice(key)[box] if box else handle.get_tensor(key)
 
 
