@@ -5,7 +5,7 @@ optimizer step, per rank, against one process holding all of it (measured in the
     python benchmarks/parallel_memory.py [--hidden-size 512] [--layers 8] [--vocab 128256]
 
 Each layout runs in real processes (gloo on CPU, torch's elastic agent) on a random-init Llama
-of the given shape (default: ~91M parameters, two thirds of them the tied 128k-row embedding of
+of the given shape (default: ~91M parameters, 72% of them the tied 128k-row embedding of
 the Llama-3 vocabulary, the share a small cross-tokenizer student really has): the layout is
 applied by ``parallelize`` exactly as the trainer does, then one forward and backward pass of a
 batch of 2 x 128 tokens (a sum of squared logits: the bytes do not depend on the loss) and one

@@ -240,6 +240,13 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     with pytest.raises(ConfigError, match=r"LlamaForCausalLM uses 'dynamic' rotary embeddings, "
                                           r".* train it with parallel.cp=1"):  # fmt: skip
         parallelize(dynamic, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
+    layerless = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1))
+    layerless._no_split_modules = []  # a model that names no decoder layer class
+    layers = r"names no decoder layer class \(_no_split_modules\), so it cannot be split per "
+    with pytest.raises(ConfigError, match=layers + r"layer .* parallel.cp=1"):
+        parallelize(layerless, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
     config = train_config(train_inputs, tmp_path / "eval", parallel={"tp": 2},
                           eval_data=train_inputs["heldout"])  # fmt: skip
     with pytest.raises(AssertionError, match=r"held-out evaluation needs whole logits \(cp and "

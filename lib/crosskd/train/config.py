@@ -117,8 +117,9 @@ class TrainConfig:
     """``crosskd train --nproc-per-node``: retryable failures in a row without a new checkpoint
     before the pod gives up with a permanent exit code (:mod:`crosskd.train.launch`)."""
     collective_timeout_s: int = 1800
-    """Seconds a collective (an all-reduce, or the wait while rank 0 writes a checkpoint to
-    object storage) may take before the process group gives up (torch's NCCL default is 600)."""
+    """Seconds a collective (an all-reduce, or the wait while rank 0 publishes a checkpoint or
+    writes a model folder to object storage) may take before the process group gives up
+    (torch's NCCL default is 600)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):

@@ -292,7 +292,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if not layers:
         raise ConfigError(
             f"{type(model).__name__} names no decoder layer class (_no_split_modules), so it "
-            f"cannot be sharded per layer; train it with parallel.dp_shard=1."
+            f"cannot be split per layer (FSDP2 or context parallelism); train it with "
+            f"parallel.dp_shard=1 and parallel.cp=1."
         )
     return layers
 

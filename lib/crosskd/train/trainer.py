@@ -17,8 +17,8 @@ then every micro-batch's forward and backward run with those step totals (so the
 gradients are the step's mean), gradients are clipped, AdamW steps, and the warmup + cosine
 schedule moves on. Packed rows get the attention inputs their attention implementation needs
 (:mod:`crosskd.train.attention`). bf16 autocast on GPU, float32 on CPU. A NaN or infinite loss
-stops the run with an error naming the step and the term, before the optimizer step, keeping the
-last good checkpoint.
+(or gradient norm) stops the run with an error naming the step and the term, before the
+optimizer step, keeping the last good checkpoint.
 
 Resume: rank 0 reads which checkpoint is the latest and broadcasts its step; every rank loads
 its part of that checkpoint, whatever layout wrote it (so ``output`` must be storage every rank
