@@ -36,48 +36,14 @@ KINDS = ("parameters", "gradients", "optimizer")
 STEP_LAYOUTS = [(1, {}), (2, {"cp": 2}), (4, {"cp": 4}), (2, {"tp": 2})]
 
 
-def _rank(shape: dict, vocab: int, parallel: dict) -> dict:
-    """One rank: the layout applied, one step, what this rank holds."""
+def _spread(shape: dict, vocab: int, parallel: dict):
+    """This rank's student: the process group joined (under the elastic agent), a seeded
+    random-init Llama of ``shape``, spread over ``parallel`` as the trainer does."""
     import torch
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from crosskd.layout import ParallelLayout
-    from crosskd.train.mesh import build_train_mesh
-    from crosskd.train.parallelize import parallelize, state_bytes
-
-    torch.set_num_threads(1)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **shape)
-    model = LlamaForCausalLM(config)
-    student = parallelize(model, build_train_mesh(ParallelLayout(**parallel),
-                                                  torch.device("cpu")))  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, vocab, (2, 128), generator=torch.Generator().manual_seed(1))
-    logits = student.wrapped(input_ids=ids, use_cache=False).logits
-    logits.float().square().mean().backward()
-    optimizer.step()
-    held = state_bytes(student, optimizer)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return held
-
-
-def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
-    """One rank: the layout applied, then the rise of the peak resident set over one forward
-    and backward pass of one row of ``length`` tokens (bytes)."""
-    import gc
-    from pathlib import Path
-
-    import torch
-    import torch.distributed as dist
-    from inputs import rss
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from crosskd.layout import ParallelLayout
-    from crosskd.train.attention import packed_inputs
     from crosskd.train.mesh import build_train_mesh
     from crosskd.train.parallelize import parallelize
 
@@ -88,8 +54,46 @@ def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
     config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **shape)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
-    mesh = build_train_mesh(ParallelLayout(**parallel), torch.device("cpu"))
-    student = parallelize(model, mesh)
+    return parallelize(model, build_train_mesh(ParallelLayout(**parallel), torch.device("cpu")))
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank(shape: dict, vocab: int, parallel: dict) -> dict:
+    """One rank: the layout applied, one step, what this rank holds."""
+    import torch
+
+    from crosskd.train.parallelize import state_bytes
+
+    student = _spread(shape, vocab, parallel)
+    optimizer = torch.optim.AdamW(student.model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (2, 128), generator=torch.Generator().manual_seed(1))
+    logits = student.wrapped(input_ids=ids, use_cache=False).logits
+    logits.float().square().mean().backward()
+    optimizer.step()
+    held = state_bytes(student, optimizer)
+    _leave()
+    return held
+
+
+def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
+    """One rank: the layout applied, then the rise of the peak resident set over one forward
+    and backward pass of one row of ``length`` tokens (bytes)."""
+    import gc
+    from pathlib import Path
+
+    import torch
+    from inputs import rss
+
+    from crosskd.train.attention import packed_inputs
+
+    student = _spread(shape, vocab, parallel)
+    mesh = student.mesh
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
     cp = mesh.layout.cp
     window = None if cp == 1 else (mesh.coordinate("cp") * length // cp,
@@ -102,8 +106,7 @@ def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
     logits = student.wrapped(use_cache=False, **inputs).logits
     logits.float().square().mean().backward()
     _, peak = rss()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    _leave()
     return {"peak_rise": peak - before, "positions": int(logits.shape[1]),
             "vocab_columns": int(logits.shape[2])}  # fmt: skip
 

@@ -12,7 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from train_inputs import train_config
-from train_workers import gather_failure_worker, run_ddp, run_ranks, sync_copies_worker
+from train_workers import (
+    gather_failure_worker,
+    run_ddp,
+    run_ranks,
+    sync_copies_worker,
+    tiny_llama,
+)
 
 from crosskd.errors import ConfigError
 from crosskd.layout import ParallelLayout
@@ -231,18 +237,17 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     cp_only = ParallelLayout(cp=2).resolved(2)  # cp runs the model's own embedding and head
     student = parallelize(model, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
     assert student.sliced == frozenset() and model.get_input_embeddings() is scaled
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    dynamic = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1,
-        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                          "rope_theta": 1e4})  # fmt: skip
     with pytest.raises(ConfigError, match=r"LlamaForCausalLM uses 'dynamic' rotary embeddings, "
                                           r".* train it with parallel.cp=1"):  # fmt: skip
         parallelize(dynamic, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
-    layerless = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1))
+    flash = tiny_llama()
+    flash.config._attn_implementation = "flash_attention_2"  # a micro-batch as one row
+    with pytest.raises(ConfigError, match=r"it has 'flash_attention_2' .* Set "
+                                          r"attn_implementation to sdpa or eager"):  # fmt: skip
+        parallelize(flash, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
+    layerless = tiny_llama()
     layerless._no_split_modules = []  # a model that names no decoder layer class
     layers = r"names no decoder layer class \(_no_split_modules\), so it cannot be split per "
     with pytest.raises(ConfigError, match=layers + r"layer .* parallel.cp=1"):

@@ -140,31 +140,45 @@ def run_ranks(target, args: tuple, out: Path, world: int, timeout: float = 600) 
         raise AssertionError("a training rank failed:\n" + "\n".join(errors))
 
 
+def tiny_llama(**config):
+    """A random-init Llama of 64 tokens, hidden 16, 2 layers, tied (``config`` overrides)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "tie_word_embeddings": True} | config  # fmt: skip
+    return LlamaForCausalLM(LlamaConfig(**values))
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    """Join a gloo process group of ``world`` processes on loopback ``port`` as ``rank``."""
+    os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    _quiet()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+
+
 def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], out: Path) -> None:
     """For each layout: a tiny Llama spread over it, every gradient set to ``rank + 1``, then
     :meth:`ParallelStudent.sync_copies`; writes ``{layout index: {parameter: the values its
     local gradient holds}}`` to ``out/sync-rank<r>.json`` (and under cp, ``"<index>-unmasked"``:
     the error of a forward pass without the window's mask)."""
     try:
-        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
-        _quiet()
+        _join(rank, world, port)
         import torch
         import torch.distributed as dist
-        from transformers import LlamaConfig, LlamaForCausalLM
 
         from crosskd.layout import ParallelLayout
         from crosskd.train.mesh import build_train_mesh
         from crosskd.train.parallelize import local_part, parallelize
 
-        dist.init_process_group("gloo")
         seen = {}
         for i, parallel in enumerate(layouts):
             mesh = build_train_mesh(ParallelLayout.from_mapping(parallel), torch.device("cpu"))
             torch.manual_seed(0)
-            model = LlamaForCausalLM(LlamaConfig(
-                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+            model = tiny_llama()
             student = parallelize(model, mesh)
             for _, param in student.named_parameters():
                 param.grad = torch.full_like(param, float(rank + 1))
@@ -189,24 +203,17 @@ def gather_failure_worker(rank: int, world: int, port: int, out: Path) -> None:
     of rank 0 that does not exist, one file per tensor (so the first write fails with most
     gathers still to come); writes what each rank raised to ``out/gather-rank<r>.json``."""
     try:
-        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
-        _quiet()
+        _join(rank, world, port)
         import torch
         import torch.distributed as dist
-        from transformers import LlamaConfig, LlamaForCausalLM
 
         from crosskd.layout import ParallelLayout
         from crosskd.train.export import save_gathered
         from crosskd.train.mesh import build_train_mesh
         from crosskd.train.parallelize import parallelize
 
-        dist.init_process_group("gloo")
         mesh = build_train_mesh(ParallelLayout(dp_shard=world), torch.device("cpu"))
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
-        student = parallelize(model, mesh)
+        student = parallelize(tiny_llama(), mesh)
         raised = None
         try:
             save_gathered(student, out / "missing" if rank == 0 else None, max_file_bytes=1)

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
@@ -29,6 +29,7 @@ from crosskd.errors import ConfigError
 
 if TYPE_CHECKING:
     from crosskd.tokenization import LoadedTokenizer
+    from crosskd.train.parallelize import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def nll_bits_and_bytes(
     device: torch.device | str = "cpu",
     token_budget: int = 4096,
     targets: list[np.ndarray] | None = None,
-    lockstep: Any = None,
+    lockstep: Lockstep | None = None,
 ) -> tuple[float, int]:
     """The summed negative log likelihood in bits of the target tokens of each of
     ``sequences`` (int token ids ``[L_i]``), and those tokens' UTF-8 bytes; ``token_bytes`` int

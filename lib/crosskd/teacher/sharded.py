@@ -47,7 +47,7 @@ def load_sharded_teacher(config: Any, device: torch.device) -> LoadedTeacher:
     FSDP2 over every process of the initialised process group, loaded in turns."""
     from crosskd.layout import ParallelLayout
     from crosskd.train.mesh import build_train_mesh
-    from crosskd.train.parallelize import parallelize
+    from crosskd.train.parallelize import Lockstep, parallelize
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = build_train_mesh(ParallelLayout(dp_shard=world), device)
@@ -61,8 +61,6 @@ def load_sharded_teacher(config: Any, device: torch.device) -> LoadedTeacher:
             whole.model.eval()
             loaded = whole
         dist.barrier()
-    from crosskd.train.parallelize import Lockstep
-
     return LoadedTeacher(loaded.name, loaded.folder, loaded.model, loaded.fingerprint,
                          loaded.vocab_size, device, loaded.dtype,
                          Lockstep(loaded.model, device))  # fmt: skip

@@ -305,6 +305,20 @@ class _RangedFile:
         return tensor[box] if box else tensor
 
 
+class _MappedFile:
+    """A safetensors file on a local disk, memory-mapped (the interface of :class:`_RangedFile`)."""
+
+    def __init__(self, path: str) -> None:
+        self.handle = safe_open(path, framework="pt")
+
+    def keys(self) -> list[str]:
+        return list(self.handle.keys())
+
+    def region(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """``key``'s values in ``box`` (a slice per dimension; empty: the whole tensor)."""
+        return self.handle.get_slice(key)[box] if box else self.handle.get_tensor(key)
+
+
 class _Parts:
     """The checkpoint's rank files, opened lazily: memory-mapped on a local disk, read by byte
     ranges elsewhere (each rank fetches only the rows of the parts it needs)."""
@@ -312,7 +326,7 @@ class _Parts:
     def __init__(self, fs: fsspec.AbstractFileSystem, folder: str) -> None:
         self.fs, self.folder = fs, folder
         self.local = isinstance(fs, LocalFileSystem)
-        self.open: dict[str, Any] = {}
+        self.open: dict[str, _MappedFile | _RangedFile] = {}
 
     def __enter__(self) -> _Parts:
         return self
@@ -320,24 +334,18 @@ class _Parts:
     def __exit__(self, *exc) -> None:
         self.open.clear()
 
-    def file(self, name: str):
+    def file(self, name: str) -> _MappedFile | _RangedFile:
         if name not in self.open:
             path = f"{self.folder}/{name}"
-            self.open[name] = safe_open(path, framework="pt") if self.local else (
-                _RangedFile(self.fs, path))  # fmt: skip
+            self.open[name] = _MappedFile(path) if self.local else _RangedFile(self.fs, path)
         return self.open[name]
 
     def tensor(self, name: str, key: str) -> torch.Tensor | None:
         handle = self.file(name)
-        if key not in set(handle.keys()):
-            return None
-        return handle.get_tensor(key) if self.local else handle.region(key, ())
+        return handle.region(key, ()) if key in set(handle.keys()) else None
 
     def region(self, name: str, key: str, box: tuple[slice, ...]) -> torch.Tensor:
-        handle = self.file(name)
-        if not self.local:
-            return handle.region(key, box)
-        return handle.get_slice(key)[box] if box else handle.get_tensor(key)
+        return self.file(name).region(key, box)
 
 
 def _fill(target: torch.Tensor, offset: tuple[int, ...], entry: dict, parts: _Parts, key: str,

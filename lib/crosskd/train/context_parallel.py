@@ -102,6 +102,12 @@ def enable_context_parallel(
             f"train it with parallel.cp=1."
         )
     base = model.config._attn_implementation
+    if base not in ("sdpa", "eager"):
+        raise ConfigError(
+            f"parallel.cp runs {name}'s attention over gathered keys with its sdpa or eager "
+            f"attention; it has {base!r} (flash attention runs a micro-batch as one row). Set "
+            f"attn_implementation to sdpa or eager."
+        )
     for layer in layers:
         attention = [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
         if not attention:
@@ -111,16 +117,12 @@ def enable_context_parallel(
                 f"parallel.cp=1."
             )
         for module in attention:
-            if base == "sdpa":
-                function = sdpa_attention_forward
-            else:
-                modeling = sys.modules[type(module).__module__]
-                function = getattr(modeling, "eager_attention_forward", None)
-            if base not in ("sdpa", "eager") or function is None:
+            function = sdpa_attention_forward if base == "sdpa" else getattr(
+                sys.modules[type(module).__module__], "eager_attention_forward", None)  # fmt: skip
+            if function is None:
                 raise ConfigError(
-                    f"parallel.cp runs {name}'s attention over gathered keys with sdpa or "
-                    f"eager attention; it has {base!r}{'' if function else ' (no eager function)'}"
-                    f". Set attn_implementation to sdpa or eager."
+                    f"{type(module).__name__}'s module has no eager_attention_forward to run "
+                    f"over gathered keys under parallel.cp; set attn_implementation to sdpa."
                 )
             module.context_group = group
             module.context_attention = function

@@ -62,7 +62,7 @@ from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
 from crosskd.teacher.model import model_folder
 from crosskd.tokenization import load_tokenizer
-from crosskd.train.attention import FLASH, packed_inputs
+from crosskd.train.attention import packed_inputs
 from crosskd.train.checkpoint import (
     begin_checkpoint,
     latest_step,
@@ -260,12 +260,6 @@ class Trainer:
             self.model.to(self.device)
         self.model.train()
         self.attention = self.model.config._attn_implementation
-        if self.layout.cp > 1 and self.attention in FLASH:
-            raise ConfigError(
-                f"parallel.cp is {self.layout.cp} with attn_implementation "
-                f"{self.attention!r}, which runs a micro-batch as one row; windows of positions "
-                f"need eager or sdpa attention."
-            )
         compute = torch.bfloat16 if self.device.type == "cuda" else None
         self.student = self._together("spread the student over the ranks", lambda: parallelize(
             self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing,
