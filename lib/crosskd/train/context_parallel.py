@@ -17,10 +17,12 @@ The gradients of the weights are then partial on each ``cp`` rank (its window's 
 The attention is hooked in through transformers' attention registry (the ``crosskd_cp``
 implementation), so it applies to any model that dispatches attention through it (Llama, Qwen,
 Mistral, Gemma, ...); over the gathered keys it computes with the model's own implementation
-(``sdpa``, or the model's ``eager_attention_forward``). Refused: rotary embeddings whose
-frequencies depend on the longest position a forward pass sees (``dynamic``, ``longrope``:
-each window would rotate with other frequencies), and a call without the window's 4D mask
-(transformers would then make one for the window's own keys only).
+(``sdpa``, or the model's ``eager_attention_forward``) and each layer's own mask (a sliding
+window's band included). Refused: models with mixers that carry state along the positions (a
+window would start from an empty state: :func:`crosskd.train.attention.refuse_state_mixers`),
+rotary embeddings whose frequencies depend on the longest position a forward pass sees
+(``dynamic``, ``longrope``: each window would rotate with other frequencies), and a call
+without the window's 4D mask (transformers would then make one for the window's own keys only).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def enable_context_parallel(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from crosskd.errors import ConfigError
+    from crosskd.train.attention import refuse_state_mixers
 
     name = type(model).__name__
     rope = getattr(model.config, "rope_parameters", None) or getattr(
@@ -101,6 +104,8 @@ def enable_context_parallel(
             f"longest position of a forward pass, so windows of a row would rotate differently; "
             f"train it with parallel.cp=1."
         )
+    refuse_state_mixers(model, "the windows of parallel.cp (each would start from an empty "
+                        "state)", "train it with parallel.cp=1")
     base = model.config._attn_implementation
     if base not in ("sdpa", "eager"):
         raise ConfigError(

@@ -62,7 +62,7 @@ from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
 from crosskd.teacher.model import model_folder
 from crosskd.tokenization import load_tokenizer
-from crosskd.train.attention import packed_inputs
+from crosskd.train.attention import layer_windows, packed_inputs, refuse_state_mixers
 from crosskd.train.checkpoint import (
     begin_checkpoint,
     latest_step,
@@ -260,6 +260,10 @@ class Trainer:
             self.model.to(self.device)
         self.model.train()
         self.attention = self.model.config._attn_implementation
+        self.windows = layer_windows(self.model.config)
+        if self.data.manifest["packing"]["packed"]:
+            refuse_state_mixers(self.model, f"the samples of the packed rows of {cfg.data}",
+                                "prepare the data with pack=false (one sample per row)")
         compute = torch.bfloat16 if self.device.type == "cuda" else None
         self.student = self._together("spread the student over the ranks", lambda: parallelize(
             self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing,
@@ -460,9 +464,8 @@ class Trainer:
             width = student.input_ids.shape[1] // self.layout.cp
             window = (self.mesh.coordinate("cp") * width, (self.mesh.coordinate("cp") + 1) * width)
         inputs = packed_inputs(
-            self.attention, student.input_ids.to(self.device),
-            student.segment_ids.to(self.device), student.position_ids.to(self.device),
-            next(self.model.parameters()).dtype, window,
+            self.attention, student.input_ids, student.segment_ids, student.position_ids,
+            next(self.model.parameters()).dtype, window, self.windows, self.device,
         )  # fmt: skip
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.device.type == "cuda"):  # fmt: skip
