@@ -298,6 +298,29 @@ def test_heldout_evaluation_keeps_the_best_student(train_inputs, tmp_path):
     assert rows["best"]["prepared_model"] == "student"
 
 
+def test_heldout_evaluation_runs_under_the_training_autocast(train_inputs, tmp_path):
+    """On GPU the steps run under bfloat16 autocast (DDP keeps float32 weights, which flash
+    attention refuses): the held-out forward passes must run under the same. Here the CPU
+    trainer is given bfloat16 as its compute dtype; a hook on the head records the autocast
+    state of every forward pass, training and held-out, and the figure is the bfloat16 one."""
+    config = train_config(train_inputs, tmp_path, eval_data=train_inputs["heldout"], steps=1)
+    trainer = _trainer(config)
+    trainer.compute_dtype = torch.bfloat16
+    seen = []
+    hook = trainer.model.lm_head.register_forward_hook(lambda module, args, out: seen.append(
+        (module.training, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+         out.dtype)))  # fmt: skip
+    trainer.train()
+    bf16 = trainer.heldout_bits_per_byte()
+    hook.remove()
+    assert {training for training, *_ in seen} == {True, False}
+    assert {tuple(state) for _, *state in seen} == {(True, torch.bfloat16, torch.bfloat16)}
+    trainer.compute_dtype = None
+    fp32 = trainer.heldout_bits_per_byte()
+    assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=0.05)
+    trainer.close()
+
+
 def test_best_is_the_lowest_heldout_and_survives_a_resume(train_inputs, tmp_path, monkeypatch):
     """Held-out figures 3.0, 2.0, 2.5 at steps 2, 4, 6, with a stop (and resume) after step 4:
     best/ is step 4 and stays so; final/ says which step it holds (4, then 6); only the

@@ -44,6 +44,7 @@ def nll_bits_and_bytes(
     token_budget: int = 4096,
     targets: list[np.ndarray] | None = None,
     lockstep: Lockstep | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[float, int]:
     """The summed negative log likelihood in bits of the target tokens of each of
     ``sequences`` (int token ids ``[L_i]``), and those tokens' UTF-8 bytes; ``token_bytes`` int
@@ -51,11 +52,27 @@ def nll_bits_and_bytes(
     count (their first entry is ignored: the first token has no prediction); None: every token
     after the first. ``lockstep``: for a model sharded over processes, called before every
     forward pass, and its ``finish()`` at the end
-    (:class:`crosskd.train.parallelize.Lockstep`)."""
-    from crosskd.teacher.scoring import budget_batches
-
+    (:class:`crosskd.train.parallelize.Lockstep`). ``compute_dtype``: every forward pass (the
+    lockstep's one-token passes included) runs under autocast to it, as the training steps do
+    (None: the parameters' dtype)."""
     was_training = model.training
     model.eval()
+    autocast = torch.autocast(torch.device(device).type, dtype=compute_dtype,
+                              enabled=compute_dtype is not None)  # fmt: skip
+    with autocast:
+        result = _nll_bits_and_bytes(model, sequences, token_bytes, device, token_budget,
+                                     targets, lockstep)  # fmt: skip
+    model.train(was_training)
+    return result
+
+
+def _nll_bits_and_bytes(
+    model: torch.nn.Module, sequences: list[np.ndarray], token_bytes: np.ndarray,
+    device: torch.device | str, token_budget: int, targets: list[np.ndarray] | None,
+    lockstep: Lockstep | None,
+) -> tuple[float, int]:  # fmt: skip
+    from crosskd.teacher.scoring import budget_batches
+
     bits, n_bytes = 0.0, 0
     for group in budget_batches([len(s) for s in sequences], token_budget):
         batch = [sequences[i] for i in group]
@@ -81,7 +98,6 @@ def nll_bits_and_bytes(
         n_bytes += int(token_bytes[ids[:, 1:][keep].cpu().numpy()].sum())
     if lockstep is not None:
         lockstep.finish()
-    model.train(was_training)
     return bits, n_bytes
 
 

@@ -16,7 +16,8 @@ online), the plans' counts are summed over the micro-batches and all-reduced ove
 then every micro-batch's forward and backward run with those step totals (so the summed
 gradients are the step's mean), gradients are clipped, AdamW steps, and the warmup + cosine
 schedule moves on. Packed rows get the attention inputs their attention implementation needs
-(:mod:`crosskd.train.attention`). bf16 autocast on GPU, float32 on CPU. A NaN or infinite loss
+(:mod:`crosskd.train.attention`). bf16 autocast on GPU, float32 on CPU (``compute_dtype``; the
+held-out evaluation runs under the same). A NaN or infinite loss
 (or gradient norm) stops the run with an error naming the step and the term, before the
 optimizer step, keeping the last good checkpoint.
 
@@ -264,10 +265,10 @@ class Trainer:
         if self.data.manifest["packing"]["packed"]:
             refuse_state_mixers(self.model, f"the samples of the packed rows of {cfg.data}",
                                 "prepare the data with pack=false (one sample per row)")
-        compute = torch.bfloat16 if self.device.type == "cuda" else None
+        self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else None
         self.student = self._together("spread the student over the ranks", lambda: parallelize(
             self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing,
-            compute_dtype=compute))
+            compute_dtype=self.compute_dtype))
         self.wrapped = self.student.wrapped
         self.vocab = self.student.vocab
         self.optimizer = torch.optim.AdamW(
@@ -467,14 +468,15 @@ class Trainer:
             self.attention, student.input_ids, student.segment_ids, student.position_ids,
             next(self.model.parameters()).dtype, window, self.windows, self.device,
         )  # fmt: skip
-        with torch.autocast(self.device.type, dtype=torch.bfloat16,
-                            enabled=self.device.type == "cuda"):  # fmt: skip
+        with torch.autocast(self.device.type, dtype=self.compute_dtype,
+                            enabled=self.compute_dtype is not None):  # fmt: skip
             logits = self.wrapped(use_cache=False, **inputs).logits
         return logits.reshape(student.input_ids.shape[0], -1, logits.shape[-1])
 
     def heldout_bits_per_byte(self) -> float:
         """The student's bits per byte on ``eval_data`` (each rank scores every world-th
-        sample; the sums are reduced)."""
+        sample; the sums are reduced), under the training steps' autocast (``compute_dtype``:
+        bfloat16 on GPU, where DDP keeps float32 weights that flash attention refuses)."""
         shares = self.eval_sequences[self.rank :: self.world]
         targets = self.eval_targets[self.rank :: self.world]
         budget = self.config.micro_batch_rows * int(self.data.manifest["models"][0]["capacity"])
@@ -482,7 +484,8 @@ class Trainer:
         lockstep = Lockstep(self.model, self.device) if self.layout.dp_shard > 1 else None
         bits, n_bytes = nll_bits_and_bytes(self.model, shares, self.student_tok.bytes.lengths,
                                            device=self.device, token_budget=budget,
-                                           targets=targets, lockstep=lockstep)  # fmt: skip
+                                           targets=targets, lockstep=lockstep,
+                                           compute_dtype=self.compute_dtype)  # fmt: skip
         total = self._reduce(torch.tensor([bits, float(n_bytes)], dtype=torch.float64))
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
