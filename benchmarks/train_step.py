@@ -51,8 +51,11 @@ step time; real tokens too), MFU = ``(6 N + 12 layers hidden length) * tokens/s 
 (``N``: every parameter once, the tied embedding included as the head's matmul; the second term
 is attention's FLOPs per token over the whole packed row; ``6 N`` also under activation
 checkpointing, whose recompute is not counted as useful work; peak = ``--peak-tflops``, 989:
-H100/H200 dense bf16), ``torch.cuda.max_memory_allocated()`` over the measured steps, and the
-parameter + gradient + AdamW bytes the rank holds. Without CUDA the same code runs on CPU (gloo,
+H100/H200 dense bf16), ``torch.cuda.max_memory_allocated()`` over the measured steps, the
+parameter + gradient + AdamW bytes the rank holds, and the most gradient bytes it held after any
+micro-batch's backward pass (``ParallelStudent.gradient_peak``) over the whole model's float32
+gradients: with ``--grad-accum`` > 1, about ``1 / WORLD`` (every micro-batch reduce-scatters),
+where accumulating unreduced gradients held 1. Without CUDA the same code runs on CPU (gloo,
 float32) with the sizes given, a smoke check of the path, e.g.
 
     torchrun --nproc-per-node 2 benchmarks/train_step.py --gpu --hidden-size 64 --layers 2 \\
@@ -356,7 +359,9 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
             "tokens_per_s": per_step / median,
             "real_tokens_per_s": statistics.mean(tokens) / median,
             "mfu": flops_per_token * per_step / median / (args.peak_tflops * 1e12),
-            "peak_memory": peak, "state_bytes": sum((trainer.state_bytes or {}).values())}
+            "peak_memory": peak, "state_bytes": sum((trainer.state_bytes or {}).values()),
+            "gradient_peak": trainer.student.gradient_peak,
+            "whole_gradient_bytes": sum(p.numel() * 4 for p in trainer.model.parameters())}
     trainer.close()
     ranks = [mine]
     if world > 1:
@@ -404,11 +409,16 @@ def print_gpu(r: dict) -> None:
           f"warm-up, inputs prepared ahead; MFU against {r['peak_tflops']:g} TFLOP/s per rank, "
           f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token:")  # fmt: skip
     print(f"  {'rank':<6}{'step s':>9}{'inputs s':>10}{'tokens/s':>12}{'real tok/s':>12}{'MFU':>8}"
-          f"{memory:>22}{'state':>11}")  # fmt: skip
+          f"{memory:>22}{'state':>11}{'grad peak':>11}{'/ whole':>9}")  # fmt: skip
     for x in r["ranks"]:
         print(f"  {x['rank']:<6}{x['step_s']:>9.3f}{x['inputs_s']:>10.3f}"
               f"{x['tokens_per_s']:>12,.0f}{x['real_tokens_per_s']:>12,.0f}{x['mfu']:>8.1%}"
-              f"{x['peak_memory'] / 2**30:>18.2f} GiB{x['state_bytes'] / 2**30:>7.2f} GiB")
+              f"{x['peak_memory'] / 2**30:>18.2f} GiB{x['state_bytes'] / 2**30:>7.2f} GiB"
+              f"{x['gradient_peak'] / 2**30:>7.2f} GiB"
+              f"{x['gradient_peak'] / x['whole_gradient_bytes']:>9.3f}")  # fmt: skip
+    print("  grad peak: the most gradient bytes a rank held after any micro-batch's backward "
+          "pass; / whole: over the float32 gradients of the whole model (what accumulating "
+          "without reduce-scatter held on every rank)")
     t = r["total"]
     print(f"  {'all':<6}{t['step_s']:>9.3f}{'':>10}{t['tokens_per_s']:>12,.0f}"
           f"{t['real_tokens_per_s']:>12,.0f}{t['mfu']:>8.1%}{t['peak_memory'] / 2**30:>18.2f} GiB")

@@ -22,6 +22,7 @@ from train_workers import (
 
 from crosskd.errors import ConfigError
 from crosskd.layout import ParallelLayout
+from crosskd.loss import LossConfig, TeacherLossConfig
 from crosskd.train import TrainConfig, Trainer
 from crosskd.train.mesh import TrainMesh
 from crosskd.train.parallelize import parallelize
@@ -101,6 +102,31 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
     vocab_bytes = single.model.get_input_embeddings().weight.numel() * 4
     tp_bytes = _rank(tmp_path, "tp", 0)["state_bytes"]["parameters"]
     assert tp_bytes == whole["parameters"] - vocab_bytes // 2
+
+
+def test_fsdp2_gradient_accumulation_holds_only_gradient_shards(train_inputs, tmp_path):
+    """Two micro-batches of one row per step on each of 2 FSDP2 ranks train like one process
+    with one micro-batch of 4 rows (static kd_scale: the dynamic one is per micro-batch), and
+    no rank ever holds more than its half of the gradients: every micro-batch reduce-scatters
+    (accumulating whole gradients until the last one would hold the model's size on every
+    rank)."""
+    loss = LossConfig(kd_weight=0.7, teachers=[TeacherLossConfig(
+        k=16, student_to_teacher=train_inputs["s2t"], teacher_to_student=train_inputs["t2s"])])
+    common = {"loss": loss, "global_batch_rows": 4, "steps": 3}
+    want, single = _single(_config(train_inputs, tmp_path / "one", micro_batch_rows=4, **common))
+    accumulated = _config(train_inputs, tmp_path / "fsdp", micro_batch_rows=1,
+                          parallel={"dp_shard": 2}, **common)  # fmt: skip
+    run_ddp([("fsdp", accumulated, None)], tmp_path)
+    whole = single.state_bytes["gradients"]
+    assert single.student.gradient_peak == whole
+    for rank in (0, 1):
+        got = _rank(tmp_path, "fsdp", rank)
+        assert [len(m) for m in got["micro_batches"][0]] == [1, 1]
+        _same_curve(got["history"], want)
+        assert 0 < got["gradient_peak"] <= 0.55 * whole
+    reference = _weights(tmp_path / "one")
+    for key, value in _weights(tmp_path / "fsdp").items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_path):

@@ -96,7 +96,8 @@ def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None
             seen = [trainer.step_micro_batches(s) for s in range(config.steps)]
             (out / f"{name}-rank{rank}.json").write_text(json.dumps(
                 {"history": history, "micro_batches": seen, "start": trainer.start,
-                 "state_bytes": trainer.state_bytes}
+                 "state_bytes": trainer.state_bytes,
+                 "gradient_peak": trainer.student.gradient_peak}
             ))  # fmt: skip
             trainer.close()
         dist.destroy_process_group()

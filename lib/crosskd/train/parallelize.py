@@ -145,6 +145,9 @@ class ParallelStudent:
     """Names of the parameters split over ``tp`` on dimension 0 (the vocabulary)."""
     vocab: int | None
     """The whole vocabulary ``V`` of the output head (None: a model without one)."""
+    gradient_peak: int = 0
+    """The most gradient bytes this rank held after any micro-batch's backward pass so far
+    (:func:`gradient_bytes`, read at the end of each :meth:`gradient_sync` block)."""
 
     def placement(self, name: str, tensor: Tensor) -> Placement:
         """Where this rank's part of parameter ``name`` (or of optimizer state laid out like it:
@@ -174,16 +177,26 @@ class ParallelStudent:
         """The student's parameters by name (each shared parameter once)."""
         return self.model.named_parameters()
 
-    def gradient_sync(self, sync: bool):
-        """A context in which backward passes reduce gradients over the data-parallel ranks
-        (``sync``) or only accumulate them (every micro-batch but the last)."""
+    @contextlib.contextmanager
+    def gradient_sync(self, sync: bool) -> Iterator[None]:
+        """The context of a micro-batch's backward pass: the last one of a step (``sync``)
+        reduces the gradients over every data-parallel rank. Before it, DDP only accumulates
+        (its gradients are whole replicas either way), while FSDP2 still reduce-scatters every
+        micro-batch, so each rank accumulates only its shard: no unsharded gradient (the whole
+        model's size) is kept from one micro-batch to the next. Under HSDP the all-reduce of the
+        shards over ``dp_replicate`` waits for the last micro-batch. ``gradient_peak`` is
+        updated after the block."""
         if sync:
-            return contextlib.nullcontext()
-        if hasattr(self.wrapped, "no_sync"):
-            return self.wrapped.no_sync()
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            return _fsdp_no_sync(self.model)
-        return contextlib.nullcontext()
+            reduction = contextlib.nullcontext()
+        elif hasattr(self.wrapped, "no_sync"):
+            reduction = self.wrapped.no_sync()
+        elif hasattr(self.model, "set_requires_all_reduce"):
+            reduction = _fsdp_deferred_all_reduce(self.model)
+        else:
+            reduction = contextlib.nullcontext()
+        with reduction:
+            yield
+        self.gradient_peak = max(self.gradient_peak, gradient_bytes(self.model))
 
     def sync_copies(self, bucket_bytes: int = 2**28) -> None:
         """Sum every gradient over the ``cp`` ranks (each holds its window's share), then make
@@ -276,12 +289,12 @@ def _in_buckets(tensors: list[Tensor], bucket_bytes: int, collective) -> None:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module):
-    model.set_requires_gradient_sync(False)
+def _fsdp_deferred_all_reduce(model: nn.Module):
+    model.set_requires_all_reduce(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(True)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -374,6 +387,29 @@ def _vocab_parallel(model: nn.Module, mesh: TrainMesh, vocab: int | None) -> set
     model.set_input_embeddings(VocabParallelEmbedding(embed_weight, start, group, pad))
     model.set_output_embeddings(VocabParallelHead(head_weight, bias, start, group))
     return {name for name, param in model.named_parameters() if id(param) in sliced}
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of gradients this rank holds for ``model`` now: the local part of each parameter's
+    ``grad``, plus the unsharded gradients FSDP2 keeps between backward passes when it does
+    not reduce-scatter (its ``FSDPParam``'s unsharded ``grad`` and
+    ``unsharded_accumulated_grad``, private attributes read only to measure). Sizes only: no
+    device synchronisation."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def size(tensor: Tensor | None) -> int:
+        part = None if tensor is None else local_part(tensor)
+        return 0 if part is None else part.numel() * part.element_size()
+
+    total = sum(size(p.grad) for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group is not None else ():
+                unsharded = getattr(param, "_unsharded_param", None)
+                total += size(None if unsharded is None else unsharded.grad)
+                total += size(param.unsharded_accumulated_grad)
+    return total
 
 
 def state_bytes(student: ParallelStudent, optimizer: torch.optim.Optimizer) -> dict[str, int]:
