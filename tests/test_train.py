@@ -9,6 +9,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import time
 import urllib.request
@@ -16,7 +18,15 @@ import urllib.request
 import pytest
 import torch
 from train_inputs import train_config
-from train_workers import SPAWN, free_port, run_ddp, train_hanging_at, train_hanging_in_checkpoint
+from train_workers import (
+    SPAWN,
+    free_port,
+    input_failure_worker,
+    run_ddp,
+    run_ranks,
+    train_hanging_at,
+    train_hanging_in_checkpoint,
+)
 
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.train import (
@@ -379,6 +389,45 @@ def test_a_rank_that_fails_alone_fails_every_rank_without_a_hang(setup, tmp_path
     text = str(info.value)
     assert f"metrics_host '0.0.0.0' / port {port}: cannot serve /metrics" in text
     assert "another rank failed to serve its metrics" in text
+
+
+def test_a_rank_with_a_damaged_shard_stops_every_rank_with_its_error(setup, tmp_path):
+    """Rank 1 reads a copy of the data whose shards are damaged (a torn download on its node);
+    rank 0 reads intact ones. The step's all-reduce carries rank 1's missing inputs: both ranks
+    stop at that step with the same one-line error naming rank 1 and the damaged shard, as bad
+    input (exit code 2, not retried), neither waiting in a collective."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(setup["data_sharded"], damaged)
+    for shard in damaged.glob("*.parquet"):
+        payload = bytearray(shard.read_bytes())
+        payload[len(payload) // 2] ^= 0xFF
+        shard.write_bytes(bytes(payload))
+    configs = [_config(setup, tmp_path / "run", data=data, teachers=[setup["cache_sharded"]],
+                       micro_batch_rows=1, collective_timeout_s=60)
+               for data in (setup["data_sharded"], str(damaged))]  # fmt: skip
+    run_ranks(input_failure_worker, (configs, tmp_path), tmp_path, world=2, timeout=120)
+    outcomes = [json.loads((tmp_path / f"outcome{r}.json").read_text()) for r in (0, 1)]
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0]["type"] == "InputError" and outcomes[0]["exit_code"] == 2
+    message = outcomes[0]["message"]
+    assert "\n" not in message
+    assert re.match(r"step 1: the inputs of 1 rank\(s\) are bad, so every rank stopped \(rank 1: "
+                    r".*part-\d+\.parquet", message), message
+
+
+def test_inputs_that_failed_to_read_stop_every_rank_for_a_retry():
+    """A rank whose object storage failed (not bad input) stops every rank with an error the
+    launcher leaves unclassified (retried); any bad input among the reasons makes it final."""
+    from crosskd.train.launch import EXIT_INPUT
+    from crosskd.train.trainer import InputError, InputFailed, input_failure
+
+    transient = input_failure(4, [(3, "ConnectionResetError: reset by peer", False)])
+    assert isinstance(transient, InputFailed) and not isinstance(transient, CrosskdError)
+    assert str(transient) == ("step 5: 1 rank(s) could not read their inputs, so every rank "
+                              "stopped (rank 3: ConnectionResetError: reset by peer)")  # fmt: skip
+    final = input_failure(0, [(0, "timeout", False), (2, "cache sample id s1 is not s2", True)])
+    assert isinstance(final, InputError) and final.exit_code == EXIT_INPUT
+    assert str(final).endswith("(rank 0: timeout; rank 2: cache sample id s1 is not s2)")
 
 
 @pytest.mark.parametrize(

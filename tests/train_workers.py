@@ -227,3 +227,31 @@ def gather_failure_worker(rank: int, world: int, port: int, out: Path) -> None:
         (out / f"error{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)
     os._exit(0)
+
+
+def input_failure_worker(rank: int, world: int, port: int, configs: list[TrainConfig],
+                         out: Path) -> None:  # fmt: skip
+    """Train ``configs[rank]`` (the ranks may read different copies of the data) as one of
+    ``world`` gloo ranks; the error the run stops with goes to ``out/outcome<rank>.json`` (its
+    type, message and exit code)."""
+    try:
+        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
+                           "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})  # fmt: skip
+        _quiet()
+        from crosskd.train import Trainer
+
+        trainer = Trainer(configs[rank], progress=False)
+        trainer.setup()
+        try:
+            trainer.train()
+            outcome = {"type": None}
+        except Exception as exc:
+            outcome = {"type": type(exc).__name__, "message": str(exc),
+                       "exit_code": getattr(exc, "exit_code", None)}  # fmt: skip
+        (out / f"outcome{rank}.json").write_text(json.dumps(outcome))
+        trainer.close()
+    except BaseException:
+        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)

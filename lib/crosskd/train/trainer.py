@@ -100,6 +100,28 @@ class PeerFailed(RuntimeError):
     the real error decides the pod's exit code (:mod:`crosskd.train.launch`)."""
 
 
+class InputError(TrainingError):
+    """A rank's inputs of a step are bad (a damaged shard, a teacher cache that does not match
+    the data): every rank stops with the same error, and the pod is not retried."""
+
+
+class InputFailed(RuntimeError):
+    """A rank could not read its inputs of a step for a reason that may pass (object storage
+    that failed): every rank stops with the same error, and the pod is retried."""
+
+
+def input_failure(step: int, reasons: list[tuple[int, str, bool]]) -> Exception:
+    """The error every rank raises when ranks had no inputs for optimizer step ``step``
+    (0-based): ``reasons`` holds each such rank's ``(rank, reason, bad input)``;
+    :class:`InputError` when any input is bad, else :class:`InputFailed`."""
+    named = "; ".join(f"rank {rank}: {reason}" for rank, reason, _ in reasons)
+    if any(bad for *_, bad in reasons):
+        return InputError(f"step {step + 1}: the inputs of {len(reasons)} rank(s) are bad, so "
+                          f"every rank stopped ({named})")  # fmt: skip
+    return InputFailed(f"step {step + 1}: {len(reasons)} rank(s) could not read their inputs, "
+                       f"so every rank stopped ({named})")  # fmt: skip
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup over
     ``warmup_steps``, then cosine from ``lr`` down to ``lr * min_lr_ratio`` at ``steps``."""
@@ -373,16 +395,37 @@ class Trainer:
         dist.all_reduce(out, group=group)
         return out.to(values.device)
 
-    def _counts(self, plans: list[LossPlan]) -> StepCounts:
-        """The step's counts: this data-parallel shard's micro-batches, summed over the shards
-        (the ``cp x tp`` ranks of a shard planned the same rows)."""
-        counts = plans[0].counts
-        for plan in plans[1:]:
+    def _counts(self, step: int, plans: list[LossPlan],
+                failure: Exception | None = None) -> StepCounts:  # fmt: skip
+        """The step's counts (this data-parallel shard's micro-batches, summed over the shards;
+        the ``cp x tp`` ranks of a shard planned the same rows), agreed with the ranks' inputs
+        being there: one all-reduce over every rank of ``[ranks without inputs, tokens, chunks
+        per KD term]``. When a rank has no inputs (``failure``: a damaged shard, a cache that
+        does not match, object storage that failed), every rank raises the same one-line error
+        naming the ranks and their reasons (:func:`input_failure`) instead of waiting for them
+        in the next collective."""
+        n_terms = len(term_names(self.config.loss, len(self.teachers.sources)))
+        counts = StepCounts(0, (0,) * n_terms)
+        for plan in plans:
             counts = counts + plan.counts
-        values = self._reduce(torch.tensor([counts.tokens, *counts.chunks], dtype=torch.int64),
-                              self.mesh.dp_group())  # fmt: skip
-        tokens, *chunks = values.tolist()
+        vector = torch.tensor([int(failure is not None), counts.tokens, *counts.chunks],
+                              dtype=torch.int64)  # fmt: skip
+        failed, tokens, *chunks = (self._reduce(vector) // torch.tensor(
+            [1] + [self.layout.model_parallel] * (1 + n_terms))).tolist()  # fmt: skip
+        if failed:
+            raise input_failure(step, self._reasons(failure))
         return StepCounts(tokens, tuple(chunks))
+
+    def _reasons(self, failure: Exception | None) -> list[tuple[int, str, bool]]:
+        """Every rank's ``(rank, reason, bad input)`` of not having its inputs (gathered only
+        when one has not)."""
+        mine = None if failure is None else (self.rank, " ".join(str(failure).split()) or type(
+            failure).__name__, isinstance(failure, CrosskdError))  # fmt: skip
+        if self.world == 1:
+            return [mine]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        return [reason for reason in everyone if reason is not None]
 
     def step_micro_batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches (packed-row indices) of optimizer step ``step``."""
@@ -396,13 +439,15 @@ class Trainer:
         return [self._plan(micro) for micro in self.step_micro_batches(step)]
 
     def train_step(
-        self, step: int, inputs: list[tuple[Batch, LossPlan]] | None = None
-    ) -> dict[str, float]:
+        self, step: int, inputs: list[tuple[Batch, LossPlan]] | None = None,
+        failure: Exception | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         """One optimizer step (on ``inputs`` from :meth:`step_inputs`, read here when None);
-        returns its metrics."""
+        returns its metrics. ``failure``: why this rank has no inputs for the step; every rank
+        then raises the same error (:meth:`_counts`)."""
         cfg = self.config
-        planned = self.step_inputs(step) if inputs is None else inputs
-        counts = self._counts([plan for _, plan in planned])
+        planned = [] if failure else self.step_inputs(step) if inputs is None else inputs
+        counts = self._counts(step, [plan for _, plan in planned], failure)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         totals: dict[str, float] = {}
@@ -507,8 +552,11 @@ class Trainer:
         with _sigterm_flag() as stop, contextlib.closing(inputs):
             for step in range(self.start, last):
                 started = time.perf_counter()
-                planned, waited = inputs.get(step)
-                metrics = self.train_step(step, planned)
+                try:
+                    (planned, waited), failure = inputs.get(step), None
+                except Exception as exc:  # every rank raises it after the step's all-reduce
+                    (planned, waited), failure = (None, 0.0), exc
+                metrics = self.train_step(step, planned, failure)
                 metrics["input_wait_s"] = waited
                 seconds = time.perf_counter() - started
                 done = self.done = step + 1
