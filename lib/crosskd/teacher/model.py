@@ -33,7 +33,7 @@ class LoadedTeacher:
     """A teacher ready to score: ``model`` (eval mode, on ``device`` in ``dtype``), ``name``
     (the reference), ``folder`` (local), ``fingerprint`` and ``vocab_size`` (output rows);
     ``lockstep``: for a teacher sharded over processes, called before every forward pass
-    (:class:`crosskd.teacher.sharded.Lockstep`)."""
+    (:class:`crosskd.train.parallelize.Lockstep`)."""
 
     name: str
     folder: Path
@@ -101,7 +101,8 @@ def load_teacher(
 
 
 def fingerprint(folder: Path) -> str:
-    """sha256 over ``config.json`` and the sha256 of every ``*.safetensors`` file."""
+    """sha256 over ``config.json`` and the sha256 of every ``*.safetensors`` file (reads every
+    byte of the weights: a teacher sharded over processes is hashed once, by their parent)."""
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for path in sorted(folder.glob("*.safetensors")):
         file_hash = hashlib.sha256()

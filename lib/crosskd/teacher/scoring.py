@@ -90,13 +90,17 @@ class ScoreConfig:
     """Processes that share the teacher (one per GPU of the pod): its weights are sharded over
     them (FSDP2, each holds ~1/N) and each scores its own contiguous part of the shards
     (:mod:`crosskd.teacher.sharded`). The stored numbers do not depend on it."""
+    collective_timeout_s: int = 1800
+    """With ``processes`` > 1: seconds a collective among them may wait before their process
+    group gives up (torch's NCCL default is 600): the first forward pass waits for the slowest
+    process to load its part of the teacher, and every pass for the slowest batch."""
 
     def check(self) -> None:
         """Refuse bad values naming the key."""
-        if isinstance(self.processes, bool) or not isinstance(self.processes, int) or (
-            self.processes < 1
-        ):  # fmt: skip
-            raise CrosskdError(f"processes is {self.processes!r}; it must be an integer >= 1.")
+        for key in ("processes", "collective_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CrosskdError(f"{key} is {value!r}; it must be an integer >= 1.")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise CrosskdError(f"k is {self.k!r}; the cache stores a top K, so k must be >= 1.")
         if not isinstance(self.tau, int | float) or not math.isfinite(self.tau) or self.tau <= 0:

@@ -2,12 +2,19 @@
 own shards (``ScoreConfig.processes`` > 1; ``crosskd score processes=8``, the pipeline's
 ``score_gpus``).
 
-How: ``processes`` workers (torch's elastic agent on one machine, one per GPU; gloo on CPU)
-shard the teacher with FSDP2 (:func:`crosskd.train.parallelize.parallelize` with ``dp_shard``
-= ``processes``): each holds ~1/N of the weights and gathers one decoder layer at a time during
-its forward pass (ZeRO-3 inference), so a 70B bfloat16 teacher (140 GB) needs ~18 GB per GPU of
-an 8-GPU pod plus one layer and the activations. The workers load the teacher in turns (one full
-copy in host memory at a time, sharded and moved to the GPU layer by layer as FSDP2 wraps it).
+How: the parent resolves the teacher's folder and hashes its weights once
+(:func:`~crosskd.teacher.model.fingerprint`, recorded in the cache's ``run.json``), then starts
+``processes`` workers (torch's elastic agent on one machine, one per GPU; gloo on CPU) that get
+the folder and the fingerprint and hash nothing. Their process group waits
+``ScoreConfig.collective_timeout_s`` in a collective before it gives up (torch's NCCL default,
+10 minutes, is short for a large teacher). Each worker builds the teacher without its weights
+(parameters on the meta device) and shards it with FSDP2
+(:func:`crosskd.train.parallelize.parallelize` with ``dp_shard`` = ``processes``), then all
+workers at once fill their own parts from the safetensors files, each reading only its rows of
+every weight (:mod:`crosskd.teacher.shard_load`, which logs each rank's progress). So a 70B
+bfloat16 teacher (140 GB) costs each GPU of an 8-GPU pod ~18 GB plus one gathered layer and the
+activations, and no process ever holds the whole teacher. During scoring each holds ~1/N of the
+weights and gathers one decoder layer at a time during its forward pass (ZeRO-3 inference).
 Each worker scores a contiguous part of the pod's shard range with :func:`score_shards` (its
 own range record), so every GPU computes at once on its own rows, and each row's logits stay on
 the GPU that computed them: nothing ``[tokens, V]`` is gathered. Because every forward pass is
@@ -17,14 +24,17 @@ done joins the others' passes with a one-token batch until all are done.
 
 Why this and not a layer-wise ``device_map`` (accelerate): that keeps one GPU busy at a time
 and copies activations between them; FSDP2 is the library the student already uses, works for
-any Hugging Face causal LM, and keeps all GPUs computing. A shard is scored with the same
-batches as in one process, so the cache is the same bytes (tested on CPU).
+any Hugging Face causal LM whose checkpoint names its parameters as the model does, and keeps
+all GPUs computing. A shard is scored with the same batches as in one process, so the cache is
+the same bytes (tested on CPU).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +44,6 @@ from crosskd.teacher.model import (
     LoadedTeacher,
     default_device,
     fingerprint,
-    load_teacher,
     model_folder,
     teacher_dtype,
 )
@@ -42,42 +51,46 @@ from crosskd.teacher.model import (
 log = logging.getLogger(__name__)
 
 
-def load_sharded_teacher(config: Any, device: torch.device) -> LoadedTeacher:
-    """The teacher of ``config`` (a :class:`~crosskd.teacher.scoring.ScoreConfig`) sharded with
-    FSDP2 over every process of the initialised process group, loaded in turns."""
+def load_sharded_teacher(
+    config: Any, device: torch.device, folder: Path, teacher_fingerprint: str, *,
+    progress: bool = False,
+) -> LoadedTeacher:
+    """The teacher of ``config`` (a :class:`~crosskd.teacher.scoring.ScoreConfig`), from its
+    local ``folder``, sharded with FSDP2 over every process of the initialised process group
+    and loaded by all of them at once, each reading only its rows
+    (:func:`crosskd.teacher.shard_load.load_shards`; ``progress``: a bar of it). Its
+    fingerprint is ``teacher_fingerprint`` (the parent's hash of ``folder``)."""
     from crosskd.layout import ParallelLayout
+    from crosskd.teacher.shard_load import empty_model, load_shards
     from crosskd.train.mesh import build_train_mesh
     from crosskd.train.parallelize import Lockstep, parallelize
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = build_train_mesh(ParallelLayout(dp_shard=world), device)
+    mesh = build_train_mesh(ParallelLayout(dp_shard=dist.get_world_size()), device)
     dtype = teacher_dtype(config.dtype, device)
-    loaded = None
-    for turn in range(world):
-        if turn == rank:
-            whole = load_teacher(config.teacher, device="cpu", dtype=dtype,
-                                 trust_remote_code=config.trust_remote_code)  # fmt: skip
-            parallelize(whole.model, mesh)
-            whole.model.eval()
-            loaded = whole
-        dist.barrier()
-    return LoadedTeacher(loaded.name, loaded.folder, loaded.model, loaded.fingerprint,
-                         loaded.vocab_size, device, loaded.dtype,
-                         Lockstep(loaded.model, device))  # fmt: skip
+    model = empty_model(folder, dtype, trust_remote_code=config.trust_remote_code)
+    load_shards(parallelize(model, mesh), folder, progress=progress)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    return LoadedTeacher(config.teacher, folder, model, teacher_fingerprint, vocab, device,
+                         dtype, Lockstep(model, device))  # fmt: skip
 
 
-def _worker(config: Any, start: int, stop: int, progress: bool) -> dict | None:
-    """One process of :func:`score_on_processes`: its contiguous part of ``start .. stop``."""
+def _worker(
+    config: Any, start: int, stop: int, progress: bool, folder: Path, teacher_fingerprint: str
+) -> dict | None:
+    """One process of :func:`score_on_processes`: its contiguous part of ``start .. stop``,
+    with the teacher of ``folder`` that the parent hashed to ``teacher_fingerprint``."""
     from crosskd.teacher.scoring import score_shards
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=config.collective_timeout_s))  # fmt: skip
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        teacher = load_sharded_teacher(config, device)
+        teacher = load_sharded_teacher(config, device, folder, teacher_fingerprint,
+                                       progress=progress and rank == 0)  # fmt: skip
         bounds = [start + round(i * (stop - start) / world) for i in range(world + 1)]
         part = None
         if bounds[rank] < bounds[rank + 1]:
@@ -115,13 +128,15 @@ def score_on_processes(
             f"device is {config.device!r}, but processes = {config.processes} puts one process "
             f"on each {device.type} device here; leave device unset."
         )
-    # run.json first, here: the workers then only read it.
-    begin_cache(config, prepared.manifest["data_fingerprint"],
-                fingerprint(model_folder(config.teacher, role="teacher")), device,
+    # The weights hashed once, here, and run.json written first: the workers only read it.
+    folder = model_folder(config.teacher, role="teacher")
+    teacher_fingerprint = fingerprint(folder)
+    begin_cache(config, prepared.manifest["data_fingerprint"], teacher_fingerprint, device,
                 teacher_dtype(config.dtype, device))  # fmt: skip
     launch = LaunchConfig(nproc_per_node=config.processes, max_restarts=0, start_method="spawn",
                           monitor_interval=0.5, **rendezvous({}))  # fmt: skip
-    results = elastic_launch(launch, _worker)(config, start, stop, progress)
+    results = elastic_launch(launch, _worker)(config, start, stop, progress, folder,
+                                              teacher_fingerprint)  # fmt: skip
     parts = [results[rank] for rank in sorted(results) if results[rank] is not None]
     return {"start": start, "stop": stop, "samples": sum(p["samples"] for p in parts),
             "parts": parts}  # fmt: skip
