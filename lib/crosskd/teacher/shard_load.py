@@ -15,9 +15,10 @@ only), converting to the teacher's dtype. The checkpoint is ``model.safetensors`
 tied to the input embedding) is read once, under whichever of its names the checkpoint holds.
 Persistent buffers found in the checkpoint are read whole (every process holds them).
 
-The checkpoint must name each parameter as the model does: transformers renames or fuses some
-models' weights while it loads them (mixture-of-experts layers, for one), and such a teacher is
-refused here, with the names it lacks (score it in one process).
+The checkpoint must name each parameter as the model does (:func:`missing_names`):
+transformers renames or fuses some models' weights while it loads them (mixture-of-experts
+layers, for one); :func:`crosskd.teacher.sharded.load_sharded_teacher` loads those with
+``from_pretrained`` instead.
 """
 
 from __future__ import annotations
@@ -115,30 +116,40 @@ class _Part:
     shape: tuple[int, ...]
 
 
+def _checkpoint_names(model: nn.Module, files: dict[str, Path]) -> dict[str, str | None]:
+    """For each parameter of ``model`` (each shared one once): the name the checkpoint holds it
+    under (any of the names it has in the model), or None."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: next((n for n in names[id(param)] if n in files), None)
+            for name, param in model.named_parameters()}  # fmt: skip
+
+
+def missing_names(model: nn.Module, folder: Path) -> list[str]:
+    """The parameters of ``model`` that ``folder``'s checkpoint holds under none of their
+    names (a checkpoint transformers renames or fuses while loading it: mixture-of-experts
+    layers, for one); empty when :func:`load_shards` can read every one directly."""
+    return [n for n, key in _checkpoint_names(model, weight_files(folder)).items() if key is None]
+
+
 def _plan(student: ParallelStudent, files: dict[str, Path], folder: Path) -> list[_Part]:
     """The parts of every parameter (each shared one once) and of every persistent buffer the
     checkpoint holds, in file order."""
     model = student.model
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    parts, missing = [], []
-    for name, param in model.named_parameters():
-        key = next((n for n in names[id(param)] if n in files), None)
-        if key is None:
-            missing.append(name)
-            continue
-        offset = student.placement(name, param).offset
-        parts.append(_Part(files[key], key, local_part(param), offset[0] if offset else 0,
-                           tuple(param.shape)))  # fmt: skip
+    keys = _checkpoint_names(model, files)
+    missing = [name for name, key in keys.items() if key is None]
     if missing:
         raise TeacherError(
             f"teacher {folder}: its checkpoint has no tensor named {missing[:5]} "
-            f"({len(missing)} of the model's parameters). processes > 1 reads each parameter's "
-            f"rows straight from the safetensors files under the model's own names, which a "
-            f"checkpoint that transformers renames or fuses while loading it does not have "
-            f"(mixture-of-experts layers, for one); score this teacher with processes=1."
+            f"({len(missing)} of the model's parameters), so their rows cannot be read "
+            f"directly; load it with crosskd.teacher.sharded.load_sharded_teacher."
         )
+    parts = []
+    for name, param in model.named_parameters():
+        offset = student.placement(name, param).offset
+        parts.append(_Part(files[keys[name]], keys[name], local_part(param),
+                           offset[0] if offset else 0, tuple(param.shape)))  # fmt: skip
     parts += [_Part(files[name], name, buffer, 0, tuple(buffer.shape))
               for name, buffer in _persistent_buffers(model) if name in files]  # fmt: skip
     return sorted(parts, key=lambda part: (str(part.file), part.key))

@@ -13,7 +13,11 @@ the folder and the fingerprint and hash nothing. Their process group waits
 workers at once fill their own parts from the safetensors files, each reading only its rows of
 every weight (:mod:`crosskd.teacher.shard_load`, which logs each rank's progress). So a 70B
 bfloat16 teacher (140 GB) costs each GPU of an 8-GPU pod ~18 GB plus one gathered layer and the
-activations, and no process ever holds the whole teacher. During scoring each holds ~1/N of the
+activations, and no process ever holds the whole teacher. A checkpoint that names some
+parameters otherwise (transformers renames or fuses them while loading: Mixtral's and other
+mixture-of-experts layers) cannot be read row by row; the workers then load it whole with
+``from_pretrained`` on the host one at a time and keep their shards (a warning says so).
+During scoring each holds ~1/N of the
 weights and gathers one decoder layer at a time during its forward pass (ZeRO-3 inference).
 Each worker scores a contiguous part of the pod's shard range with :func:`score_shards` (its
 own range record), so every GPU computes at once on its own rows, and each row's logits stay on
@@ -24,15 +28,15 @@ done joins the others' passes with a one-token batch until all are done.
 
 Why this and not a layer-wise ``device_map`` (accelerate): that keeps one GPU busy at a time
 and copies activations between them; FSDP2 is the library the student already uses, works for
-any Hugging Face causal LM whose checkpoint names its parameters as the model does, and keeps
-all GPUs computing. A shard is scored with the same batches as in one process, so the cache is
-the same bytes (tested on CPU).
+any Hugging Face causal LM, and keeps all GPUs computing. A shard is scored with the same
+batches as in one process, so the cache is the same bytes (tested on CPU).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,17 +65,61 @@ def load_sharded_teacher(
     (:func:`crosskd.teacher.shard_load.load_shards`; ``progress``: a bar of it). Its
     fingerprint is ``teacher_fingerprint`` (the parent's hash of ``folder``)."""
     from crosskd.layout import ParallelLayout
-    from crosskd.teacher.shard_load import empty_model, load_shards
+    from crosskd.teacher.shard_load import empty_model, load_shards, missing_names
     from crosskd.train.mesh import build_train_mesh
     from crosskd.train.parallelize import Lockstep, parallelize
 
     mesh = build_train_mesh(ParallelLayout(dp_shard=dist.get_world_size()), device)
     dtype = teacher_dtype(config.dtype, device)
     model = empty_model(folder, dtype, trust_remote_code=config.trust_remote_code)
-    load_shards(parallelize(model, mesh), folder, progress=progress)
+    missing = missing_names(model, folder)
+    if missing:
+        log.warning("teacher %s: its checkpoint names %d of the model's parameters otherwise "
+                    "(%s, ...), as transformers converts them while loading; the processes "
+                    "load it whole with from_pretrained, one at a time", folder, len(missing),
+                    missing[0])  # fmt: skip
+        model = _whole_in_turns(config, folder, dtype, mesh)
+    else:
+        load_shards(parallelize(model, mesh), folder, progress=progress)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     return LoadedTeacher(config.teacher, folder, model, teacher_fingerprint, vocab, device,
                          dtype, Lockstep(model, device))  # fmt: skip
+
+
+def _whole_in_turns(config: Any, folder: Path, dtype: torch.dtype, mesh) -> torch.nn.Module:
+    """The teacher of ``folder`` loaded whole by ``from_pretrained`` (which converts renamed or
+    fused checkpoint tensors) on the host and sharded by FSDP2 over ``mesh``, one process at a
+    time (one whole copy in host memory at a time). A checkpoint that still lacks tensors of
+    the model is refused on every process after the last turn (none left in a barrier)."""
+    from transformers import AutoModelForCausalLM
+
+    from crosskd.teacher.model import TeacherError
+    from crosskd.train.parallelize import parallelize
+
+    rank, model, failure = dist.get_rank(), None, None
+    for turn in range(dist.get_world_size()):
+        if turn == rank:
+            started = time.perf_counter()
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, use_safetensors=True, local_files_only=True,
+                trust_remote_code=config.trust_remote_code, output_loading_info=True,
+            )  # fmt: skip
+            if info["missing_keys"]:
+                failure = TeacherError(
+                    f"teacher {folder}: its checkpoint holds no tensor for "
+                    f"{sorted(info['missing_keys'])[:5]} ({len(info['missing_keys'])} of the "
+                    f"model's), under the model's names or names transformers converts; save "
+                    f"the teacher with save_pretrained."
+                )
+            else:
+                parallelize(model, mesh)
+                model.eval()
+                log.info("rank %d: loaded the whole teacher and kept its shard in %.1f s", rank,
+                         time.perf_counter() - started)  # fmt: skip
+        dist.barrier()
+    if failure is not None:
+        raise failure
+    return model
 
 
 def _worker(
