@@ -121,6 +121,7 @@ def test_merging_refuses_ranges_of_another_teacher(tmp_path):
     ({"teacher_shape": [64]}, r"teacher_shape is \[64\]; it must be a mapping"),
     ({"student_shape": {"hidden_size": 0}}, r"student_shape.hidden_size is 0; it must be a "),
     ({"loss": {"kd": "uldx"}}, r"kd is 'uldx'; choose one of csd, uld"),
+    ({"pack": "no"}, r"pack is 'no'; write true or false"),
 ])  # fmt: skip
 def test_pipeline_options_are_refused_by_name(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -147,6 +148,37 @@ def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
     with pytest.raises(ConfigError, match=r"teacher 0: .*nowhere"):
         steps.validate_inputs(steps.RunConfig(output=str(tmp_path),
                                               teachers=[str(tmp_path / "nowhere")]))  # fmt: skip
+
+
+def test_a_student_that_cannot_pack_is_refused_before_any_data_is_prepared(train_inputs,
+                                                                         tmp_path):  # fmt: skip
+    """A pretrained LFM2 student (short convolutions) with packed rows: refused by the
+    validation step from its config.json alone, naming the model type and ``pack: false``;
+    with ``pack: false`` the run validates and its data is prepared one sample per row."""
+    import transformers
+
+    from crosskd.tokenization import load_tokenizer
+
+    folder = tmp_path / "lfm2"
+    vocab = transformers.AutoConfig.from_pretrained(train_inputs["student"]).vocab_size
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "lfm2", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"],
+    )).save_pretrained(folder)  # fmt: skip
+    load_tokenizer(train_inputs["student"]).hf.save_pretrained(str(folder))
+    data = Path(train_inputs["student"]).parent / "data.jsonl"
+    config = steps.RunConfig(output=str(tmp_path / "run"), teachers=[train_inputs["teacher"]],
+                             student=str(folder), train_data=str(data), max_length=48)
+    with pytest.raises(ConfigError, match=r"^lfm2 \(Lfm2ForCausalLM\) .*layer type 'conv'.*"
+                                          r"packed rows of student .*set pack: false"):
+        steps.validate_inputs(config)
+    assert not (tmp_path / "run" / "prepared").exists()
+    unpacked = replace(config, pack=False)
+    prepared = steps.prepare_data(steps.validate_inputs(unpacked), **unpacked.preparing(),
+                                  progress=False)  # fmt: skip
+    manifest = json.loads((Path(prepared["train"]) / "manifest.json").read_text())
+    assert manifest["packing"]["packed"] is False
+    assert manifest["packing"]["bins"] == manifest["rows"]
 
 
 def test_the_machine_licence_text_is_resolved_once_under_a_content_address(tmp_path):

@@ -46,8 +46,7 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     root = config.output.rstrip("/")
     plan = steps.validate_inputs(config)
     tables = checked_tables(plan, progress=progress)
-    prepared = steps.prepare_data(plan, max_length=config.max_length,
-                                  shard_rows=config.shard_rows, progress=progress)  # fmt: skip
+    prepared = steps.prepare_data(plan, **config.preparing(), progress=progress)
     caches = teacher_caches(plan, prepared, config.scoring(), config.score_pods,
                             progress=progress)  # fmt: skip
     items = steps.plan_training(config, plan, prepared, tables, caches, root)

@@ -76,6 +76,9 @@ class RunConfig:
     """Student capacity (longest sample, packed row length); teachers get twice as much."""
     shard_rows: int = 4096
     """Samples per prepared shard (the unit teacher scoring is split by)."""
+    pack: bool = True
+    """Lockstep-pack several samples into each row; false: one sample per row, right-padded
+    (a student with state-carrying mixers, such as LFM2 or a Mamba hybrid, needs it)."""
     k: int = 32
     """Top-K of the teacher cache."""
     tau: float = 1.0
@@ -133,8 +136,9 @@ class RunConfig:
         ):  # fmt: skip
             raise ConfigError(f"heldout_fraction is {fraction!r}; it must be a number between 0 "
                               f"and 1 (exclusive).")  # fmt: skip
-        if not isinstance(self.compare_ce_only, bool):
-            raise ConfigError(f"compare_ce_only is {self.compare_ce_only!r}; write true or false.")
+        for key in ("compare_ce_only", "pack"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} is {getattr(self, key)!r}; write true or false.")
         for key in ("teacher_shape", "student_shape"):
             check_shape(key, getattr(self, key))
 
@@ -146,8 +150,9 @@ class RunConfig:
                 "token_budget": self.token_budget, "device": self.device}  # fmt: skip
 
     def preparing(self) -> dict[str, Any]:
-        """What changes prepared data besides the inputs: ``max_length``, ``shard_rows``."""
-        return {"max_length": self.max_length, "shard_rows": self.shard_rows}
+        """What changes prepared data besides the inputs: ``max_length``, ``shard_rows``,
+        ``pack``."""
+        return {"max_length": self.max_length, "shard_rows": self.shard_rows, "pack": self.pack}
 
 
 def run_config_from_parameters(parameters: dict[str, Any], options: dict[str, Any]) -> RunConfig:

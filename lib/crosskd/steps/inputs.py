@@ -92,6 +92,8 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
     student = model_ref(config.student, config.student_tokenizer, config.student_shape,
                         config.seed, "student")  # fmt: skip
     student_fp = load_tokenizer(model_tokenizer(student)).fingerprint
+    if config.pack and config.student != INIT:
+        _check_student_packs(student)
     teachers = []
     for i, ref in enumerate(config.teachers):
         resolved = model_ref(ref, config.teacher_tokenizer, config.teacher_shape,
@@ -110,6 +112,36 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
     return plan
 
 
+def _check_student_packs(student: str) -> None:
+    """Refuse now, not after preparing and scoring, a pretrained ``student`` that packed rows
+    would train wrongly (:func:`crosskd.train.attention.refuse_state_mixers`): the model of its
+    ``config.json`` alone is built on the meta device (no weights are read). A model type this
+    transformers does not know is left to the training step's own check."""
+    import json
+
+    import fsspec
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from crosskd.teacher.model import model_folder
+    from crosskd.train.attention import layer_windows, refuse_state_mixers
+
+    if "://" in student and not student.startswith("file://"):
+        with fsspec.open(f"{student.rstrip('/')}/config.json", "rb") as handle:
+            values = json.load(handle)
+    else:
+        values = json.loads((model_folder(student, role="student") / "config.json").read_text())
+    try:
+        config = AutoConfig.for_model(values.pop("model_type", None), **values)
+    except ValueError:
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layer_windows(config)
+    refuse_state_mixers(model, f"the samples of the packed rows of student {student}",
+                        "set pack: false (one sample per row)")
+
+
 def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
     """Build every later step's config from ``config`` so a value they would refuse is refused
     now, naming the key."""
@@ -120,7 +152,7 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
     n = len(config.teachers)
     PrepareConfig(data="-", student_tokenizer="-", teacher_tokenizers=["-"] * n, output="-",
                   max_length=config.max_length, teacher_max_length=2 * config.max_length,
-                  shard_rows=config.shard_rows)  # fmt: skip
+                  shard_rows=config.shard_rows, pack=config.pack)  # fmt: skip
     ScoreConfig(data="-", teacher="-", output="-", k=config.k, tau=config.tau,
                 encoding=config.encoding, token_budget=config.token_budget).check()  # fmt: skip
     train = TrainConfig(**train_values(config, student="-", data="-", output="-",

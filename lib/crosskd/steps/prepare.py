@@ -23,7 +23,7 @@ OOD = "ood"
 
 
 def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 4096,
-                 progress: bool = True, metrics_port: int | None = None,
+                 pack: bool = True, progress: bool = True, metrics_port: int | None = None,
                  final_scrape_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
     """Prepare ``plan["train_data"]`` and the held-out rows (``plan["heldout_data"]``, else the
     ``plan["heldout_fraction"]`` of the training rows whose id hashes below it) and the
@@ -32,10 +32,11 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
     ``<root>/prepared/<ood key>/ood`` (a key of its own: adding out-of-domain rows to a run
     prepares nothing else again); returns ``{"uri", "train", "heldout", "ood" (with
     out-of-domain rows), "train_shards", "rows": {split: n}, "data_fingerprint": {split:
-    sha256}}``. A split whose manifest exists is not prepared again. ``metrics_port``: serve
-    the rows prepared and clipped (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it
-    runs (0: a free port; None: not served), ``final_scrape_s`` seconds at most for a last
-    scrape."""
+    sha256}}``. ``pack`` false: one sample per row (part of the key only then, so packed data
+    keeps the key it always had). A split whose manifest exists is not prepared again.
+    ``metrics_port``: serve the rows prepared and clipped
+    (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it runs (0: a free port; None:
+    not served), ``final_scrape_s`` seconds at most for a last scrape."""
     from crosskd.data.prepare import PrepareConfig, prepare
     from crosskd.metrics.steps import PrepareMetrics, served
     from crosskd.tokenization import load_tokenizer
@@ -44,7 +45,8 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
     teachers = [model_tokenizer(t["ref"]) for t in plan["teachers"]]
     sources = {"train": plan["train_data"], "heldout": plan["heldout_data"] or None}
     options = {"tokenizers": [load_tokenizer(t).fingerprint for t in [student, *teachers]],
-               "max_length": max_length, "shard_rows": shard_rows}  # fmt: skip
+               "max_length": max_length, "shard_rows": shard_rows,
+               **({} if pack else {"pack": False})}  # fmt: skip
     key = {"data": {k: data_fingerprint(v) for k, v in sources.items() if v},
            "heldout_fraction": plan.get("heldout_fraction"), **options}  # fmt: skip
     uri = content_uri(plan["root"], "prepared", key)
@@ -67,7 +69,7 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
                 manifest = prepare(PrepareConfig(
                     data=sources[split], student_tokenizer=student, teacher_tokenizers=teachers,
                     output=target, max_length=max_length, teacher_max_length=2 * max_length,
-                    shard_rows=shard_rows,
+                    shard_rows=shard_rows, pack=pack,
                 ), progress=progress, on_row=functools.partial(metrics.row, split))  # fmt: skip
             result[split] = target
             result["rows"][split] = manifest["rows"]
