@@ -2,11 +2,11 @@
 written last and files whose sha256 the manifest records. Shared by prepared data and teacher
 caches; errors name the artifact, what is wrong and the command that rebuilds it. And
 publishing a folder written under a temporary name (:func:`move_folder`); reading a Parquet
-file a row group at a time (:class:`ParquetRows`)."""
+file a row group at a time, from its bytes or by checked byte ranges (:class:`ParquetRows`,
+:mod:`crosskd.ranges`)."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import posixpath
@@ -18,6 +18,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from crosskd.errors import CrosskdError
+from crosskd.ranges import ArtifactFile, RangedParquet
 
 MANIFEST = "manifest.json"
 
@@ -58,19 +59,13 @@ def read_manifest(
 
 
 def read_checked(
-    uri: str, entry: dict, *, what: str, error: type[CrosskdError], rebuild: str
-) -> bytes:
+    uri: str, entry: dict, *, what: str, error: type[CrosskdError], rebuild: str,
+    node_cache: str | None = None,
+) -> bytes:  # fmt: skip
     """The bytes of the file ``entry["path"]`` under ``uri``, refused with ``error`` unless
-    their sha256 is ``entry["sha256"]``."""
-    fs, root = fsspec.core.url_to_fs(uri)
-    payload = fs.cat_file(f"{root}/{entry['path']}")
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != entry["sha256"]:
-        raise error(
-            f"{what} {uri}: {entry['path']} has sha256 {digest}, the manifest says "
-            f"{entry['sha256']}; the file changed or is damaged. {rebuild}"
-        )
-    return payload
+    their sha256 is ``entry["sha256"]`` (``node_cache``: :class:`crosskd.ranges.ArtifactFile`)."""
+    file = ArtifactFile(uri, entry["path"], what, error, rebuild, node_cache)
+    return file.fetch(None, None, entry["sha256"])
 
 
 def start_run(
@@ -142,16 +137,17 @@ def move_folder(
 
 
 class ParquetRows:
-    """A Parquet file held as its bytes, its rows parsed a row group at a time when asked for
-    (the last ``keep_groups`` groups kept): memory is the compressed file plus a few groups,
-    not the whole decoded table."""
+    """A Parquet file's rows, parsed a row group at a time when asked for (the last
+    ``keep_groups`` groups kept). ``source``: the file's bytes (memory: the compressed file plus
+    a few groups), or a :class:`crosskd.ranges.RangedParquet` (memory: its footer plus a few
+    groups; only the groups read are fetched)."""
 
-    def __init__(self, payload: bytes, keep_groups: int = 2) -> None:
+    def __init__(self, source: bytes | RangedParquet, keep_groups: int = 2) -> None:
         import pyarrow.parquet as pq
 
-        self._file = pq.ParquetFile(io.BytesIO(payload))
-        sizes = [self._file.metadata.row_group(g).num_rows
-                 for g in range(self._file.metadata.num_row_groups)]  # fmt: skip
+        self._file = pq.ParquetFile(io.BytesIO(source)) if isinstance(source, bytes) else source
+        metadata = self._file.metadata
+        sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self._groups: OrderedDict[int, object] = OrderedDict()
         self._keep = keep_groups
@@ -159,9 +155,33 @@ class ParquetRows:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def column(self, name: str) -> list:
-        """One whole column as Python values (for the small ones: ids, lengths)."""
-        return self._file.read(columns=[name]).column(name).to_pylist()
+    def statistics(self, name: str) -> list[tuple[object, object]] | None:
+        """The least and greatest value of column ``name`` in each row group, from the footer
+        (no row group is read); None when a group's footer records none."""
+        metadata = self._file.metadata
+        out = []
+        for g in range(metadata.num_row_groups):
+            group = metadata.row_group(g)
+            column = next(group.column(i) for i in range(group.num_columns)
+                          if group.column(i).path_in_schema == name)  # fmt: skip
+            stats = column.statistics
+            if stats is None or not stats.has_min_max:
+                return None
+            out.append((stats.min, stats.max))
+        return out
+
+    def find(self, name: str, value: object, statistics: list[tuple[object, object]]) -> range:
+        """The rows whose column ``name`` (sorted ascending) holds ``value``, reading only the
+        first and last row groups whose ``statistics`` (:meth:`statistics`) may hold it."""
+        groups = [g for g, (low, high) in enumerate(statistics) if low <= value <= high]
+        if not groups:
+            return range(0)
+        first = np.flatnonzero(self._group(groups[0]).column(name).to_numpy() == value)
+        last = np.flatnonzero(self._group(groups[-1]).column(name).to_numpy() == value)
+        if not len(first) or not len(last):
+            return range(0)
+        return range(int(self._starts[groups[0]] + first[0]),
+                     int(self._starts[groups[-1]] + last[-1]) + 1)  # fmt: skip
 
     def rows(self, start: int, stop: int):
         """Rows ``start .. stop - 1`` as a ``pyarrow.Table``."""

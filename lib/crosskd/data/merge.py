@@ -6,8 +6,9 @@ that every window of the input has its shard, that no sample id is used twice, a
 manifest (last, so a folder with a manifest is complete): the run's settings, the sums over
 shards (rows, clipped rows, tokens and chunk shapes per model), packing (packed rows and
 efficiency: tokens over packed-row slots), each shard's rows, packed rows ``[start, stop)`` in
-the run's numbering and sha256, and the data fingerprint (sha256 of the shards' content
-digests in order).
+the run's numbering, sha256 and footer (where it lies and its sha256, for ranged reads:
+:mod:`crosskd.ranges`; absent for a shard written before), and the data fingerprint (sha256 of
+the shards' content digests in order).
 
 Memory: the shard records are read one at a time; the id check holds 12 bytes per sample (a
 64-bit hash of each id and its shard), about 1.2 GB for 100 million samples.
@@ -80,7 +81,8 @@ def merge_prepared(output: str) -> dict:
             missing.append(w)
             continue
         shards.append({"path": record["path"], "rows": record["rows"],
-                       "bins": [bins, bins + record["bins"]], "sha256": record["sha256"]})
+                       "bins": [bins, bins + record["bins"]], "sha256": record["sha256"],
+                       **({"footer": record["footer"]} if "footer" in record else {})})
         rows += record["rows"]
         clipped += record["clipped_rows"]
         bins += record["bins"]

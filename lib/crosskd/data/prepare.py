@@ -35,9 +35,11 @@ the input (packing looks at the samples of one window). Output (any fsspec URI):
 shard), a record per shard under ``_prepare/shards/`` written after it, and, once every window
 has its shard, ``manifest.json`` (:mod:`crosskd.data.merge`: kind, format version,
 fingerprints, options, rows, clipped rows, tokens per model, chunk shapes per aligned teacher,
-packed rows, packing efficiency, per-shard row counts, packed-row ranges and sha256, data
-fingerprint). Format version 2 (version 1 stored a same-tokenizer teacher as an alignment of
-the student with itself). A folder without a manifest is not prepared data.
+packed rows, packing efficiency, per-shard row counts, packed-row ranges, sha256 and footer
+(for reads by byte ranges: :mod:`crosskd.ranges`), data fingerprint). Format version 2
+(version 1 stored a same-tokenizer teacher as an alignment of the student with itself; a
+manifest without footers, written before, is read shard by shard whole). A folder without a
+manifest is not prepared data.
 
 Resume and splits: a rerun into the same output (same settings, recorded in
 ``_prepare/run.json``) skips the windows whose shard record exists, after checking that their

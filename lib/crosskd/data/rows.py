@@ -1,11 +1,15 @@
 """Packed rows of prepared data by number, read shard by shard.
 
 :class:`PackedRows` numbers the packed rows of every shard in shard order (the manifest records
-each shard's range) and reads a shard (its sha256 checked, its Parquet parsed) the first time
-one of its rows is asked for, keeping the ``keep_shards`` most recently used as their bytes. A
-row's samples are parsed (their row group) and converted to Python values only when that row is
-asked for, so a process that trains on a slice of each step converts only its slice. ``reads``
-counts the reads per shard.
+each shard's range) and opens a shard the first time one of its rows is asked for, keeping the
+``keep_shards`` most recently used. A shard whose manifest entry records its footer
+(:mod:`crosskd.ranges`) is read by byte ranges: its footer (checked against the manifest's
+sha256; its ``bin`` statistics say which row groups hold a packed row), then only the row
+groups that hold the rows asked for (each checked against the footer's sha256), so a process
+fetches the rows it trains on, not the whole shard; with a node cache the processes of a node
+fetch each range once. A shard without one (written before) is read whole and its sha256
+checked. A row's samples are converted to Python values only when that row is asked for.
+``reads`` counts the opens per shard.
 """
 
 from __future__ import annotations
@@ -13,18 +17,19 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from crosskd.artifacts import ParquetRows, read_checked
+from crosskd.artifacts import ParquetRows
 from crosskd.data.collate import PreparedData
 from crosskd.errors import DataError
+from crosskd.ranges import ArtifactFile, node_cache_dir, open_parquet
+
+REBUILD = "Run `crosskd prepare` again."
 
 
 @dataclass
 class _Shard:
     rows: ParquetRows
-    starts: np.ndarray
-    """Row of the first sample of each packed row, and the number of samples at the end."""
+    bins: list[tuple[int, int]]
+    """Least and greatest packed row (``bin``) of each row group, from the footer."""
 
 
 @dataclass
@@ -33,9 +38,12 @@ class PackedRows:
 
     data: PreparedData
     keep_shards: int = 16
-    """Read shards kept in memory (least recently used dropped first)."""
+    """Shards kept open (least recently used dropped first)."""
+    node_cache: str | None = field(default_factory=node_cache_dir)
+    """Node-local folder remote byte ranges are shared through (:mod:`crosskd.ranges`;
+    default: ``CROSSKD_NODE_CACHE``, None: not shared)."""
     reads: Counter = field(default_factory=Counter, repr=False)
-    """How many times each shard was read."""
+    """How many times each shard was opened."""
     _open: OrderedDict[int, _Shard] = field(default_factory=OrderedDict, repr=False)
 
     def shard_sizes(self) -> list[int]:
@@ -46,27 +54,34 @@ class PackedRows:
         """Packed row ``index`` of shard ``shard``: its samples (column name -> value) and the
         row of its first sample in the shard (its samples follow one another there)."""
         opened = self._shard(shard)
-        start, stop = int(opened.starts[index]), int(opened.starts[index + 1])
-        return opened.rows.rows(start, stop).to_pylist(), start
+        rows = opened.rows.find("bin", index, opened.bins)
+        if not rows:
+            path = self.data.manifest["shards"][shard]["path"]
+            raise DataError(
+                f"prepared data {self.data.uri}: {path} holds no packed row {index} (the "
+                f"manifest gives it {self.shard_sizes()[shard]}); {REBUILD}"
+            )
+        return opened.rows.rows(rows.start, rows.stop).to_pylist(), rows.start
 
     def _shard(self, index: int) -> _Shard:
         if index in self._open:
             self._open.move_to_end(index)
             return self._open[index]
         entry = self.data.manifest["shards"][index]
-        payload = read_checked(self.data.uri, entry, what="prepared data", error=DataError,
-                               rebuild="Run `crosskd prepare` again.")  # fmt: skip
-        rows = ParquetRows(payload)
-        bins = np.asarray(rows.column("bin"), dtype=np.int64)
-        starts = np.concatenate([[0], np.flatnonzero(bins[1:] != bins[:-1]) + 1, [len(bins)]])
+        file = ArtifactFile(self.data.uri, entry["path"], "prepared data", DataError, REBUILD,
+                            self.node_cache)  # fmt: skip
+        rows = ParquetRows(open_parquet(file, entry))
+        bins = rows.statistics("bin")
         expected = entry["bins"][1] - entry["bins"][0]
-        if len(starts) - 1 != expected:
+        held = 0 if bins is None else max(high for _, high in bins) + 1
+        if bins is None or held != expected or min(low for low, _ in bins) != 0:
+            found = "no statistics of its bin column" if bins is None else f"{held} packed rows"
             raise DataError(
-                f"prepared data {self.data.uri}: {entry['path']} holds {len(starts) - 1} packed "
-                f"rows, the manifest says {expected}; run `crosskd prepare` again."
+                f"prepared data {self.data.uri}: {entry['path']} holds {found}, the manifest "
+                f"says {expected}; {REBUILD}"
             )
         self.reads[index] += 1
-        self._open[index] = _Shard(rows, starts)
+        self._open[index] = _Shard(rows, bins)
         while len(self._open) > self.keep_shards:
             self._open.popitem(last=False)
         return self._open[index]

@@ -1,4 +1,6 @@
-"""Writing prepared rows as one Parquet shard (fixed schema, whole packed rows per shard).
+"""Writing prepared rows as one Parquet shard (fixed schema, whole packed rows per shard, rows
+sorted by packed row, a sha256 per row group in the footer so a reader can fetch row groups
+alone: :mod:`crosskd.ranges`).
 
 One row per sample. Columns: ``sample_id``, ``source``, ``row``, ``text`` / ``messages`` (JSON),
 ``clipped``, ``original_lengths``, ``bin`` (packed row, numbered within the shard), ``student_ids``,
@@ -12,7 +14,6 @@ the four range columns are null and the other chunk columns hold one entry per s
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ import fsspec
 import numpy as np
 
 from crosskd.alignment import SHAPE_1_1, SHAPE_SPECIAL, AlignedSample, Rendered
+from crosskd.ranges import footer_record, write_parquet
 
 if TYPE_CHECKING:
     from crosskd.alignment.own import StudentTokens
@@ -142,9 +144,12 @@ def write_shard(
     """Write prepared samples ``rows`` grouped by ``bins`` (packed rows: sample indices in row
     order, numbered 0.. within this shard in the ``bin`` column) as the Parquet file ``name``
     under ``root``: under a temporary name first, renamed when complete. The bytes depend only
-    on the rows and bins. Returns ``{"path", "rows", "bins", "sha256", "bytes"}``."""
+    on the rows and bins; its footer records each row group's sha256
+    (:func:`crosskd.ranges.write_parquet`) and the least and greatest ``bin`` of each row group
+    (the statistics of no other column: they would only grow the footer every reader fetches).
+    Returns ``{"path", "rows", "bins", "sha256", "bytes", "footer"}`` (``footer``:
+    :func:`crosskd.ranges.footer_record`)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     bin_of = np.empty(len(rows), dtype=np.int64)
     for b, members in enumerate(bins):
@@ -152,11 +157,10 @@ def write_shard(
     order = np.concatenate(bins)
     n_teachers = len(rows[0]["aligned"])
     table = pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, row_group_size=ROW_GROUP_SAMPLES)
-    payload = buffer.getvalue()
+    payload = write_parquet(table, row_group_size=ROW_GROUP_SAMPLES, write_statistics=["bin"])
     tmp = f"{root}/.tmp-{name}"
     fs.pipe_file(tmp, payload)
     fs.mv(tmp, f"{root}/{name}")
     return {"path": name, "rows": len(order), "bins": len(bins),
-            "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}  # fmt: skip
+            "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
+            **footer_record(payload)}  # fmt: skip

@@ -4,10 +4,14 @@
 fingerprint, K or tau is not what the training config asks for, naming the field and both
 values. Cache shard ``i`` holds the signals of prepared shard ``i``'s samples in the same order,
 so a sample is found by its place in the prepared data (shard, row), never through an index of
-every sample id. :meth:`TeacherCache.shard` decodes one shard in order (sequential access);
-:meth:`TeacherCache.open_shard` reads one (its sha256 checked, its Parquet parsed) and keeps the
-``keep_shards`` most recently used, decoding a sample only when it is asked for
-(:meth:`TeacherCache.signal_at`; ``reads`` counts the reads per shard).
+every sample id. :meth:`TeacherCache.shard` reads one shard whole (its sha256 checked) and
+decodes it in order (sequential access); :meth:`TeacherCache.open_shard` opens one and keeps
+the ``keep_shards`` most recently used, decoding a sample only when it is asked for
+(:meth:`TeacherCache.signal_at`; ``reads`` counts the opens per shard). A shard whose manifest
+entry records its footer (:mod:`crosskd.ranges`) is opened by byte ranges: its footer, checked
+against the manifest, then only the row groups of the samples asked for, each checked against
+the footer (with a node cache the processes of a node fetch each range once); one without (an
+older cache) is read whole and its sha256 checked.
 :meth:`TeacherCache.batch` assembles the signal of a collated batch.
 """
 
@@ -16,14 +20,16 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from crosskd.artifacts import read_checked, read_manifest
+from crosskd.artifacts import read_manifest
 from crosskd.errors import CrosskdError
+from crosskd.ranges import ArtifactFile, node_cache_dir, open_parquet
 from crosskd.teacher.scoring import KIND
 from crosskd.teacher.signal import SignalError, TeacherSignal
 from crosskd.teacher.storage import CacheShard, SampleSignal, batch_signal, decode
 
 FORMAT_VERSIONS = (1, 2)
 """Version 1 also indexed every sample id in the manifest (not read any more)."""
+REBUILD = "Delete it and rerun `crosskd score` (completed shards are kept)."
 
 
 class CacheError(CrosskdError):
@@ -37,9 +43,12 @@ class TeacherCache:
     uri: str
     manifest: dict
     keep_shards: int = 16
-    """Read shards kept in memory (least recently used dropped first)."""
+    """Shards kept open (least recently used dropped first)."""
+    node_cache: str | None = field(default_factory=node_cache_dir)
+    """Node-local folder remote byte ranges are shared through (:mod:`crosskd.ranges`;
+    default: ``CROSSKD_NODE_CACHE``, None: not shared)."""
     reads: Counter = field(default_factory=Counter, repr=False)
-    """How many times each shard was read (for the data-loading figures)."""
+    """How many times each shard was opened (for the data-loading figures)."""
     _open: OrderedDict[int, CacheShard] = field(default_factory=OrderedDict, repr=False)
 
     @property
@@ -52,18 +61,18 @@ class TeacherCache:
         """The temperature of the stored log probs."""
         return float(self.manifest["tau"])
 
-    def _payload(self, index: int) -> bytes:
-        return read_checked(
-            self.uri, self.manifest["shards"][index], what="teacher cache", error=CacheError,
-            rebuild="Delete it and rerun `crosskd score` (completed shards are kept).",
-        )  # fmt: skip
+    def _file(self, index: int) -> ArtifactFile:
+        return ArtifactFile(self.uri, self.manifest["shards"][index]["path"], "teacher cache",
+                            CacheError, REBUILD, self.node_cache)  # fmt: skip
 
     def shard(self, index: int) -> list[tuple[str, SampleSignal]]:
-        """The samples of shard ``index`` in order, after checking its sha256."""
-        return decode(self._payload(index), self.manifest["encoding"], self.k)
+        """The samples of shard ``index`` in order, after checking its sha256 (read whole)."""
+        payload = self._file(index).fetch(None, None, self.manifest["shards"][index]["sha256"])
+        return decode(payload, self.manifest["encoding"], self.k)
 
     def open_shard(self, index: int) -> CacheShard:
-        """Shard ``index`` read and parsed (kept among the ``keep_shards`` most recent)."""
+        """Shard ``index`` opened (kept among the ``keep_shards`` most recent): by byte ranges
+        when its manifest entry records its footer, else read whole and checked."""
         if index in self._open:
             self._open.move_to_end(index)
             return self._open[index]
@@ -74,7 +83,8 @@ class TeacherCache:
                 f"scored from {self.manifest['data']['uri']}: score the data you train on."
             )
         self.reads[index] += 1
-        self._open[index] = CacheShard(self._payload(index), self.manifest["encoding"], self.k)
+        source = open_parquet(self._file(index), shards[index])
+        self._open[index] = CacheShard(source, self.manifest["encoding"], self.k)
         while len(self._open) > self.keep_shards:
             self._open.popitem(last=False)
         return self._open[index]

@@ -12,14 +12,15 @@ each, always exact). Two encodings of the top K:
   ``255 * LOSSY_STEP`` nats below it are stored at that floor). The error of a log prob is at
   most ``LOSSY_STEP / 2`` nats (a relative error of at most 3.2% in probability) above the floor.
 
-Decoding gives :class:`SampleSignal` arrays (:class:`CacheShard`: one sample at a time);
+The file's footer records a sha256 per row group, so a reader can fetch the groups it needs
+alone (:mod:`crosskd.ranges`). Decoding gives :class:`SampleSignal` arrays (:class:`CacheShard`:
+one sample at a time, from the file's bytes or by byte ranges);
 :func:`batch_signal` lays samples out as the rows of a collated batch (a
 :class:`~crosskd.teacher.signal.TeacherSignal`).
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 
 from crosskd.artifacts import ParquetRows
 from crosskd.errors import CrosskdError
+from crosskd.ranges import RangedParquet, write_parquet
 from crosskd.teacher.signal import TeacherSignal
 
 ENCODINGS = ("lossless", "lossy")
@@ -69,9 +71,11 @@ def signal_samples(signal: TeacherSignal, lengths: list[int]) -> list[SampleSign
 
 
 def encode(sample_ids: list[str], samples: list[SampleSignal], encoding: str) -> bytes:
-    """A Parquet file (bytes) of the samples in the given encoding."""
+    """A Parquet file (bytes) of the samples in the given encoding, a sha256 per row group in
+    its footer (:func:`crosskd.ranges.write_parquet`; :func:`crosskd.ranges.footer_record` is
+    what a manifest entry records for ranged reads) and no column statistics (nothing reads
+    them; they would only grow the footer every reader fetches)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if encoding not in ENCODINGS:
         raise CrosskdError(f"encoding is {encoding!r}; choose one of {', '.join(ENCODINGS)}.")
@@ -89,10 +93,8 @@ def encode(sample_ids: list[str], samples: list[SampleSignal], encoding: str) ->
         "realized_t1": pa.array([_planes(s.realized_t1.astype("<f4")) for s in samples],
                                 pa.binary()),
     })  # fmt: skip
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd", compression_level=9, use_dictionary=False,
-                   row_group_size=ROW_GROUP_SAMPLES)
-    return buffer.getvalue()
+    return write_parquet(table, compression="zstd", compression_level=9, use_dictionary=False,
+                         row_group_size=ROW_GROUP_SAMPLES, write_statistics=False)  # fmt: skip
 
 
 def decode(payload: bytes, encoding: str, k: int) -> list[tuple[str, SampleSignal]]:
@@ -102,26 +104,25 @@ def decode(payload: bytes, encoding: str, k: int) -> list[tuple[str, SampleSigna
 
 
 class CacheShard:
-    """A Parquet file written by :func:`encode`, held as its bytes; each sample decoded only
-    when asked for (:meth:`signal`; its row group parsed then, a few kept)."""
+    """A Parquet file written by :func:`encode`: its bytes, or a
+    :class:`crosskd.ranges.RangedParquet` (only the row groups read are fetched); each sample
+    decoded only when asked for (its row group parsed then, a few kept)."""
 
-    def __init__(self, payload: bytes, encoding: str, k: int) -> None:
-        self._rows = ParquetRows(payload)
-        self._ids = self._rows.column("sample_id")
-        self._lengths = self._rows.column("length")
+    def __init__(self, source: bytes | RangedParquet, encoding: str, k: int) -> None:
+        self._rows = ParquetRows(source)
         self.encoding, self.k = encoding, k
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._rows)
 
     def sample_id(self, row: int) -> str:
         """The id of the sample at ``row``."""
-        return self._ids[row]
+        return self._rows.rows(row, row + 1).column("sample_id")[0].as_py()
 
     def signal(self, row: int) -> SampleSignal:
         """The decoded signal of the sample at ``row``."""
-        n, k = self._lengths[row], self.k
         raw = self._rows.rows(row, row + 1).to_pylist()[0]
+        n, k = raw["length"], self.k
         ids = _undelta(_unplanes(raw["ids"], "<u4").reshape(n, k))
         if self.encoding == "lossless":
             values = _unplanes(raw["values"], "<f4").reshape(n, k)
