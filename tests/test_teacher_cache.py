@@ -4,6 +4,7 @@ the online signal."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -117,6 +118,12 @@ def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
     assert [s["path"] for s in manifest["shards"]] == [s["path"] for s in data.manifest["shards"]]
     assert len(manifest["shards"]) >= 3 and manifest["samples"] == len(TEXTS)
     assert manifest["k"] == 8 and manifest["tau"] == 1.0 and manifest["encoding"] == "lossless"
+    # Each shard's footer (its row groups' digests) is recorded: training reads by ranges.
+    for entry in manifest["shards"]:
+        offset, size = entry["footer"]["offset"], entry["footer"]["bytes"]
+        assert offset + size == entry["bytes"]
+        tail = s3.cat_file(f"crosskd-test/cache/full/{entry['path']}", start=offset)
+        assert hashlib.sha256(tail).hexdigest() == entry["footer"]["sha256"]
     teacher = load_teacher(str(tiny_teacher))
     # Bits per byte, recomputed directly: every sample alone through the model, -log2 p of each
     # token after the first, over those tokens' UTF-8 bytes.

@@ -38,6 +38,7 @@ from crosskd.artifacts import start_run
 from crosskd.data.collate import ModelBatch, load_prepared
 from crosskd.errors import CrosskdError
 from crosskd.metrics.steps import ScoringMetrics
+from crosskd.ranges import footer_record
 from crosskd.teacher.model import LoadedTeacher, load_teacher
 from crosskd.teacher.signal import SignalError, TeacherSignal, signal_from_logits
 from crosskd.teacher.storage import (
@@ -281,6 +282,7 @@ def score_shards(
             "nll_bits": -sum(float(sig.realized_t1.astype(np.float64).sum())
                              for sig in signals) / math.log(2),
             "predicted_bytes": sum(int(bytes_of[seq[1:]].sum()) for seq in ids),
+            **footer_record(payload),
         })  # fmt: skip
         bar.update(shards[-1]["tokens"])
         metrics.shards_done.inc()
