@@ -13,7 +13,7 @@ def read_rows(uri: str, path: str, footer: dict, rows: tuple[int, int], node_cac
 
     from crosskd.artifacts import ParquetRows
     from crosskd.errors import DataError
-    from crosskd.ranges import ArtifactFile, RangedParquet
+    from crosskd.ranges import ArtifactFile, NodeCache, RangedParquet
 
     fs = fsspec.core.url_to_fs(uri)[0]
     fetch, fetched = fs.cat_file, []
@@ -25,6 +25,7 @@ def read_rows(uri: str, path: str, footer: dict, rows: tuple[int, int], node_cac
 
     fs.cat_file = counting
     barrier.wait()
-    file = ArtifactFile(uri, path, "test data", DataError, "Write it again.", node_cache)
+    file = ArtifactFile(uri, path, "test data", DataError, "Write it again.",
+                        NodeCache(node_cache))  # fmt: skip
     table = ParquetRows(RangedParquet(file, footer)).rows(*rows)
     results.put((table.to_pylist(), sum(fetched)))

@@ -31,6 +31,8 @@ BASE_ENV = {
     "HOME": "/home/crosskd",
     "CROSSKD_CACHE_DIR": "/cache/crosskd",
     "HF_HOME": "/cache/huggingface",
+    "CROSSKD_NODE_CACHE": "/node-cache",
+    "CROSSKD_NODE_CACHE_BYTES": str(20 * 2**30 * 90 // 100),  # 90% of node_cache_size 20Gi
     "CROSSKD_GRACE_SECONDS": "120",
     "NCCL_DEBUG": "WARN",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
@@ -111,6 +113,7 @@ def test_cpu_job_by_hand():
         {"name": "train-config", "mountPath": "/etc/crosskd", "readOnly": True},
         {"name": "home", "mountPath": "/home/crosskd"},
         {"name": "cache", "mountPath": "/cache"},
+        {"name": "node-cache", "mountPath": "/node-cache"},
     ]
     ps = pod["spec"]
     assert ps["securityContext"] == {
@@ -126,6 +129,7 @@ def test_cpu_job_by_hand():
             "name": "crosskd-train", "items": [{"key": "train.yaml", "path": "train.yaml"}]}},
         {"name": "home", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "cache", "emptyDir": {"sizeLimit": "50Gi"}},
+        {"name": "node-cache", "emptyDir": {"sizeLimit": "20Gi"}},
     ]  # fmt: skip
     # camelCase from sanitize_for_serialization, not to_dict()'s snake_case, and no nulls
     assert not [k for k in _keys(m) if "_" in k]

@@ -255,3 +255,43 @@ def test_two_processes_of_a_node_fetch_each_range_once(s3, data_uri, cache, tmp_
     names = sorted(p.name for p in (tmp_path / "node-cache").iterdir())
     assert len(names) == 1 + len(_groups(payload, range(*rows)))  # no lock or temporary files
     assert entry["footer"]["sha256"] in names and all(len(n) == 64 for n in names)
+
+
+def test_the_node_cache_keeps_the_most_recently_used_ranges_within_its_bound(tmp_path,
+                                                                             monkeypatch):
+    """Ranges of 100, 200 and 300 bytes under a bound of 500: each fetched once while kept;
+    past the bound the least recently used goes (a hit refreshes a range), and a range that
+    went is fetched again. The bound and folder come from the training pod's environment."""
+    import os
+    import time
+
+    from crosskd.errors import CrosskdError
+    from crosskd.ranges import NODE_CACHE_BYTES_ENV, NODE_CACHE_ENV, NodeCache
+
+    monkeypatch.setenv(NODE_CACHE_ENV, str(tmp_path / "node"))
+    monkeypatch.setenv(NODE_CACHE_BYTES_ENV, "500")
+    cache = NodeCache.from_environment()
+    assert cache == NodeCache(str(tmp_path / "node"), 500)
+    payloads = {size: bytes([size % 251]) * size for size in (100, 200, 300)}
+    digests = {size: hashlib.sha256(p).hexdigest() for size, p in payloads.items()}
+    fetched = []
+
+    def get(size: int) -> bytes:
+        def download() -> bytes:
+            fetched.append(size)
+            return payloads[size]
+
+        got = cache.get(digests[size], download)
+        time.sleep(0.01)  # distinct modification times
+        return got
+
+    assert [get(100), get(200), get(100)] == [payloads[100], payloads[200], payloads[100]]
+    assert fetched == [100, 200]
+    get(300)  # 600 bytes: the least recently used (200) goes
+    assert sorted(os.listdir(tmp_path / "node")) == sorted([digests[100], digests[300]])
+    assert get(200) == payloads[200] and fetched == [100, 200, 300, 200]
+    monkeypatch.setenv(NODE_CACHE_BYTES_ENV, "20Gi")
+    with pytest.raises(CrosskdError, match=r"CROSSKD_NODE_CACHE_BYTES is '20Gi'; it must be"):
+        NodeCache.from_environment()
+    monkeypatch.delenv(NODE_CACHE_ENV)
+    assert NodeCache.from_environment() is None

@@ -18,7 +18,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from crosskd.errors import CrosskdError
-from crosskd.ranges import ArtifactFile, RangedParquet
+from crosskd.ranges import ArtifactFile, NodeCache, RangedParquet
 
 MANIFEST = "manifest.json"
 
@@ -60,7 +60,7 @@ def read_manifest(
 
 def read_checked(
     uri: str, entry: dict, *, what: str, error: type[CrosskdError], rebuild: str,
-    node_cache: str | None = None,
+    node_cache: NodeCache | None = None,
 ) -> bytes:  # fmt: skip
     """The bytes of the file ``entry["path"]`` under ``uri``, refused with ``error`` unless
     their sha256 is ``entry["sha256"]`` (``node_cache``: :class:`crosskd.ranges.ArtifactFile`)."""

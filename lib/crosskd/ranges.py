@@ -16,18 +16,21 @@ else whole (checked against the entry's sha256, as artifacts without footers alw
 damaged range is refused with the artifact's error in one line naming the file, the range and
 what to do.
 
-Sharing: :class:`ArtifactFile` ``node_cache`` (a node-local folder; :func:`node_cache_dir`
-reads it from :data:`NODE_CACHE_ENV`) keeps each range fetched from remote storage as a file
-named by its sha256. The first process to need a range takes a lock file beside it, fetches
-and checks the range, writes it under a temporary name and renames it; the processes that
-asked meanwhile wait on the lock, then read the file, so the processes of one node fetch each
-range once and its digest is checked once. A file named by its sha256 never goes stale; the
-folder is never pruned (give it the lifetime of the job, e.g. an ``emptyDir``). Local files
-(``file://``) are read directly, without the node cache.
+Sharing: :class:`ArtifactFile` ``node_cache`` (a :class:`NodeCache`, a node-local folder;
+:meth:`NodeCache.from_environment` reads it from :data:`NODE_CACHE_ENV` and its size bound
+from :data:`NODE_CACHE_BYTES_ENV`) keeps each range fetched from remote storage as a file named
+by its sha256. The first process to need a range takes a lock file beside it, fetches and
+checks the range, writes it under a temporary name and renames it; the processes that asked
+meanwhile wait on the lock, then read the file, so the processes of one node fetch each range
+once and its digest is checked once. A file named by its sha256 never goes stale. Past
+``max_bytes`` the least recently used ranges are deleted (a hit refreshes a file's time); a
+process that finds a range gone fetches it again. Local files (``file://``) are read directly,
+without the node cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
@@ -46,14 +49,90 @@ DIGESTS = b"crosskd.row_group_sha256"
 """Footer key of the row groups' sha256 (a JSON list, group order)."""
 NODE_CACHE_ENV = "CROSSKD_NODE_CACHE"
 """Environment variable naming the node cache folder (unset or empty: none)."""
+NODE_CACHE_BYTES_ENV = "CROSSKD_NODE_CACHE_BYTES"
+"""Environment variable bounding the node cache (bytes; unset or empty: no bound)."""
 _MAGIC = b"PAR1"
 _TAIL = 8
 """A Parquet file ends with the footer's length (4 bytes) and the magic (4 bytes)."""
 
 
-def node_cache_dir() -> str | None:
-    """The node cache folder :data:`NODE_CACHE_ENV` names, or None."""
-    return os.environ.get(NODE_CACHE_ENV) or None
+@dataclass(frozen=True)
+class NodeCache:
+    """A node-local ``folder`` shared by the processes of one node: each byte range fetched
+    from remote storage is kept there once, at most ``max_bytes`` in all (None: no bound; the
+    least recently used ranges go first)."""
+
+    folder: str
+    max_bytes: int | None = None
+
+    @classmethod
+    def from_environment(cls) -> NodeCache | None:
+        """The node cache :data:`NODE_CACHE_ENV` and :data:`NODE_CACHE_BYTES_ENV` describe
+        (set by the training pod: :mod:`crosskd.k8s.job`), or None."""
+        folder = os.environ.get(NODE_CACHE_ENV) or None
+        limit = os.environ.get(NODE_CACHE_BYTES_ENV) or None
+        if folder is None:
+            return None
+        if limit is not None and not limit.isdigit():
+            raise CrosskdError(f"{NODE_CACHE_BYTES_ENV} is {limit!r}; it must be a number of "
+                               f"bytes (or unset: no bound).")  # fmt: skip
+        return cls(folder, None if limit is None else int(limit))
+
+    def get(self, sha256: str, download) -> bytes:
+        """The bytes whose sha256 is ``sha256``, fetched and checked by ``download`` (a
+        callable returning them) by the first process of the node that asks."""
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, sha256)
+        found = _read_fresh(path)
+        if found is not None:
+            return found
+        with open(f"{path}.lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            found = _read_fresh(path)
+            if found is not None:
+                return found
+            payload = download()
+            handle, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{sha256}.")
+            with os.fdopen(handle, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, path)
+            os.unlink(f"{path}.lock")  # whoever waits on it now finds the file
+        self._prune(keep=sha256)
+        return payload
+
+    def _prune(self, keep: str) -> None:
+        """Delete the least recently used ranges (not ``keep``) until the folder holds at most
+        ``max_bytes`` of them."""
+        if self.max_bytes is None:
+            return
+        entries = []
+        with os.scandir(self.folder) as found:
+            for entry in found:
+                if entry.name.startswith(".") or entry.name.endswith(".lock"):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    stat = entry.stat()
+                    entries.append((stat.st_mtime, entry.name, stat.st_size))
+        total = sum(size for *_, size in entries)
+        for _, name, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if name != keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.folder, name))
+                total -= size
+
+
+def _read_fresh(path: str) -> bytes | None:
+    """The file at ``path`` (its time refreshed: recently used), or None when it is not there."""
+    try:
+        with open(path, "rb") as f:
+            payload = f.read()
+    except FileNotFoundError:
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(path)
+    return payload
 
 
 def write_parquet(table, **options) -> bytes:
@@ -120,15 +199,15 @@ def group_bounds(metadata, footer_offset: int) -> list[int]:
 class ArtifactFile:
     """File ``path`` of the artifact at ``uri`` (any fsspec URI), whose damage is reported as
     ``error``: "``what`` ``uri``: ``path`` ... ``rebuild``" (``rebuild``: the sentence saying
-    what to do). ``node_cache``: the node-local folder ranges fetched from remote storage are
-    shared through (None: none)."""
+    what to do). ``node_cache``: where the processes of a node share the ranges fetched from
+    remote storage (None: nowhere)."""
 
     uri: str
     path: str
     what: str
     error: type[CrosskdError]
     rebuild: str
-    node_cache: str | None = None
+    node_cache: NodeCache | None = None
 
     def fetch(self, start: int | None, stop: int | None, sha256: str, *, part: str = "",
               recorder: str = "the manifest") -> bytes:  # fmt: skip
@@ -150,33 +229,7 @@ class ArtifactFile:
 
         if self.node_cache is None or isinstance(fs, LocalFileSystem):
             return download()
-        return _node_cached(self.node_cache, sha256, download)
-
-
-def _node_cached(folder: str, sha256: str, download) -> bytes:
-    """The bytes whose sha256 is ``sha256`` from the node cache ``folder``, fetched and
-    checked by ``download`` (a callable returning them) by the first process that asks."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, sha256)
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        pass
-    with open(f"{path}.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            pass
-        payload = download()
-        handle, tmp = tempfile.mkstemp(dir=folder, prefix=f".{sha256}.")
-        with os.fdopen(handle, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-        os.unlink(f"{path}.lock")  # whoever waits on it now finds the file
-        return payload
+        return self.node_cache.get(sha256, download)
 
 
 def open_parquet(file: ArtifactFile, entry: dict) -> bytes | RangedParquet:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from crosskd.artifacts import ParquetRows
 from crosskd.data.collate import PreparedData
 from crosskd.errors import DataError
-from crosskd.ranges import ArtifactFile, node_cache_dir, open_parquet
+from crosskd.ranges import ArtifactFile, NodeCache, open_parquet
 
 REBUILD = "Run `crosskd prepare` again."
 
@@ -39,7 +39,7 @@ class PackedRows:
     data: PreparedData
     keep_shards: int = 16
     """Shards kept open (least recently used dropped first)."""
-    node_cache: str | None = field(default_factory=node_cache_dir)
+    node_cache: NodeCache | None = field(default_factory=NodeCache.from_environment)
     """Node-local folder remote byte ranges are shared through (:mod:`crosskd.ranges`;
     default: ``CROSSKD_NODE_CACHE``, None: not shared)."""
     reads: Counter = field(default_factory=Counter, repr=False)

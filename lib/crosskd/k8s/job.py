@@ -42,10 +42,12 @@ from typing import Any
 import yaml
 from kubeflow.training import models as kf
 from kubernetes import client as k8s
+from kubernetes.utils import parse_quantity
 
 from crosskd.config import load_config
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.layout import ParallelLayout
+from crosskd.ranges import NODE_CACHE_BYTES_ENV, NODE_CACHE_ENV
 
 CONTAINER = "pytorch"
 """The container name the Training Operator requires."""
@@ -56,6 +58,11 @@ TRAIN_CONFIG_KEY = "train.yaml"
 TRAIN_CONFIG_PATH = f"{TRAIN_CONFIG_DIR}/{TRAIN_CONFIG_KEY}"
 HOME = "/home/crosskd"
 CACHE = "/cache"
+NODE_CACHE = "/node-cache"
+"""Where the pod's workers share the byte ranges of data and cache shards they fetch
+(:class:`crosskd.ranges.NodeCache`)."""
+NODE_CACHE_PERCENT = 90
+"""The percentage of ``node_cache_size`` the ranges may fill (the rest: files being written)."""
 USER_ID = 1000
 RUN_LABEL = "crosskd.dev/run"
 NAME_LABELS = {"app.kubernetes.io/name": "crosskd", "app.kubernetes.io/component": "trainer"}
@@ -131,6 +138,10 @@ class JobConfig:
     """Size limit of ``/dev/shm`` (an emptyDir in memory; NCCL and DataLoader workers use it)."""
     cache_size: str = "50Gi"
     """Size limit of the emptyDir at ``/cache`` (``CROSSKD_CACHE_DIR``, ``HF_HOME``)."""
+    node_cache_size: str = "20Gi"
+    """Size limit of the emptyDir at ``/node-cache`` (``CROSSKD_NODE_CACHE``): the byte ranges
+    of prepared-data and teacher-cache shards the pod's workers fetched from object storage,
+    each fetched once per pod and shared, the least recently used dropped past 90% of it."""
     nccl_debug: str = "WARN"
     """``NCCL_DEBUG``: ``VERSION``, ``WARN``, ``INFO`` or ``TRACE``."""
     nccl_trace_buffer_size: int = 2000
@@ -245,7 +256,8 @@ class JobConfig:
         for key in ("elastic", "gang_scheduling", "ipc_lock"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} is {getattr(self, key)!r}; it must be true or false.")
-        for key in ("cpu", "memory", "memory_limit", "shm_size", "cache_size"):
+        for key in ("cpu", "memory", "memory_limit", "shm_size", "cache_size",
+                    "node_cache_size"):
             value = getattr(self, key)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 value = str(value)
@@ -464,6 +476,7 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
             *config_mount,
             k8s.V1VolumeMount(name="home", mount_path=HOME),
             k8s.V1VolumeMount(name="cache", mount_path=CACHE),
+            k8s.V1VolumeMount(name="node-cache", mount_path=NODE_CACHE),
         ],
         security_context=k8s.V1SecurityContext(
             allow_privilege_escalation=False,
@@ -483,6 +496,8 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
         k8s.V1Volume(name="home", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit="1Gi")),
         k8s.V1Volume(name="cache", empty_dir=k8s.V1EmptyDirVolumeSource(
             size_limit=config.cache_size)),
+        k8s.V1Volume(name="node-cache", empty_dir=k8s.V1EmptyDirVolumeSource(
+            size_limit=config.node_cache_size)),
     ]  # fmt: skip
     tolerations = [
         k8s.V1Toleration(
@@ -527,6 +542,9 @@ def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
         "HOME": HOME,
         "CROSSKD_CACHE_DIR": f"{CACHE}/crosskd",
         "HF_HOME": f"{CACHE}/huggingface",
+        NODE_CACHE_ENV: NODE_CACHE,
+        NODE_CACHE_BYTES_ENV: str(
+            int(parse_quantity(config.node_cache_size)) * NODE_CACHE_PERCENT // 100),
         "CROSSKD_GRACE_SECONDS": str(config.grace_seconds),
         "NCCL_DEBUG": config.nccl_debug,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",

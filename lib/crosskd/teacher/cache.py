@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from crosskd.artifacts import read_manifest
 from crosskd.errors import CrosskdError
-from crosskd.ranges import ArtifactFile, node_cache_dir, open_parquet
+from crosskd.ranges import ArtifactFile, NodeCache, open_parquet
 from crosskd.teacher.scoring import KIND
 from crosskd.teacher.signal import SignalError, TeacherSignal
 from crosskd.teacher.storage import CacheShard, SampleSignal, batch_signal, decode
@@ -44,7 +44,7 @@ class TeacherCache:
     manifest: dict
     keep_shards: int = 16
     """Shards kept open (least recently used dropped first)."""
-    node_cache: str | None = field(default_factory=node_cache_dir)
+    node_cache: NodeCache | None = field(default_factory=NodeCache.from_environment)
     """Node-local folder remote byte ranges are shared through (:mod:`crosskd.ranges`;
     default: ``CROSSKD_NODE_CACHE``, None: not shared)."""
     reads: Counter = field(default_factory=Counter, repr=False)
