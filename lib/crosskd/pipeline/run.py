@@ -71,7 +71,37 @@ def compile_pipeline(output: str, *, image: str | None = None,
 
     pipeline = load_pipeline(image)
     compiler.Compiler().compile(pipeline, output, pipeline_parameters=parameters or None)
+    Path(output).write_text(canonical_header(Path(output).read_text()))
     return output
+
+
+def canonical_header(compiled: str) -> str:
+    """The compiled pipeline YAML ``compiled`` with its header comment written again from the
+    key-sorted pipeline spec by kfp's own comment writer, so that one pipeline always compiles
+    to the same bytes. kfp writes the header from ``json_format.MessageToDict`` of the spec,
+    and prints each dict default with ``str()``: protobuf's map order (a per-process hash
+    seed) then decides the order of its keys, which changes from one process to the next; the
+    YAML documents below it are already dumped with sorted keys."""
+    import yaml
+    from kfp.compiler.pipeline_spec_builder import extract_comments_from_pipeline_spec
+
+    lines = compiled.splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    body = "".join(lines[first:])
+    spec = next(yaml.safe_load_all(body))
+    ordered = _sorted_keys(spec)
+    header = extract_comments_from_pipeline_spec(ordered, ordered["pipelineInfo"].get(
+        "description"))  # fmt: skip
+    return header + body
+
+
+def _sorted_keys(value: Any) -> Any:
+    """``value`` with the keys of every mapping in it in sorted order."""
+    if isinstance(value, dict):
+        return {key: _sorted_keys(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(item) for item in value]
+    return value
 
 
 def preset_arguments(config: RunConfig) -> dict[str, Any]:
