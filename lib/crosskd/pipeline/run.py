@@ -78,10 +78,11 @@ def compile_pipeline(output: str, *, image: str | None = None,
 def canonical_header(compiled: str) -> str:
     """The compiled pipeline YAML ``compiled`` with its header comment written again from the
     key-sorted pipeline spec by kfp's own comment writer, so that one pipeline always compiles
-    to the same bytes. kfp writes the header from ``json_format.MessageToDict`` of the spec,
-    and prints each dict default with ``str()``: protobuf's map order (a per-process hash
-    seed) then decides the order of its keys, which changes from one process to the next; the
-    YAML documents below it are already dumped with sorted keys."""
+    to the same bytes. kfp writes the header from ``json_format.MessageToDict`` of the spec
+    and prints each dict default with ``str()``, so the order of its keys is the order of
+    protobuf's ``Struct`` map, which upb hashes with its own per-process seed (not
+    ``PYTHONHASHSEED``) whatever order the keys were inserted in: sorted inputs cannot fix it,
+    only the header can be written again; the YAML documents below it are already sorted."""
     import yaml
     from kfp.compiler.pipeline_spec_builder import extract_comments_from_pipeline_spec
 
