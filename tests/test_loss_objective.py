@@ -134,7 +134,11 @@ def test_dynamic_kd_scale_is_the_detached_ratio_capped_and_zero_without_kd():
     config = LossConfig(dynamic_kd_scale=True, **base)
     out, _, _ = run(config, (ids, logits, none, mask))
     assert out.kd.item() == 0 and out.kd_scale == 0.0
-    assert kd_scale(2.0, 5e-9, config) == 0.0 and kd_scale(2.0, -0.5, config) == 4.0
+    def scale(ce: float, kd: float) -> float:
+        return kd_scale(torch.tensor(ce, dtype=torch.float64),
+                        torch.tensor(kd, dtype=torch.float64), config).item()  # fmt: skip
+
+    assert scale(2.0, 5e-9) == 0.0 and scale(2.0, -0.5) == 4.0 and scale(0.0, 0.0) == 0.0
 
 
 def test_step_counts_normalise_every_micro_batch():

@@ -94,7 +94,10 @@ def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
 
 
 class _RowPieces(torch.autograd.Function):
-    """See :func:`row_pieces`."""
+    """See :func:`row_pieces`. Nothing here reads a value back to the host (no boolean
+    indexing, no data-dependent slicing): ids a slice does not own are clamped into it for the
+    gather and their values and gradients zeroed, and each block of the backward pass adds the
+    picked gradients of every pair, zero outside the block."""
 
     @staticmethod
     def forward(ctx, logits, rows, ids, owned, tau: float, block: int):
@@ -103,9 +106,9 @@ class _RowPieces(torch.autograd.Function):
         for start in range(0, logits.shape[0], block):
             chunk = _scaled(logits[start : start + block], tau, dtype)
             normalizer[start : start + block] = torch.logsumexp(chunk, dim=-1)
-        rows, ids = rows[owned], ids[owned]
-        picked = torch.zeros(owned.shape, dtype=dtype, device=logits.device)
-        picked[owned] = _scaled(logits[rows, ids], tau, dtype)
+        ids = ids.clamp(0, max(logits.shape[1] - 1, 0))
+        picked = _scaled(logits[rows, ids], tau, dtype) if len(rows) else normalizer.new_zeros(0)
+        picked = torch.where(owned, picked, 0.0)
         ctx.save_for_backward(logits, normalizer, rows, ids, owned)
         ctx.tau, ctx.block = tau, block
         return normalizer, picked
@@ -123,17 +126,16 @@ class _RowPieces(torch.autograd.Function):
         )
         grad = (
             torch.zeros(len(rows), dtype=dtype, device=logits.device)
-            if g_picked is None else g_picked[owned].to(dtype) / tau
+            if g_picked is None else torch.where(owned, g_picked.to(dtype) / tau, 0.0)
         )  # fmt: skip
-        order = torch.argsort(rows)
-        rows, ids, grad = rows[order], ids[order], grad[order]
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], block):
             stop = min(start + block, logits.shape[0])
             chunk = _scaled(logits[start:stop], tau, dtype)
             chunk = torch.exp(chunk - normalizer[start:stop, None]).mul_(per_row[start:stop, None])
-            lo, hi = torch.searchsorted(rows, torch.tensor([start, stop], device=rows.device))
-            chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
+            inside = (rows >= start) & (rows < stop)
+            local = (rows - start).clamp(0, stop - start - 1)
+            chunk.index_put_((local, ids), torch.where(inside, grad, 0.0), accumulate=True)
             out[start:stop] = chunk
         return out, None, None, None, None, None
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
 from crosskd.loss.csd import KdTerm
@@ -41,24 +43,28 @@ SKIP_REASONS = (
 )  # fmt: skip
 
 
+def _shapes(chunk_shape: np.ndarray, same_tokenizer: bool) -> np.ndarray:
+    """The shape code of every chunk (``SHAPE_TOKEN`` for a same-tokenizer teacher), int64."""
+    shape = np.asarray(chunk_shape, dtype=np.int64)
+    return np.full(len(shape), SHAPE_TOKEN) if same_tokenizer else shape
+
+
 def chunk_sums(
     teacher: str,
     events: Events,
-    term: KdTerm,
     chunk_shape: np.ndarray,
     chunk_flags: np.ndarray,
     *,
     same_tokenizer: bool = False,
 ) -> dict[str, float]:
-    """The metric sums of one teacher over one batch (see the module docstring); keys whose sum
-    is 0 are left out.
+    """The metric sums of one teacher over one batch that the plan knows on the host (see the
+    module docstring; those of the KD term's values: :func:`term_sums`); keys whose sum is 0
+    are left out.
 
     ``chunk_shape`` / ``chunk_flags``: uint8 ``[C]`` of every chunk of the batch (numpy).
     """
     out: dict[str, float] = defaultdict(float)
-    shape = np.asarray(chunk_shape, dtype=np.int64)
-    if same_tokenizer:
-        shape = np.full(len(shape), SHAPE_TOKEN)
+    shape = _shapes(chunk_shape, same_tokenizer)
     flags = np.asarray(chunk_flags)
     status = events.status
     incorrect = (flags & FLAG_CORRECT) == 0
@@ -86,11 +92,6 @@ def chunk_sums(
     counted_shape = shape[events.chunk_index]
     values = {
         "valid": np.ones(len(counted_shape)),
-        "sum_divergence": term.divergence.double().cpu().numpy(),
-        "sum_weighted": term.divergence.double().cpu().numpy() * events.weight,
-        "sum_events": term.n_events.cpu().numpy().astype(np.float64),
-        "sum_rest_student": term.log_rest_student.double().exp().cpu().numpy(),
-        "sum_rest_teacher": term.log_rest_teacher.double().exp().cpu().numpy(),
         "top1": events.top1.astype(np.float64),
         "realized_in_topk": events.in_topk.astype(np.float64),
     }
@@ -101,6 +102,34 @@ def chunk_sums(
         for key, value in values.items():
             out[f"{teacher}/{name}/{key}"] += float(value[here].sum())
     return dict(out)
+
+
+TERM_STATS = ("sum_divergence", "sum_weighted", "sum_events", "sum_rest_student",
+              "sum_rest_teacher")  # fmt: skip
+"""The sums of values the KD term computed on the device (:func:`term_sums`)."""
+
+
+def term_sums(teacher: str, events: Events, term: KdTerm, chunk_shape: np.ndarray, *,
+              same_tokenizer: bool = False) -> tuple[list[str], Tensor | None]:  # fmt: skip
+    """The :data:`TERM_STATS` sums of one teacher's KD term over its counted chunks, per shape
+    present: their keys and a float64 vector on the term's device, summed there (nothing is
+    read back to the host); ``([], None)`` without counted chunks."""
+    shape = _shapes(chunk_shape, same_tokenizer)[events.chunk_index]
+    if len(shape) == 0:
+        return [], None
+    present = np.unique(shape)
+    device = term.divergence.device
+    codes = torch.from_numpy(np.searchsorted(present, shape)).to(device, non_blocking=True)
+    weight = torch.from_numpy(np.asarray(events.weight, dtype=np.float64)).to(
+        device, non_blocking=True)  # fmt: skip
+    divergence = term.divergence.double()
+    columns = torch.stack([
+        divergence, divergence * weight, term.n_events.double(),
+        term.log_rest_student.double().exp(), term.log_rest_teacher.double().exp(),
+    ], dim=1)  # fmt: skip
+    grid = columns.new_zeros(len(present), len(TERM_STATS)).index_add_(0, codes, columns)
+    keys = [f"{teacher}/{SHAPES[code]}/{stat}" for code in present for stat in TERM_STATS]
+    return keys, grid.reshape(-1)
 
 
 CHUNK_STATS = (

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ from crosskd.loss.config import LossConfig
 from crosskd.loss.csd import kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
-from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize
+from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize, term_sums
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
@@ -123,6 +124,25 @@ class LossPlan:
 
 
 @dataclass(frozen=True)
+class ReportLayout:
+    """Where each reported value of a :class:`LossOutput` lies in its ``reported`` vector:
+    ``loss``, ``ce``, ``kd``, ``kd/{term}`` of each of ``terms``, ``kd_scale``, then the metric
+    sums of ``keys`` (:func:`crosskd.loss.metrics.sum_keys`)."""
+
+    terms: tuple[str, ...]
+    keys: tuple[str, ...]
+
+    def read(self, row: Sequence[float]) -> tuple[dict[str, float], float, dict[str, float]]:
+        """``(totals, kd_scale, sums)`` of one reported vector read to the host (``row``);
+        sums of 0 are left out."""
+        n = len(self.terms)
+        totals = {"loss": row[0], "ce": row[1], "kd": row[2]}
+        totals |= {f"kd/{name}": row[3 + i] for i, name in enumerate(self.terms)}
+        sums = {key: value for key, value in zip(self.keys, row[4 + n :], strict=True) if value}
+        return totals, row[3 + n], sums
+
+
+@dataclass(frozen=True)
 class LossOutput:
     """One micro-batch's loss on this rank.
 
@@ -130,18 +150,40 @@ class LossOutput:
     ``ce``, ``kd``, ``kd_terms`` (name -> value before weights), all differentiable, are **this
     rank's share**: in one process the whole micro-batch, under a parallel layout the CE targets
     and chunks this rank evaluates, so that the shares of all ranks sum to the micro-batch's
-    terms. ``kd_scale`` (float) and ``totals`` (``loss``, ``ce``, ``kd``, ``kd/{name}``) and
-    ``sums`` (metric sums, :mod:`crosskd.loss.metrics`) are complete: summed over every rank,
-    identical on every rank.
+    terms. ``reported`` (float64, on the logits' device, laid out as ``layout`` says) holds the
+    complete values: the totals (``loss``, ``ce``, ``kd``, ``kd/{name}``), ``kd_scale`` and the
+    metric sums (:mod:`crosskd.loss.metrics`), summed over every rank, identical on every rank.
+    Nothing of it is read back to the host while the loss is computed: a training step reads
+    the vectors of all its micro-batches at once after their backward passes
+    (:meth:`ReportLayout.read`); :attr:`kd_scale`, :attr:`totals`, :attr:`sums` and
+    :attr:`metrics` read this one (a device synchronisation on GPU).
     """
 
     loss: Tensor
     ce: Tensor
     kd: Tensor
     kd_terms: dict[str, Tensor]
-    kd_scale: float
-    totals: dict[str, float]
-    sums: dict[str, float]
+    reported: Tensor
+    layout: ReportLayout
+
+    @cached_property
+    def _read(self) -> tuple[dict[str, float], float, dict[str, float]]:
+        return self.layout.read(self.reported.tolist())
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """``loss``, ``ce``, ``kd``, ``kd/{name}`` of the micro-batch (complete)."""
+        return self._read[0]
+
+    @property
+    def kd_scale(self) -> float:
+        """The ``kd_scale`` the loss was computed with."""
+        return self._read[1]
+
+    @property
+    def sums(self) -> dict[str, float]:
+        """The metric sums (complete; those of 0 left out)."""
+        return self._read[2]
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -335,7 +377,7 @@ def loss_from_logprobs(
     own = Ownership.everything(plan) if ownership is None else ownership
 
     def tensor(array: np.ndarray) -> Tensor:
-        return torch.from_numpy(array).to(device)
+        return torch.from_numpy(array).to(device, non_blocking=True)
 
     if config.kd == "uld":
         return _uld_loss(plain, tempered, plan, config, counts, own, tensor(plan.ce_rows),
@@ -353,10 +395,11 @@ def loss_from_logprobs(
     else:
         ce_lp = plain.log_prob(tensor(plan.ce_rows), tensor(plan.ce_ids))
         kd_lp = tempered.log_prob(tensor(np.concatenate(kd_rows)), tensor(np.concatenate(kd_ids)))
-    ce = -ce_lp[tensor(own.ce)].sum() / max(counts.tokens, 1)
+    ce = -ce_lp[tensor(np.flatnonzero(own.ce))].sum() / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
     sums = dict(plan.sums) if own.leader else {}
+    on_device: list[tuple[list[str], Tensor | None]] = []
     parts = zip(plan.terms, counts.chunks, kd_lp.split(sizes), own.chunks, strict=True)
     for term_plan, n_total, term_lp, owned in parts:
         events, kept = term_plan.events.subset(owned)
@@ -367,10 +410,12 @@ def loss_from_logprobs(
         kd_terms[term_plan.name] = term.value
         kd = kd + term_plan.weight * term.value
         sums = add_sums(sums, chunk_sums(
-            term_plan.name, events, term, term_plan.chunk_shape[owned],
-            term_plan.chunk_flags[owned], same_tokenizer=term_plan.same_tokenizer,
+            term_plan.name, events, term_plan.chunk_shape[owned], term_plan.chunk_flags[owned],
+            same_tokenizer=term_plan.same_tokenizer,
         ))  # fmt: skip
-    return _complete(ce, kd, kd_terms, sums, plan, config, own, device)
+        on_device.append(term_sums(term_plan.name, events, term, term_plan.chunk_shape[owned],
+                                   same_tokenizer=term_plan.same_tokenizer))  # fmt: skip
+    return _complete(ce, kd, kd_terms, sums, on_device, plan, config, own, device)
 
 
 def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
@@ -388,46 +433,52 @@ def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
     sums = dict(plan.sums) if own.leader else {}
+    on_device: list[tuple[list[str], Tensor | None]] = []
     for term, n_total in zip(plan.terms, counts.chunks, strict=True):
         total = uld_sum(tempered.logits, term, config.tau, tempered.block_rows)
         kd_terms[term.name] = total / max(n_total, 1)
         kd = kd + term.weight * kd_terms[term.name]
-        sums[f"{term.name}/uld_sum_l1"] = total.item()
-    return _complete(ce, kd, kd_terms, sums, plan, config, own, device)
+        on_device.append(([f"{term.name}/uld_sum_l1"], total.detach().double()[None]))
+    return _complete(ce, kd, kd_terms, sums, on_device, plan, config, own, device)
 
 
-def _complete(ce: Tensor, kd: Tensor, kd_terms: dict[str, Tensor], sums: dict[str, float],
-              plan: LossPlan, config: LossConfig, own: Ownership,
-              device: torch.device | str) -> LossOutput:  # fmt: skip
-    """The :class:`LossOutput` of this rank's terms: the reported values all-reduced (one
-    vector), ``kd_scale`` from them, the total."""
+def _complete(
+    ce: Tensor, kd: Tensor, kd_terms: dict[str, Tensor], sums: dict[str, float],
+    on_device: list[tuple[list[str], Tensor | None]], plan: LossPlan, config: LossConfig,
+    own: Ownership, device: torch.device | str,
+) -> LossOutput:  # fmt: skip
+    """The :class:`LossOutput` of this rank's terms: the host ``sums`` and the device ones
+    (``on_device``: keys and values) and the terms packed into one float64 vector on
+    ``device`` and all-reduced, ``kd_scale`` from the complete terms, the total; nothing is
+    read back to the host."""
     names = [t.name for t in plan.terms]
     keys = sum_keys(names, len(config.teachers))
-    local = torch.tensor(
-        [ce.item(), kd.item(), *(v.item() for v in kd_terms.values()),
-         *(sums.get(key, 0.0) for key in keys)],
-        dtype=torch.float64, device=device,
-    )  # fmt: skip
-    complete = own.reduce(local).tolist()
+    place = {key: i for i, key in enumerate(keys)}
+    summed = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64).to(
+        device, non_blocking=True)  # fmt: skip
+    for term_keys, values in on_device:
+        if term_keys:
+            index = torch.tensor([place[key] for key in term_keys]).to(device, non_blocking=True)
+            summed = summed.index_add(0, index, values)
+    terms = torch.stack([ce.detach(), kd.detach(), *(v.detach() for v in kd_terms.values())])
+    complete = own.reduce(torch.cat([terms.double(), summed]))
     ce_total, kd_total = complete[0], complete[1]
     scale = kd_scale(ce_total, kd_total, config)
-    totals = {
-        "loss": config.ce_weight * ce_total + scale * kd_total, "ce": ce_total, "kd": kd_total,
-    } | {f"kd/{name}": value for name, value in zip(names, complete[2:], strict=False)}
-    reduced = {k: v for k, v in zip(keys, complete[2 + len(names) :], strict=True) if v}
-    loss = config.ce_weight * ce + scale * kd
-    return LossOutput(loss, ce, kd, kd_terms, scale, totals, reduced)
+    loss = config.ce_weight * ce + scale.to(kd.dtype) * kd
+    reported = torch.cat([(config.ce_weight * ce_total + scale * kd_total)[None],
+                          complete[: 2 + len(names)], scale[None],
+                          complete[2 + len(names) :]])  # fmt: skip
+    return LossOutput(loss, ce, kd, kd_terms, reported, ReportLayout(tuple(names), tuple(keys)))
 
 
-def kd_scale(ce: float, kd: float, config: LossConfig) -> float:
+def kd_scale(ce: Tensor, kd: Tensor, config: LossConfig) -> Tensor:
     """``kd_weight``, or with ``dynamic_kd_scale`` ``kd_weight * min(|ce| / |kd|,
-    max_kd_scale)`` (0 when ``|kd| < 1e-8``); ``ce`` and ``kd`` are this micro-batch's complete
-    (all-reduced) terms."""
+    max_kd_scale)`` (0 when ``|kd| < 1e-8``), a float64 scalar on ``kd``'s device; ``ce`` and
+    ``kd`` are this micro-batch's complete (all-reduced) terms, float64 scalars."""
     if not config.dynamic_kd_scale:
-        return config.kd_weight
-    if abs(kd) < KD_FLOOR:
-        return 0.0
-    return config.kd_weight * min(abs(ce) / abs(kd), config.max_kd_scale)
+        return torch.full((), config.kd_weight, dtype=torch.float64, device=kd.device)
+    ratio = torch.clamp(ce.abs() / kd.abs(), max=config.max_kd_scale)
+    return torch.where(kd.abs() < KD_FLOOR, 0.0, config.kd_weight * ratio)
 
 
 def _check_inputs(

@@ -175,10 +175,12 @@ class ShardedLogProbs:
         self.flat = self.logits.reshape(-1, vocab)
 
     def _local(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """Which of ``rows`` lie in this rank's window, and their local flat rows."""
+        """Which of ``rows`` lie in this rank's window (bool), and the flat row of this rank's
+        logits each would have there (a valid row for every pair; used where ``here``): no
+        boolean indexing, so nothing is read back to the host."""
         b, position = rows // self.width, rows % self.width
         here = position // self.window == self.mesh.cp_rank
-        return here, b[here] * self.window + position[here] % self.window
+        return here, b * self.window + position % self.window
 
     def _normalizer(self, local_normalizer: Tensor) -> Tensor:
         """The log-normaliser over the whole vocabulary from each TP rank's slice."""
@@ -189,10 +191,10 @@ class ShardedLogProbs:
         total = all_reduce_sum(torch.exp(local_normalizer - peak), group=self.mesh.tp_group)
         return peak + torch.log(total)
 
-    def _exchange(self, here: Tensor, values: Tensor, size: int) -> Tensor:
-        """Values of the rows in this window, placed among all ``size`` pairs and summed over
-        the CP windows (each pair's row lies in exactly one window)."""
-        out = values.new_zeros(size).index_put((torch.nonzero(here).flatten(),), values)
+    def _exchange(self, here: Tensor, values: Tensor) -> Tensor:
+        """``values`` of every pair, kept where the pair's row lies in this window (``here``)
+        and summed over the CP windows (each pair's row lies in exactly one window)."""
+        out = torch.where(here, values, 0.0)
         if self.mesh.config.cp == 1:
             return out
         return all_reduce_sum(out, group=self.mesh.cp_group)
@@ -200,15 +202,15 @@ class ShardedLogProbs:
     def log_prob(self, rows: Tensor, ids: Tensor) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` at temperature ``tau``, for all pairs."""
         here, local_rows = self._local(rows)
-        local_ids = ids[here] - self.vocab_start
-        owned = (local_ids >= 0) & (local_ids < self.flat.shape[1])
+        local_ids = ids - self.vocab_start
+        owned = here & (local_ids >= 0) & (local_ids < self.flat.shape[1])
         normalizer, picked = row_pieces(
             self.flat, local_rows, local_ids, owned, self.tau, self.block_rows
         )
         if self.mesh.config.tp > 1:
             picked = all_reduce_sum(picked, group=self.mesh.tp_group)
         values = picked - self._normalizer(normalizer)[local_rows]
-        return self._exchange(here, values, len(rows))
+        return self._exchange(here, values)
 
     def log_normalizer(self, rows: Tensor) -> Tensor:
         """``logsumexp(logits[row] / tau)`` over the whole vocabulary, for all ``rows``."""
@@ -217,7 +219,7 @@ class ShardedLogProbs:
         normalizer, _ = row_pieces(
             self.flat, empty, empty, empty.bool(), self.tau, self.block_rows
         )
-        return self._exchange(here, self._normalizer(normalizer)[local_rows], len(rows))
+        return self._exchange(here, self._normalizer(normalizer)[local_rows])
 
 
 def ownership(plan: LossPlan, mesh: Mesh) -> Ownership:

@@ -58,7 +58,7 @@ from crosskd.errors import ConfigError, CrosskdError, Stopped
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_targets
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
-from crosskd.loss.objective import term_names
+from crosskd.loss.objective import ReportLayout, term_names
 from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
 from crosskd.teacher.model import model_folder
@@ -450,29 +450,16 @@ class Trainer:
         counts = self._counts(step, [plan for _, plan in planned], failure)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        totals: dict[str, float] = {}
-        sums: dict[str, float] = {}
-        scale = 0.0
+        reported = []
         for m, (batch, plan) in enumerate(planned):
             with self.student.gradient_sync(m == len(planned) - 1):
                 logits = self._forward(batch.models["student"])
                 out = self._loss(logits, plan, counts)
-                for term in ("loss", "ce", "kd"):
-                    value = out.totals[term]
-                    if not math.isfinite(value):
-                        self.exporter.stopped_by(term, value)
-                        raise NonFiniteLoss(
-                            f"step {step + 1}: the {term} term is {value} (micro-batch {m}); "
-                            f"stopping before the optimizer step. The last good checkpoint is "
-                            f"kept; lower lr, check the data, or set kd_weight."
-                        )
-                for term, value in out.totals.items():
-                    totals[term] = totals.get(term, 0.0) + value
                 # DDP and FSDP average gradients over the data-parallel ranks; each rank's
                 # loss is its share of a sum.
                 (out.loss * self.layout.dp).backward()
-            scale = out.kd_scale
-            sums = add_sums(sums, out.sums)
+            reported.append((out.reported, out.layout))
+        totals, scale, sums = self._read_reported(step, reported)
         self.student.sync_copies()
         # The norm before clipping (an infinite max_norm measures without clipping).
         grad_norm = self.student.clip_gradients(cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
@@ -492,6 +479,32 @@ class Trainer:
         return {**totals, "kd_scale": scale, "lr": lr_at(step, cfg),
                 "grad_norm": float(grad_norm), "tokens": float(counts.tokens),
                 } | summarize(sums)  # fmt: skip
+
+    def _read_reported(
+        self, step: int, reported: list[tuple[torch.Tensor, ReportLayout]]
+    ) -> tuple[dict[str, float], float, dict[str, float]]:
+        """The step's totals (summed over its micro-batches), ``kd_scale`` (the last one's) and
+        metric sums, from each micro-batch's reported vector, read to the host at once: the
+        step's one read of the loss, after every backward pass and before the optimizer step.
+        A non-finite ``loss``, ``ce`` or ``kd`` of any micro-batch stops the run here."""
+        totals: dict[str, float] = {}
+        sums: dict[str, float] = {}
+        scale = 0.0
+        rows = torch.stack([vector for vector, _ in reported]).tolist()
+        for m, (row, (_, layout)) in enumerate(zip(rows, reported, strict=True)):
+            values, scale, more = layout.read(row)
+            for term in ("loss", "ce", "kd"):
+                if not math.isfinite(values[term]):
+                    self.exporter.stopped_by(term, values[term])
+                    raise NonFiniteLoss(
+                        f"step {step + 1}: the {term} term is {values[term]} (micro-batch {m}); "
+                        f"stopping before the optimizer step. The last good checkpoint is "
+                        f"kept; lower lr, check the data, or set kd_weight."
+                    )
+            for term, value in values.items():
+                totals[term] = totals.get(term, 0.0) + value
+            sums = add_sums(sums, more)
+        return totals, scale, sums
 
     def _loss(self, logits: torch.Tensor, plan: LossPlan, counts: StepCounts):
         """This rank's share of a micro-batch's loss (the sharded loss where the logits are a
