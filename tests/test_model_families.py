@@ -5,6 +5,8 @@ computed once per micro-batch and handed to every layer."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -78,29 +80,43 @@ def two_packed_rows(vocab: int, lengths: list[list[int]]):
 
 
 def worst_gap(model, attention: str, windows) -> float:
-    """Largest |logit difference| between each sample in its packed row and the sample alone."""
+    """Largest |logit difference| between each sample in its packed row and the sample alone
+    (the packed logits reshaped to ``[B, L, V]``, as the trainer does)."""
     ids, segments, positions, samples = two_packed_rows(64, [[9, 7], [5, 8, 3]])
+    device = next(model.parameters()).device
     with torch.no_grad():
         packed = model(use_cache=False, **packed_inputs(
-            attention, ids, segments, positions, torch.float32, windows=windows)).logits
+            attention, ids, segments, positions, torch.float32, windows=windows,
+            device=device)).logits.reshape(*ids.shape, -1)  # fmt: skip
         gap = 0.0
         for row, start, sample in samples:
-            alone = model(input_ids=sample[None], use_cache=False).logits[0]
+            alone = model(input_ids=sample[None].to(device), use_cache=False).logits[0]
             gap = max(gap, (packed[row, start : start + len(sample)] - alone).abs().max().item())
     return gap
 
 
+FLASH = pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn")),
+    reason="flash-attention needs CUDA and the flash_attn package")
+
+
 @pytest.mark.parametrize(("model_type", "attention"), [
-    (model_type, attention) for model_type in SLIDING for attention in ("eager", "sdpa")
-    if (model_type, attention) != ("gemma2", "sdpa")  # Gemma 2's softcapping: eager only
+    *((model_type, attention) for model_type in SLIDING for attention in ("eager", "sdpa")
+      if (model_type, attention) != ("gemma2", "sdpa")),  # Gemma 2's softcapping: eager only
+    *(pytest.param(model_type, "flash_attention_2", marks=FLASH) for model_type in SLIDING),
 ])  # fmt: skip
 def test_a_packed_row_of_a_sliding_window_model_is_each_sample_alone(model_type, attention):
     """Samples of 9, 7, 5, 8 and 3 tokens under a window of 4: with a mask per layer type the
     packed row gives each sample's logits alone; the plain causal mask (what transformers
-    passes unchanged to a sliding layer) does not, past the window."""
+    passes unchanged to a sliding layer) does not, past the window. Flash attention (on a GPU,
+    in bfloat16) gets the samples' bounds and applies each layer's window itself."""
     model = tiny(model_type, attention)
     windows = layer_windows(model.config)
     assert 4 in windows.values()
+    if attention == "flash_attention_2":
+        model = model.to("cuda", torch.bfloat16)
+        assert worst_gap(model, attention, windows) < 5e-2
+        return
     assert worst_gap(model, attention, windows) < 1e-5
     assert worst_gap(model, attention, None) > 1e-3
 
