@@ -6,6 +6,8 @@ computed once per micro-batch and handed to every layer."""
 from __future__ import annotations
 
 import importlib.util
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,6 +46,7 @@ HYBRID = {
     "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
                   "mamba_chunk_size": 8},
     "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "num_experts": 2,
+                   "num_experts_per_tok": 1,
                    "linear_num_key_heads": 2, "linear_num_value_heads": 2,
                    "linear_key_head_dim": 8, "linear_value_head_dim": 8},
 }
@@ -171,16 +174,32 @@ def test_attention_only_families_have_no_state_mixers():
         assert state_mixers(tiny(model_type)) == []
 
 
-def test_the_state_of_a_hybrid_leaks_into_the_next_packed_sample_but_not_past_padding():
+def test_the_state_of_a_hybrid_leaks_into_the_next_packed_sample():
     """Why the refusal: LFM2's short convolution carries the first sample into the second one's
-    logits even under the exact mask; one sample per row (``pack=false``) is exact."""
+    logits even under the exact attention mask."""
     model = tiny("lfm2", initializer_range=0.5)
-    windows = layer_windows(model.config)
-    assert worst_gap(model, "eager", windows) > 1e-3
-    ids, segments, positions, samples = two_packed_rows(64, [[9], [5]])
+    assert worst_gap(model, "eager", layer_windows(model.config)) > 1e-3
+
+
+@pytest.mark.parametrize(("model_type", "attention"), [
+    ("lfm2", "eager"), ("falcon_h1", "eager"), ("qwen3_next", "sdpa"), ("mistral", "sdpa"),
+    ("gemma2", "eager"), ("lfm3", "sdpa"),
+])  # fmt: skip
+def test_rows_of_one_sample_are_exact_for_every_family(model_type, attention):
+    """Data prepared with ``pack=false``: each right-padded row gets the 2D padding mask and
+    the model builds its own masks per layer type, so a row's logits are its sample's alone,
+    for hybrids too (LFM3 mixes convolutions with sliding and full attention, which no mask
+    of ours covers)."""
+    if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    extra = {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
+             "num_hidden_layers": 4, "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1,
+             "eos_token_id": 2} if model_type == "lfm3" else {}  # fmt: skip
+    model = tiny(model_type, attention, initializer_range=0.5, **extra)
+    ids, segments, positions, samples = two_packed_rows(64, [[9], [5], [12]])
     with torch.no_grad():
         rows = model(use_cache=False, **packed_inputs(
-            "eager", ids, segments, positions, torch.float32, windows=windows)).logits
+            attention, ids, segments, positions, torch.float32, packed=False)).logits
         for row, _, sample in samples:
             alone = model(input_ids=sample[None], use_cache=False).logits[0]
             torch.testing.assert_close(rows[row, : len(sample)], alone, rtol=0, atol=1e-5)
@@ -227,6 +246,41 @@ def test_the_trainer_packs_a_mistral_student_exactly_and_refuses_an_lfm2_one(
         refused.setup()
     assert "\n" not in str(error.value)
     refused.close()
+
+
+def test_an_lfm2_student_trains_on_rows_of_one_sample(train_inputs, tmp_path):
+    """The way out the refusal names: data prepared with ``pack=false`` (and its teacher
+    cache); the trainer's forward of a batch of such rows gives each sample's logits alone (the
+    model's own masks from the padding mask), and a step trains."""
+    from crosskd.data.prepare import PrepareConfig, prepare
+    from crosskd.teacher.scoring import ScoreConfig, score
+
+    tokenizer = train_inputs["student"]
+    vocab = transformers.AutoConfig.from_pretrained(tokenizer).vocab_size
+    student = _family_student(tmp_path / "lfm2", tokenizer, "lfm2", vocab)
+    data, cache = str(tmp_path / "unpacked"), str(tmp_path / "cache")
+    source = str(Path(train_inputs["data"]).parent / "data.jsonl")
+    prepare(PrepareConfig(data=source, student_tokenizer=tokenizer, max_length=48, pack=False,
+                          teacher_tokenizers=[train_inputs["teacher"]], output=data),
+            progress=False)  # fmt: skip
+    score(ScoreConfig(data=data, teacher=train_inputs["teacher"], output=cache, k=16),
+          progress=False)  # fmt: skip
+    trainer = Trainer(train_config(train_inputs, tmp_path / "run", student=student, data=data,
+                                   teachers=[cache], steps=1), progress=False)  # fmt: skip
+    trainer.setup()
+    assert trainer.packed is False and trainer.windows is None
+    rows, _ = trainer.read_rows([0, 1, 2])
+    assert all(len(row) == 1 for row in rows)
+    batch = collate(rows, n_teachers=1).models["student"]
+    with torch.no_grad():
+        logits = trainer._forward(batch)
+        for r, (sample,) in enumerate(rows):
+            ids = torch.tensor(sample["student_ids"])[None]
+            alone = trainer.model(input_ids=ids, use_cache=False).logits[0]
+            assert (logits[r, : ids.shape[1]] - alone).abs().max() < 1e-5
+    (metrics,) = trainer.train()
+    assert math.isfinite(metrics["loss"])
+    trainer.close()
 
 
 @settings(max_examples=40, deadline=None)

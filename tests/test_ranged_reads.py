@@ -295,3 +295,29 @@ def test_the_node_cache_keeps_the_most_recently_used_ranges_within_its_bound(tmp
         NodeCache.from_environment()
     monkeypatch.delenv(NODE_CACHE_ENV)
     assert NodeCache.from_environment() is None
+
+
+def test_the_node_cache_stays_right_under_concurrent_fetches_and_evictions(tmp_path):
+    """Eight threads (each lock an open file of its own, as processes do) fetch three ranges
+    over and over through a cache that holds only one: every read returns the right bytes,
+    nobody fails on a lock another removed, and no lock or temporary file is left."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from crosskd.ranges import NodeCache
+
+    cache = NodeCache(str(tmp_path / "node"), max_bytes=150)
+    payloads = [bytes([i]) * 100 for i in range(3)]
+    digests = [hashlib.sha256(p).hexdigest() for p in payloads]
+
+    def work(worker: int) -> int:
+        wrong = 0
+        for i in range(40):
+            k = (worker + i) % 3
+            wrong += cache.get(digests[k], lambda k=k: payloads[k]) != payloads[k]
+        return wrong
+
+    with ThreadPoolExecutor(8) as pool:
+        assert sum(pool.map(work, range(8))) == 0
+    left = os.listdir(tmp_path / "node")
+    assert len(left) == 1 and left[0] in digests

@@ -22,7 +22,8 @@ from :data:`NODE_CACHE_BYTES_ENV`) keeps each range fetched from remote storage 
 by its sha256. The first process to need a range takes a lock file beside it, fetches and
 checks the range, writes it under a temporary name and renames it; the processes that asked
 meanwhile wait on the lock, then read the file, so the processes of one node fetch each range
-once and its digest is checked once. A file named by its sha256 never goes stale. Past
+once and its digest is checked once (the node cache is a pod's: the PyTorchJob runs one pod
+per node). A file named by its sha256 never goes stale. Past
 ``max_bytes`` the least recently used ranges are deleted (a hit refreshes a file's time); a
 process that finds a range gone fetches it again. Local files (``file://``) are read directly,
 without the node cache.
@@ -38,6 +39,8 @@ import itertools
 import json
 import os
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import fsspec
@@ -51,6 +54,8 @@ NODE_CACHE_ENV = "CROSSKD_NODE_CACHE"
 """Environment variable naming the node cache folder (unset or empty: none)."""
 NODE_CACHE_BYTES_ENV = "CROSSKD_NODE_CACHE_BYTES"
 """Environment variable bounding the node cache (bytes; unset or empty: no bound)."""
+STALE_TEMP_S = 600
+"""Seconds after which a node cache's temporary file is taken as left by a killed writer."""
 _MAGIC = b"PAR1"
 _TAIL = 8
 """A Parquet file ends with the footer's length (4 bytes) and the magic (4 bytes)."""
@@ -86,8 +91,7 @@ class NodeCache:
         found = _read_fresh(path)
         if found is not None:
             return found
-        with open(f"{path}.lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _locked(f"{path}.lock"):
             found = _read_fresh(path)
             if found is not None:
                 return found
@@ -96,31 +100,57 @@ class NodeCache:
             with os.fdopen(handle, "wb") as f:
                 f.write(payload)
             os.replace(tmp, path)
-            os.unlink(f"{path}.lock")  # whoever waits on it now finds the file
         self._prune(keep=sha256)
         return payload
 
     def _prune(self, keep: str) -> None:
         """Delete the least recently used ranges (not ``keep``) until the folder holds at most
-        ``max_bytes`` of them."""
+        ``max_bytes`` of them, and temporary files a killed writer left (older than
+        :data:`STALE_TEMP_S`; they count towards the bound until then)."""
         if self.max_bytes is None:
             return
-        entries = []
+        entries, now = [], time.time()
         with os.scandir(self.folder) as found:
             for entry in found:
-                if entry.name.startswith(".") or entry.name.endswith(".lock"):
+                if entry.name.endswith(".lock"):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     stat = entry.stat()
+                    if entry.name.startswith(".") and now - stat.st_mtime > STALE_TEMP_S:
+                        os.unlink(entry.path)
+                        continue
                     entries.append((stat.st_mtime, entry.name, stat.st_size))
         total = sum(size for *_, size in entries)
         for _, name, size in sorted(entries):
             if total <= self.max_bytes:
                 break
-            if name != keep:
+            if name != keep and not name.startswith("."):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.folder, name))
                 total -= size
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """Hold the lock file ``path`` (``flock``), removed on release so that none are left
+    behind. A process that waited on a lock file the holder then removed sees that the file at
+    ``path`` is no longer the one it locked, and locks again."""
+    while True:
+        handle = open(path, "a+b")  # noqa: SIM115 (closed below, or by the with block)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()
+    with handle:
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _read_fresh(path: str) -> bytes | None:

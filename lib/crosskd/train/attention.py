@@ -14,7 +14,8 @@ implementations of transformers read the mask differently, so each gets what it 
   ``S`` sequences, read from ``position_ids`` restarting at 0) and ``max_length_q`` /
   ``max_length_k`` (the longest, an int), computed here once per micro-batch on the host from
   the collator's CPU tensors: transformers would otherwise find them in ``position_ids`` in
-  every layer, with a device synchronisation each time. The varlen kernels apply each layer's
+  every layer, with a device synchronisation each time (its mask builder still looks at
+  ``position_ids`` once per forward pass). The varlen kernels apply each layer's
   own sliding window. Every forward passes ``use_cache=False``; the caller reshapes the logits
   back to ``[B, L, V]``.
 
@@ -33,7 +34,8 @@ any mask, so a packed row's second sample would start from the first one's state
 context-parallel window from an empty one: :func:`state_mixers` names them and
 :func:`refuse_state_mixers` refuses such a model for packed rows or ``parallel.cp`` > 1. Rows
 of one sample each (data prepared with ``pack=false``) are exact for them: the right padding
-comes after the sample.
+comes after the sample, and such rows get the 2D padding mask, from which the model builds
+each of its layer types' own masks (``packed=False``).
 
 Padding (``segment_ids`` -1) attends to itself only, so no row of a mask is empty; its logits
 are never read.
@@ -52,6 +54,7 @@ import torch
 from torch import nn
 
 from crosskd.errors import ConfigError
+from crosskd.transfer import to_device
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
@@ -78,8 +81,9 @@ def layer_windows(config) -> dict[str, int | None]:
     if unknown:
         raise ConfigError(
             f"{config.model_type} has layers of type {', '.join(unknown)}, whose attention "
-            f"pattern packed rows do not reproduce (exact: {', '.join(ATTENTION_LAYERS)}); "
-            f"prepare its data with pack=false (one sample per row)."
+            f"pattern the masks of packed rows and context-parallel windows do not reproduce "
+            f"(exact: {', '.join(ATTENTION_LAYERS)}); train it on data prepared with "
+            f"pack=false (one sample per row) and parallel.cp=1."
         )
     return {t: window if t == "sliding_attention" else None
             for t in dict.fromkeys(types) if t in ATTENTION_LAYERS}  # fmt: skip
@@ -157,28 +161,36 @@ def packed_inputs(
     implementation: str, input_ids: torch.Tensor, segment_ids: torch.Tensor,
     position_ids: torch.Tensor, dtype: torch.dtype, window: tuple[int, int] | None = None,
     windows: Mapping[str, int | None] | None = None, device: torch.device | str | None = None,
+    *, packed: bool = True,
 ) -> dict[str, object]:  # fmt: skip
     """The keyword arguments of the forward pass of a packed batch for the attention
     ``implementation``: ``input_ids``, ``attention_mask``, ``position_ids`` (and the varlen
     bounds under flash attention). ``input_ids``, ``segment_ids`` (sample index within the row,
-    -1 in padding) and ``position_ids`` (position within the sample) are int64 ``[B, L]`` (on
-    the host for flash attention), ``dtype`` the model's parameter dtype (for the additive
-    mask), ``windows`` the model's :func:`layer_windows` (default: full attention everywhere),
-    ``device`` where the tensors go (default: where ``input_ids`` is). The logits of the forward
-    have ``B * L`` rows in order: reshape them to ``[B, L, V]``. ``window``: only positions
-    ``[start, stop)`` as queries (module docstring; not with flash attention)."""
+    -1 in padding) and ``position_ids`` (position within the sample) are int64 ``[B, L]`` on
+    the host, ``dtype`` the model's parameter dtype (for the additive mask), ``windows`` the
+    model's :func:`layer_windows` (default: full attention everywhere), ``device`` where the
+    tensors go (default: where ``input_ids`` is; copied without a host synchronisation). The
+    logits of the forward have ``B * L`` rows in order: reshape them to ``[B, L, V]``.
+    ``window``: only positions ``[start, stop)`` as queries (module docstring; not with flash
+    attention). ``packed`` false (rows of one sample each, right-padded) and no ``window``: the
+    2D padding mask, from which the model builds every layer type's own mask (exact for any
+    model, state-carrying mixers included)."""
     device = input_ids.device if device is None else device
+    if not packed and window is None:
+        return {"input_ids": to_device(input_ids, device),
+                "attention_mask": to_device((segment_ids >= 0).long(), device)}  # fmt: skip
     if implementation in FLASH:
         if window is not None:
             raise ConfigError(f"attn_implementation {implementation!r} runs a micro-batch as "
                               f"one row; windows of positions need eager or sdpa attention.")
         bounds = varlen_bounds(position_ids.cpu())
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-            bounds[key] = bounds[key].to(device)
-        return {"input_ids": input_ids.reshape(1, -1).to(device), "attention_mask": None,
-                "position_ids": position_ids.reshape(1, -1).to(device)} | bounds  # fmt: skip
+            bounds[key] = to_device(bounds[key], device)
+        flat = {"input_ids": to_device(input_ids.reshape(1, -1), device),
+                "position_ids": to_device(position_ids.reshape(1, -1), device)}  # fmt: skip
+        return flat | {"attention_mask": None} | bounds
     windows = {EVERY_LAYER: None} if windows is None else windows
-    segment_ids = segment_ids.to(device)
+    segment_ids = to_device(segment_ids, device)
     start, stop = window if window is not None else (0, segment_ids.shape[1])
     masks: dict[int | None, torch.Tensor] = {}
     for size in windows.values():
@@ -188,5 +200,5 @@ def packed_inputs(
         mask: torch.Tensor | dict[str, torch.Tensor] = next(iter(masks.values()))
     else:
         mask = {kind: masks[size] for kind, size in windows.items()}
-    return {"input_ids": input_ids[:, start:stop].to(device), "attention_mask": mask,
-            "position_ids": position_ids[:, start:stop].to(device)}  # fmt: skip
+    return {"input_ids": to_device(input_ids[:, start:stop], device), "attention_mask": mask,
+            "position_ids": to_device(position_ids[:, start:stop], device)}  # fmt: skip

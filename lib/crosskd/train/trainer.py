@@ -283,8 +283,12 @@ class Trainer:
             self.model.to(self.device)
         self.model.train()
         self.attention = self.model.config._attn_implementation
-        self.windows = layer_windows(self.model.config)
-        if self.data.manifest["packing"]["packed"]:
+        # Rows of one sample get the model's own masks; packed rows and cp windows get ours.
+        self.packed = bool(self.data.manifest["packing"]["packed"])
+        self.windows = None
+        if self.packed or self.layout.cp > 1:
+            self.windows = layer_windows(self.model.config)
+        if self.packed:
             refuse_state_mixers(self.model, f"the samples of the packed rows of {cfg.data}",
                                 "prepare the data with pack=false (one sample per row)")
         self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else None
@@ -525,6 +529,7 @@ class Trainer:
         inputs = packed_inputs(
             self.attention, student.input_ids, student.segment_ids, student.position_ids,
             next(self.model.parameters()).dtype, window, self.windows, self.device,
+            packed=self.packed,
         )  # fmt: skip
         with torch.autocast(self.device.type, dtype=self.compute_dtype,
                             enabled=self.compute_dtype is not None):  # fmt: skip
