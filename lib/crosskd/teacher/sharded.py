@@ -90,7 +90,8 @@ def _whole_in_turns(config: Any, folder: Path, dtype: torch.dtype, mesh) -> torc
     """The teacher of ``folder`` loaded whole by ``from_pretrained`` (which converts renamed or
     fused checkpoint tensors) on the host and sharded by FSDP2 over ``mesh``, one process at a
     time (one whole copy in host memory at a time). A checkpoint that still lacks tensors of
-    the model is refused on every process after the last turn (none left in a barrier)."""
+    the model is refused on every process after the last turn (none left in a barrier); any
+    other failure of a turn ends that process, and the elastic agent then stops the others."""
     from transformers import AutoModelForCausalLM
 
     from crosskd.teacher.model import TeacherError
