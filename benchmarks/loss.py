@@ -88,8 +88,8 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
         logits.grad = None
 
     rows = torch.nonzero(mask)
-    flat_rows = rows[:, 0] * s_ids.shape[1] + rows[:, 1] - 1
-    flat_ids = s_ids[mask]
+    flat_rows = (rows[:, 0] * s_ids.shape[1] + rows[:, 1] - 1).numpy()
+    flat_ids = s_ids[mask].numpy()
 
     def own_ce_step() -> None:
         flat = LocalLogProbs(logits.flatten(0, 1))

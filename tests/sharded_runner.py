@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -124,7 +125,7 @@ def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> N
         out = sharded_loss(local, plan, config, counts, mesh)
         out.loss.backward()
         step_bytes = moved[0]
-        everything = torch.arange(rows * width)
+        everything = np.arange(rows * width)
         normalizers = ShardedLogProbs(local.detach(), mesh, width).log_normalizer(everything)
         save_file({"grad": local.grad.contiguous()}, str(work / f"grad-{rank}.safetensors"))
         info = {

@@ -1,24 +1,43 @@
 """The training step reads the device back to the host a fixed number of times, whatever the
 number of micro-batches: no synchronisation between a micro-batch's forward and backward pass
-(the loss keeps its reported values on the device; the log-prob pass has no data-dependent
-slicing), one read of the step's reported values after the last backward pass, one of the
-gradient norm.
+(the loss keeps its reported values on the device; the log-prob pass splits its pairs by block
+on the host), none in the backward pass, one read of the step's reported values after the last
+backward pass, one of the gradient norm.
 
-There is no GPU here, so the reads are counted where they would synchronise one: a
-``TorchFunctionMode`` follows which tensors live on the training device (the student's
-parameters, anything moved there with ``.to``, and everything computed from those) and counts,
-in the training thread, every call that copies such a tensor's values to the host: ``item``,
-``tolist``, ``__bool__`` / ``__int__`` / ``__float__`` / ``__index__`` (a Python ``if``,
-``int()``, a slice bound), ``cpu``, ``numpy``, ``nonzero`` / ``unique`` / ``masked_select``,
-and indexing with a boolean mask or with tensor slice bounds (data-dependent shapes)."""
+There is no GPU here, so the reads are counted where they would synchronise one, in the
+training thread only (:class:`HostReads`):
+
+* outside a backward pass, a ``TorchFunctionMode`` follows which tensors live on the training
+  device: the student's parameters, anything moved with ``.to`` / ``.cuda``, and everything
+  computed from those (the loss plan's numpy arrays and the collated batch stay on the host
+  until moved). It counts every call that copies such a tensor's values to the host:
+  ``item``, ``tolist``, ``__bool__`` / ``__int__`` / ``__float__`` / ``__index__`` (a Python
+  ``if``, ``int()``, a slice bound), ``cpu``, ``numpy``, ``nonzero`` / ``unique`` /
+  ``masked_select``, and indexing with a boolean mask or with tensor slice bounds
+  (data-dependent shapes);
+* a backward pass (``Tensor.backward`` / ``torch.autograd.backward``), where every tensor is
+  the device's (gradients, saved activations), runs under a ``TorchDispatchMode`` that counts
+  the ATen operations that read values back (``_local_scalar_dense``, which every scalar
+  conversion ends in, ``nonzero``, ``masked_select``, the ``unique`` family, ``bincount``,
+  ``repeat_interleave`` without a size, ``equal``, indexing with a boolean mask), together with
+  every ``tolist`` / ``numpy`` / ``cpu`` call. (A function mode cannot see this part: the
+  autograd engine runs the backward functions inside the mode's own handler of ``backward``,
+  where the mode is switched off.)
+
+:func:`test_the_counter_sees_reads_in_both_passes_and_ignores_host_data` checks the counter
+itself, so that it cannot go blind unnoticed."""
 
 from __future__ import annotations
 
 import threading
 import traceback
+from contextlib import ExitStack
+from unittest import mock
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from train_inputs import train_config
 
@@ -27,15 +46,48 @@ from crosskd.loss.logprobs import row_pieces
 from crosskd.train import Trainer
 
 Tensor = torch.Tensor
+aten = torch.ops.aten
 READS = {Tensor.item, Tensor.tolist, Tensor.__bool__, Tensor.__int__, Tensor.__float__,
          Tensor.__index__, Tensor.cpu, Tensor.numpy, Tensor.nonzero, torch.nonzero,
          Tensor.unique, torch.unique, Tensor.masked_select, torch.masked_select}  # fmt: skip
 INDEXING = {Tensor.__getitem__, Tensor.__setitem__, Tensor.index_put, Tensor.index_put_}
+BACKWARD = {Tensor.backward, torch.autograd.backward}
+ATEN_READS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique,
+              aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.bincount,
+              aten.repeat_interleave, aten.equal}  # fmt: skip
+ATEN_INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+PYTHON_READS = ("tolist", "numpy", "cpu")
+
+
+def _where(name: str) -> str:
+    """``name`` and the innermost line that called it outside torch and this module."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and frame.filename != __file__:
+            return f"{name} at {frame.filename}:{frame.lineno}"
+    return name
+
+
+class _BackwardReads(TorchDispatchMode):
+    """Counts, in ``thread``, the ATen reads of a backward pass into ``reads``."""
+
+    def __init__(self, thread: int, reads: list[str]) -> None:
+        super().__init__()
+        self.thread, self.reads = thread, reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if threading.get_ident() == self.thread:
+            packet = func.overloadpacket
+            boolean = packet in ATEN_INDEXING and any(
+                isinstance(index, Tensor) and index.dtype in (torch.bool, torch.uint8)
+                for index in args[1])  # fmt: skip
+            if packet in ATEN_READS or boolean:
+                self.reads.append(_where(f"aten.{packet.__name__}"))
+        return func(*args, **(kwargs or {}))
 
 
 class HostReads(TorchFunctionMode):
     """Counts, in the thread that enters it, the host reads of device tensors (module
-    docstring); ``device``: tensors already on the device."""
+    docstring) into ``reads``; ``device``: tensors already on the device."""
 
     def __init__(self, device: list[Tensor]) -> None:
         super().__init__()
@@ -60,13 +112,31 @@ class HostReads(TorchFunctionMode):
                     return True
         return False
 
+    def _backward(self, func, args: tuple, kwargs: dict):
+        """``func`` (a backward pass) with every read in it counted."""
+        with ExitStack() as stack:
+            for name in PYTHON_READS:
+                stack.enter_context(mock.patch.object(Tensor, name, self._counted(name)))
+            stack.enter_context(_BackwardReads(self.thread, self.reads))
+            return func(*args, **kwargs)
+
+    def _counted(self, name: str):
+        original = getattr(Tensor, name)
+
+        def read(tensor: Tensor, *args, **kwargs):
+            if threading.get_ident() == self.thread:
+                self.reads.append(_where(name))
+            return original(tensor, *args, **kwargs)
+
+        return read
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         mine = threading.get_ident() == self.thread
+        if mine and func in BACKWARD:
+            return self._backward(func, args, kwargs)
         if mine and self._reads(func, args):
-            where = traceback.extract_stack(limit=4)[0]
-            self.reads.append(f"{getattr(func, '__name__', func)} at {where.filename}:"
-                              f"{where.lineno}")  # fmt: skip
+            self.reads.append(_where(getattr(func, "__name__", str(func))))
         out = func(*args, **kwargs)
         inputs, _ = tree_flatten((args, kwargs))
         if mine and (func in (Tensor.to, Tensor.cuda) or any(map(self._device, inputs))):
@@ -74,6 +144,36 @@ class HostReads(TorchFunctionMode):
                 if isinstance(value, Tensor):
                     self.on_device[id(value)] = value
         return out
+
+
+class _ReadsInBackward(torch.autograd.Function):
+    """Doubles its input; its backward pass reads a scalar, slices with a tensor bound and
+    lists the gradient (three reads)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        stop = grad.argmax()
+        grad[:stop].tolist()
+        return grad * 2 if float(grad.sum()) else grad
+
+
+def test_the_counter_sees_reads_in_both_passes_and_ignores_host_data():
+    weights = torch.randn(6, requires_grad=True)
+    with HostReads([weights]) as counter:
+        host = torch.from_numpy(np.arange(6.0))
+        assert host.tolist()[1] == 1.0 and int(host[2]) == 2 and host[host > 3].numel() == 2
+        assert counter.reads == []
+        values = weights * host
+        float(values.detach().sum())
+        values[values > 0].sum()
+        assert len(counter.reads) == 2, counter.reads
+        _ReadsInBackward.apply(values).sum().backward()
+    names = [read.split(" ")[0] for read in counter.reads[2:]]
+    assert names.count("tolist") == 1 and names.count("aten._local_scalar_dense") == 2, names
 
 
 def _reads_of_one_step(inputs: dict, output, micro_batch_rows: int) -> list[str]:
@@ -94,10 +194,12 @@ def _reads_of_one_step(inputs: dict, output, micro_batch_rows: int) -> list[str]
 def test_a_training_step_reads_the_device_twice_whatever_its_micro_batches(train_inputs,
                                                                            tmp_path):  # fmt: skip
     """One micro-batch of 3 rows and three of one row: the same two reads (the reported
-    values, then the gradient norm), none between a forward and its backward pass. (Before,
-    each micro-batch read its CE, KD and terms with ``item``, its reported vector with
-    ``tolist``, its metric values with ``cpu``/``numpy`` and each log-prob block its bounds:
-    15 reads with one micro-batch, 43 with three.)"""
+    values, then the gradient norm), none between a forward and its backward pass and none in
+    a backward pass. (Before, each micro-batch read its CE, KD and terms with ``item``, its
+    reported vector with ``tolist``, its metric values with ``cpu`` / ``numpy``, and the
+    log-prob pass its owned pairs by boolean masks (and their gradients in the backward pass)
+    and each backward block its bounds: 22 reads per micro-batch, 23 with one, 67 with three.)
+    """
     one = _reads_of_one_step(train_inputs, tmp_path / "one", 3)
     three = _reads_of_one_step(train_inputs, tmp_path / "three", 1)
     assert len(one) == len(three) == 2, (one, three)
@@ -106,20 +208,21 @@ def test_a_training_step_reads_the_device_twice_whatever_its_micro_batches(train
 
 def test_the_log_prob_pass_reads_nothing_back():
     """Forward and backward over 5 blocks of 2 rows, with pairs a vocabulary slice does not
-    own: no host read at all (each block's gradients are added without slicing by row)."""
+    own: no host read at all (the pairs are split by block on the host, from numpy)."""
     logits = torch.randn(10, 7, requires_grad=True)
-    rows = torch.tensor([0, 3, 3, 9, 4, 1])
-    ids = torch.tensor([2, 6, 0, 9, -1, 5])
-    owned = torch.tensor([True, True, True, False, False, True])
-    with HostReads([logits, rows, ids, owned]) as counter:
+    rows = np.array([0, 3, 3, 9, 4, 1, 8, 3])
+    ids = np.array([2, 6, 0, 9, -1, 5, 1, 6])
+    owned = np.array([True, True, True, False, False, True, True, True])
+    weights = torch.arange(8.0)
+    with HostReads([logits]) as counter:
         normalizer, picked = row_pieces(logits, rows, ids, owned, 2.0, 2)
-        (normalizer.sum() + (picked * torch.arange(6.0)).sum()).backward()
+        (normalizer.sum() + (picked * weights).sum()).backward()
     assert counter.reads == []
     scaled = logits.detach() / 2.0
     assert torch.allclose(normalizer, torch.logsumexp(scaled, -1))
     assert picked[3] == 0 and picked[4] == 0 and torch.isclose(picked[1], scaled[3, 6])
     expected = torch.softmax(scaled, -1) / 2.0
-    for k, (row, token) in enumerate(zip(rows.tolist(), ids.tolist(), strict=True)):
+    for k, (row, token) in enumerate(zip(rows, ids, strict=True)):
         if owned[k]:
-            expected[row, token] += k / 2.0
+            expected[row, token] += weights[k] / 2.0
     assert torch.allclose(logits.grad, expected, atol=1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,8 @@ def test_log_prob_equals_log_softmax_gather(rows, vocab, tau, block, seed):
     logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 5
     pick_rows = torch.randint(0, rows, (17,), generator=gen)
     pick_ids = torch.randint(0, vocab, (17,), generator=gen)
-    got = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(pick_rows, pick_ids)
+    got = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(pick_rows.numpy(),
+                                                                    pick_ids.numpy())
     expected = torch.log_softmax(logits / tau, dim=-1)[pick_rows, pick_ids]
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
@@ -33,7 +35,8 @@ def test_fused_gradient_equals_autograd_of_log_softmax(rows, vocab, tau, block, 
     pick_rows = torch.randint(0, rows, (pairs,), generator=gen)
     pick_ids = torch.randint(0, vocab, (pairs,), generator=gen)
     weights = torch.randn(pairs, generator=gen, dtype=torch.float64)
-    got_lp = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(pick_rows, pick_ids)
+    got_lp = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(pick_rows.numpy(),
+                                                                       pick_ids.numpy())
     (got,) = torch.autograd.grad((got_lp * weights).sum(), logits, allow_unused=True)
     plain = torch.log_softmax(logits / tau, dim=-1)[pick_rows, pick_ids]
     (want,) = torch.autograd.grad((plain * weights).sum(), logits, allow_unused=True)
@@ -44,7 +47,8 @@ def test_fused_gradient_equals_autograd_of_log_softmax(rows, vocab, tau, block, 
 def test_bf16_gradient_has_the_logits_dtype_and_is_close():
     logits = (torch.randn(4, 200) * 6).to(torch.bfloat16).requires_grad_()
     rows, ids = torch.tensor([0, 1, 1, 3]), torch.tensor([5, 7, 199, 0])
-    LocalLogProbs(logits, tau=2.0, block_rows=3).log_prob(rows, ids).sum().backward()
+    lp = LocalLogProbs(logits, tau=2.0, block_rows=3).log_prob(rows.numpy(), ids.numpy())
+    lp.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
     ref = logits.detach().float().requires_grad_()
     torch.log_softmax(ref / 2.0, dim=-1)[rows, ids].sum().backward()
@@ -55,20 +59,21 @@ def test_gradients_match_autograd_of_the_plain_form():
     logits = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
     rows, ids = torch.tensor([0, 2, 2, 5, 1]), torch.tensor([3, 0, 8, 4, 4])
     weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5], dtype=torch.float64)
-    (LocalLogProbs(logits, tau=1.7, block_rows=4).log_prob(rows, ids) * weights).sum().backward()
+    pairs = rows.numpy(), ids.numpy()
+    (LocalLogProbs(logits, tau=1.7, block_rows=4).log_prob(*pairs) * weights).sum().backward()
     got = logits.grad.clone()
     logits.grad = None
     (torch.log_softmax(logits / 1.7, dim=-1)[rows, ids] * weights).sum().backward()
     torch.testing.assert_close(got, logits.grad)
     assert torch.autograd.gradcheck(
-        lambda x: LocalLogProbs(x, tau=0.7, block_rows=2).log_prob(rows, ids), (logits.detach()
+        lambda x: LocalLogProbs(x, tau=0.7, block_rows=2).log_prob(*pairs), (logits.detach()
         .requires_grad_(),)
     )  # fmt: skip
 
 
 def test_bf16_logits_are_computed_in_float32():
     logits = (torch.randn(5, 300) * 8).to(torch.bfloat16)
-    got = LocalLogProbs(logits, tau=2.0).log_prob(torch.arange(5), torch.arange(5))
+    got = LocalLogProbs(logits, tau=2.0).log_prob(np.arange(5), np.arange(5))
     assert got.dtype == torch.float32
     expected = torch.log_softmax(logits.float() / 2.0, dim=-1)[torch.arange(5), torch.arange(5)]
     torch.testing.assert_close(got, expected)
@@ -84,6 +89,6 @@ def test_segment_sum_and_its_gradient():
 
 def test_log_normalizer_of_rows():
     logits = torch.log(torch.tensor([[1.0, 3.0], [2.0, 2.0], [0.5, 0.5]], dtype=torch.float64))
-    got = LocalLogProbs(2 * logits, tau=2.0).log_normalizer(torch.tensor([2, 0]))
+    got = LocalLogProbs(2 * logits, tau=2.0).log_normalizer(np.array([2, 0]))
     # logits / tau = log of the rows: logsumexp = log(row sum) = log 1 and log 4.
     torch.testing.assert_close(got, torch.log(torch.tensor([1.0, 4.0], dtype=torch.float64)))

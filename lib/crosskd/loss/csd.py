@@ -89,10 +89,7 @@ def csd_kd(
         options or CsdOptions(),
     )
     logprobs = LocalLogProbs(student_logits.reshape(-1, student_logits.shape[-1]), tau=tau)
-    return kd_from_events(
-        events, logprobs, tau=tau, kind=kind, beta=beta, n_total=n_total,
-        device=student_logits.device,
-    )  # fmt: skip
+    return kd_from_events(events, logprobs, tau=tau, kind=kind, beta=beta, n_total=n_total)
 
 
 def kd_from_events(
@@ -103,12 +100,11 @@ def kd_from_events(
     kind: str = "jsd",
     beta: float = 0.5,
     n_total: int | None = None,
-    device: torch.device | str = "cpu",
 ) -> KdTerm:
     """``tau^2 * sum_c w_c D_c / N`` over the events' chunks (``N = n_total`` or the chunks
-    here); a zero that keeps the graph when nothing counts. Index tensors go to ``device``."""
-    rows = torch.from_numpy(events.term_row).to(device)
-    term_lp = logprobs.log_prob(rows, torch.from_numpy(events.term_id).to(device))
+    here), on the device of the logits behind ``logprobs``; a zero that keeps the graph when
+    nothing counts."""
+    term_lp = logprobs.log_prob(events.term_row, events.term_id)
     return kd_from_terms(events, term_lp, tau=tau, kind=kind, beta=beta, n_total=n_total)
 
 

@@ -19,19 +19,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from crosskd.transfer import to_device
+
 
 class StudentLogProbs(Protocol):
-    """``log p(id | row)`` at the loss temperature, for many (row, id) pairs at once."""
+    """``log p(id | row)`` at the loss temperature, for many (row, id) pairs at once. The pairs
+    are data the host knows before the forward pass (the loss plan's numpy arrays), so they are
+    passed as numpy: an implementation splits them by block of rows there and moves them to the
+    logits' device itself, and never reads the device back."""
 
-    def log_prob(self, rows: Tensor, ids: Tensor) -> Tensor:
-        """Log probabilities of ``ids`` at ``rows`` (both int64 ``[M]``); float ``[M]``."""
+    def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
+        """Log probabilities of ``ids`` at ``rows`` (both int64 ``[M]``, numpy); float ``[M]`` on
+        the logits' device."""
         ...
 
-    def log_normalizer(self, rows: Tensor) -> Tensor:
-        """``logsumexp(logits[row] / tau)`` of ``rows`` (int64 ``[M]``); float ``[M]``."""
+    def log_normalizer(self, rows: np.ndarray) -> Tensor:
+        """``logsumexp(logits[row] / tau)`` of ``rows`` (int64 ``[M]``, numpy); float ``[M]`` on
+        the logits' device."""
         ...
 
 
@@ -59,32 +67,47 @@ class LocalLogProbs:
         """The arithmetic dtype: float64 for float64 logits, else float32."""
         return torch.float64 if self.logits.dtype == torch.float64 else torch.float32
 
-    def log_normalizer(self, rows: Tensor) -> Tensor:
-        """``logsumexp(logits[row] / tau)`` for ``rows`` (differentiable)."""
+    def log_normalizer(self, rows: np.ndarray) -> Tensor:
+        """``logsumexp(logits[row] / tau)`` for ``rows`` (int64 ``[M]``, numpy;
+        differentiable)."""
+        rows = to_device(rows, self.logits.device)
         return torch.logsumexp(_scaled(self.logits[rows], self.tau, self.dtype), dim=-1)
 
-    def log_prob(self, rows: Tensor, ids: Tensor) -> Tensor:
-        """Log probabilities of ``ids`` at ``rows`` at temperature ``tau``."""
+    def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
+        """Log probabilities of ``ids`` at ``rows`` (int64 ``[M]``, numpy) at temperature
+        ``tau``; float ``[M]`` on the logits' device."""
         normalizer, picked = row_pieces(self.logits, rows, ids, None, self.tau, self.block_rows)
-        return picked - normalizer[rows]
+        return picked - normalizer[to_device(rows, self.logits.device)]
 
 
 def row_pieces(
-    logits: Tensor, rows: Tensor, ids: Tensor, owned: Tensor | None, tau: float, block: int
+    logits: Tensor, rows: np.ndarray, ids: np.ndarray, owned: np.ndarray | None, tau: float,
+    block: int,
 ) -> tuple[Tensor, Tensor]:
     """The two pieces every log probability is made of, as one fused autograd operation.
 
-    ``logits`` ``[R, V]`` (any float dtype); ``rows`` / ``ids`` int64 ``[M]``; ``owned`` bool
-    ``[M]`` or None (all): which ids lie in these logits (a vocabulary shard holds some).
+    ``logits`` ``[R, V]`` (any float dtype); ``rows`` / ``ids`` int64 ``[M]`` and ``owned`` bool
+    ``[M]`` or None (all), numpy: which pairs these logits hold (a shard holds some rows and
+    some ids; ``rows`` must lie in ``[0, R)`` and ``ids`` in ``[0, V)`` where owned).
     Returns ``logsumexp(logits / tau)`` of every row (float ``[R]``) and ``logits[rows, ids] /
-    tau`` (float ``[M]``, 0 where not owned). The forward pass reads the logits in blocks of
-    ``block`` rows; the backward pass writes ``softmax * g_normalizer / tau`` plus the picked
-    gradients straight into the logits' gradient, block by block, so nothing of size ``R x V``
-    is kept between the passes.
+    tau`` (float ``[M]``, 0 where not owned), on the logits' device. The forward pass reads the
+    logits in blocks of ``block`` rows; the backward pass writes ``softmax * g_normalizer /
+    tau`` plus the picked gradients straight into the logits' gradient, block by block, so
+    nothing of size ``R x V`` is kept between the passes. Which owned pairs fall in each block
+    is counted here on the host (``O(M)``), so neither pass reads the device back: the
+    backward pass adds each block's own pairs only, from a stable sort of the pairs by row made
+    on the device.
     """
-    if owned is None:
-        owned = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
-    return _RowPieces.apply(logits, rows, ids, owned, tau, block)
+    n_rows = logits.shape[0]
+    kept = None if owned is None else np.flatnonzero(owned)
+    kept_rows = rows if kept is None else rows[kept]
+    per_block = np.bincount(kept_rows // block, minlength=-(-n_rows // block))
+    bounds = (0, *np.cumsum(per_block).tolist())
+    device = logits.device
+    return _RowPieces.apply(
+        logits, to_device(kept_rows, device), to_device(ids if kept is None else ids[kept], device),
+        None if kept is None else to_device(kept, device), len(rows), bounds, tau, block,
+    )  # fmt: skip
 
 
 def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
@@ -94,30 +117,31 @@ def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
 
 
 class _RowPieces(torch.autograd.Function):
-    """See :func:`row_pieces`. Nothing here reads a value back to the host (no boolean
-    indexing, no data-dependent slicing): ids a slice does not own are clamped into it for the
-    gather and their values and gradients zeroed, and each block of the backward pass adds the
-    picked gradients of every pair, zero outside the block."""
+    """See :func:`row_pieces`: ``rows`` / ``ids`` (int64, on the device) are the owned pairs,
+    ``kept`` their places among all ``size`` pairs (None: all pairs are owned), ``bounds``
+    (host ints) where each block's pairs start and end once sorted by row."""
 
     @staticmethod
-    def forward(ctx, logits, rows, ids, owned, tau: float, block: int):
+    def forward(ctx, logits, rows, ids, kept, size: int, bounds: tuple[int, ...], tau: float,
+                block: int):  # fmt: skip
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         normalizer = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         for start in range(0, logits.shape[0], block):
             chunk = _scaled(logits[start : start + block], tau, dtype)
             normalizer[start : start + block] = torch.logsumexp(chunk, dim=-1)
-        ids = ids.clamp(0, max(logits.shape[1] - 1, 0))
-        picked = _scaled(logits[rows, ids], tau, dtype) if len(rows) else normalizer.new_zeros(0)
-        picked = torch.where(owned, picked, 0.0)
-        ctx.save_for_backward(logits, normalizer, rows, ids, owned)
-        ctx.tau, ctx.block = tau, block
+        values = _scaled(logits[rows, ids], tau, dtype)
+        picked = values if kept is None else values.new_zeros(size).index_copy_(0, kept, values)
+        order = torch.argsort(rows, stable=True)
+        place = order if kept is None else kept[order]
+        ctx.save_for_backward(logits, normalizer, rows[order], ids[order], place)
+        ctx.bounds, ctx.tau, ctx.block = bounds, tau, block
         return normalizer, picked
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_normalizer, g_picked):
-        logits, normalizer, rows, ids, owned = ctx.saved_tensors
-        tau, block = ctx.tau, ctx.block
+        logits, normalizer, rows, ids, place = ctx.saved_tensors
+        bounds, tau, block = ctx.bounds, ctx.tau, ctx.block
         dtype = normalizer.dtype
         # d normalizer[r] / d logits[r] = softmax(logits[r] / tau) / tau;
         # d picked / d logits[row, id] = 1 / tau.
@@ -126,18 +150,17 @@ class _RowPieces(torch.autograd.Function):
         )
         grad = (
             torch.zeros(len(rows), dtype=dtype, device=logits.device)
-            if g_picked is None else torch.where(owned, g_picked.to(dtype) / tau, 0.0)
+            if g_picked is None else g_picked.to(dtype)[place] / tau
         )  # fmt: skip
         out = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], block):
+        for i, start in enumerate(range(0, logits.shape[0], block)):
             stop = min(start + block, logits.shape[0])
             chunk = _scaled(logits[start:stop], tau, dtype)
             chunk = torch.exp(chunk - normalizer[start:stop, None]).mul_(per_row[start:stop, None])
-            inside = (rows >= start) & (rows < stop)
-            local = (rows - start).clamp(0, stop - start - 1)
-            chunk.index_put_((local, ids), torch.where(inside, grad, 0.0), accumulate=True)
+            lo, hi = bounds[i], bounds[i + 1]
+            chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
             out[start:stop] = chunk
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None, None
 
 
 def segment_sum(values: Tensor, segments: Tensor, count: int) -> Tensor:

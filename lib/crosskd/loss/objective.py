@@ -380,21 +380,19 @@ def loss_from_logprobs(
         return torch.from_numpy(array).to(device, non_blocking=True)
 
     if config.kd == "uld":
-        return _uld_loss(plain, tempered, plan, config, counts, own, tensor(plan.ce_rows),
-                         tensor(plan.ce_ids), device)  # fmt: skip
+        return _uld_loss(plain, tempered, plan, config, counts, own, device)
 
     kd_rows = [t.events.term_row for t in plan.terms]
     kd_ids = [t.events.term_id for t in plan.terms]
     sizes = [len(r) for r in kd_rows]
     if tempered is plain:
         lps = plain.log_prob(
-            tensor(np.concatenate([plan.ce_rows, *kd_rows])),
-            tensor(np.concatenate([plan.ce_ids, *kd_ids])),
+            np.concatenate([plan.ce_rows, *kd_rows]), np.concatenate([plan.ce_ids, *kd_ids])
         )
         ce_lp, kd_lp = lps[: len(plan.ce_rows)], lps[len(plan.ce_rows) :]
     else:
-        ce_lp = plain.log_prob(tensor(plan.ce_rows), tensor(plan.ce_ids))
-        kd_lp = tempered.log_prob(tensor(np.concatenate(kd_rows)), tensor(np.concatenate(kd_ids)))
+        ce_lp = plain.log_prob(plan.ce_rows, plan.ce_ids)
+        kd_lp = tempered.log_prob(np.concatenate(kd_rows), np.concatenate(kd_ids))
     ce = -ce_lp[tensor(np.flatnonzero(own.ce))].sum() / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
@@ -419,8 +417,8 @@ def loss_from_logprobs(
 
 
 def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
-              config: LossConfig, counts: StepCounts, own: Ownership, ce_rows: Tensor,
-              ce_ids: Tensor, device: torch.device | str) -> LossOutput:  # fmt: skip
+              config: LossConfig, counts: StepCounts, own: Ownership,
+              device: torch.device | str) -> LossOutput:  # fmt: skip
     """:func:`loss_from_logprobs` under ``kd: uld``: CE as always, each teacher's ULD sum over
     its pairs divided by the step's pairs (this process's logits hold whole rows)."""
     if not isinstance(tempered, LocalLogProbs) or not own.ce.all():
@@ -429,7 +427,7 @@ def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
             "not support: ULD sorts every paired row's whole distribution, which no shard "
             "holds. Use kd: csd, or train data-parallel only."
         )
-    ce = -plain.log_prob(ce_rows, ce_ids).sum() / max(counts.tokens, 1)
+    ce = -plain.log_prob(plan.ce_rows, plan.ce_ids).sum() / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
     sums = dict(plan.sums) if own.leader else {}

@@ -51,6 +51,7 @@ from crosskd.loss.objective import (
     StepCounts,
     loss_from_logprobs,
 )
+from crosskd.transfer import to_device
 
 
 @dataclass
@@ -174,10 +175,10 @@ class ShardedLogProbs:
         self.vocab_start = self.mesh.tp_rank * vocab
         self.flat = self.logits.reshape(-1, vocab)
 
-    def _local(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """Which of ``rows`` lie in this rank's window (bool), and the flat row of this rank's
-        logits each would have there (a valid row for every pair; used where ``here``): no
-        boolean indexing, so nothing is read back to the host."""
+    def _local(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of ``rows`` (numpy) lie in this rank's window (bool), and the flat row of this
+        rank's logits each would have there (a valid row for every pair; used where ``here``):
+        computed on the host, from the plan's data."""
         b, position = rows // self.width, rows % self.width
         here = position // self.window == self.mesh.cp_rank
         return here, b * self.window + position % self.window
@@ -191,16 +192,17 @@ class ShardedLogProbs:
         total = all_reduce_sum(torch.exp(local_normalizer - peak), group=self.mesh.tp_group)
         return peak + torch.log(total)
 
-    def _exchange(self, here: Tensor, values: Tensor) -> Tensor:
-        """``values`` of every pair, kept where the pair's row lies in this window (``here``)
-        and summed over the CP windows (each pair's row lies in exactly one window)."""
-        out = torch.where(here, values, 0.0)
+    def _exchange(self, here: np.ndarray, values: Tensor) -> Tensor:
+        """``values`` of every pair, kept where the pair's row lies in this window (``here``,
+        numpy) and summed over the CP windows (each pair's row lies in exactly one window)."""
+        out = torch.where(to_device(here, values.device), values, 0.0)
         if self.mesh.config.cp == 1:
             return out
         return all_reduce_sum(out, group=self.mesh.cp_group)
 
-    def log_prob(self, rows: Tensor, ids: Tensor) -> Tensor:
-        """Log probabilities of ``ids`` at ``rows`` at temperature ``tau``, for all pairs."""
+    def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
+        """Log probabilities of ``ids`` at ``rows`` (int64 ``[M]``, numpy) at temperature
+        ``tau``, for all pairs."""
         here, local_rows = self._local(rows)
         local_ids = ids - self.vocab_start
         owned = here & (local_ids >= 0) & (local_ids < self.flat.shape[1])
@@ -209,17 +211,19 @@ class ShardedLogProbs:
         )
         if self.mesh.config.tp > 1:
             picked = all_reduce_sum(picked, group=self.mesh.tp_group)
-        values = picked - self._normalizer(normalizer)[local_rows]
+        values = picked - self._normalizer(normalizer)[to_device(local_rows, picked.device)]
         return self._exchange(here, values)
 
-    def log_normalizer(self, rows: Tensor) -> Tensor:
-        """``logsumexp(logits[row] / tau)`` over the whole vocabulary, for all ``rows``."""
+    def log_normalizer(self, rows: np.ndarray) -> Tensor:
+        """``logsumexp(logits[row] / tau)`` over the whole vocabulary, for all ``rows`` (int64
+        ``[M]``, numpy)."""
         here, local_rows = self._local(rows)
-        empty = torch.zeros(0, dtype=torch.int64, device=rows.device)
+        empty = np.zeros(0, dtype=np.int64)
         normalizer, _ = row_pieces(
-            self.flat, empty, empty, empty.bool(), self.tau, self.block_rows
+            self.flat, empty, empty, empty.astype(bool), self.tau, self.block_rows
         )
-        return self._exchange(here, self._normalizer(normalizer)[local_rows])
+        local = self._normalizer(normalizer)[to_device(local_rows, normalizer.device)]
+        return self._exchange(here, local)
 
 
 def ownership(plan: LossPlan, mesh: Mesh) -> Ownership:
