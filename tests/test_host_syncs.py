@@ -14,7 +14,8 @@ training thread only (:class:`HostReads`):
   ``item``, ``tolist``, ``__bool__`` / ``__int__`` / ``__float__`` / ``__index__`` (a Python
   ``if``, ``int()``, a slice bound), ``cpu``, ``numpy``, ``nonzero`` / ``unique`` /
   ``masked_select``, and indexing with a boolean mask or with tensor slice bounds
-  (data-dependent shapes);
+  (data-dependent shapes); and every copy of host data to the device that does not say
+  ``non_blocking`` (from pageable memory such a copy waits for every queued kernel);
 * a backward pass (``Tensor.backward`` / ``torch.autograd.backward``), where every tensor is
   the device's (gradients, saved activations), runs under a ``TorchDispatchMode`` that counts
   the ATen operations that read values back (``_local_scalar_dense``, which every scalar
@@ -112,6 +113,15 @@ class HostReads(TorchFunctionMode):
                     return True
         return False
 
+    def _blocking_copy(self, func, args: tuple, kwargs: dict) -> bool:
+        """Host data copied to the device without ``non_blocking``: from pageable memory on
+        CUDA such a copy makes the host wait for every kernel queued before it."""
+        if func in (Tensor.to, Tensor.cuda) and not self._device(args[0]):
+            moves = func is Tensor.cuda or "device" in kwargs or any(
+                isinstance(a, torch.device | str) for a in args[1:])  # fmt: skip
+            return moves and not kwargs.get("non_blocking", False)
+        return False
+
     def _backward(self, func, args: tuple, kwargs: dict):
         """``func`` (a backward pass) with every read in it counted."""
         with ExitStack() as stack:
@@ -137,6 +147,8 @@ class HostReads(TorchFunctionMode):
             return self._backward(func, args, kwargs)
         if mine and self._reads(func, args):
             self.reads.append(_where(getattr(func, "__name__", str(func))))
+        if mine and self._blocking_copy(func, args, kwargs):
+            self.reads.append(_where("blocking copy to the device"))
         out = func(*args, **kwargs)
         inputs, _ = tree_flatten((args, kwargs))
         if mine and (func in (Tensor.to, Tensor.cuda) or any(map(self._device, inputs))):
@@ -167,6 +179,12 @@ def test_the_counter_sees_reads_in_both_passes_and_ignores_host_data():
         host = torch.from_numpy(np.arange(6.0))
         assert host.tolist()[1] == 1.0 and int(host[2]) == 2 and host[host > 3].numel() == 2
         assert counter.reads == []
+        host.to("cpu")
+        assert [read.split(" at ")[0] for read in counter.reads] == [
+            "blocking copy to the device"]
+        counter.reads.clear()
+        torch.from_numpy(np.arange(3.0)).to("cpu", non_blocking=True)
+        assert counter.reads == []
         values = weights * host
         float(values.detach().sum())
         values[values > 0].sum()
@@ -185,7 +203,7 @@ def _reads_of_one_step(inputs: dict, output, micro_batch_rows: int) -> list[str]
     trainer.setup()
     planned = trainer.step_inputs(0)
     assert len(planned) == 3 // micro_batch_rows
-    with HostReads(list(trainer.model.parameters())) as counter:
+    with HostReads([*trainer.model.parameters(), *trainer.model.buffers()]) as counter:
         trainer.train_step(0, planned)
     trainer.close()
     return counter.reads
@@ -195,10 +213,12 @@ def test_a_training_step_reads_the_device_twice_whatever_its_micro_batches(train
                                                                            tmp_path):  # fmt: skip
     """One micro-batch of 3 rows and three of one row: the same two reads (the reported
     values, then the gradient norm), none between a forward and its backward pass and none in
-    a backward pass. (Before, each micro-batch read its CE, KD and terms with ``item``, its
-    reported vector with ``tolist``, its metric values with ``cpu`` / ``numpy``, and the
-    log-prob pass its owned pairs by boolean masks (and their gradients in the backward pass)
-    and each backward block its bounds: 22 reads per micro-batch, 23 with one, 67 with three.)
+    a backward pass, and no blocking copy of host data to the device. (Before, each
+    micro-batch read its CE, KD and terms with ``item``, its reported vector with ``tolist``,
+    its metric values with ``cpu`` / ``numpy``, and the log-prob pass its owned pairs by
+    boolean masks (and their gradients in the backward pass) and each backward block its
+    bounds: 22 reads per micro-batch, 23 with one, 67 with three; and the loss's index arrays
+    went to the device with plain ``.to``: 5 blocking copies per micro-batch here.)
     """
     one = _reads_of_one_step(train_inputs, tmp_path / "one", 3)
     three = _reads_of_one_step(train_inputs, tmp_path / "three", 1)

@@ -23,6 +23,7 @@ from crosskd.loss.events import CsdOptions, Events, build_events, to_numpy
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs, segment_sum
 from crosskd.tables import TablePair
 from crosskd.teacher import TeacherSignal
+from crosskd.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def kd_from_terms(
     device = term_lp.device
 
     def tensor(array: np.ndarray) -> Tensor:
-        return torch.from_numpy(array).to(device)
+        return to_device(array, device)
 
     if events.n_chunks == 0 or n == 0:
         empty = term_lp.new_zeros(0).detach()

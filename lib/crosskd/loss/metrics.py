@@ -35,6 +35,7 @@ from crosskd.loss.events import (
 )
 from crosskd.loss.tokens import SHAPE_TOKEN
 from crosskd.loss.uld import ULD_STATS
+from crosskd.transfer import to_device
 
 SHAPES = (*SHAPE_NAMES, "token")
 """Metric names of the shape codes (``SHAPE_TOKEN``: a same-tokenizer position)."""
@@ -119,9 +120,8 @@ def term_sums(teacher: str, events: Events, term: KdTerm, chunk_shape: np.ndarra
         return [], None
     present = np.unique(shape)
     device = term.divergence.device
-    codes = torch.from_numpy(np.searchsorted(present, shape)).to(device, non_blocking=True)
-    weight = torch.from_numpy(np.asarray(events.weight, dtype=np.float64)).to(
-        device, non_blocking=True)  # fmt: skip
+    codes = to_device(np.searchsorted(present, shape), device)
+    weight = to_device(np.asarray(events.weight, dtype=np.float64), device)
     divergence = term.divergence.double()
     columns = torch.stack([
         divergence, divergence * weight, term.n_events.double(),

@@ -47,6 +47,7 @@ from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
 from crosskd.tables import TablePair
 from crosskd.teacher import TeacherSignal
+from crosskd.transfer import to_device
 
 KD_FLOOR = 1e-8
 """``|KD|`` below this gives a dynamic ``kd_scale`` of 0."""
@@ -377,7 +378,7 @@ def loss_from_logprobs(
     own = Ownership.everything(plan) if ownership is None else ownership
 
     def tensor(array: np.ndarray) -> Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
+        return to_device(array, device)
 
     if config.kd == "uld":
         return _uld_loss(plain, tempered, plan, config, counts, own, device)
@@ -452,11 +453,10 @@ def _complete(
     names = [t.name for t in plan.terms]
     keys = sum_keys(names, len(config.teachers))
     place = {key: i for i, key in enumerate(keys)}
-    summed = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64).to(
-        device, non_blocking=True)  # fmt: skip
+    summed = to_device(np.array([sums.get(key, 0.0) for key in keys], dtype=np.float64), device)
     for term_keys, values in on_device:
         if term_keys:
-            index = torch.tensor([place[key] for key in term_keys]).to(device, non_blocking=True)
+            index = to_device(np.array([place[key] for key in term_keys]), device)
             summed = summed.index_add(0, index, values)
     terms = torch.stack([ce.detach(), kd.detach(), *(v.detach() for v in kd_terms.values())])
     complete = own.reduce(torch.cat([terms.double(), summed]))

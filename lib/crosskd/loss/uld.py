@@ -50,6 +50,7 @@ from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_KD, FLAG_PREDICTION
 from crosskd.loss.events import to_numpy
 from crosskd.teacher import TeacherSignal
+from crosskd.transfer import to_device
 
 ULD_STATS = ("uld_pairs", "uld_unpaired_student", "uld_unpaired_teacher", "uld_sum_l1")
 """Metric sums of a ULD term, per teacher (``{teacher}/{stat}``)."""
@@ -144,12 +145,13 @@ def uld_sum(flat_logits: Tensor, term: UldTerm, tau: float, block_rows: int = 10
     """The sum of :func:`uld_distance` over the term's pairs, from the micro-batch's flat
     student logits ``[B * L_s, V_S]``, in blocks of ``block_rows`` rows that are recomputed in
     the backward pass (so only one block's ``block_rows x V_S`` probabilities are held)."""
-    rows = torch.from_numpy(term.student_rows).to(flat_logits.device)
+    rows = to_device(term.student_rows, flat_logits.device)
+    teachers = to_device(term.teacher_probs, flat_logits.device)
     total = flat_logits.new_zeros((), dtype=torch.float64 if flat_logits.dtype == torch.float64
                                   else torch.float32)  # fmt: skip
     for start in range(0, len(rows), block_rows):
         block = rows[start : start + block_rows]
-        teacher = term.teacher_probs[start : start + block_rows]
+        teacher = teachers[start : start + block_rows]
         if flat_logits.requires_grad:
             part = checkpoint(_block_sum, flat_logits, block, teacher, tau, use_reentrant=False)
         else:
