@@ -111,7 +111,8 @@ def build_inputs(work: Path, length: int, k: int, n_bytes: int, device: str) -> 
     already there); returns their paths (``data``, ``s2t``, ``t2s``, ``teacher``, ``cache``)."""
     from crosskd.data.prepare import PrepareConfig, prepare
     from crosskd.tables import build_table, save_table
-    from crosskd.teacher.scoring import ScoreConfig, score
+    from crosskd.teacher.scoring import ScoreConfig
+    from crosskd.teacher.sharded import score
     from crosskd.tokenization import load_tokenizer
     from crosskd.zoo.models import init_llama
 

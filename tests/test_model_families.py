@@ -253,7 +253,8 @@ def test_an_lfm2_student_trains_on_rows_of_one_sample(train_inputs, tmp_path):
     cache); the trainer's forward of a batch of such rows gives each sample's logits alone (the
     model's own masks from the padding mask), and a step trains."""
     from crosskd.data.prepare import PrepareConfig, prepare
-    from crosskd.teacher.scoring import ScoreConfig, score
+    from crosskd.teacher.scoring import ScoreConfig
+    from crosskd.teacher.sharded import score
 
     tokenizer = train_inputs["student"]
     vocab = transformers.AutoConfig.from_pretrained(tokenizer).vocab_size

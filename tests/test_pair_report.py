@@ -13,6 +13,7 @@ import pytest
 from crosskd.alignment import SHAPE_NAMES, align, tokenize
 from crosskd.alignment.corpus import _po_messages, benchmark_corpus
 from crosskd.alignment.report import PairReport, ShapeStats, pair_report
+from crosskd.alignment.report_text import format_report
 from crosskd.tables import TablePair
 
 PAIRS = [("llama3", "qwen3"), ("smollm2", "qwen3"), ("deepseek-v3", "qwen3"), ("llama3", "smollm2")]
@@ -204,14 +205,14 @@ def test_json_round_trip_and_empty_input(zoo, table_pair):
     empty = _report(zoo, table_pair, "llama3", "qwen3", [])
     assert (empty.documents, empty.student_tokens, empty.chunks) == (0, 0, 0)
     assert empty.verdict.startswith("NO DATA")
-    assert "Verdict: NO DATA" in empty.format()
+    assert "Verdict: NO DATA" in format_report(empty)
     with pytest.raises(ValueError, match="batch_size"):
         _report(zoo, table_pair, "llama3", "qwen3", ["x"], batch_size=0)
 
 
 def test_format_shows_the_headline_numbers(zoo, table_pair):
     r = _report(zoo, table_pair, "llama3", "qwen3", ["Hi 12345 👍🏽"])
-    text = r.format()
+    text = format_report(r)
     for needle in (
         "student zoo:llama3", "teacher zoo:qwen3", "Verdict: WEAK", "Chunk shapes",
         "What this means", "22.22%", f"{r.common_vocabulary:,}", f"{r.common_student_share:.2%}",

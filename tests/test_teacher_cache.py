@@ -24,7 +24,8 @@ from crosskd.errors import CrosskdError
 from crosskd.teacher import signal_from_logits
 from crosskd.teacher.cache import CacheError, open_cache
 from crosskd.teacher.model import load_teacher
-from crosskd.teacher.scoring import ScoreConfig, budget_batches, online_signal, score
+from crosskd.teacher.scoring import ScoreConfig, budget_batches, online_signal
+from crosskd.teacher.sharded import score
 from crosskd.teacher.signal import SignalError
 from crosskd.teacher.storage import LOSSY_STEP, decode, encode, signal_samples
 from crosskd.tokenization import load_tokenizer

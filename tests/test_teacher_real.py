@@ -16,7 +16,8 @@ from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_lo
 from crosskd.tables import TablePair
 from crosskd.teacher.cache import open_cache
 from crosskd.teacher.model import load_teacher
-from crosskd.teacher.scoring import ScoreConfig, score
+from crosskd.teacher.scoring import ScoreConfig
+from crosskd.teacher.sharded import score
 
 pytestmark = pytest.mark.real_model
 

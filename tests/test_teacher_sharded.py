@@ -32,8 +32,8 @@ from train_workers import _join, run_ranks, tiny_llama
 
 import crosskd.teacher.model
 from crosskd.errors import CrosskdError
-from crosskd.teacher.scoring import MANIFEST, ScoreConfig, score
-from crosskd.teacher.sharded import score_on_processes
+from crosskd.teacher.scoring import MANIFEST, ScoreConfig
+from crosskd.teacher.sharded import score, score_on_processes
 
 PROBES = "CROSSKD_TEST_SHARDED_PROBES"
 """Environment variable: the folder the probed workers write what they saw into."""

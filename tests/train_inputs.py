@@ -15,7 +15,8 @@ from pathlib import Path
 from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.loss import LossConfig, TeacherLossConfig
 from crosskd.tables import build_table, save_table
-from crosskd.teacher.scoring import ScoreConfig, score
+from crosskd.teacher.scoring import ScoreConfig
+from crosskd.teacher.sharded import score
 from crosskd.tokenization import load_tokenizer
 from crosskd.train import TrainConfig
 from crosskd.zoo import train_tiny_bpe

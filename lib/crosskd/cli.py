@@ -291,7 +291,8 @@ def _prepared_summary(manifest: dict, output: str) -> int:
 
 def _score(args: argparse.Namespace) -> int:
     from crosskd.config import load_config
-    from crosskd.teacher.scoring import ScoreConfig, score
+    from crosskd.teacher.scoring import ScoreConfig
+    from crosskd.teacher.sharded import score
 
     flags = ("data", "teacher", "output", "teacher_index", "k", "tau", "encoding")
     given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
@@ -398,6 +399,7 @@ def _inspect_pair(args: argparse.Namespace) -> int:
 
     from crosskd.alignment.corpus import benchmark_corpus
     from crosskd.alignment.report import pair_report
+    from crosskd.alignment.report_text import format_report
     from crosskd.data.records import read_records
 
     student, teacher = _load(args, "student"), _load(args, "teacher")
@@ -415,7 +417,7 @@ def _inspect_pair(args: argparse.Namespace) -> int:
     if student.normalizes_nfc or teacher.normalizes_nfc:  # as `crosskd prepare` does
         texts = [unicodedata.normalize("NFC", text) for text in texts]
     report = pair_report(student, teacher, texts)
-    _write(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    _write(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0
 
 

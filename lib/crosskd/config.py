@@ -9,7 +9,9 @@ bool and ``[a, b]`` a list). A dotted key sets one key of a mapping-valued field
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
@@ -90,3 +92,9 @@ def _checked(values: Mapping[str, Any], known: set[str], where: str) -> dict[str
             f"{where}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
         )
     return dict(values)
+
+
+def default_cache_dir() -> Path:
+    """Where crosskd keeps what it builds or copies (zoo tokenizers and models, remote models):
+    ``$CROSSKD_CACHE_DIR`` or ``~/.cache/crosskd``."""
+    return Path(os.environ.get("CROSSKD_CACHE_DIR") or Path.home() / ".cache" / "crosskd")

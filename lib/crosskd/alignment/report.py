@@ -216,12 +216,6 @@ class PairReport:
         values["shapes"] = {name: ShapeStats(**data["shapes"][name]) for name in SHAPE_NAMES}
         return cls(**values)
 
-    def format(self) -> str:
-        """A readable text report: headings, counts, percentages, and what they mean."""
-        from crosskd.alignment.report_text import format_report
-
-        return format_report(self)
-
 
 def pair_report(
     student: LoadedTokenizer,

@@ -26,8 +26,8 @@ import fsspec
 import numpy as np
 
 from crosskd.artifacts import MANIFEST
-from crosskd.data.prepare import RUN, SPLITS, id_hash, read_shard_record
 from crosskd.data.records import duplicate_id_message
+from crosskd.data.run_files import RUN, SPLITS, id_hash, read_shard_record
 from crosskd.errors import DataError
 
 log = logging.getLogger(__name__)

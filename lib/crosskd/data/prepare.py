@@ -80,8 +80,10 @@ from crosskd.alignment import (
 from crosskd.alignment.own import student_tokens
 from crosskd.artifacts import MANIFEST, start_run
 from crosskd.data.clipping import clip_text
+from crosskd.data.merge import merge_prepared, splits_done
 from crosskd.data.packing import pack_lockstep
 from crosskd.data.records import Record, read_records
+from crosskd.data.run_files import RUN, SHARDS, SPLITS, id_hash, read_shard_record, shard_name
 from crosskd.data.shards import SameTokenizerSample, same_tokenizer_sample, write_shard
 from crosskd.errors import ConfigError, DataError
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
@@ -92,12 +94,6 @@ KIND = "crosskd.prepared-data"
 FORMAT_VERSION = 2
 CHAT_REGIONS = ("reasoning", "close", "answer")
 """The names ``included_regions`` chooses from."""
-RUN = "_prepare/run.json"
-"""The run's settings (what every split and every resume must share)."""
-SHARDS = "_prepare/shards"
-"""One record per written shard (``part-NNNNNN.parquet.json``), written after the shard."""
-SPLITS = "_prepare/splits"
-"""One record per split that has read the whole input (``I-of-N.json``)."""
 
 
 @dataclass
@@ -206,8 +202,6 @@ def prepare(config: PrepareConfig, *, progress: bool = True,
     returns the manifest, or None while other splits are still to run. ``on_row`` is called
     once per row this call prepares with why it was clipped (``text``, ``turns``, ``message``;
     None: whole)."""
-    from crosskd.data.merge import merge_prepared, splits_done
-
     prepare_split(config, progress=progress, on_row=on_row)
     if config.split_count > 1 and not splits_done(config.output):
         return None
@@ -288,18 +282,6 @@ def prepare_split(config: PrepareConfig, *, progress: bool = True,
     log.info("split %d of %d: prepared %d rows (%d windows in the input) at %s",
              config.split_index, config.split_count, prepared, windows, config.output)  # fmt: skip
     return marker
-
-
-def shard_name(window: int) -> str:
-    """The shard of input window ``window``: ``part-NNNNNN.parquet`` (names sort in input
-    order whichever split wrote them)."""
-    return f"part-{window:06d}.parquet"
-
-
-def read_shard_record(fs: fsspec.AbstractFileSystem, root: str, window: int) -> dict | None:
-    """The record of window ``window``'s shard (written after the shard), or None."""
-    path = f"{root}/{SHARDS}/{shard_name(window)}.json"
-    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
 
 
 def _run_record(config: PrepareConfig, models: list[LoadedTokenizer], capacities: list[int],
@@ -384,12 +366,6 @@ def batched(items: Iterable, size: int) -> Iterator[tuple]:
             chunk = []
     if chunk:
         yield tuple(chunk)
-
-
-def id_hash(sample_id: str) -> int:
-    """A sample id as a 64-bit number (the first 8 bytes of its sha256, little-endian): the
-    merge finds repeated ids among these and confirms them on the ids themselves."""
-    return int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "little")
 
 
 def _template_strips(tok: LoadedTokenizer) -> bool:

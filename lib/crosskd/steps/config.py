@@ -16,6 +16,10 @@ from crosskd.train.config import loss_from_mapping
 from crosskd.zoo.models import check_shape
 
 PRESETS = ("tiny", "demo", "chat-demo")
+EXECUTORS = ("inprocess", "local", "cluster")
+"""Where training runs: ``inprocess``: the Trainer in this process; ``local``: the rendered
+PyTorchJob on this machine (:mod:`crosskd.k8s.local`); ``cluster``: the PyTorchJob on the
+cluster."""
 INIT = "init"
 """A model reference meaning a random-init Llama (of the ``*_shape`` for the ``*_tokenizer``)."""
 STDLIB = ""

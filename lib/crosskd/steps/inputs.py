@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from crosskd.errors import ConfigError
-from crosskd.steps.config import INIT, LICENCES, STDLIB, RunConfig
+from crosskd.steps.config import EXECUTORS, INIT, LICENCES, STDLIB, RunConfig
 from crosskd.steps.locations import content_uri, exists, materialize
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,12 @@ def model_tokenizer(ref: str) -> str:
 
 def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
                     executor: str = "inprocess") -> dict[str, Any]:  # fmt: skip
-    """Check ``config``, the training ``executor`` (:data:`crosskd.steps.train.EXECUTORS`)
+    """Check ``config``, the training ``executor`` (:data:`crosskd.steps.config.EXECUTORS`)
     and, for a job, its PyTorchJob settings ``job`` (JobConfig keys), and resolve its
     references; returns the run's plan: ``{"root", "student", "student_fingerprint",
     "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}], "train_data",
     "heldout_data", "heldout_fraction", "ood_data"}`` (URIs; ``heldout_fraction`` None when
     ``heldout_data`` is given, ``ood_data`` None without out-of-domain rows)."""
-    from crosskd.steps.train import EXECUTORS
     from crosskd.tokenization import load_tokenizer
 
     if executor not in EXECUTORS:

@@ -13,14 +13,11 @@ import fsspec
 import yaml
 
 from crosskd.errors import ConfigError
-from crosskd.steps.config import RunConfig
+from crosskd.steps.config import EXECUTORS, RunConfig
 from crosskd.steps.inputs import train_values, variants
 
 log = logging.getLogger(__name__)
 
-EXECUTORS = ("inprocess", "local", "cluster")
-"""``inprocess``: the Trainer in this process; ``local``: the rendered PyTorchJob on this
-machine (:mod:`crosskd.k8s.local`); ``cluster``: the PyTorchJob on the cluster."""
 TRAIN_FILE = "train.yaml"
 
 
@@ -53,13 +50,14 @@ def plan_training(config: RunConfig, plan: dict[str, Any], prepared: dict[str, A
 def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, Any] | None = None,
           run_id: str | None = None, workdir: str | None = None, wait_timeout: float | None = None,
           progress: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Run the training item of :func:`plan_training` with ``executor`` (:data:`EXECUTORS`);
-    ``job`` (JobConfig keys) and ``run_id`` (the job's name derives from it, so a retried
-    launcher reattaches) for ``local`` and ``cluster``; ``workdir``: the local executor's replica
-    folders. The train config is written to ``<output>/train.yaml`` first. Returns
-    ``{"variant", "output", "model", "steps", "last"}`` (``last``: rank 0's metrics of the last
-    step; the whole curve stays in the run's ``metrics-rank0.jsonl``, :func:`run_history`). A
-    finished run returns at once; an interrupted one resumes from its checkpoint."""
+    """Run the training item of :func:`plan_training` with ``executor``
+    (:data:`crosskd.steps.config.EXECUTORS`); ``job`` (JobConfig keys) and ``run_id`` (the job's
+    name derives from it, so a retried launcher reattaches) for ``local`` and ``cluster``;
+    ``workdir``: the local executor's replica folders. The train config is written to
+    ``<output>/train.yaml`` first. Returns ``{"variant", "output", "model", "steps", "last"}``
+    (``last``: rank 0's metrics of the last step; the whole curve stays in the run's
+    ``metrics-rank0.jsonl``, :func:`run_history`). A finished run returns at once; an
+    interrupted one resumes from its checkpoint."""
     from crosskd.train import TrainConfig, finished_model
 
     if executor not in EXECUTORS:

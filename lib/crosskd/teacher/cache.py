@@ -1,4 +1,5 @@
-"""Reading a teacher cache back (written by :func:`crosskd.teacher.scoring.score`).
+"""Reading a teacher cache back (written by :func:`crosskd.teacher.scoring.score_shards`, its
+manifest by :func:`crosskd.teacher.scoring.merge_cache`).
 
 :func:`open_cache` reads the manifest and refuses a cache whose teacher, tokenizer or data
 fingerprint, K or tau is not what the training config asks for, naming the field and both

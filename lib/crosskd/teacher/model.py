@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from crosskd.config import default_cache_dir
 from crosskd.errors import CrosskdError
-from crosskd.tokenization.sources import TOKENIZER_FILES, copy_to_cache, default_cache_dir
+from crosskd.tokenization.sources import TOKENIZER_FILES, copy_to_cache
 
 
 class TeacherError(CrosskdError):

@@ -193,19 +193,6 @@ def budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def score(config: ScoreConfig, *, progress: bool = True) -> dict:
-    """Score every sample of the prepared data and write the cache; returns its manifest
-    (:func:`score_shards` over every shard, in ``config.processes`` processes, then
-    :func:`merge_cache`)."""
-    if config.processes > 1:
-        from crosskd.teacher.sharded import score_on_processes
-
-        score_on_processes(config, 0, None, progress=progress)
-    else:
-        score_shards(config, progress=progress)
-    return merge_cache(config.output)
-
-
 def score_shards(
     config: ScoreConfig, start: int = 0, stop: int | None = None, *, progress: bool = True,
     metrics: ScoringMetrics | None = None, teacher: LoadedTeacher | None = None,

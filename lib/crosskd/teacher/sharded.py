@@ -153,6 +153,21 @@ def _worker(
         dist.destroy_process_group()
 
 
+def score(config: Any, *, progress: bool = True) -> dict:
+    """Score every sample of the prepared data of ``config`` (a
+    :class:`~crosskd.teacher.scoring.ScoreConfig`) and write the cache; returns its manifest:
+    :func:`~crosskd.teacher.scoring.score_shards` over every shard in this process, or
+    :func:`score_on_processes` when ``config.processes`` > 1, then
+    :func:`~crosskd.teacher.scoring.merge_cache`."""
+    from crosskd.teacher.scoring import merge_cache, score_shards
+
+    if config.processes > 1:
+        score_on_processes(config, 0, None, progress=progress)
+    else:
+        score_shards(config, progress=progress)
+    return merge_cache(config.output)
+
+
 def score_on_processes(
     config: Any, start: int = 0, stop: int | None = None, *, progress: bool = True
 ) -> dict:

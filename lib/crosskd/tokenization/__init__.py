@@ -35,6 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from crosskd import ragged
+from crosskd.config import default_cache_dir
 from crosskd.errors import TokenizerError
 from crosskd.tokenization.byte_level import (
     KIND_NONE,
@@ -45,7 +46,7 @@ from crosskd.tokenization.byte_level import (
     bytes_to_byte_level,
 )
 from crosskd.tokenization.roles import ROLES, assign_roles
-from crosskd.tokenization.sources import default_cache_dir, load_hf
+from crosskd.tokenization.sources import load_hf
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

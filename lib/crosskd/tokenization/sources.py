@@ -14,17 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from crosskd.config import default_cache_dir
 from crosskd.errors import TokenizerError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-
-def default_cache_dir() -> Path:
-    """``$CROSSKD_CACHE_DIR`` or ``~/.cache/crosskd``."""
-    return Path(os.environ.get("CROSSKD_CACHE_DIR") or Path.home() / ".cache" / "crosskd")
 
 
 def load_hf(

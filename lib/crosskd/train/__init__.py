@@ -2,16 +2,11 @@
 parallel layout (:class:`ParallelLayout`), the data order, packed attention inputs and
 checkpoints without pickle."""
 
+from crosskd.errors import NonFiniteLoss, TrainingError
 from crosskd.layout import ParallelLayout
 from crosskd.train.config import TrainConfig
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
-from crosskd.train.trainer import (
-    NonFiniteLoss,
-    Trainer,
-    TrainingError,
-    finished_model,
-    lr_at,
-)
+from crosskd.train.trainer import Trainer, finished_model, lr_at
 
 __all__ = [
     "DataOrder",

@@ -25,7 +25,7 @@ code  meaning                                                     retried?
 ====  ==========================================================  ==========
 
 A worker exits with 2 or 3 itself (``crosskd train`` maps :class:`~crosskd.errors.CrosskdError`
-and :class:`~crosskd.train.trainer.NonFiniteLoss`); when several workers fail, a permanent code
+and :class:`~crosskd.errors.NonFiniteLoss`); when several workers fail, a permanent code
 wins (the worker with the real error decides, not the peers that lost it). Only a finished run
 exits 0: the operator ends the job Succeeded when the Master exits 0.
 
@@ -55,10 +55,9 @@ import uuid
 
 import fsspec
 
-from crosskd.errors import ConfigError, CrosskdError, Stopped
+from crosskd.errors import ConfigError, CrosskdError, NonFiniteLoss, Stopped
 from crosskd.train.checkpoint import latest_step
 from crosskd.train.config import TrainConfig
-from crosskd.train.trainer import NonFiniteLoss
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,15 @@ from tqdm.auto import tqdm
 from crosskd.artifacts import move_folder
 from crosskd.data.collate import Batch, collate, load_prepared
 from crosskd.data.rows import PackedRows
-from crosskd.errors import ConfigError, CrosskdError, Stopped
+from crosskd.errors import (
+    ConfigError,
+    CrosskdError,
+    InputError,
+    InputFailed,
+    NonFiniteLoss,
+    PeerFailed,
+    Stopped,
+)
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_targets
 from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
@@ -83,31 +91,6 @@ log = logging.getLogger(__name__)
 
 MODEL_INFO = "crosskd-model.json"
 """The file a model folder written by the trainer holds last: which step it is."""
-
-
-class TrainingError(CrosskdError):
-    """Training cannot go on (inputs that do not fit together, a non-finite loss)."""
-
-
-class NonFiniteLoss(TrainingError):
-    """A NaN or infinite loss term stopped the run before the optimizer step."""
-
-    exit_code = 3
-
-
-class PeerFailed(RuntimeError):
-    """Another rank failed (its own error says why); not classified here, so the rank with
-    the real error decides the pod's exit code (:mod:`crosskd.train.launch`)."""
-
-
-class InputError(TrainingError):
-    """A rank's inputs of a step are bad (a damaged shard, a teacher cache that does not match
-    the data): every rank stops with the same error, and the pod is not retried."""
-
-
-class InputFailed(RuntimeError):
-    """A rank could not read its inputs of a step for a reason that may pass (object storage
-    that failed): every rank stops with the same error, and the pod is retried."""
 
 
 def input_failure(step: int, reasons: list[tuple[int, str, bool]]) -> Exception:

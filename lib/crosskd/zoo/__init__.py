@@ -13,7 +13,7 @@ otherwise pick model-specific classes); the folder also loads with ``PreTrainedT
 Folders are built on first use, without network access, from data files of the ``crosskd[zoo]``
 extra (located with ``importlib.util.find_spec``; the packages are never imported), and cached
 in ``<cache>/zoo/<name>-v<ZOO_FORMAT_VERSION>`` where ``<cache>`` is ``cache_dir``, else
-:func:`crosskd.tokenization.default_cache_dir` (``$CROSSKD_CACHE_DIR`` or ``~/.cache/crosskd``).
+:func:`crosskd.config.default_cache_dir` (``$CROSSKD_CACHE_DIR`` or ``~/.cache/crosskd``).
 A missing package raises :class:`ZooSourceMissingError` naming it and ``pip install
 'crosskd[zoo]'``. A build writes into a temporary sibling folder and publishes it with one
 atomic rename, so a killed build never leaves a folder that looks complete, and concurrent
@@ -33,8 +33,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from crosskd.config import default_cache_dir
 from crosskd.errors import TokenizerError
-from crosskd.tokenization.sources import default_cache_dir
 from crosskd.zoo.builders import (
     BUILDERS,
     CHATML_TEMPLATE,

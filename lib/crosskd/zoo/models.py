@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from crosskd.config import default_cache_dir
 from crosskd.errors import ConfigError, TokenizerError
-from crosskd.tokenization.sources import default_cache_dir
 from crosskd.zoo.builders import smollm2_gguf
 from crosskd.zoo.files import missing_package, publish_folder
 
