@@ -21,14 +21,13 @@ import json
 import os
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import safetensors
 import torch
-from train_workers import _join, run_ranks, tiny_llama
+from train_workers import _join, run_ranks, tiny_llama, worker_exit
 
 import crosskd.teacher.model
 from crosskd.errors import CrosskdError
@@ -240,7 +239,7 @@ def _save_teachers(root: Path) -> dict[str, Path]:
 def _loader_worker(rank: int, world: int, port: int, folders: dict[str, Path], out: Path) -> None:
     """Each teacher loaded sharded in bfloat16 and the same from ``from_pretrained``: writes
     ``{teacher: what differs, ...}`` to ``out/load-rank<r>.json``."""
-    try:
+    with worker_exit(rank, out):
         _join(rank, world, port)
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
@@ -277,10 +276,6 @@ def _loader_worker(rank: int, world: int, port: int, folders: dict[str, Path], o
             seen[name]["same logits"] = same
         (out / f"load-rank{rank}.json").write_text(json.dumps(seen))
         dist.destroy_process_group()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
 
 
 def test_sharded_loading_gives_the_weights_buffers_and_logits_of_from_pretrained(tmp_path):

@@ -8,17 +8,32 @@ machinery runs in the child.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from crosskd.train import TrainConfig
 
 SPAWN = multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def worker_exit(rank: int, out: Path) -> Iterator[None]:
+    """The end of a worker process started by :func:`run_ranks`: exit 0 after the block, or,
+    when it raises, its traceback to ``out/error<rank>.txt`` and exit 1 (``os._exit``: no
+    pytest machinery runs in the child)."""
+    try:
+        yield
+    except BaseException:
+        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
 
 
 def free_port() -> int:
@@ -78,7 +93,7 @@ def train_hanging_in_checkpoint(config: TrainConfig, hang_step: int) -> None:
 
 
 def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None:
-    try:
+    with worker_exit(rank, out):
         os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
                            "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port)})  # fmt: skip
@@ -101,10 +116,6 @@ def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None
             ))  # fmt: skip
             trainer.close()
         dist.destroy_process_group()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
 
 
 def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: int = 2,
@@ -166,7 +177,7 @@ def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], ou
     :meth:`ParallelStudent.sync_copies`; writes ``{layout index: {parameter: the values its
     local gradient holds}}`` to ``out/sync-rank<r>.json`` (and under cp, ``"<index>-unmasked"``:
     the error of a forward pass without the window's mask)."""
-    try:
+    with worker_exit(rank, out):
         _join(rank, world, port)
         import torch
         import torch.distributed as dist
@@ -193,17 +204,13 @@ def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], ou
                     seen[f"{i}-unmasked"] = str(exc)
         (out / f"sync-rank{rank}.json").write_text(json.dumps(seen))
         dist.destroy_process_group()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
 
 
 def gather_failure_worker(rank: int, world: int, port: int, out: Path) -> None:
     """A tiny Llama under FSDP2 on every rank, gathered by :func:`save_gathered` into a folder
     of rank 0 that does not exist, one file per tensor (so the first write fails with most
     gathers still to come); writes what each rank raised to ``out/gather-rank<r>.json``."""
-    try:
+    with worker_exit(rank, out):
         _join(rank, world, port)
         import torch
         import torch.distributed as dist
@@ -223,10 +230,6 @@ def gather_failure_worker(rank: int, world: int, port: int, out: Path) -> None:
         dist.barrier()  # every rank got here: none is left in a gather
         (out / f"gather-rank{rank}.json").write_text(json.dumps({"raised": raised}))
         dist.destroy_process_group()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
 
 
 def input_failure_worker(rank: int, world: int, port: int, configs: list[TrainConfig],
@@ -234,7 +237,7 @@ def input_failure_worker(rank: int, world: int, port: int, configs: list[TrainCo
     """Train ``configs[rank]`` (the ranks may read different copies of the data) as one of
     ``world`` gloo ranks; the error the run stops with goes to ``out/outcome<rank>.json`` (its
     type, message and exit code)."""
-    try:
+    with worker_exit(rank, out):
         os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
                            "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port)})  # fmt: skip
@@ -251,7 +254,3 @@ def input_failure_worker(rank: int, world: int, port: int, configs: list[TrainCo
                        "exit_code": getattr(exc, "exit_code", None)}  # fmt: skip
         (out / f"outcome{rank}.json").write_text(json.dumps(outcome))
         trainer.close()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
