@@ -30,7 +30,7 @@ import pytest
 import yaml
 from monitoring import alert_rules, metric_selectors, relabel
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from train_workers import free_port
+from train_workers import free_port, free_ports
 
 from crosskd import steps
 from crosskd.data.prepare import PrepareConfig, prepare
@@ -229,9 +229,9 @@ def scraped(tmp_path_factory):
                         if not _selects(m, train_labels))  # fmt: skip
     job_label = step_monitor["spec"]["jobLabel"]
     step_ports = {"prepare": free_port(), "score-teacher": free_port()}
-    base = free_port()
-    while base + 1 in step_ports.values() or not _port_free(base + 1):
-        base = free_port()
+    base = free_ports(2)
+    while {base, base + 1} & set(step_ports.values()):
+        base = free_ports(2)
     gpu_port, gpu_server = _fake_gpu_exporter(TRAIN_POD)
     targets = [
         (f"train-{i}", base + i, _target_labels(train_labels, TRAIN_POD, "pytorch", port))
@@ -280,17 +280,6 @@ def prepared_rows(plan: dict, prepared: dict) -> str:
     """The training rows the plan prepared (its own file, or the split of the training data)."""
     split = Path(prepared["uri"]) / "rows" / "train.jsonl"
     return str(split) if split.exists() else plan["train_data"]
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _steps_with_metrics(root: Path, ports: dict[str, int]) -> tuple[Path, str]:

@@ -21,6 +21,7 @@ from train_inputs import train_config
 from train_workers import (
     SPAWN,
     free_port,
+    free_ports,
     input_failure_worker,
     run_ddp,
     run_ranks,
@@ -374,13 +375,8 @@ def test_a_rank_that_fails_alone_fails_every_rank_without_a_hang(setup, tmp_path
     import socket
 
     with socket.socket() as busy:
-        while True:  # a free port whose next port we can take
-            base = free_port()
-            try:
-                busy.bind(("0.0.0.0", base + 1))
-                break
-            except OSError:
-                continue
+        base = free_ports(2)
+        busy.bind(("0.0.0.0", base + 1))
         busy.listen()
         port = base + 1
         config = _config(setup, tmp_path / "run", micro_batch_rows=1, metrics_port=base)

@@ -12,6 +12,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
 import socket
 import time
 import traceback
@@ -36,11 +37,40 @@ def worker_exit(rank: int, out: Path) -> Iterator[None]:
     os._exit(0)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (to port-0 binds and outgoing
+    connections): 32768 unless ``ip_local_port_range`` says otherwise."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports free on loopback and on every interface
+    now, chosen below the kernel's ephemeral range: a port a test hands to a process it starts
+    stays free until that process binds it, because no outgoing connection or port-0 bind (a
+    Prometheus scrape, a gloo store, another test's server) can take it in between."""
+    top = _ephemeral_low() - count
+    while True:
+        base = random.randrange(10_000, top)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on loopback now (see :func:`free_ports`)."""
+    return free_ports(1)
+
+
+def _bindable(port: int) -> bool:
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
 
 
 def _quiet() -> None:
