@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.crosskd-installed
+SOURCES := lib tests benchmarks components pipelines
 DEMO_OUT ?= demo-out
 CHAT_OUT ?= chat-demo-out
 CONVERSATIONS ?= 240
@@ -37,8 +38,7 @@ chat-demo: venv
 	$(VENV)/bin/crosskd pipeline run-local --preset chat-demo output=$(CHAT_OUT) \
 		train_data=$(abspath $(CHAT_OUT))/conversations.jsonl
 
-test: venv
-	$(PY) -m ruff check lib tests benchmarks components pipelines
+test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: venv
@@ -52,4 +52,5 @@ bench: venv
 	$(PY) benchmarks/train_step.py
 
 lint: venv
-	$(PY) -m ruff check lib tests benchmarks components pipelines
+	$(PY) -m ruff check $(SOURCES)
+	$(PY) -m ruff format --check $(SOURCES)

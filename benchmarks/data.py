@@ -51,16 +51,22 @@ def bench_prepare(sizes: list[float], work: Path) -> None:
     for mb in sizes:
         data = work / f"text-{mb:g}MB.jsonl"
         n_bytes = write_benchmark_jsonl(data, int(mb * 1e6), document_bytes=1536)
-        done = subprocess.run([sys.executable, "-c", PREPARE, str(data), str(work / f"out-{mb:g}")],
-                              capture_output=True, text=True, env=env)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", PREPARE, str(data), str(work / f"out-{mb:g}")],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if done.returncode:
             sys.exit(done.stderr[-3000:])
         result = json.loads(done.stdout.strip().splitlines()[-1])
         base = base or result
-        print(f"  {mb:g} MB ({result['rows']} rows, {result['shards']} shards): "
-              f"{result['seconds']:.1f} s, {n_bytes / result['seconds'] / 1e6:.2f} MB/s, peak RSS "
-              f"{result['peak_rss'] / 2**20:.0f} MiB (x{result['peak_rss'] / base['peak_rss']:.2f} "
-              f"of the first size)")  # fmt: skip
+        print(
+            f"  {mb:g} MB ({result['rows']} rows, {result['shards']} shards): "
+            f"{result['seconds']:.1f} s, {n_bytes / result['seconds'] / 1e6:.2f} MB/s, peak RSS "
+            f"{result['peak_rss'] / 2**20:.0f} MiB (x{result['peak_rss'] / base['peak_rss']:.2f} "
+            f"of the first size)"
+        )
 
 
 def lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -87,14 +93,18 @@ def bench_packing(counts: list[int], window: int = 4096, global_limit: int = 100
         eff = packing_efficiency(data, bins, caps)[0]
         first = first or (n, windowed)
         growth = (windowed / first[1]) / (n / first[0])
-        line = (f"  {n:>9,} samples: windowed {windowed:7.2f} s (time/sample x{growth:.2f} of "
-                f"{first[0]:,}), efficiency {eff:.4f}")  # fmt: skip
+        line = (
+            f"  {n:>9,} samples: windowed {windowed:7.2f} s (time/sample x{growth:.2f} of "
+            f"{first[0]:,}), efficiency {eff:.4f}"
+        )
         if n <= global_limit:
             started = time.perf_counter()
             whole = pack_lockstep(data, caps)
             seconds = time.perf_counter() - started
-            line += (f"; all at once {seconds:7.2f} s (x{seconds / windowed:.1f} the windowed "
-                     f"time), efficiency {packing_efficiency(data, whole, caps)[0]:.4f}")
+            line += (
+                f"; all at once {seconds:7.2f} s (x{seconds / windowed:.1f} the windowed "
+                f"time), efficiency {packing_efficiency(data, whole, caps)[0]:.4f}"
+            )
         else:
             line += "; all at once not run (quadratic)"
         print(line)
@@ -107,27 +117,41 @@ def bench_training(work: Path, steps: int = 100) -> None:
     from crosskd.steps.config import load_run_config
     from crosskd.train import TrainConfig, Trainer
 
-    config = load_run_config(None, "tiny", [f"output={work / 'run'}", "shard_rows=2",
-                                            "max_length=64"])  # fmt: skip
+    config = load_run_config(
+        None, "tiny", [f"output={work / 'run'}", "shard_rows=2", "max_length=64"]
+    )
     plan = run_steps.validate_inputs(config)
     tables = checked_tables(plan, progress=False)
-    prepared = run_steps.prepare_data(plan, max_length=config.max_length,
-                                      shard_rows=config.shard_rows, progress=False)  # fmt: skip
+    prepared = run_steps.prepare_data(
+        plan, max_length=config.max_length, shard_rows=config.shard_rows, progress=False
+    )
     caches = teacher_caches(plan, prepared, config.scoring(), 1, progress=False)
-    (item, *_) = [i for i in run_steps.plan_training(config, plan, prepared, tables, caches,
-                                                     str(work / "run")) if i["variant"] == "kd"]
+    (item, *_) = [
+        i
+        for i in run_steps.plan_training(config, plan, prepared, tables, caches, str(work / "run"))
+        if i["variant"] == "kd"
+    ]
     shards = len(json.loads(Path(prepared["train"], "manifest.json").read_text())["shards"])
-    print(f"training input (tiny preset, {shards} shards, {steps} steps; the first 5 not "
-          f"counted):")  # fmt: skip
-    cases = [("inline, global order, 8 shards kept (before)", 0, shards, 8),
-             ("inline, shard-local order", 0, 4, None),
-             ("thread 2 steps ahead, shard-local order (now)", 2, 4, None)]
+    print(f"training input (tiny preset, {shards} shards, {steps} steps; the first 5 not counted):")
+    cases = [
+        ("inline, global order, 8 shards kept (before)", 0, shards, 8),
+        ("inline, shard-local order", 0, 4, None),
+        ("thread 2 steps ahead, shard-local order (now)", 2, 4, None),
+    ]
     base = None
     for name, depth, window, keep in cases:
-        values = {**item["train"], "steps": steps, "checkpoint_every": 0, "eval_data": None,
-                  "output": str(work / f"train-{depth}-{window}"), "prefetch_steps": depth,
-                  "window_shards": window, "global_batch_rows": 4, "micro_batch_rows": 2,
-                  "grad_accum": None}
+        values = {
+            **item["train"],
+            "steps": steps,
+            "checkpoint_every": 0,
+            "eval_data": None,
+            "output": str(work / f"train-{depth}-{window}"),
+            "prefetch_steps": depth,
+            "window_shards": window,
+            "global_batch_rows": 4,
+            "micro_batch_rows": 2,
+            "grad_accum": None,
+        }
         trainer = Trainer(TrainConfig(**values), progress=False)
         trainer.setup()
         if keep is not None:
@@ -144,19 +168,20 @@ def bench_training(work: Path, steps: int = 100) -> None:
         begun = -(-steps * 4 // trainer.shard_order.rows)
         cache_reads = trainer.teachers.sources[0].cache.reads
         base = base or wall
-        print(f"  {name}: {wall:.2f} s (x{wall / base:.2f}), input wait "
-              f"{sum(waits) / sum(step_seconds):.1%} of step time (median "
-              f"{statistics.median(waits) * 1e3:.1f} ms), reads per shard over {begun} epochs "
-              f"begun: cache at most {max(cache_reads.values())}, prepared at most "
-              f"{max(trainer.rows.reads.values())}")  # fmt: skip
+        print(
+            f"  {name}: {wall:.2f} s (x{wall / base:.2f}), input wait "
+            f"{sum(waits) / sum(step_seconds):.1%} of step time (median "
+            f"{statistics.median(waits) * 1e3:.1f} ms), reads per shard over {begun} epochs "
+            f"begun: cache at most {max(cache_reads.values())}, prepared at most "
+            f"{max(trainer.rows.reads.values())}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 100])
     parser.add_argument("--packing", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["prepare", "packing", "training"])  # fmt: skip
+    parser.add_argument("--skip", nargs="*", default=[], choices=["prepare", "packing", "training"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="crosskd-data-") as tmp:

@@ -33,8 +33,9 @@ def rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
-def write_benchmark_jsonl(path: Path, n_bytes: int, *, document_bytes: int,
-                          pool_bytes: int = 2_000_000) -> int:  # fmt: skip
+def write_benchmark_jsonl(
+    path: Path, n_bytes: int, *, document_bytes: int, pool_bytes: int = 2_000_000
+) -> int:
     """JSON Lines (``{"id", "text"}``) of at least ``n_bytes`` UTF-8 bytes of text, in
     documents of about ``document_bytes`` bytes: :func:`benchmark_corpus` of ``pool_bytes``
     (or ``n_bytes`` where smaller), repeated with new ids as often as needed; returns the
@@ -77,10 +78,13 @@ def real_batch(student: str, teacher: str, rows: int, length: int, work: Path) -
         for i, text in enumerate(benchmark_corpus(200_000)):
             fh.write(json.dumps({"id": str(i), "text": text}) + "\n")
     config = PrepareConfig(
-        data=str(data), student_tokenizer=f"zoo:{student}", teacher_tokenizers=[f"zoo:{teacher}"],
-        output=str(work / f"{student}-prepared"), max_length=length,
+        data=str(data),
+        student_tokenizer=f"zoo:{student}",
+        teacher_tokenizers=[f"zoo:{teacher}"],
+        output=str(work / f"{student}-prepared"),
+        max_length=length,
         teacher_max_length=2 * length,
-    )  # fmt: skip
+    )
     prepare(config, progress=False)
     packed = list(load_prepared(config.output).packed_rows())
     packed.sort(key=lambda row: -sum(len(s["student_ids"]) for s in row))
@@ -109,10 +113,22 @@ def csd_plan(
 ) -> tuple[LossConfig, LossPlan]:
     """The default loss config (one cross-tokenizer teacher at top-K ``k``) and the plan of
     ``batch`` with teacher ``signal``."""
-    config = LossConfig(teachers=[TeacherLossConfig(
-        k=k, student_to_teacher="s2t", teacher_to_student="t2s",
-    )])  # fmt: skip
+    config = LossConfig(
+        teachers=[
+            TeacherLossConfig(
+                k=k,
+                student_to_teacher="s2t",
+                teacher_to_student="t2s",
+            )
+        ]
+    )
     teacher = TeacherBatch(batch.models["teacher0"].input_ids, batch.chunks[0], signal)
-    plan = plan_loss(config, batch.models["student"].input_ids, batch.loss_mask, [teacher],
-                     [pair], student_vocab=student_vocab)  # fmt: skip
+    plan = plan_loss(
+        config,
+        batch.models["student"].input_ids,
+        batch.loss_mask,
+        [teacher],
+        [pair],
+        student_vocab=student_vocab,
+    )
     return config, plan

@@ -112,11 +112,17 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
             logits.grad = None
 
         seconds, peak = measure(csd_step, args.repeat)
-        results.append({
-            "student": name, "loss": f"ce+csd K={k}", "seconds": seconds, "peak": peak,
-            "plan_seconds": plan_s, "chunks": plan.counts.chunks[0],
-            "events": len(plan.terms[0].events.teacher_lp),
-        })  # fmt: skip
+        results.append(
+            {
+                "student": name,
+                "loss": f"ce+csd K={k}",
+                "seconds": seconds,
+                "peak": peak,
+                "plan_seconds": plan_s,
+                "chunks": plan.counts.chunks[0],
+                "events": len(plan.terms[0].events.teacher_lp),
+            }
+        )
     seconds, peak = measure(dense_step, args.repeat)
     results.append({"student": name, "loss": "ce+dense kl", "seconds": seconds, "peak": peak})
     shape = f"{tuple(s_ids.shape)} x V={student.vocab_size}"
@@ -139,8 +145,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in STUDENTS:
             results += _run_student(name, args, Path(tmp))
-    print(f"{'student':8} {'shape':26} {'loss':14} {'s':>7} {'x CE':>6} {'peak MB':>8} "
-          f"{'x CE':>6} {'plan s':>7} {'chunks':>6} {'events':>7}")  # fmt: skip
+    print(
+        f"{'student':8} {'shape':26} {'loss':14} {'s':>7} {'x CE':>6} {'peak MB':>8} "
+        f"{'x CE':>6} {'plan s':>7} {'chunks':>6} {'events':>7}"
+    )
     met = True
     for r in results:
         extra = ""

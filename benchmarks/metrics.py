@@ -36,15 +36,17 @@ def kd_train_config(root: Path) -> Path:
     tables = checked_tables(plan, progress=False)
     prepared = steps.prepare_data(plan, max_length=config.max_length, progress=False)
     caches = teacher_caches(plan, prepared, config.scoring(), 1, progress=False)
-    item = next(i for i in steps.plan_training(config, plan, prepared, tables, caches, str(root))
-                if i["variant"] == "kd")  # fmt: skip
+    item = next(
+        i
+        for i in steps.plan_training(config, plan, prepared, tables, caches, str(root))
+        if i["variant"] == "kd"
+    )
     path = root / "kd-train.yaml"
     path.write_text(yaml.safe_dump(item["train"]))
     return path
 
 
-def seconds_per_step(config_path: Path, output: Path, n_steps: int,
-                     scrape: float | None) -> float:  # fmt: skip
+def seconds_per_step(config_path: Path, output: Path, n_steps: int, scrape: float | None) -> float:
     """Mean step seconds of one run; ``scrape``: serve metrics and read them that often."""
     overrides = [f"output={output}", f"steps={n_steps}", "checkpoint_every=0"]
     if scrape is not None:
@@ -79,10 +81,19 @@ def seconds_per_step(config_path: Path, output: Path, n_steps: int,
 def record_microseconds(calls: int = 20000) -> float:
     """Microseconds per ``MetricsExporter.record`` of a one-teacher step's metrics."""
     exporter = MetricsExporter(0, ["teacher0"], planned_steps=calls)
-    metrics = {"loss": 2.0, "ce": 1.5, "kd": 0.5, "kd/teacher0": 0.5, "kd_scale": 1.0,
-               "lr": 3e-4, "grad_norm": 1.0, "tokens": 4096.0} | {
+    metrics = {
+        "loss": 2.0,
+        "ce": 1.5,
+        "kd": 0.5,
+        "kd/teacher0": 0.5,
+        "kd_scale": 1.0,
+        "lr": 3e-4,
+        "grad_norm": 1.0,
+        "tokens": 4096.0,
+    } | {
         f"teacher0/{shape}/valid": 10.0
-        for shape in ("token", "one_one", "one_many", "many_one", "many_many")}  # fmt: skip
+        for shape in ("token", "one_one", "one_many", "many_one", "many_many")
+    }
     start = time.perf_counter()
     for step in range(calls):
         exporter.record(step + 1, metrics, 0.1)
@@ -101,12 +112,15 @@ def main() -> None:
         plain, served = [], []
         for repeat in range(args.repeats):  # interleaved, so drift hits both alike
             plain.append(seconds_per_step(config, Path(tmp) / f"plain{repeat}", args.steps, None))
-            served.append(seconds_per_step(config, Path(tmp) / f"served{repeat}", args.steps,
-                                           args.scrape))  # fmt: skip
+            served.append(
+                seconds_per_step(config, Path(tmp) / f"served{repeat}", args.steps, args.scrape)
+            )
     base, with_metrics = statistics.median(plain), statistics.median(served)
-    print(f"tiny KD run, {args.steps} steps x {args.repeats}: {base * 1000:.2f} ms/step without "
-          f"metrics, {with_metrics * 1000:.2f} ms/step served and scraped every {args.scrape} s, "
-          f"ratio {with_metrics / base:.3f}")
+    print(
+        f"tiny KD run, {args.steps} steps x {args.repeats}: {base * 1000:.2f} ms/step without "
+        f"metrics, {with_metrics * 1000:.2f} ms/step served and scraped every {args.scrape} s, "
+        f"ratio {with_metrics / base:.3f}"
+    )
     print(f"MetricsExporter.record: {record_microseconds():.1f} us per step")
 
 

@@ -96,10 +96,14 @@ def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
     mesh = student.mesh
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
     cp = mesh.layout.cp
-    window = None if cp == 1 else (mesh.coordinate("cp") * length // cp,
-                                   (mesh.coordinate("cp") + 1) * length // cp)  # fmt: skip
-    inputs = packed_inputs("sdpa", ids, torch.zeros_like(ids), torch.arange(length)[None],
-                           torch.float32, window)  # fmt: skip
+    window = (
+        None
+        if cp == 1
+        else (mesh.coordinate("cp") * length // cp, (mesh.coordinate("cp") + 1) * length // cp)
+    )
+    inputs = packed_inputs(
+        "sdpa", ids, torch.zeros_like(ids), torch.arange(length)[None], torch.float32, window
+    )
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
     before, _ = rss()
@@ -107,24 +111,36 @@ def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
     logits.float().square().mean().backward()
     _, peak = rss()
     _leave()
-    return {"peak_rise": peak - before, "positions": int(logits.shape[1]),
-            "vocab_columns": int(logits.shape[2])}  # fmt: skip
+    return {
+        "peak_rise": peak - before,
+        "positions": int(logits.shape[1]),
+        "vocab_columns": int(logits.shape[2]),
+    }
 
 
-def run_layout(processes: int, parallel: dict, shape: dict, vocab: int, length: int = 0
-               ) -> list[dict]:  # fmt: skip
+def run_layout(
+    processes: int, parallel: dict, shape: dict, vocab: int, length: int = 0
+) -> list[dict]:
     """Every rank's bytes under ``parallel`` on ``processes`` processes (``length`` > 0: the
     peak rise of a step over one row of that many tokens instead)."""
-    work, args = (_step_peak, (shape, vocab, parallel, length)) if length else (
-        _rank, (shape, vocab, parallel))  # fmt: skip
+    work, args = (
+        (_step_peak, (shape, vocab, parallel, length))
+        if length
+        else (_rank, (shape, vocab, parallel))
+    )
     if processes == 1:
         return [work(*args)]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from crosskd.train.launch import rendezvous
 
-    launch = LaunchConfig(nproc_per_node=processes, max_restarts=0, start_method="spawn",
-                          monitor_interval=0.5, **rendezvous({}))  # fmt: skip
+    launch = LaunchConfig(
+        nproc_per_node=processes,
+        max_restarts=0,
+        start_method="spawn",
+        monitor_interval=0.5,
+        **rendezvous({}),
+    )
     results = elastic_launch(launch, work)(*args)
     return [results[r] for r in sorted(results)]
 
@@ -134,50 +150,84 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--length", type=int, default=2048,
-                        help="tokens of the row whose step's peak memory is measured")
+    parser.add_argument(
+        "--length",
+        type=int,
+        default=2048,
+        help="tokens of the row whose step's peak memory is measured",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
-             "intermediate_size": 3 * args.hidden_size, "num_attention_heads": 8,
-             "num_key_value_heads": 4}  # fmt: skip
+    shape = {
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.layers,
+        "intermediate_size": 3 * args.hidden_size,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    }
     rows, whole = [], None
     for processes, parallel in LAYOUTS:
         ranks = run_layout(processes, parallel, shape, args.vocab)
         if whole is None:
             whole = ranks[0]
         worst = {k: max(r[k] for r in ranks) for k in KINDS}
-        rows.append({"processes": processes, "parallel": parallel, "per_rank_max": worst,
-                     "total": sum(worst.values()),
-                     "ratio": sum(worst.values()) / sum(whole.values())})  # fmt: skip
+        rows.append(
+            {
+                "processes": processes,
+                "parallel": parallel,
+                "per_rank_max": worst,
+                "total": sum(worst.values()),
+                "ratio": sum(worst.values()) / sum(whole.values()),
+            }
+        )
     params = whole["parameters"] // 4
-    print(f"student: {params / 1e6:.1f}M parameters (hidden {args.hidden_size}, {args.layers} "
-          f"layers, vocabulary {args.vocab}, tied)")
-    print(f"{'procs':>5}  {'parallel':<26}{'params MiB':>11}{'grads MiB':>10}{'AdamW MiB':>10}"
-          f"{'total MiB':>10}{'x one':>7}")
+    print(
+        f"student: {params / 1e6:.1f}M parameters (hidden {args.hidden_size}, {args.layers} "
+        f"layers, vocabulary {args.vocab}, tied)"
+    )
+    print(
+        f"{'procs':>5}  {'parallel':<26}{'params MiB':>11}{'grads MiB':>10}{'AdamW MiB':>10}"
+        f"{'total MiB':>10}{'x one':>7}"
+    )
     for row in rows:
         w = row["per_rank_max"]
-        print(f"{row['processes']:>5}  {json.dumps(row['parallel']):<26}"
-              f"{w['parameters'] / 2**20:>11.1f}{w['gradients'] / 2**20:>10.1f}"
-              f"{w['optimizer'] / 2**20:>10.1f}{row['total'] / 2**20:>10.1f}{row['ratio']:>7.3f}")
+        print(
+            f"{row['processes']:>5}  {json.dumps(row['parallel']):<26}"
+            f"{w['parameters'] / 2**20:>11.1f}{w['gradients'] / 2**20:>10.1f}"
+            f"{w['optimizer'] / 2**20:>10.1f}{row['total'] / 2**20:>10.1f}{row['ratio']:>7.3f}"
+        )
     steps, alone = [], None
     for processes, parallel in STEP_LAYOUTS:
         ranks = run_layout(processes, parallel, shape, args.vocab, args.length)
         worst = max(r["peak_rise"] for r in ranks)
         alone = alone or worst
-        steps.append({"processes": processes, "parallel": parallel, "peak_rise": worst,
-                      "positions": ranks[0]["positions"],
-                      "vocab_columns": ranks[0]["vocab_columns"], "ratio": worst / alone})
-    print(f"one forward and backward pass of a row of {args.length} tokens: the largest rise "
-          f"of a rank's peak resident set")
-    print(f"{'procs':>5}  {'parallel':<26}{'positions':>10}{'logit cols':>11}{'peak MiB':>10}"
-          f"{'x one':>7}")
+        steps.append(
+            {
+                "processes": processes,
+                "parallel": parallel,
+                "peak_rise": worst,
+                "positions": ranks[0]["positions"],
+                "vocab_columns": ranks[0]["vocab_columns"],
+                "ratio": worst / alone,
+            }
+        )
+    print(
+        f"one forward and backward pass of a row of {args.length} tokens: the largest rise "
+        f"of a rank's peak resident set"
+    )
+    print(
+        f"{'procs':>5}  {'parallel':<26}{'positions':>10}{'logit cols':>11}{'peak MiB':>10}"
+        f"{'x one':>7}"
+    )
     for row in steps:
-        print(f"{row['processes']:>5}  {json.dumps(row['parallel']):<26}{row['positions']:>10}"
-              f"{row['vocab_columns']:>11}{row['peak_rise'] / 2**20:>10.1f}{row['ratio']:>7.3f}")
-    print(json.dumps({"parameters": params, "layouts": rows, "length": args.length,
-                      "steps": steps}))
+        print(
+            f"{row['processes']:>5}  {json.dumps(row['parallel']):<26}{row['positions']:>10}"
+            f"{row['vocab_columns']:>11}{row['peak_rise'] / 2**20:>10.1f}{row['ratio']:>7.3f}"
+        )
+    print(
+        json.dumps({"parameters": params, "layouts": rows, "length": args.length, "steps": steps})
+    )
 
 
 if __name__ == "__main__":

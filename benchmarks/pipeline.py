@@ -23,8 +23,9 @@ CROSSKD = [sys.executable, "-m", "crosskd.cli"]
 def run(command: list[str]) -> tuple[float, dict[str, float]]:
     """Wall seconds of ``command`` and the bits-per-byte table it printed."""
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     wall = time.perf_counter() - start
     if done.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -40,10 +41,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="crosskd-bench-") as tmp:
         common = ["--preset", args.preset, *args.overrides]
         base, base_bpb = run([*CROSSKD, "distill", *common, f"output={Path(tmp) / 'distill'}"])
-        pipe, pipe_bpb = run([*CROSSKD, "pipeline", "run-local", *common,
-                              f"output={Path(tmp) / 'pipeline'}"])  # fmt: skip
-    print(f"preset {args.preset}: crosskd distill {base:.1f} s, crosskd pipeline run-local "
-          f"{pipe:.1f} s, ratio {pipe / base:.2f}")
+        pipe, pipe_bpb = run(
+            [*CROSSKD, "pipeline", "run-local", *common, f"output={Path(tmp) / 'pipeline'}"]
+        )
+    print(
+        f"preset {args.preset}: crosskd distill {base:.1f} s, crosskd pipeline run-local "
+        f"{pipe:.1f} s, ratio {pipe / base:.2f}"
+    )
     same = base_bpb == pipe_bpb
     print(f"held-out bits per byte {'identical' if same else 'DIFFER'}: {pipe_bpb}")
     if not same:

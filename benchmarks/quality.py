@@ -45,11 +45,26 @@ ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
     "csd-k8": (8, {}),
     "csd-k128": (128, {}),
 }
-FULL = {"corpus_bytes": 300_000, "ood_bytes": 40_000, "steps": 100, "seeds": 3,
-        "shape": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-                  "num_attention_heads": 4, "num_key_value_heads": 2}}  # fmt: skip
-QUICK = {"corpus_bytes": 40_000, "ood_bytes": 8_000, "steps": 12, "seeds": 1,
-         "shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
+FULL = {
+    "corpus_bytes": 300_000,
+    "ood_bytes": 40_000,
+    "steps": 100,
+    "seeds": 3,
+    "shape": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+}
+QUICK = {
+    "corpus_bytes": 40_000,
+    "ood_bytes": 8_000,
+    "steps": 12,
+    "seeds": 1,
+    "shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
+}
 log = logging.getLogger("quality")
 
 
@@ -69,29 +84,57 @@ def main() -> None:
     out = Path(args.out).resolve()
     started = time.perf_counter()
     base = RunConfig(
-        output=str(out / "work"), teachers=["zoo:smollm2"], student_tokenizer="zoo:llama3",
-        student_shape=size["shape"], corpus_bytes=size["corpus_bytes"], heldout_every=10,
-        ood_data="machine:licences", ood_bytes=size["ood_bytes"], max_length=128,
-        steps=n_steps, micro_batch_rows=4, lr=3e-3, warmup_steps=10,
-        loss={"dynamic_kd_scale": True}, token_budget=2048, device="cpu",
-    )  # fmt: skip
+        output=str(out / "work"),
+        teachers=["zoo:smollm2"],
+        student_tokenizer="zoo:llama3",
+        student_shape=size["shape"],
+        corpus_bytes=size["corpus_bytes"],
+        heldout_every=10,
+        ood_data="machine:licences",
+        ood_bytes=size["ood_bytes"],
+        max_length=128,
+        steps=n_steps,
+        micro_batch_rows=4,
+        lr=3e-3,
+        warmup_steps=10,
+        loss={"dynamic_kd_scale": True},
+        token_budget=2048,
+        device="cpu",
+    )
     plan = steps.validate_inputs(base)
     tables = checked_tables(plan, progress=False)
     prepared = steps.prepare_data(plan, max_length=base.max_length, progress=False)
     log.info("prepared rows: %s", prepared["rows"])
-    caches = {k: teacher_caches(plan, prepared, {**base.scoring(), "k": k}, 1, progress=False)
-              for k in sorted({k for k, _ in ARMS.values()})}  # fmt: skip
+    caches = {
+        k: teacher_caches(plan, prepared, {**base.scoring(), "k": k}, 1, progress=False)
+        for k in sorted({k for k, _ in ARMS.values()})
+    }
     log.info("inputs ready after %.0f s", time.perf_counter() - started)
-    results: dict = {"arms": {}, "reference": {}, "config": {
-        "steps": n_steps, "seeds": seeds, "shape": size["shape"], "corpus_bytes":
-        size["corpus_bytes"], "ood_bytes": size["ood_bytes"], "rows": prepared["rows"]}}
+    results: dict = {
+        "arms": {},
+        "reference": {},
+        "config": {
+            "steps": n_steps,
+            "seeds": seeds,
+            "shape": size["shape"],
+            "corpus_bytes": size["corpus_bytes"],
+            "ood_bytes": size["ood_bytes"],
+            "rows": prepared["rows"],
+        },
+    }
     for seed in seeds:
         seeded = replace(base, seed=seed)
         seed_plan = steps.validate_inputs(seeded)  # the seed's random-init student
         for arm, (k, loss) in ARMS.items():
             config = replace(seeded, k=k, loss={**base.loss, **(loss or {})})
-            items = steps.plan_training(config, seed_plan, prepared, tables, caches[k],
-                                        str(out / "runs" / f"{arm}-seed{seed}"))  # fmt: skip
+            items = steps.plan_training(
+                config,
+                seed_plan,
+                prepared,
+                tables,
+                caches[k],
+                str(out / "runs" / f"{arm}-seed{seed}"),
+            )
             item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
             tick = time.perf_counter()
             run = steps.train(item, executor="inprocess", progress=False)
@@ -100,30 +143,45 @@ def main() -> None:
                 models |= {"student_init": seed_plan["student"]}
                 if seed == seeds[0]:
                     models["teacher"] = plan["teachers"][0]["ref"]
-            evaluation = steps.evaluate_run(prepared, models,
-                                            str(out / "runs" / f"{arm}-seed{seed}"),
-                                            token_budget=base.token_budget, device="cpu")
-            bpb = {"in_domain": evaluation["bits_per_byte"],
-                   "ood": evaluation["ood_bits_per_byte"]}  # fmt: skip
+            evaluation = steps.evaluate_run(
+                prepared,
+                models,
+                str(out / "runs" / f"{arm}-seed{seed}"),
+                token_budget=base.token_budget,
+                device="cpu",
+            )
+            bpb = {"in_domain": evaluation["bits_per_byte"], "ood": evaluation["ood_bits_per_byte"]}
             history = run_history(run["output"])
-            results["arms"].setdefault(arm, []).append({
-                "seed": seed, "in_domain": bpb["in_domain"]["student"],
-                "ood": bpb["ood"]["student"], "ce": [h["ce"] for h in history],
-                "seconds": time.perf_counter() - tick,
-            })  # fmt: skip
+            results["arms"].setdefault(arm, []).append(
+                {
+                    "seed": seed,
+                    "in_domain": bpb["in_domain"]["student"],
+                    "ood": bpb["ood"]["student"],
+                    "ce": [h["ce"] for h in history],
+                    "seconds": time.perf_counter() - tick,
+                }
+            )
             for name in ("student_init", "teacher"):
                 if name in bpb["in_domain"]:
                     results["reference"].setdefault(name, []).append(
-                        {"in_domain": bpb["in_domain"][name], "ood": bpb["ood"][name]})
-            log.info("%s seed %d: in-domain %.4f, out-of-domain %.4f (%.0f s)", arm, seed,
-                     bpb["in_domain"]["student"], bpb["ood"]["student"],
-                     time.perf_counter() - tick)  # fmt: skip
+                        {"in_domain": bpb["in_domain"][name], "ood": bpb["ood"][name]}
+                    )
+            log.info(
+                "%s seed %d: in-domain %.4f, out-of-domain %.4f (%.0f s)",
+                arm,
+                seed,
+                bpb["in_domain"]["student"],
+                bpb["ood"]["student"],
+                time.perf_counter() - tick,
+            )
     results["wall_seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "curves.png")
     print(table(results))
-    print(f"wall time {results['wall_seconds'] / 60:.1f} min; {out / 'results.json'}, "
-          f"{out / 'curves.png'}")
+    print(
+        f"wall time {results['wall_seconds'] / 60:.1f} min; {out / 'results.json'}, "
+        f"{out / 'curves.png'}"
+    )
 
 
 def _spread(values: list[float]) -> str:
@@ -135,8 +193,10 @@ def table(results: dict) -> str:
     """The arms' held-out bits per byte (mean ± sample std over seeds) as a Markdown table,
     with each CSD/ULD arm's difference from CE-only."""
     ce = results["arms"]["ce"]
-    lines = ["| arm | in-domain bits/byte | vs ce | out-of-domain bits/byte | vs ce |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| arm | in-domain bits/byte | vs ce | out-of-domain bits/byte | vs ce |",
+        "|---|---|---|---|---|",
+    ]
     for name, runs in {**results["reference"], **results["arms"]}.items():
         cells = [name]
         for split in ("in_domain", "ood"):

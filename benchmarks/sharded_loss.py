@@ -57,8 +57,7 @@ def _unsharded(logits, plan, config, repeat, out: Path) -> None:
 
 def _tp_rank(rank, port, logits, plan, config, repeat, out: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mesh = build_mesh(ParallelConfig(tp=2))
     part = logits.shape[-1] // 2
     local = logits[..., rank * part : (rank + 1) * part].clone().requires_grad_(True)
@@ -98,26 +97,36 @@ def main() -> None:
         batch = real_batch(STUDENT, TEACHER, args.rows, args.length, work)
         s_ids, t_ids = batch.models["student"].input_ids, batch.models["teacher0"].input_ids
         gen = torch.Generator().manual_seed(0)
-        signal = signal_from_logits(teacher_logits(t_ids, teacher.vocab_size, gen), t_ids, k=K,
-                                    tau=1.0)  # fmt: skip
+        signal = signal_from_logits(
+            teacher_logits(t_ids, teacher.vocab_size, gen), t_ids, k=K, tau=1.0
+        )
         config, plan = csd_plan(batch, signal, pair, K, student.vocab_size)
         logits = torch.randn(*s_ids.shape, student.vocab_size, generator=gen)
         _run(_unsharded, [(logits, plan, config, args.repeat, work / "unsharded.json")])
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        _run(_tp_rank, [(rank, port, logits, plan, config, args.repeat, work / f"tp{rank}.json")
-                        for rank in (0, 1)])  # fmt: skip
+        _run(
+            _tp_rank,
+            [
+                (rank, port, logits, plan, config, args.repeat, work / f"tp{rank}.json")
+                for rank in (0, 1)
+            ],
+        )
         base = json.loads((work / "unsharded.json").read_text())
         ranks = [json.loads((work / f"tp{r}.json").read_text()) for r in (0, 1)]
-    print(f"shape {tuple(s_ids.shape)} x V={student.vocab_size}, top-{K}, "
-          f"{plan.counts.chunks[0]} chunks")  # fmt: skip
+    print(
+        f"shape {tuple(s_ids.shape)} x V={student.vocab_size}, top-{K}, "
+        f"{plan.counts.chunks[0]} chunks"
+    )
     print(f"{'layout':12} {'s/rank':>8} {'x':>6} {'peak MB/rank':>13} {'x':>6}")
     print(f"{'unsharded':12} {base['seconds']:8.3f} {1:6.2f} {base['peak'] / 2**20:13.0f} {1:6.2f}")
     seconds = max(r["seconds"] for r in ranks)
     peak = max(r["peak"] for r in ranks)
-    print(f"{'tp2':12} {seconds:8.3f} {seconds / base['seconds']:6.2f} {peak / 2**20:13.0f} "
-          f"{peak / base['peak']:6.2f}")  # fmt: skip
+    print(
+        f"{'tp2':12} {seconds:8.3f} {seconds / base['seconds']:6.2f} {peak / 2**20:13.0f} "
+        f"{peak / base['peak']:6.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -56,17 +56,30 @@ def main() -> None:
     teacher = load_teacher("zoo:smollm2", device="cpu", dtype="float32")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data.jsonl"
-        data.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n"
-                                for i, t in enumerate(benchmark_corpus(args.bytes))))  # fmt: skip
-        config = PrepareConfig(data=str(data), student_tokenizer="zoo:llama3",
-                               teacher_tokenizers=["zoo:smollm2"], output=str(Path(tmp) / "p"),
-                               max_length=args.length, teacher_max_length=args.length,
-                               pack=False)  # fmt: skip
+        data.write_text(
+            "".join(
+                json.dumps({"id": str(i), "text": t}) + "\n"
+                for i, t in enumerate(benchmark_corpus(args.bytes))
+            )
+        )
+        config = PrepareConfig(
+            data=str(data),
+            student_tokenizer="zoo:llama3",
+            teacher_tokenizers=["zoo:smollm2"],
+            output=str(Path(tmp) / "p"),
+            max_length=args.length,
+            teacher_max_length=args.length,
+            pack=False,
+        )
         prepare(config, progress=False)
-        sequences = [np.asarray(s["teacher0_ids"]) for row in load_prepared(config.output)
-                     .packed_rows() for s in row]  # fmt: skip
-    batches = [[sequences[i] for i in b]
-               for b in budget_batches([len(s) for s in sequences], args.budget)]  # fmt: skip
+        sequences = [
+            np.asarray(s["teacher0_ids"])
+            for row in load_prepared(config.output).packed_rows()
+            for s in row
+        ]
+    batches = [
+        [sequences[i] for i in b] for b in budget_batches([len(s) for s in sequences], args.budget)
+    ]
     tokens = sum(len(s) for s in sequences)
 
     @torch.no_grad()
@@ -99,18 +112,24 @@ def main() -> None:
 
     forward_s, _ = timed(forward)
     score_s, signals = timed(scoring)
-    print(f"{len(sequences)} samples, {tokens} tokens in {len(batches)} batches "
-          f"(budget {args.budget} tokens), SmolLM2-135M float32 on CPU")  # fmt: skip
+    print(
+        f"{len(sequences)} samples, {tokens} tokens in {len(batches)} batches "
+        f"(budget {args.budget} tokens), SmolLM2-135M float32 on CPU"
+    )
     print(f"forward  {forward_s:7.2f} s  {tokens / forward_s:8.0f} tokens/s  1.00x")
     ratio = score_s / forward_s
-    print(f"score    {score_s:7.2f} s  {tokens / score_s:8.0f} tokens/s  {ratio:.2f}x  "
-          f"(goal <= {GOAL_OVERHEAD:.2f}x: {'met' if ratio <= GOAL_OVERHEAD else 'NOT met'})")
+    print(
+        f"score    {score_s:7.2f} s  {tokens / score_s:8.0f} tokens/s  {ratio:.2f}x  "
+        f"(goal <= {GOAL_OVERHEAD:.2f}x: {'met' if ratio <= GOAL_OVERHEAD else 'NOT met'})"
+    )
     names = [str(i) for i in range(len(signals))]
     for encoding in ENCODINGS:
         per_token = len(encode(names, signals, encoding)) / tokens
         goal = GOAL_BYTES[encoding]
-        print(f"{encoding:9} {per_token:6.0f} bytes/token at K = {K} (goal <= {goal}: "
-              f"{'met' if per_token <= goal else 'NOT met'})")  # fmt: skip
+        print(
+            f"{encoding:9} {per_token:6.0f} bytes/token at K = {K} (goal <= {goal}: "
+            f"{'met' if per_token <= goal else 'NOT met'})"
+        )
 
 
 if __name__ == "__main__":

@@ -90,16 +90,35 @@ log = logging.getLogger("benchmarks.train_step")
 STUDENT, TEACHER = "zoo:llama3", "zoo:qwen3"
 GOAL = 1.2
 """The goal of the KD step's time over the CE-only step's (train_step, inputs prepared ahead)."""
-TEACHER_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "initializer_range": 0.5}  # fmt: skip
+TEACHER_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.5,
+}
 """The cache's stand-in teacher (sharp distributions, so the top K is not near-uniform)."""
 DEFAULTS = {
-    "cpu": {"hidden_size": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate_size": 1024,
-            "length": 256, "rows": 4},
-    "gpu": {"hidden_size": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
-            "intermediate_size": 8192, "length": 2048, "rows": 4},
-}  # fmt: skip
+    "cpu": {
+        "hidden_size": 256,
+        "layers": 4,
+        "heads": 4,
+        "kv_heads": 2,
+        "intermediate_size": 1024,
+        "length": 256,
+        "rows": 4,
+    },
+    "gpu": {
+        "hidden_size": 2048,
+        "layers": 16,
+        "heads": 32,
+        "kv_heads": 8,
+        "intermediate_size": 8192,
+        "length": 2048,
+        "rows": 4,
+    },
+}
 """Sizes per mode where the command line gives none."""
 BYTES_PER_TOKEN = 6
 """Text bytes written per student token the measured steps need (Llama-3 averages ~4 on this
@@ -124,9 +143,17 @@ def build_inputs(work: Path, length: int, k: int, n_bytes: int, device: str) -> 
         text = work / f"text-{name}.jsonl"
         write_benchmark_jsonl(text, n_bytes, document_bytes=3 * length, pool_bytes=4_000_000)
         shutil.rmtree(data, ignore_errors=True)
-        prepare(PrepareConfig(data=str(text), student_tokenizer=STUDENT,
-                              teacher_tokenizers=[TEACHER], output=str(data), max_length=length,
-                              teacher_max_length=2 * length), progress=False)  # fmt: skip
+        prepare(
+            PrepareConfig(
+                data=str(text),
+                student_tokenizer=STUDENT,
+                teacher_tokenizers=[TEACHER],
+                output=str(data),
+                max_length=length,
+                teacher_max_length=2 * length,
+            ),
+            progress=False,
+        )
     s2t, t2s = work / "llama3-qwen3-s2t.st", work / "llama3-qwen3-t2s.st"
     if not (s2t.exists() and t2s.exists()):
         s_tok, t_tok = load_tokenizer(STUDENT), load_tokenizer(TEACHER)
@@ -135,29 +162,60 @@ def build_inputs(work: Path, length: int, k: int, n_bytes: int, device: str) -> 
     teacher = init_llama(work / "teacher-qwen3", TEACHER, TEACHER_SHAPE, seed=1)
     cache = work / f"cache-{name}-k{k}"
     if not (cache / "manifest.json").exists():
-        score(ScoreConfig(data=str(data), teacher=str(teacher), output=str(cache), k=k,
-                          device=device), progress=False)  # fmt: skip
+        score(
+            ScoreConfig(
+                data=str(data), teacher=str(teacher), output=str(cache), k=k, device=device
+            ),
+            progress=False,
+        )
     log.info("inputs ready in %s after %.1f s", work, time.perf_counter() - started)
-    return {"data": str(data), "s2t": str(s2t), "t2s": str(t2s), "teacher": str(teacher),
-            "cache": str(cache)}  # fmt: skip
+    return {
+        "data": str(data),
+        "s2t": str(s2t),
+        "t2s": str(t2s),
+        "teacher": str(teacher),
+        "cache": str(cache),
+    }
 
 
-def train_values(args: argparse.Namespace, inputs: dict[str, str], output: Path,
-                 kd_weight: float, **extra) -> dict:  # fmt: skip
+def train_values(
+    args: argparse.Namespace, inputs: dict[str, str], output: Path, kd_weight: float, **extra
+) -> dict:
     """The ``TrainConfig`` keys of the benchmark's student against the cache of ``inputs``."""
     from crosskd.loss import LossConfig, TeacherLossConfig
 
-    loss = LossConfig(kd_weight=kd_weight, teachers=[TeacherLossConfig(
-        k=args.k, student_to_teacher=inputs["s2t"], teacher_to_student=inputs["t2s"])])
-    shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
-             "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-             "intermediate_size": args.intermediate_size}  # fmt: skip
-    return {"student": "init", "student_tokenizer": STUDENT, "student_shape": shape,
-            "data": inputs["data"], "output": str(output), "teachers": [inputs["cache"]],
-            "loss": loss, "steps": args.warmup + args.repeats, "micro_batch_rows": args.rows,
-            "grad_accum": args.grad_accum, "prefetch_steps": 0, "checkpoint_every": 0,
-            "seed": args.seed, "attn_implementation": args.attention,
-            "activation_checkpointing": args.activation_checkpointing} | extra  # fmt: skip
+    loss = LossConfig(
+        kd_weight=kd_weight,
+        teachers=[
+            TeacherLossConfig(
+                k=args.k, student_to_teacher=inputs["s2t"], teacher_to_student=inputs["t2s"]
+            )
+        ],
+    )
+    shape = {
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "intermediate_size": args.intermediate_size,
+    }
+    return {
+        "student": "init",
+        "student_tokenizer": STUDENT,
+        "student_shape": shape,
+        "data": inputs["data"],
+        "output": str(output),
+        "teachers": [inputs["cache"]],
+        "loss": loss,
+        "steps": args.warmup + args.repeats,
+        "micro_batch_rows": args.rows,
+        "grad_accum": args.grad_accum,
+        "prefetch_steps": 0,
+        "checkpoint_every": 0,
+        "seed": args.seed,
+        "attn_implementation": args.attention,
+        "activation_checkpointing": args.activation_checkpointing,
+    } | extra
 
 
 def drop_teachers(trainer) -> None:
@@ -206,16 +264,22 @@ def bench_cpu(args: argparse.Namespace, work: Path, runs: Path) -> dict:
     inputs = build_inputs(work, args.length, args.k, n_bytes, "cpu")
     trainers = {}
     for name, kd_weight in (("kd", 1.0), ("ce", 0.0)):
-        trainer = Trainer(TrainConfig(**train_values(args, inputs, runs / name, kd_weight)),
-                          progress=False)  # fmt: skip
+        trainer = Trainer(
+            TrainConfig(**train_values(args, inputs, runs / name, kd_weight)), progress=False
+        )
         trainer.setup()
         if name == "ce":
             drop_teachers(trainer)
         trainers[name] = trainer
     params = sum(p.numel() for p in trainers["kd"].model.parameters())
     rows = trainers["kd"].shard_order.rows
-    log.info("student %.1fM parameters, %d packed rows of %d tokens, %d torch thread(s)",
-             params / 1e6, rows, args.length, torch.get_num_threads())  # fmt: skip
+    log.info(
+        "student %.1fM parameters, %d packed rows of %d tokens, %d torch thread(s)",
+        params / 1e6,
+        rows,
+        args.length,
+        torch.get_num_threads(),
+    )
     times = {name: {"inputs": [], "train_step": [], "total": []} for name in trainers}
     first_ce = {}
     for i in range(args.warmup + args.repeats):
@@ -228,26 +292,47 @@ def bench_cpu(args: argparse.Namespace, work: Path, runs: Path) -> dict:
                 times[name]["inputs"].append(inputs_s)
                 times[name]["train_step"].append(train_s)
                 times[name]["total"].append(inputs_s + train_s)
-            log.info("step %d %s: inputs %.3f s, train_step %.3f s, loss %.4f", i, name,
-                     inputs_s, train_s, metrics["loss"])  # fmt: skip
-    medians = {name: {part: _median(v) for part, v in parts.items()}
-               for name, parts in times.items()}  # fmt: skip
-    profile = profile_kd_step(trainers["kd"], args.warmup + args.repeats, args.profile) if (
-        args.profile) else None  # fmt: skip
+            log.info(
+                "step %d %s: inputs %.3f s, train_step %.3f s, loss %.4f",
+                i,
+                name,
+                inputs_s,
+                train_s,
+                metrics["loss"],
+            )
+    medians = {
+        name: {part: _median(v) for part, v in parts.items()} for name, parts in times.items()
+    }
+    profile = (
+        profile_kd_step(trainers["kd"], args.warmup + args.repeats, args.profile)
+        if (args.profile)
+        else None
+    )
     for trainer in trainers.values():
         trainer.close()
     kd, ce = medians["kd"], medians["ce"]
     result = {
-        "benchmark": "train_step", "mode": "cpu", "threads": torch.get_num_threads(),
-        "student_params": params, "hidden_size": args.hidden_size, "layers": args.layers,
-        "vocab": trainers["kd"].vocab, "length": args.length, "rows": args.rows,
-        "grad_accum": args.grad_accum, "k": args.k, "warmup": args.warmup,
-        "repeats": args.repeats, "kd": kd, "ce": ce,
+        "benchmark": "train_step",
+        "mode": "cpu",
+        "threads": torch.get_num_threads(),
+        "student_params": params,
+        "hidden_size": args.hidden_size,
+        "layers": args.layers,
+        "vocab": trainers["kd"].vocab,
+        "length": args.length,
+        "rows": args.rows,
+        "grad_accum": args.grad_accum,
+        "k": args.k,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "kd": kd,
+        "ce": ce,
         "ratio_train_step": kd["train_step"] / ce["train_step"],
         "ratio_with_inputs": kd["total"] / ce["total"],
-        "kd_inputs_share": kd["inputs"] / kd["total"], "goal": GOAL,
+        "kd_inputs_share": kd["inputs"] / kd["total"],
+        "goal": GOAL,
         "first_step_ce": first_ce,
-    }  # fmt: skip
+    }
     print_cpu(result)
     if profile:
         print(profile)
@@ -268,24 +353,33 @@ def profile_kd_step(trainer, step: int, top: int) -> str:
 
 def print_cpu(r: dict) -> None:
     """The CPU mode's table."""
-    print(f"training step, KD (CE + CSD, top-{r['k']} cache of a {TEACHER} teacher) against "
-          f"CE only: {r['student_params'] / 1e6:.1f}M-parameter Llama student (hidden "
-          f"{r['hidden_size']}, {r['layers']} layers, V {r['vocab']:,}), {r['rows']} rows x "
-          f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per step, "
-          f"{r['threads']} thread(s); median of {r['repeats']} interleaved steps after "
-          f"{r['warmup']} warm-up:")  # fmt: skip
+    print(
+        f"training step, KD (CE + CSD, top-{r['k']} cache of a {TEACHER} teacher) against "
+        f"CE only: {r['student_params'] / 1e6:.1f}M-parameter Llama student (hidden "
+        f"{r['hidden_size']}, {r['layers']} layers, V {r['vocab']:,}), {r['rows']} rows x "
+        f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per step, "
+        f"{r['threads']} thread(s); median of {r['repeats']} interleaved steps after "
+        f"{r['warmup']} warm-up:"
+    )
     print(f"  {'part of the step':<34}{'KD s':>9}{'CE s':>9}{'KD / CE':>9}")
-    labels = {"inputs": "step_inputs (input thread)", "train_step": "train_step (inputs ahead)",
-              "total": "both (inputs inline)"}  # fmt: skip
+    labels = {
+        "inputs": "step_inputs (input thread)",
+        "train_step": "train_step (inputs ahead)",
+        "total": "both (inputs inline)",
+    }
     for part, label in labels.items():
         kd, ce = r["kd"][part], r["ce"][part]
         print(f"  {label:<34}{kd:>9.3f}{ce:>9.3f}{kd / ce:>8.2f}x")
     verdict = "meets" if r["ratio_train_step"] <= r["goal"] else "misses"
-    print(f"  KD / CE train_step x{r['ratio_train_step']:.2f} ({verdict} the goal <= "
-          f"x{r['goal']}); with inputs inline x{r['ratio_with_inputs']:.2f}; the KD step's "
-          f"inputs are {r['kd_inputs_share']:.0%} of its inline time")  # fmt: skip
-    print(f"  check: CE of step 1, KD trainer {r['first_step_ce']['kd']:.5f}, CE trainer "
-          f"{r['first_step_ce']['ce']:.5f}")  # fmt: skip
+    print(
+        f"  KD / CE train_step x{r['ratio_train_step']:.2f} ({verdict} the goal <= "
+        f"x{r['goal']}); with inputs inline x{r['ratio_with_inputs']:.2f}; the KD step's "
+        f"inputs are {r['kd_inputs_share']:.0%} of its inline time"
+    )
+    print(
+        f"  check: CE of step 1, KD trainer {r['first_step_ce']['kd']:.5f}, CE trainer "
+        f"{r['first_step_ce']['ce']:.5f}"
+    )
 
 
 def _distributed() -> tuple[int, int, torch.device]:
@@ -298,8 +392,11 @@ def _distributed() -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=1800),
-                                device_id=device if cuda else None)  # fmt: skip
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            timeout=timedelta(seconds=1800),
+            device_id=device if cuda else None,
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world, device
 
@@ -331,8 +428,11 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
     else:
         shared = None
     shared = _share(shared, rank, world)
-    config = TrainConfig(**train_values(args, shared["inputs"], Path(shared["run"]), 1.0,
-                                        parallel={"dp_shard": world}))  # fmt: skip
+    config = TrainConfig(
+        **train_values(
+            args, shared["inputs"], Path(shared["run"]), 1.0, parallel={"dp_shard": world}
+        )
+    )
     trainer = Trainer(config, progress=False)
     trainer.setup()
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -349,20 +449,27 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
             step_s.append(seconds)
             inputs_s.append(prepare_s)
             positions.append(sum(b.models["student"].input_ids.numel() for b, _ in planned))
-            tokens.append(sum(int((b.models["student"].segment_ids >= 0).sum())
-                              for b, _ in planned))  # fmt: skip
+            tokens.append(
+                sum(int((b.models["student"].segment_ids >= 0).sum()) for b, _ in planned)
+            )
         if rank == 0:
             log.info("step %d: train_step %.3f s, loss %.4f", step, seconds, metrics["loss"])
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss()[1]
     median, per_step = _median(step_s), statistics.mean(positions)
-    mine = {"rank": rank, "step_s": median, "inputs_s": _median(inputs_s),
-            "positions_per_step": per_step, "tokens_per_step": statistics.mean(tokens),
-            "tokens_per_s": per_step / median,
-            "real_tokens_per_s": statistics.mean(tokens) / median,
-            "mfu": flops_per_token * per_step / median / (args.peak_tflops * 1e12),
-            "peak_memory": peak, "state_bytes": sum((trainer.state_bytes or {}).values()),
-            "gradient_peak": trainer.student.gradient_peak,
-            "whole_gradient_bytes": sum(p.numel() * 4 for p in trainer.model.parameters())}
+    mine = {
+        "rank": rank,
+        "step_s": median,
+        "inputs_s": _median(inputs_s),
+        "positions_per_step": per_step,
+        "tokens_per_step": statistics.mean(tokens),
+        "tokens_per_s": per_step / median,
+        "real_tokens_per_s": statistics.mean(tokens) / median,
+        "mfu": flops_per_token * per_step / median / (args.peak_tflops * 1e12),
+        "peak_memory": peak,
+        "state_bytes": sum((trainer.state_bytes or {}).values()),
+        "gradient_peak": trainer.student.gradient_peak,
+        "whole_gradient_bytes": sum(p.numel() * 4 for p in trainer.model.parameters()),
+    }
     trainer.close()
     ranks = [mine]
     if world > 1:
@@ -377,22 +484,38 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
         return None
     total_tps = sum(r["tokens_per_s"] for r in ranks)
     result = {
-        "benchmark": "train_step", "mode": "gpu", "device": device.type,
+        "benchmark": "train_step",
+        "mode": "gpu",
+        "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world": world, "parallel": {"dp_shard": world}, "student_params": params,
-        "hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads,
-        "kv_heads": args.kv_heads, "intermediate_size": args.intermediate_size,
-        "vocab": trainer.vocab, "length": args.length, "rows": args.rows,
-        "grad_accum": args.grad_accum, "k": args.k, "attention": trainer.attention,
+        "world": world,
+        "parallel": {"dp_shard": world},
+        "student_params": params,
+        "hidden_size": args.hidden_size,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "intermediate_size": args.intermediate_size,
+        "vocab": trainer.vocab,
+        "length": args.length,
+        "rows": args.rows,
+        "grad_accum": args.grad_accum,
+        "k": args.k,
+        "attention": trainer.attention,
         "activation_checkpointing": args.activation_checkpointing,
-        "peak_tflops": args.peak_tflops, "flops_per_token": flops_per_token,
-        "warmup": args.warmup, "repeats": args.repeats, "ranks": ranks,
-        "total": {"tokens_per_s": total_tps,
-                  "real_tokens_per_s": sum(r["real_tokens_per_s"] for r in ranks),
-                  "mfu": flops_per_token * total_tps / (world * args.peak_tflops * 1e12),
-                  "step_s": max(r["step_s"] for r in ranks),
-                  "peak_memory": max(r["peak_memory"] for r in ranks)},
-    }  # fmt: skip
+        "peak_tflops": args.peak_tflops,
+        "flops_per_token": flops_per_token,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "ranks": ranks,
+        "total": {
+            "tokens_per_s": total_tps,
+            "real_tokens_per_s": sum(r["real_tokens_per_s"] for r in ranks),
+            "mfu": flops_per_token * total_tps / (world * args.peak_tflops * 1e12),
+            "step_s": max(r["step_s"] for r in ranks),
+            "peak_memory": max(r["peak_memory"] for r in ranks),
+        },
+    }
     print_gpu(result)
     return result
 
@@ -400,62 +523,98 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
 def print_gpu(r: dict) -> None:
     """The GPU mode's table."""
     memory = "max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
-    print(f"training step of a {r['student_params'] / 1e9:.3f}B Llama student (hidden "
-          f"{r['hidden_size']}, {r['layers']} layers, {r['heads']}/{r['kv_heads']} heads, "
-          f"intermediate {r['intermediate_size']}, V {r['vocab']:,}), FSDP2 over {r['world']} "
-          f"rank(s) on {r['device_name']}, {r['attention']} attention, activation checkpointing "
-          f"{'on' if r['activation_checkpointing'] else 'off'}; {r['rows']} rows x "
-          f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per rank and step, KD "
-          f"against a top-{r['k']} cache; median of {r['repeats']} steps after {r['warmup']} "
-          f"warm-up, inputs prepared ahead; MFU against {r['peak_tflops']:g} TFLOP/s per rank, "
-          f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token:")  # fmt: skip
-    print(f"  {'rank':<6}{'step s':>9}{'inputs s':>10}{'tokens/s':>12}{'real tok/s':>12}{'MFU':>8}"
-          f"{memory:>22}{'state':>11}{'grad peak':>11}{'/ whole':>9}")  # fmt: skip
+    print(
+        f"training step of a {r['student_params'] / 1e9:.3f}B Llama student (hidden "
+        f"{r['hidden_size']}, {r['layers']} layers, {r['heads']}/{r['kv_heads']} heads, "
+        f"intermediate {r['intermediate_size']}, V {r['vocab']:,}), FSDP2 over {r['world']} "
+        f"rank(s) on {r['device_name']}, {r['attention']} attention, activation checkpointing "
+        f"{'on' if r['activation_checkpointing'] else 'off'}; {r['rows']} rows x "
+        f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per rank and step, KD "
+        f"against a top-{r['k']} cache; median of {r['repeats']} steps after {r['warmup']} "
+        f"warm-up, inputs prepared ahead; MFU against {r['peak_tflops']:g} TFLOP/s per rank, "
+        f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token:"
+    )
+    print(
+        f"  {'rank':<6}{'step s':>9}{'inputs s':>10}{'tokens/s':>12}{'real tok/s':>12}{'MFU':>8}"
+        f"{memory:>22}{'state':>11}{'grad peak':>11}{'/ whole':>9}"
+    )
     for x in r["ranks"]:
-        print(f"  {x['rank']:<6}{x['step_s']:>9.3f}{x['inputs_s']:>10.3f}"
-              f"{x['tokens_per_s']:>12,.0f}{x['real_tokens_per_s']:>12,.0f}{x['mfu']:>8.1%}"
-              f"{x['peak_memory'] / 2**30:>18.2f} GiB{x['state_bytes'] / 2**30:>7.2f} GiB"
-              f"{x['gradient_peak'] / 2**30:>7.2f} GiB"
-              f"{x['gradient_peak'] / x['whole_gradient_bytes']:>9.3f}")  # fmt: skip
-    print("  grad peak: the most gradient bytes a rank held after any micro-batch's backward "
-          "pass; / whole: over the float32 gradients of the whole model (what accumulating "
-          "without reduce-scatter held on every rank)")
+        print(
+            f"  {x['rank']:<6}{x['step_s']:>9.3f}{x['inputs_s']:>10.3f}"
+            f"{x['tokens_per_s']:>12,.0f}{x['real_tokens_per_s']:>12,.0f}{x['mfu']:>8.1%}"
+            f"{x['peak_memory'] / 2**30:>18.2f} GiB{x['state_bytes'] / 2**30:>7.2f} GiB"
+            f"{x['gradient_peak'] / 2**30:>7.2f} GiB"
+            f"{x['gradient_peak'] / x['whole_gradient_bytes']:>9.3f}"
+        )
+    print(
+        "  grad peak: the most gradient bytes a rank held after any micro-batch's backward "
+        "pass; / whole: over the float32 gradients of the whole model (what accumulating "
+        "without reduce-scatter held on every rank)"
+    )
     t = r["total"]
-    print(f"  {'all':<6}{t['step_s']:>9.3f}{'':>10}{t['tokens_per_s']:>12,.0f}"
-          f"{t['real_tokens_per_s']:>12,.0f}{t['mfu']:>8.1%}{t['peak_memory'] / 2**30:>18.2f} GiB")
+    print(
+        f"  {'all':<6}{t['step_s']:>9.3f}{'':>10}{t['tokens_per_s']:>12,.0f}"
+        f"{t['real_tokens_per_s']:>12,.0f}{t['mfu']:>8.1%}{t['peak_memory'] / 2**30:>18.2f} GiB"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true",
-                        help="tokens/s, MFU and memory under FSDP2 (run under torchrun)")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="tokens/s, MFU and memory under FSDP2 (run under torchrun)",
+    )
     sizes = DEFAULTS["cpu"]
     for key in sizes:
         flag = "--" + key.replace("_", "-")
-        parser.add_argument(flag, type=int, default=None,
-                            help=f"default {sizes[key]} (CPU), {DEFAULTS['gpu'][key]} (--gpu)")
+        parser.add_argument(
+            flag,
+            type=int,
+            default=None,
+            help=f"default {sizes[key]} (CPU), {DEFAULTS['gpu'][key]} (--gpu)",
+        )
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--k", type=int, default=32, help="top-K of the teacher cache")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (of each trainer)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps (of each trainer)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention", default=None,
-                        help="attn_implementation (default: what transformers picks)")
+    parser.add_argument(
+        "--attention", default=None, help="attn_implementation (default: what transformers picks)"
+    )
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="peak dense bf16 TFLOP/s per device, for MFU (--gpu)")
-    parser.add_argument("--text-bytes", type=int, default=None,
-                        help="text to prepare (default: what the measured steps need)")
-    parser.add_argument("--workdir", default=None,
-                        help="keep (and reuse) the inputs here; --gpu: storage every rank sees")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="CPU mode: print the top N operators of one more KD train_step")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="peak dense bf16 TFLOP/s per device, for MFU (--gpu)",
+    )
+    parser.add_argument(
+        "--text-bytes",
+        type=int,
+        default=None,
+        help="text to prepare (default: what the measured steps need)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="keep (and reuse) the inputs here; --gpu: storage every rank sees",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CPU mode: print the top N operators of one more KD train_step",
+    )
     args = parser.parse_args()
     for key, value in DEFAULTS["gpu" if args.gpu else "cpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0"
-                        else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+        format="%(asctime)s %(name)s %(message)s",
+    )
     for noisy in ("crosskd", "httpx", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.gpu:

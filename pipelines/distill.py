@@ -38,24 +38,37 @@ TRAIN_WAIT = "1209600s"
 def _secrets(task: dsl.PipelineTask, secret: str) -> dsl.PipelineTask:
     """S3 credentials (and, when the Secret has them, endpoint and region) as env from the
     Secret ``secret``: never as parameters."""
-    kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={
-        "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-    })  # fmt: skip
-    kubernetes.use_secret_as_env(task, secret_name=secret, optional=True, secret_key_to_env={
-        "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION": "AWS_DEFAULT_REGION",
-    })  # fmt: skip
+    kubernetes.use_secret_as_env(
+        task,
+        secret_name=secret,
+        secret_key_to_env={
+            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+        },
+    )
+    kubernetes.use_secret_as_env(
+        task,
+        secret_name=secret,
+        optional=True,
+        secret_key_to_env={
+            "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL",
+            "AWS_DEFAULT_REGION": "AWS_DEFAULT_REGION",
+        },
+    )
     return task
 
 
-def _gpu(task: dsl.PipelineTask, gpus: int, node_selector: dict,
-         tolerations: list) -> dsl.PipelineTask:  # fmt: skip
+def _gpu(
+    task: dsl.PipelineTask, gpus: int, node_selector: dict, tolerations: list
+) -> dsl.PipelineTask:
     """A GPU step: ``gpus`` accelerators, the node selector and tolerations of parameters,
     ``/dev/shm`` in memory (NCCL, DataLoader workers), a one-day deadline."""
     task.set_accelerator_type(GPU).set_accelerator_limit(gpus)
     kubernetes.add_node_selector_json(task, node_selector)
     kubernetes.add_toleration_json(task, tolerations)
-    kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
-                               size_limit="16Gi")  # fmt: skip
+    kubernetes.empty_dir_mount(
+        task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit="16Gi"
+    )
     kubernetes.set_timeout(task, 24 * 3600)
     return task
 
@@ -68,12 +81,14 @@ def _monitored(task: dsl.PipelineTask, component: str) -> dsl.PipelineTask:
     return task
 
 
-def _cpu(task: dsl.PipelineTask, cpu: str, memory: str, *, cache: bool,
-         retries: int = 0) -> dsl.PipelineTask:  # fmt: skip
+def _cpu(
+    task: dsl.PipelineTask, cpu: str, memory: str, *, cache: bool, retries: int = 0
+) -> dsl.PipelineTask:
     task.set_cpu_request(cpu).set_memory_request(memory).set_caching_options(cache)
     if retries:
-        task.set_retry(retries, backoff_duration="30s", backoff_factor=2.0,
-                       backoff_max_duration="3600s")  # fmt: skip
+        task.set_retry(
+            retries, backoff_duration="30s", backoff_factor=2.0, backoff_max_duration="3600s"
+        )
     return task
 
 
@@ -94,11 +109,17 @@ def distill(
     steps: int = 12,
     compare_ce_only: bool = True,
     options: dict = {  # noqa: B006
-        "teacher_tokenizer": "tiny:420", "student_tokenizer": "tiny:330",
+        "teacher_tokenizer": "tiny:420",
+        "student_tokenizer": "tiny:330",
         "teacher_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
         "student_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
-        "corpus_bytes": 20000, "heldout_every": 5, "max_length": 64, "micro_batch_rows": 4,
-        "lr": 0.003, "warmup_steps": 2, "loss": {"dynamic_kd_scale": True},
+        "corpus_bytes": 20000,
+        "heldout_every": 5,
+        "max_length": 64,
+        "micro_batch_rows": 4,
+        "lr": 0.003,
+        "warmup_steps": 2,
+        "loss": {"dynamic_kd_scale": True},
         "token_budget": 1024,
     },
     score_pods: int = 1,
@@ -122,15 +143,27 @@ def distill(
     scoring pods serve ``/metrics`` on (the step PodMonitor of ``manifests/monitoring`` scrapes
     it; 0: a free port, -1: not served)."""
     inputs = validate_inputs(
-        output_root=output_root, teachers=teachers, student=student, train_data=train_data,
-        heldout_data=heldout_data, ood_data=ood_data, k=k, tau=tau, steps=steps,
-        compare_ce_only=compare_ce_only, score_pods=score_pods, options=options,
-        executor=executor, image=image, gpus_per_node=gpus_per_node, nodes=nodes, job=job,
-    )  # fmt: skip
+        output_root=output_root,
+        teachers=teachers,
+        student=student,
+        train_data=train_data,
+        heldout_data=heldout_data,
+        ood_data=ood_data,
+        k=k,
+        tau=tau,
+        steps=steps,
+        compare_ce_only=compare_ce_only,
+        score_pods=score_pods,
+        options=options,
+        executor=executor,
+        image=image,
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        job=job,
+    )
     _secrets(_cpu(inputs, "1", "4Gi", cache=False), s3_secret)
     plan = inputs.outputs["plan"]
-    prepared = prepare(plan=plan, preparing=inputs.outputs["preparing"],
-                       metrics_port=metrics_port)  # fmt: skip
+    prepared = prepare(plan=plan, preparing=inputs.outputs["preparing"], metrics_port=metrics_port)
     _secrets(_cpu(prepared, "8", "32Gi", cache=True, retries=2), s3_secret)
     _monitored(prepared, "prepare")
     pairs = plan_tables(plan=plan)
@@ -141,8 +174,12 @@ def distill(
         _secrets(_cpu(built, "4", "16Gi", cache=True, retries=2), s3_secret)
         checked = validate_tables(item=pair, tables=built.outputs["Output"])
         _secrets(_cpu(checked, "2", "8Gi", cache=True), s3_secret)
-    jobs = plan_scoring(plan=plan, prepared=prepared.outputs["Output"],
-                        scoring=inputs.outputs["scoring"], score_pods=score_pods)  # fmt: skip
+    jobs = plan_scoring(
+        plan=plan,
+        prepared=prepared.outputs["Output"],
+        scoring=inputs.outputs["scoring"],
+        score_pods=score_pods,
+    )
     _secrets(_cpu(jobs, "1", "1Gi", cache=True), s3_secret)
     with dsl.ParallelFor(jobs.output, name="scoring") as scoring_job:
         scored = score_teacher(job=scoring_job, gpus=score_gpus, metrics_port=metrics_port)
@@ -152,32 +189,47 @@ def distill(
     merged = merge_cache(parts=dsl.Collected(scored.outputs["Output"]))
     _secrets(_cpu(merged, "2", "8Gi", cache=True, retries=2), s3_secret)
     runs = plan_training(
-        run_config=inputs.outputs["run_config"], plan=plan, prepared=prepared.outputs["Output"],
-        tables=dsl.Collected(checked.outputs["Output"]), caches=merged.outputs["Output"],
+        run_config=inputs.outputs["run_config"],
+        plan=plan,
+        prepared=prepared.outputs["Output"],
+        tables=dsl.Collected(checked.outputs["Output"]),
+        caches=merged.outputs["Output"],
         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-    )  # fmt: skip
+    )
     _secrets(_cpu(runs, "1", "1Gi", cache=False), s3_secret)
     with dsl.ParallelFor(runs.output, name="runs") as run:
         trained = train(
-            item=run, executor=executor, image=image, gpus_per_node=gpus_per_node, nodes=nodes,
-            job=job, s3_secret=s3_secret, pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            item=run,
+            executor=executor,
+            image=image,
+            gpus_per_node=gpus_per_node,
+            nodes=nodes,
+            job=job,
+            s3_secret=s3_secret,
+            pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
             task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
-        )  # fmt: skip
+        )
         # A CPU-only launcher: create or reattach to the PyTorchJob and wait for it.
         _secrets(_cpu(trained, "1", "2Gi", cache=False), s3_secret)
-        trained.set_retry(3, backoff_duration="60s", backoff_factor=2.0,
-                          backoff_max_duration=TRAIN_WAIT)  # fmt: skip
+        trained.set_retry(
+            3, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration=TRAIN_WAIT
+        )
     evaluation = evaluate(
-        plan=plan, prepared=prepared.outputs["Output"],
-        runs=dsl.Collected(trained.outputs["Output"]), run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-        scoring=inputs.outputs["scoring"], gpus=score_gpus,
-    )  # fmt: skip
+        plan=plan,
+        prepared=prepared.outputs["Output"],
+        runs=dsl.Collected(trained.outputs["Output"]),
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        scoring=inputs.outputs["scoring"],
+        gpus=score_gpus,
+    )
     _secrets(_cpu(evaluation, "8", "32Gi", cache=False), s3_secret)
     _gpu(evaluation, score_gpus, score_node_selector, score_tolerations)
     shown = report(
-        plan=plan, evaluation=evaluation.outputs["Output"],
-        runs=dsl.Collected(trained.outputs["Output"]), run_config=inputs.outputs["run_config"],
+        plan=plan,
+        evaluation=evaluation.outputs["Output"],
+        runs=dsl.Collected(trained.outputs["Output"]),
+        run_config=inputs.outputs["run_config"],
         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-    )  # fmt: skip
+    )
     _secrets(_cpu(shown, "1", "2Gi", cache=False, retries=2), s3_secret)
     return shown.outputs["Output"]

@@ -85,9 +85,11 @@ def s3():
     host, port = server.get_host_and_port()
     patch = pytest.MonkeyPatch()
     for key, value in {
-        "AWS_ACCESS_KEY_ID": "crosskd-test", "AWS_SECRET_ACCESS_KEY": "crosskd-test",
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-    }.items():  # fmt: skip
+        "AWS_ACCESS_KEY_ID": "crosskd-test",
+        "AWS_SECRET_ACCESS_KEY": "crosskd-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }.items():
         patch.setenv(key, value)
     s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem()

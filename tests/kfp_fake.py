@@ -42,8 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 
 API = "/apis/v2beta1"
 # HTTP status -> the gRPC code grpc-gateway maps to it.
-_GRPC_CODES = {400: 3, 401: 16, 403: 7, 404: 5, 409: 6, 429: 8, 500: 13, 501: 12, 503: 14,
-               504: 4}
+_GRPC_CODES = {400: 3, 401: 16, 403: 7, 404: 5, 409: 6, 429: 8, 500: 13, 501: 12, 503: 14, 504: 4}
 _EQUALS = (1, "EQUALS")
 
 
@@ -113,8 +112,9 @@ class FakeKfpApi:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def start(self) -> FakeKfpApi:
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
         return self
 
@@ -137,21 +137,28 @@ class FakeKfpApi:
         """Make an experiment exist, as if created earlier; returns its id."""
         with self._lock:
             return self._create_experiment({"display_name": name, "namespace": namespace})[
-                "experiment_id"]
+                "experiment_id"
+            ]
 
     def fail(self, method: str, path: str, status: int, message: str = "", times: int = 1) -> None:
         """Answer the next ``times`` requests ``method path`` (path under ``/apis/v2beta1``,
         e.g. ``/runs``; a trailing ``*`` matches any rest) with HTTP ``status``."""
         with self._lock:
-            self._failures.append(_Failure(method.upper(), API + path, status,
-                                           message or HTTPStatus(status).phrase, times))
+            self._failures.append(
+                _Failure(
+                    method.upper(), API + path, status, message or HTTPStatus(status).phrase, times
+                )
+            )
 
     def requests_to(self, method: str, path: str) -> list[Request]:
         """The recorded requests ``method path`` (path under ``/apis/v2beta1``; ``*`` at the
         end matches any rest)."""
         with self._lock:
-            return [r for r in self.requests
-                    if r.method == method.upper() and _matches(API + path, r.path)]
+            return [
+                r
+                for r in self.requests
+                if r.method == method.upper() and _matches(API + path, r.path)
+            ]
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -201,13 +208,21 @@ class FakeKfpApi:
             except ValueError:
                 body = raw.decode("utf-8", "replace")
         with self._lock:
-            self.requests.append(Request(
-                method=method, path=url.path, query=parse_qs(url.query),
-                headers={k.lower(): v for k, v in req.headers.items()}, body=body,
-            ))
+            self.requests.append(
+                Request(
+                    method=method,
+                    path=url.path,
+                    query=parse_qs(url.query),
+                    headers={k.lower(): v for k, v in req.headers.items()},
+                    body=body,
+                )
+            )
             for failure in self._failures:
-                if failure.times > 0 and failure.method == method and _matches(failure.path,
-                                                                               url.path):
+                if (
+                    failure.times > 0
+                    and failure.method == method
+                    and _matches(failure.path, url.path)
+                ):
                     failure.times -= 1
                     return failure.status, _error_body(failure.status, failure.message)
             try:
@@ -224,8 +239,11 @@ class FakeKfpApi:
             if not isinstance(body, dict) or not body.get("display_name"):
                 raise _Reply(400, "Invalid input error: Experiment name is empty")
             if self.multi_user and not body.get("namespace"):
-                raise _Reply(400, "Invalid input error: In multi-user mode, experiment "
-                                  "namespace must be specified")
+                raise _Reply(
+                    400,
+                    "Invalid input error: In multi-user mode, experiment "
+                    "namespace must be specified",
+                )
             return self._create_experiment(body)
         if path.startswith(f"{API}/experiments/") and method == "GET":
             found = self.experiments.get(path.rsplit("/", 1)[1])
@@ -241,8 +259,11 @@ class FakeKfpApi:
     def _list_experiments(self, query: dict[str, list[str]]) -> dict[str, Any]:
         namespace = (query.get("namespace") or [""])[0]
         if self.multi_user and not namespace:
-            raise _Reply(400, "Invalid input error: In multi-user mode, ListExperiment "
-                              "requires filtering by namespace")
+            raise _Reply(
+                400,
+                "Invalid input error: In multi-user mode, ListExperiment "
+                "requires filtering by namespace",
+            )
         name = None
         if "filter" in query:
             try:
@@ -253,9 +274,12 @@ class FakeKfpApi:
                 name = predicate.get("stringValue", predicate.get("string_value"))
             except (ValueError, KeyError, TypeError, AssertionError) as e:
                 raise _Reply(400, f"fake: unsupported filter {query['filter'][0]!r}") from e
-        found = [e for e in self.experiments.values()
-                 if (name is None or e["display_name"] == name)
-                 and (not namespace or e["namespace"] == namespace)]
+        found = [
+            e
+            for e in self.experiments.values()
+            if (name is None or e["display_name"] == name)
+            and (not namespace or e["namespace"] == namespace)
+        ]
         return {"experiments": found, "total_size": len(found), "next_page_token": ""}
 
     def _create_experiment(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -275,8 +299,10 @@ class FakeKfpApi:
         if not isinstance(body, dict):
             raise _Reply(400, "Invalid input error: the body is not a run")
         if not body.get("pipeline_spec") and not body.get("pipeline_version_reference"):
-            raise _Reply(400, "Invalid input error: a run needs a pipeline_spec or a "
-                              "pipeline_version_reference")
+            raise _Reply(
+                400,
+                "Invalid input error: a run needs a pipeline_spec or a pipeline_version_reference",
+            )
         experiment_id = body.get("experiment_id")
         if experiment_id and experiment_id not in self.experiments:
             raise _Reply(404, f"Failed to create a run: experiment {experiment_id} not found")

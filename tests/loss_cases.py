@@ -86,10 +86,15 @@ def make_case(zoo, built_table, student: str, teacher: str, texts, seed: int = 0
     one_to_one = torch.nonzero(valid & (shape == SHAPE_1_1)).flatten()
     shape[one_to_one[len(one_to_one) // 2]] = SHAPE_SPECIAL
     chunks = ChunkBatch(
-        row=cat["row"].long(), student=cat["s"].long(), teacher=cat["t"].long(), shape=shape,
-        region=torch.zeros(len(shape), dtype=torch.uint8), valid=valid,
-        flags=cat["flags"].to(torch.uint8), sample=cat["row"].long(),
-    )  # fmt: skip
+        row=cat["row"].long(),
+        student=cat["s"].long(),
+        teacher=cat["t"].long(),
+        shape=shape,
+        region=torch.zeros(len(shape), dtype=torch.uint8),
+        valid=valid,
+        flags=cat["flags"].to(torch.uint8),
+        sample=cat["row"].long(),
+    )
 
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -141,9 +146,15 @@ def make_case(zoo, built_table, student: str, teacher: str, texts, seed: int = 0
     for b, a in enumerate(samples):
         loss_mask[b, : len(a.loss_mask)] = torch.from_numpy(a.loss_mask)
     return CsdCase(
-        f"{student}-{teacher}", student_ids, teacher_ids, chunks, pair, student_logits,
-        teacher_logits, loss_mask,
-    )  # fmt: skip
+        f"{student}-{teacher}",
+        student_ids,
+        teacher_ids,
+        chunks,
+        pair,
+        student_logits,
+        teacher_logits,
+        loss_mask,
+    )
 
 
 def plan_rows(case: CsdCase, signal, config, rows: slice = slice(None)):
@@ -151,25 +162,36 @@ def plan_rows(case: CsdCase, signal, config, rows: slice = slice(None)):
     keep = (case.chunks.row >= (rows.start or 0)) & (case.chunks.row < (rows.stop or 1 << 30))
     shift = rows.start or 0
     chunks = ChunkBatch(
-        case.chunks.row[keep] - shift, case.chunks.student[keep], case.chunks.teacher[keep],
-        case.chunks.shape[keep], case.chunks.region[keep], case.chunks.valid[keep],
-        case.chunks.flags[keep], case.chunks.sample[keep] - shift,
-    )  # fmt: skip
+        case.chunks.row[keep] - shift,
+        case.chunks.student[keep],
+        case.chunks.teacher[keep],
+        case.chunks.shape[keep],
+        case.chunks.region[keep],
+        case.chunks.valid[keep],
+        case.chunks.flags[keep],
+        case.chunks.sample[keep] - shift,
+    )
     sig = signal if rows == slice(None) else signal_rows(signal, rows)
     batch = TeacherBatch(case.teacher_ids[rows], chunks, sig)
     return plan_loss(
-        config, case.student_ids[rows], case.loss_mask[rows], [batch], [case.pair],
+        config,
+        case.student_ids[rows],
+        case.loss_mask[rows],
+        [batch],
+        [case.pair],
         student_vocab=case.student_logits.shape[-1],
-    )  # fmt: skip
+    )
 
 
 def signal_rows(signal, rows: slice):
     """The signal of the rows ``rows``."""
     return replace(
-        signal, ids=None if signal.ids is None else signal.ids[rows],
-        log_probs=signal.log_probs[rows], realized=signal.realized[rows],
+        signal,
+        ids=None if signal.ids is None else signal.ids[rows],
+        log_probs=signal.log_probs[rows],
+        realized=signal.realized[rows],
         realized_t1=signal.realized_t1[rows],
-    )  # fmt: skip
+    )
 
 
 def loss_config(k: int, **kw):
@@ -191,8 +213,11 @@ def padded(case: CsdCase, multiple: int, width: int | None = None) -> CsdCase:
         case,
         student_ids=torch.nn.functional.pad(case.student_ids, (0, extra)),
         loss_mask=torch.nn.functional.pad(case.loss_mask, (0, extra)),
-        student_logits=torch.cat([
-            case.student_logits,
-            torch.randn(n_b, extra, case.student_logits.shape[-1], generator=gen),
-        ], dim=1),
-    )  # fmt: skip
+        student_logits=torch.cat(
+            [
+                case.student_logits,
+                torch.randn(n_b, extra, case.student_logits.shape[-1], generator=gen),
+            ],
+            dim=1,
+        ),
+    )

@@ -332,12 +332,21 @@ def reference_kd(
     ``student_logits``) and ``N`` = the number of counted chunks; ``N = 0`` gives
     ``0 * student_logits.sum()`` (so a graph exists and every gradient is 0)."""
     infos = reference_chunks(
-        student_logits, student_ids, teacher_ids, teacher_signal, chunks, pair,
-        tau=tau, divergence=divergence, beta=beta, keep_realized=keep_realized,
-        min_mismatch_support=min_mismatch_support, mismatch_weight=mismatch_weight,
+        student_logits,
+        student_ids,
+        teacher_ids,
+        teacher_signal,
+        chunks,
+        pair,
+        tau=tau,
+        divergence=divergence,
+        beta=beta,
+        keep_realized=keep_realized,
+        min_mismatch_support=min_mismatch_support,
+        mismatch_weight=mismatch_weight,
         realized_only_mismatch=realized_only_mismatch,
         drop_unrealized_topk=drop_unrealized_topk,
-    )  # fmt: skip
+    )
     counted = [info for info in infos if info.counts]
     if not counted:
         return (0.0 * student_logits.sum()).double(), 0

@@ -26,12 +26,26 @@ RULES_NAME = "crosskd-rules.yaml"
 _KEYWORDS = {"and", "or", "unless", "atan2", "bool", "offset", "inf", "nan"}
 _GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 _AGGREGATIONS = {
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk",
-    "topk", "quantile", "limitk", "limit_ratio",
-}  # fmt: skip
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+}
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
-                     r"(?:(?:ms|[smhdwy])(?:\d+(?:ms|[smhdwy]))*)?")  # fmt: skip
+_NUMBER = re.compile(
+    r"0[xX][0-9a-fA-F]+|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+    r"(?:(?:ms|[smhdwy])(?:\d+(?:ms|[smhdwy]))*)?"
+)
 
 
 def prometheus_rule() -> dict:
@@ -47,9 +61,12 @@ def rule_file_text() -> str:
 def alert_rules() -> list[dict]:
     """Every alerting rule, in file order: the rule's own keys (``alert``, ``expr``, ``for``,
     ``labels``, ``annotations``) plus ``name`` (the same as ``alert``)."""
-    return [{"name": rule["alert"], **rule}
-            for group in prometheus_rule()["spec"]["groups"]
-            for rule in group["rules"] if "alert" in rule]  # fmt: skip
+    return [
+        {"name": rule["alert"], **rule}
+        for group in prometheus_rule()["spec"]["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
 
 
 def relabel(labels: dict[str, str], configs: list[dict]) -> dict[str, str] | None:
@@ -57,14 +74,14 @@ def relabel(labels: dict[str, str], configs: list[dict]) -> dict[str, str] | Non
     labels = dict(labels)
     for config in configs:
         action = config.get("action", "replace")
-        value = config.get("separator", ";").join(labels.get(s, "")
-                                                  for s in config.get("sourceLabels", []))
+        value = config.get("separator", ";").join(
+            labels.get(s, "") for s in config.get("sourceLabels", [])
+        )
         match = re.fullmatch(config.get("regex", "(.*)"), value)
         if (action == "keep" and not match) or (action == "drop" and match):
             return None
         if action == "replace" and match:
-            template = re.sub(r"\$\{(\w+)\}|\$(\w+)", r"\\g<\1\2>",
-                              config.get("replacement", "$1"))  # fmt: skip
+            template = re.sub(r"\$\{(\w+)\}|\$(\w+)", r"\\g<\1\2>", config.get("replacement", "$1"))
             labels[config["targetLabel"]] = match.expand(template)
         assert action in ("keep", "drop", "replace"), action
     return labels
@@ -125,21 +142,24 @@ def metric_selectors(expr: str) -> list[str]:
             end = _skip_group(expr, i, "}")
             found.append(expr[i:end])
             i = end
-        elif char.isdigit() or (char == "." and expr[i + 1:i + 2].isdigit()):
+        elif char.isdigit() or (char == "." and expr[i + 1 : i + 2].isdigit()):
             i = _NUMBER.match(expr, i).end()
         elif match := _IDENT.match(expr, i):
             word, i = match.group(), match.end()
             after = _skip_space(expr, i)
             nxt = _IDENT.match(expr, after)
-            if word.lower() in _GROUPING and expr[after:after + 1] == "(":
+            if word.lower() in _GROUPING and expr[after : after + 1] == "(":
                 i = _skip_group(expr, after, ")")
             elif word.lower() == "offset":
-                i = _skip_space(expr, after + (expr[after:after + 1] == "-"))
+                i = _skip_space(expr, after + (expr[after : after + 1] == "-"))
                 i = number.end() if (number := _NUMBER.match(expr, i)) else i
-            elif (word.lower() in _KEYWORDS or expr[after:after + 1] == "("
-                  or (word in _AGGREGATIONS and nxt and nxt.group() in ("by", "without"))):
-                continue  # fmt: skip
-            elif expr[after:after + 1] == "{":
+            elif (
+                word.lower() in _KEYWORDS
+                or expr[after : after + 1] == "("
+                or (word in _AGGREGATIONS and nxt and nxt.group() in ("by", "without"))
+            ):
+                continue
+            elif expr[after : after + 1] == "{":
                 i = _skip_group(expr, after, "}")
                 found.append(word + expr[after:i])
             else:

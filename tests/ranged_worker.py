@@ -5,8 +5,9 @@ node cache (:mod:`crosskd.ranges`), counting the bytes it fetched from S3; spawn
 from __future__ import annotations
 
 
-def read_rows(uri: str, path: str, footer: dict, rows: tuple[int, int], node_cache: str,
-              barrier, results) -> None:  # fmt: skip
+def read_rows(
+    uri: str, path: str, footer: dict, rows: tuple[int, int], node_cache: str, barrier, results
+) -> None:
     """Wait at ``barrier`` with the other processes, read ``rows`` of ``path`` under ``uri``
     and put ``(rows as Python values, bytes fetched from S3)`` on ``results``."""
     import fsspec
@@ -25,7 +26,6 @@ def read_rows(uri: str, path: str, footer: dict, rows: tuple[int, int], node_cac
 
     fs.cat_file = counting
     barrier.wait()
-    file = ArtifactFile(uri, path, "test data", DataError, "Write it again.",
-                        NodeCache(node_cache))  # fmt: skip
+    file = ArtifactFile(uri, path, "test data", DataError, "Write it again.", NodeCache(node_cache))
     table = ParquetRows(RangedParquet(file, footer)).rows(*rows)
     results.put((table.to_pylist(), sum(fetched)))

@@ -114,11 +114,15 @@ def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> N
         n_b, width, vocab = logits.shape
         rows = n_b // layout.dp
         window, part = width // layout.cp, vocab // layout.tp
-        local = logits[
-            mesh.dp_rank * rows : (mesh.dp_rank + 1) * rows,
-            mesh.cp_rank * window : (mesh.cp_rank + 1) * window,
-            mesh.tp_rank * part : (mesh.tp_rank + 1) * part,
-        ].clone().requires_grad_(True)
+        local = (
+            logits[
+                mesh.dp_rank * rows : (mesh.dp_rank + 1) * rows,
+                mesh.cp_rank * window : (mesh.cp_rank + 1) * window,
+                mesh.tp_rank * part : (mesh.tp_rank + 1) * part,
+            ]
+            .clone()
+            .requires_grad_(True)
+        )
         plan = plans[mesh.dp_rank]
         moved[0] = 0  # count from here: one step of the loss
         counts = reduce_counts(plan.counts, mesh)
@@ -129,10 +133,15 @@ def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> N
         normalizers = ShardedLogProbs(local.detach(), mesh, width).log_normalizer(everything)
         save_file({"grad": local.grad.contiguous()}, str(work / f"grad-{rank}.safetensors"))
         info = {
-            "metrics": out.metrics, "normalizers": normalizers.tolist(),
-            "kd_scale": out.kd_scale, "share": out.loss.item(),
-            "bytes": step_bytes, "dp": mesh.dp_rank, "cp": mesh.cp_rank, "tp": mesh.tp_rank,
-        }  # fmt: skip
+            "metrics": out.metrics,
+            "normalizers": normalizers.tolist(),
+            "kd_scale": out.kd_scale,
+            "share": out.loss.item(),
+            "bytes": step_bytes,
+            "dp": mesh.dp_rank,
+            "cp": mesh.cp_rank,
+            "tp": mesh.tp_rank,
+        }
         (work / f"rank-{rank}.json").write_text(json.dumps(info))
     finally:
         dist.destroy_process_group()

@@ -24,8 +24,13 @@ from monitoring import (
     selector_name,
 )
 
-ALERTS = {"CrosskdLossNotFinite", "CrosskdTrainingStalled", "CrosskdTargetDown",
-          "CrosskdKdCollapsed", "CrosskdThroughputHalved"}  # fmt: skip
+ALERTS = {
+    "CrosskdLossNotFinite",
+    "CrosskdTrainingStalled",
+    "CrosskdTargetDown",
+    "CrosskdKdCollapsed",
+    "CrosskdThroughputHalved",
+}
 METRICS_PAGE = ROOT / "docs" / "metrics.md"
 
 
@@ -46,8 +51,9 @@ def test_a_missing_promtool_fails_with_the_package_to_install(monkeypatch):
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([_promtool(), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [_promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def _unit_test_folder(folder: Path, rules: str) -> Path:
@@ -127,15 +133,19 @@ def test_the_silent_cases_need_the_guards(tmp_path):
     got = set()  # (alert, eval time, job) of the alerts that fired where none was expected
     for block in text.split("alertname: ")[1:]:
         alert, when = re.match(r"(\w+), time: (\w+)", block).groups()
-        got |= {(alert, when, job) for job in re.findall(r'\bjob="([^"]+)"',
-                                                         block.partition("got:")[2])}  # fmt: skip
+        got |= {
+            (alert, when, job) for job in re.findall(r'\bjob="([^"]+)"', block.partition("got:")[2])
+        }
     assert {
-        ("CrosskdTrainingStalled", "25m", "finished"), ("CrosskdTrainingStalled", "32m", "gone"),
-        ("CrosskdTrainingStalled", "32m", "restarted"), ("CrosskdTargetDown", "15m", "other"),
-        ("CrosskdKdCollapsed", "24m", "idle"), ("CrosskdThroughputHalved", "2h5m", "young"),
+        ("CrosskdTrainingStalled", "25m", "finished"),
+        ("CrosskdTrainingStalled", "32m", "gone"),
+        ("CrosskdTrainingStalled", "32m", "restarted"),
+        ("CrosskdTargetDown", "15m", "other"),
+        ("CrosskdKdCollapsed", "24m", "idle"),
+        ("CrosskdThroughputHalved", "2h5m", "young"),
         ("CrosskdThroughputHalved", "2h5m", "stopped"),
         ("CrosskdThroughputHalved", "2h5m", "finished"),
-    } <= got, text  # fmt: skip
+    } <= got, text
 
 
 def test_alerts_are_the_catalogue_with_severity_for_and_annotations():
@@ -154,8 +164,9 @@ def _documented_metrics() -> set[str]:
     """The metric names of the tables in docs/metrics.md."""
     if not METRICS_PAGE.is_file():
         pytest.fail(f"{METRICS_PAGE} is missing: it is the metric catalogue the alerts use")
-    names = set(re.findall(r"^\| `([a-z_:][a-z0-9_:]*)` \|", METRICS_PAGE.read_text(),
-                           flags=re.MULTILINE))  # fmt: skip
+    names = set(
+        re.findall(r"^\| `([a-z_:][a-z0-9_:]*)` \|", METRICS_PAGE.read_text(), flags=re.MULTILINE)
+    )
     assert len(names) >= 20, names
     return names
 
@@ -169,39 +180,54 @@ def test_alerts_read_only_documented_metrics():
         names = {re.sub(r"_(bucket|sum|count)$", "", selector_name(s) or "") for s in selectors}
         assert names <= documented, (rule["alert"], names - documented)
         used |= names
-    assert {"up", "crosskd_train_loss", "crosskd_train_steps_total",
-            "crosskd_train_tokens_total", "crosskd_train_kd_loss"} <= used  # fmt: skip
+    assert {
+        "up",
+        "crosskd_train_loss",
+        "crosskd_train_steps_total",
+        "crosskd_train_tokens_total",
+        "crosskd_train_kd_loss",
+    } <= used
 
 
 def test_alert_selectors_are_what_each_alert_reads():
     by_name = {r["alert"]: metric_selectors(r["expr"]) for r in alert_rules()}
     assert by_name["CrosskdTargetDown"] == ['up{app_kubernetes_io_name="crosskd"}']
-    assert by_name["CrosskdLossNotFinite"] == ["crosskd_train_loss",
-                                               "crosskd_train_nonfinite_stops_total"]
+    assert by_name["CrosskdLossNotFinite"] == [
+        "crosskd_train_loss",
+        "crosskd_train_nonfinite_stops_total",
+    ]
     assert set(by_name["CrosskdThroughputHalved"]) == {
-        "crosskd_train_tokens_total", "crosskd_train_start_time_seconds",
-        "crosskd_train_planned_steps", "crosskd_train_step"}  # fmt: skip
+        "crosskd_train_tokens_total",
+        "crosskd_train_start_time_seconds",
+        "crosskd_train_planned_steps",
+        "crosskd_train_step",
+    }
 
 
-@pytest.mark.parametrize(("expr", "expected"), [
-    ("crosskd_train_loss", ["crosskd_train_loss"]),
-    ("rate(x_total[10m] offset 5m) / rate(x_total[1h] offset -5m)", ["x_total"]),
-    ('sum by (namespace, job) (rate(x{a="b", c=~"d|e"}[1h] offset 10m)) < 0.5 * y',
-     ['x{a="b", c=~"d|e"}', "y"]),
-    ("up{app_kubernetes_io_name=\"crosskd\"} == 0", ['up{app_kubernetes_io_name="crosskd"}']),
-    ("(x != x) or abs(x) == +Inf or x == NaN", ["x"]),
-    ('label_replace(x, "dst", "$1 and y{z}", "src", "(.*)")', ["x"]),
-    ("max_over_time(abs(x{a='}'})[10m:1m])", ["x{a='}'}"]),
-    ('{__name__="x", job="j"}', ['{__name__="x", job="j"}']),
-    ("count_values(\"v\", x) by (le) > 1e-6", ["x"]),
-    ("x and on (namespace, job) group_left (pod) y unless ignoring(a) z", ["x", "y", "z"]),
-    ("max without (rank) (x) > bool 0.5e+3", ["x"]),
-    ("time() - start_time_seconds > 600 and x @ 1609746000", ["start_time_seconds", "x"]),
-    ("rate(x[1h30m])  # comment with y\n", ["x"]),
-    ("x{a=\"b\"} offset 1h", ['x{a="b"}']),
-    ("vector(1) + scalar(sum(x))", ["x"]),
-    ("x offset", ["x"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        ("crosskd_train_loss", ["crosskd_train_loss"]),
+        ("rate(x_total[10m] offset 5m) / rate(x_total[1h] offset -5m)", ["x_total"]),
+        (
+            'sum by (namespace, job) (rate(x{a="b", c=~"d|e"}[1h] offset 10m)) < 0.5 * y',
+            ['x{a="b", c=~"d|e"}', "y"],
+        ),
+        ('up{app_kubernetes_io_name="crosskd"} == 0', ['up{app_kubernetes_io_name="crosskd"}']),
+        ("(x != x) or abs(x) == +Inf or x == NaN", ["x"]),
+        ('label_replace(x, "dst", "$1 and y{z}", "src", "(.*)")', ["x"]),
+        ("max_over_time(abs(x{a='}'})[10m:1m])", ["x{a='}'}"]),
+        ('{__name__="x", job="j"}', ['{__name__="x", job="j"}']),
+        ('count_values("v", x) by (le) > 1e-6', ["x"]),
+        ("x and on (namespace, job) group_left (pod) y unless ignoring(a) z", ["x", "y", "z"]),
+        ("max without (rank) (x) > bool 0.5e+3", ["x"]),
+        ("time() - start_time_seconds > 600 and x @ 1609746000", ["start_time_seconds", "x"]),
+        ("rate(x[1h30m])  # comment with y\n", ["x"]),
+        ('x{a="b"} offset 1h', ['x{a="b"}']),
+        ("vector(1) + scalar(sum(x))", ["x"]),
+        ("x offset", ["x"]),
+    ],
+)
 def test_metric_selectors(expr, expected):
     assert metric_selectors(expr) == expected
 

@@ -93,8 +93,10 @@ def test_literal_added_token_in_user_text_makes_its_chunk_incorrect(zoo):
     assert deepseek.bytes.kind[t.ids].tolist().count(KIND_SPECIAL) == 1
     assert llama.bytes.kind[s.ids].tolist().count(KIND_SPECIAL) == 0
     chunks = align(s, t, llama, deepseek)
-    texts = [(_bytes(llama, s, chunks.student[k]), _bytes(deepseek, t, chunks.teacher[k]))
-             for k in range(len(chunks))]  # fmt: skip
+    texts = [
+        (_bytes(llama, s, chunks.student[k]), _bytes(deepseek, t, chunks.teacher[k]))
+        for k in range(len(chunks))
+    ]
     around = [k for k, (a, b) in enumerate(texts) if b"<think>" in a + b]
     assert len(around) == 1 and not chunks.is_correct[around[0]]
     assert texts[0] == (b"so", b"so") and chunks.is_correct[0]
@@ -143,13 +145,46 @@ def _reference_walk(s_ends, t_ends):
     return chunks
 
 
-TEXT_PARTS = st.sampled_from([
-    "hello", " world", "  ", "\n", "\r\n", "\t", "    ", "x = f(a, b)\n", "def g():\n\treturn 1",
-    "日本語", "中文字符", "👍🏽", "👨‍👩‍👧", "🇫🇷", "e\u0301", "A\u030a", "n\u0303",
-    "\x00", "\x04", "\x7f",
-    "<|im_end|>", "<|eot_id|>", "<think>", "</think>", "<｜User｜>", "123456", "3.14", "½²",
-    "Ünïcödé", "I'm", "WE'VE", "ß", "\u200b", "—", "«»", "…",
-])  # fmt: skip
+TEXT_PARTS = st.sampled_from(
+    [
+        "hello",
+        " world",
+        "  ",
+        "\n",
+        "\r\n",
+        "\t",
+        "    ",
+        "x = f(a, b)\n",
+        "def g():\n\treturn 1",
+        "日本語",
+        "中文字符",
+        "👍🏽",
+        "👨‍👩‍👧",
+        "🇫🇷",
+        "e\u0301",
+        "A\u030a",
+        "n\u0303",
+        "\x00",
+        "\x04",
+        "\x7f",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<think>",
+        "</think>",
+        "<｜User｜>",
+        "123456",
+        "3.14",
+        "½²",
+        "Ünïcödé",
+        "I'm",
+        "WE'VE",
+        "ß",
+        "\u200b",
+        "—",
+        "«»",
+        "…",
+    ]
+)
 TEXTS = st.lists(st.one_of(TEXT_PARTS, st.text(max_size=6)), min_size=1, max_size=25).map("".join)
 
 
@@ -171,8 +206,10 @@ def test_invariants_over_generated_text(zoo, student, teacher, text, bos):
     s_pos, t_pos = np.flatnonzero(~s_special), np.flatnonzero(~t_special)
     expected = _reference_walk(s.ends[s_pos], t.ends[t_pos])
     got = list(zip(chunks.student[content].tolist(), chunks.teacher[content].tolist(), strict=True))
-    assert got == [([s_pos[a0], s_pos[a1 - 1] + 1], [t_pos[b0], t_pos[b1 - 1] + 1])
-                   for (a0, a1), (b0, b1) in expected]  # fmt: skip
+    assert got == [
+        ([s_pos[a0], s_pos[a1 - 1] + 1], [t_pos[b0], t_pos[b1 - 1] + 1])
+        for (a0, a1), (b0, b1) in expected
+    ]
     previous = (0, 0)
     for (s0, s1), (t0, t1) in got:
         assert s0 >= previous[0] and t0 >= previous[1] and s1 > s0 and t1 > t0

@@ -50,8 +50,9 @@ def test_assistant_content_reasoning_and_end_of_turn(zoo, student, teacher):
     answer = aligned.chunk_region == 3
     assert aligned.chunks.is_correct[answer].all() and aligned.kd_mask[answer].all()
     # The loss mask is exactly the assistant content (reasoning, close, answer) plus eot tokens.
-    masked = b"".join(s_tok.bytes.token_bytes(i) for i in aligned.student.tokens.ids[
-        aligned.loss_mask])  # fmt: skip
+    masked = b"".join(
+        s_tok.bytes.token_bytes(i) for i in aligned.student.tokens.ids[aligned.loss_mask]
+    )
     assert masked.startswith(b"A greeting.") and b"Hello!" in masked
     assert b"Say hello" not in masked and b"Be brief" not in masked and b"Thanks" not in masked
     assert masked.endswith(b"You are welcome." + s_tok.bytes.token_bytes(s_tok.role_ids["eot"]))
@@ -79,17 +80,18 @@ def test_content_repeated_elsewhere_is_located_by_message(zoo):
 def test_included_regions_and_drop_first_chunk(zoo):
     llama, qwen = zoo("llama3"), zoo("qwen3")
     full = align_chat(llama, qwen, CONVERSATION, sample_id="c")
-    answer_only = align_chat(llama, qwen, CONVERSATION, sample_id="c",
-                             options=ChatOptions(included_regions=("answer",)))  # fmt: skip
+    answer_only = align_chat(
+        llama, qwen, CONVERSATION, sample_id="c", options=ChatOptions(included_regions=("answer",))
+    )
     reasoning = answer_only.chunk_region == 1
     assert reasoning.any() and not answer_only.kd_mask[reasoning].any()
     assert answer_only.loss_mask.sum() < full.loss_mask.sum()
-    dropped = align_chat(llama, qwen, CONVERSATION, sample_id="c",
-                         options=ChatOptions(drop_first_chunk=True))  # fmt: skip
+    dropped = align_chat(
+        llama, qwen, CONVERSATION, sample_id="c", options=ChatOptions(drop_first_chunk=True)
+    )
     first = [int(np.flatnonzero(dropped.chunk_message == m)[0]) for m in (2, 4)]
     assert not dropped.kd_mask[first].any()
-    assert (dropped.kd_mask | np.isin(np.arange(len(dropped.kd_mask)), first)
-            == full.kd_mask).all()  # fmt: skip
+    assert (dropped.kd_mask | np.isin(np.arange(len(dropped.kd_mask)), first) == full.kd_mask).all()
 
 
 def _custom_template(tmp_path, template: str | None):
@@ -174,11 +176,15 @@ def test_reasoning_a_template_drops_is_left_out_for_every_model(tmp_path, zoo, z
 
 
 def test_eot_pairs_stay_within_their_turn_and_empty_answers_keep_theirs(tmp_path, zoo, zoo_cache):
-    no_eot = _qwen_with_template(tmp_path, zoo_cache, (
-        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}"
-        "{% if m.role != 'assistant' %}{{ '<|im_end|>\\n' }}{% else %}{{ '\\n' }}{% endif %}"
-        "{% endfor %}"
-    ))  # fmt: skip
+    no_eot = _qwen_with_template(
+        tmp_path,
+        zoo_cache,
+        (
+            "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}"
+            "{% if m.role != 'assistant' %}{{ '<|im_end|>\\n' }}{% else %}{{ '\\n' }}{% endif %}"
+            "{% endfor %}"
+        ),
+    )
     roles = ["user", "assistant"] * 2
     messages = [{"role": r, "content": c} for r, c in zip(roles, "abcd", strict=True)]
     aligned = align_chat(zoo("llama3"), no_eot, messages, sample_id="no-eot")
@@ -187,8 +193,9 @@ def test_eot_pairs_stay_within_their_turn_and_empty_answers_keep_theirs(tmp_path
     aligned = align_chat(zoo("llama3"), zoo("qwen3"), empty, sample_id="empty")
     assert aligned.chunk_region.tolist() == [REGIONS.index("eot")]
     assert aligned.loss_mask.sum() == 1 and aligned.kd_mask.all()
-    clipped = align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c",
-                         clipped_message=4)  # fmt: skip
+    clipped = align_chat(
+        zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c", clipped_message=4
+    )
     eot_owners = clipped.chunk_message[clipped.chunk_region == REGIONS.index("eot")]
     assert eot_owners.tolist() == [2]
     last_eot = int(np.flatnonzero(clipped.student.tokens.ids == 128009)[-1])
@@ -197,15 +204,20 @@ def test_eot_pairs_stay_within_their_turn_and_empty_answers_keep_theirs(tmp_path
 
 def test_drop_first_chunk_drops_the_first_counted_chunk(zoo):
     options = ChatOptions(included_regions=("answer",), drop_first_chunk=True)
-    aligned = align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c",
-                         options=options)  # fmt: skip
+    aligned = align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c", options=options)
     for message in (2, 4):
-        answer = np.flatnonzero((aligned.chunk_message == message)
-                                & (aligned.chunk_region == REGIONS.index("answer")))  # fmt: skip
+        answer = np.flatnonzero(
+            (aligned.chunk_message == message) & (aligned.chunk_region == REGIONS.index("answer"))
+        )
         assert not aligned.kd_mask[answer[0]] and aligned.kd_mask[answer[1:]].all()
 
 
 def test_unknown_region_is_refused(zoo):
     with pytest.raises(DataError, match=r"\['answers'\] are not regions"):
-        align_chat(zoo("llama3"), zoo("qwen3"), CONVERSATION, sample_id="c",
-                   options=ChatOptions(included_regions=("answers",)))  # fmt: skip
+        align_chat(
+            zoo("llama3"),
+            zoo("qwen3"),
+            CONVERSATION,
+            sample_id="c",
+            options=ChatOptions(included_regions=("answers",)),
+        )

@@ -40,13 +40,17 @@ def test_regions_read_by_range_equal_the_local_file(s3, tmp_path):
     assert sorted(remote.keys()) == sorted(tensors)
     with safe_open(str(local), framework="pt") as mapped:
         boxes = {
-            "weight": [(slice(250, 500), slice(0, 64)), (slice(0, 1000), slice(8, 16)),
-                       (slice(999, 1000), slice(0, 64)), ()],
+            "weight": [
+                (slice(250, 500), slice(0, 64)),
+                (slice(0, 1000), slice(8, 16)),
+                (slice(999, 1000), slice(0, 64)),
+                (),
+            ],
             "half": [(slice(3, 7), slice(1, 3)), ()],
             "steps": [()],
             "rng": [(slice(0, 5056),), (slice(100, 100),)],
             "empty": [(slice(0, 0), slice(0, 4)), ()],
-        }  # fmt: skip
+        }
         for key, cases in boxes.items():
             for box in cases:
                 want = mapped.get_slice(key)[box] if box else mapped.get_tensor(key)

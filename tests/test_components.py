@@ -35,18 +35,41 @@ def components():
     from components.validate_inputs.component import validate_inputs
     from components.validate_tables.component import validate_tables
 
-    return {c.name.replace("-", "_"): c.python_func for c in (
-        validate_inputs, prepare, plan_tables, build_tables, validate_tables, plan_scoring,
-        score_teacher, merge_cache, plan_training, train, evaluate, report)}  # fmt: skip
+    return {
+        c.name.replace("-", "_"): c.python_func
+        for c in (
+            validate_inputs,
+            prepare,
+            plan_tables,
+            build_tables,
+            validate_tables,
+            plan_scoring,
+            score_teacher,
+            merge_cache,
+            plan_training,
+            train,
+            evaluate,
+            report,
+        )
+    }
 
 
 def test_the_components_in_pipeline_order_give_what_distill_gives(components, tmp_path):
     from crosskd.distill import distill
 
     c = components
-    config = load_run_config(None, "tiny", [f"output={tmp_path / 'root'}", "steps=3",
-                                            "ood_data=machine:licences", "ood_bytes=2000",
-                                            "score_pods=2", "shard_rows=16"])
+    config = load_run_config(
+        None,
+        "tiny",
+        [
+            f"output={tmp_path / 'root'}",
+            "steps=3",
+            "ood_data=machine:licences",
+            "ood_bytes=2000",
+            "score_pods=2",
+            "shard_rows=16",
+        ],
+    )
     args = preset_arguments(config)
     n = iter(range(100))
 
@@ -58,13 +81,25 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
 
     inputs = artifact()
     plan, preparing, scoring, run_config = c["validate_inputs"](
-        output_root=args["output_root"], teachers=args["teachers"], student=args["student"],
-        train_data=args["train_data"], heldout_data=args["heldout_data"],
-        ood_data=args["ood_data"], k=args["k"], tau=args["tau"], steps=args["steps"],
-        compare_ce_only=args["compare_ce_only"], score_pods=args["score_pods"],
+        output_root=args["output_root"],
+        teachers=args["teachers"],
+        student=args["student"],
+        train_data=args["train_data"],
+        heldout_data=args["heldout_data"],
+        ood_data=args["ood_data"],
+        k=args["k"],
+        tau=args["tau"],
+        steps=args["steps"],
+        compare_ce_only=args["compare_ce_only"],
+        score_pods=args["score_pods"],
         options=args["options"],
-        executor="inprocess", image="i", gpus_per_node=0, nodes=1, job={}, inputs=inputs,
-    )  # fmt: skip
+        executor="inprocess",
+        image="i",
+        gpus_per_node=0,
+        nodes=1,
+        job={},
+        inputs=inputs,
+    )
     assert pointer(inputs)["uri"] == plan["root"] == str(tmp_path / "root")
     assert plan["ood_data"].endswith("/ood.jsonl")
 
@@ -81,8 +116,9 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
         tables.append(c["validate_tables"](item=item, tables=built, figures=figures))
         assert tables[-1]["validated"] is True and Path(figures.path).exists()
 
-    jobs = c["plan_scoring"](plan=plan, prepared=prepared, scoring=scoring,
-                             score_pods=args["score_pods"])  # fmt: skip
+    jobs = c["plan_scoring"](
+        plan=plan, prepared=prepared, scoring=scoring, score_pods=args["score_pods"]
+    )
     assert len(jobs) == 2  # one teacher, its shards split over two pods
     parts = []
     for job in jobs:
@@ -93,31 +129,64 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
     caches = c["merge_cache"](parts=parts, caches=caches_out)
     assert pointer(caches_out)["caches"] == caches
 
-    runs = c["plan_training"](run_config=run_config, plan=plan, prepared=prepared,
-                              tables=tables, caches=caches, run_id="run-1")  # fmt: skip
+    runs = c["plan_training"](
+        run_config=run_config,
+        plan=plan,
+        prepared=prepared,
+        tables=tables,
+        caches=caches,
+        run_id="run-1",
+    )
     assert [r["variant"] for r in runs] == ["kd", "ce"]
     trained = []
     for run in runs:
         model, figures = artifact(dsl.Model), artifact(dsl.Metrics)
-        trained.append(c["train"](
-            item=run, executor="inprocess", image="i", gpus_per_node=0, nodes=1, job={},
-            s3_secret="", pipeline_job_id="run-1", task_name="train", model=model,
-            figures=figures,
-        ))  # fmt: skip
+        trained.append(
+            c["train"](
+                item=run,
+                executor="inprocess",
+                image="i",
+                gpus_per_node=0,
+                nodes=1,
+                job={},
+                s3_secret="",
+                pipeline_job_id="run-1",
+                task_name="train",
+                model=model,
+                figures=figures,
+            )
+        )
         assert pointer(model)["uri"] == trained[-1]["model"]
         assert f"{run['variant']}_final_ce" in figures.metadata
 
     evaluation_out, figures = artifact(), artifact(dsl.Metrics)
-    evaluation = c["evaluate"](plan=plan, prepared=prepared, runs=trained, run_id="run-1",
-                               scoring=scoring, gpus=0, evaluation=evaluation_out,
-                               figures=figures)  # fmt: skip
-    assert figures.metadata["ood_bits_per_byte_student_kd"] == evaluation["ood_bits_per_byte"][
-        "student_kd"]
+    evaluation = c["evaluate"](
+        plan=plan,
+        prepared=prepared,
+        runs=trained,
+        run_id="run-1",
+        scoring=scoring,
+        gpus=0,
+        evaluation=evaluation_out,
+        figures=figures,
+    )
+    assert (
+        figures.metadata["ood_bits_per_byte_student_kd"]
+        == evaluation["ood_bits_per_byte"]["student_kd"]
+    )
     assert Path(figures.path).read_text()
 
     page, summary, folder = artifact(dsl.HTML), artifact(dsl.Markdown), artifact()
-    shown = c["report"](plan=plan, evaluation=evaluation, runs=trained, run_config=run_config,
-                        run_id="run-1", page=page, summary=summary, folder=folder)  # fmt: skip
+    shown = c["report"](
+        plan=plan,
+        evaluation=evaluation,
+        runs=trained,
+        run_config=run_config,
+        run_id="run-1",
+        page=page,
+        summary=summary,
+        folder=folder,
+    )
     html = Path(page.path).read_text()
     assert html.startswith("<!doctype html>") and "out-of-domain bits/byte" in html
     assert "| student_kd |" in Path(summary.path).read_text()

@@ -43,23 +43,50 @@ VARIABLES = {"namespace": "crosskd", "job": "(run-a|run-b)", "__range": "6h"}
 # What the issue asks each dashboard to show (the real-Prometheus test proves the names exist).
 REQUIRED = {
     TRAINING_FILE: {
-        "crosskd_train_loss", "crosskd_train_ce_loss", "crosskd_train_kd_loss",
-        "crosskd_train_kd_scale", "crosskd_train_learning_rate", "crosskd_train_grad_norm",
-        "crosskd_train_tokens_total", "crosskd_train_step_seconds_bucket",
-        "crosskd_train_chunks_total", "crosskd_train_heldout_bits_per_byte",
-        "crosskd_train_step", "crosskd_train_planned_steps", "crosskd_train_start_time_seconds",
-        "crosskd_train_checkpoint_seconds_sum", "crosskd_train_last_checkpoint_step",
-        "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_POWER_USAGE",
+        "crosskd_train_loss",
+        "crosskd_train_ce_loss",
+        "crosskd_train_kd_loss",
+        "crosskd_train_kd_scale",
+        "crosskd_train_learning_rate",
+        "crosskd_train_grad_norm",
+        "crosskd_train_tokens_total",
+        "crosskd_train_step_seconds_bucket",
+        "crosskd_train_chunks_total",
+        "crosskd_train_heldout_bits_per_byte",
+        "crosskd_train_step",
+        "crosskd_train_planned_steps",
+        "crosskd_train_start_time_seconds",
+        "crosskd_train_checkpoint_seconds_sum",
+        "crosskd_train_last_checkpoint_step",
+        "DCGM_FI_DEV_GPU_UTIL",
+        "DCGM_FI_DEV_FB_USED",
+        "DCGM_FI_DEV_POWER_USAGE",
         "kube_pod_labels",
     },
     SCORING_FILE: {
-        "crosskd_scoring_samples_total", "crosskd_scoring_tokens_total",
-        "crosskd_scoring_bytes_written_total", "crosskd_scoring_shards_done",
-        "crosskd_scoring_shards", "crosskd_scoring_shard_seconds_sum",
+        "crosskd_scoring_samples_total",
+        "crosskd_scoring_tokens_total",
+        "crosskd_scoring_bytes_written_total",
+        "crosskd_scoring_shards_done",
+        "crosskd_scoring_shards",
+        "crosskd_scoring_shard_seconds_sum",
     },
-}  # fmt: skip
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-             "unless", "bool", "offset", "inf", "nan"}  # fmt: skip
+}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 @functools.cache
@@ -114,11 +141,15 @@ def test_both_dashboards_are_built():
 @pytest.mark.parametrize("name", FILES)
 def test_dashboard_validates_against_the_grafana_11_6_schema(name):
     if not SCHEMA.is_file():
-        pytest.skip(f"{SCHEMA} is absent (the vendored Grafana dashboard schema lives outside "
-                    "the repo, in ../shared/vendor)")  # fmt: skip
+        pytest.skip(
+            f"{SCHEMA} is absent (the vendored Grafana dashboard schema lives outside "
+            "the repo, in ../shared/vendor)"
+        )
     validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}"
-              for e in validator.iter_errors(_dashboards()[name])]  # fmt: skip
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}"
+        for e in validator.iter_errors(_dashboards()[name])
+    ]
     assert not errors, "\n".join(errors)
 
 
@@ -162,8 +193,13 @@ def test_training_has_the_checkpoint_annotation_and_the_gpu_row():
     (annotation,) = dashboard["annotations"]["list"]
     assert "changes(crosskd_train_last_checkpoint_step{" in annotation["expr"]
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Losses", "Optimizer", "Throughput", "Progress and checkpoints",
-                    "GPUs (dcgm-exporter)"]  # fmt: skip
+    assert rows == [
+        "Losses",
+        "Optimizer",
+        "Throughput",
+        "Progress and checkpoints",
+        "GPUs (dcgm-exporter)",
+    ]
     gpu = [q for q in panel_queries(dashboard) if "DCGM_" in q.expr]
     assert len(gpu) == 3
     for query in gpu:
@@ -220,16 +256,23 @@ def test_queries_read_only_crosskd_dcgm_and_kube_state_metrics_series(name):
 
 
 def test_metric_names_parser():
-    query = Query("panel", "t", "A", 'histogram_quantile(0.95, sum by (job, le) (rate('
-                  'x_bucket{a="b{c}", job=~"$job"}[$__rate_interval]))) / on (job) group_left () '
-                  "max by (job) (changes(y[5m:])) > bool 0")  # fmt: skip
+    query = Query(
+        "panel",
+        "t",
+        "A",
+        "histogram_quantile(0.95, sum by (job, le) (rate("
+        'x_bucket{a="b{c}", job=~"$job"}[$__rate_interval]))) / on (job) group_left () '
+        "max by (job) (changes(y[5m:])) > bool 0",
+    )
     assert metric_names(query) == {"x_bucket", "y"}
     assert metric_names(Query("variable", "v", "", 'label_values(z{n="$n"}, job)')) == {"z"}
 
 
 def test_render_query_substitutes_every_variable():
-    expr = ('rate(m{namespace="$namespace", job=~"${job}", x="${job:regex}", y="[[namespace]]"}'
-            "[$__rate_interval]) + m offset $__interval + changes(m[$__range:])")  # fmt: skip
+    expr = (
+        'rate(m{namespace="$namespace", job=~"${job}", x="${job:regex}", y="[[namespace]]"}'
+        "[$__rate_interval]) + m offset $__interval + changes(m[$__range:])"
+    )
     assert render_query(expr, {"namespace": "ns", "job": "(a|b)"}) == (
         'rate(m{namespace="ns", job=~"(a|b)", x="(a|b)", y="ns"}[1m]) + m offset 1m + '
         "changes(m[1m:])"
@@ -290,8 +333,13 @@ def test_cli_error_is_one_line(tmp_path, capsys, where):
 
 
 def test_kustomize_builds_one_labelled_configmap_per_dashboard():
-    out = subprocess.run([kubectl(), "kustomize", str(FOLDER)], capture_output=True,
-                         text=True, check=False, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(FOLDER)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     docs = list(yaml.safe_load_all(out.stdout))
     assert {d["kind"] for d in docs} == {"ConfigMap"}

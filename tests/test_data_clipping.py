@@ -85,8 +85,13 @@ def test_hand_checked_clip(zoo):
     text = "Hello world, hello world"
     ids = llama.hf(text, split_special_tokens=True).input_ids
     assert llama.hf.convert_ids_to_tokens(ids) == [
-        "<|begin_of_text|>", "Hello", "Ġworld", ",", "Ġhello", "Ġworld",
-    ]  # fmt: skip
+        "<|begin_of_text|>",
+        "Hello",
+        "Ġworld",
+        ",",
+        "Ġhello",
+        "Ġworld",
+    ]
     # Llama-3 adds a BOS, Qwen3 does not: 3 Llama tokens and 2 Qwen tokens both keep
     # "Hello world"; one character more ("Hello world,") needs 4 and 3.
     assert clip_text(text, [llama, qwen], [3, 2]) == ClipResult("Hello world", True, (6, 5), (3, 2))

@@ -26,9 +26,10 @@ def _reference_ffd(lengths: np.ndarray, capacities: list[int]) -> list[list[int]
     rooms: list[list[int]] = []
     for i in sorted(range(len(rows)), key=key):
         fitting = [
-            b for b, room in enumerate(rooms)
+            b
+            for b, room in enumerate(rooms)
             if all(n <= r for n, r in zip(rows[i], room, strict=True))
-        ]  # fmt: skip
+        ]
         if not fitting:
             bins.append([])
             rooms.append(list(capacities))
@@ -120,8 +121,11 @@ def test_positions_restart_per_sample(lengths):
 
 def test_oversized_sample_is_named():
     lengths = np.array([[3, 3], [4, 9], [9, 9]])
-    with pytest.raises(DataError, match=r"sample 1 has lengths \[4, 9\] .* capacities \[8, 8\] "
-                                        r"\(2 samples in all\); clip"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=r"sample 1 has lengths \[4, 9\] .* capacities \[8, 8\] "
+        r"\(2 samples in all\); clip",
+    ):
         pack_lockstep(lengths, [8, 8])
 
 

@@ -99,13 +99,18 @@ def test_text_rows_read_alike_in_every_format(fmt, root, tmp_path):
         assert [r.row for r in records] == ([1, 2, 3, 4] if fmt == "jsonl" else [0, 1, 2, 3])
     if fmt in ("shards", "glob"):
         assert [(Path(r.source).name, r.row) for r in records] == [
-            ("part-0.jsonl", 1), ("part-0.jsonl", 2), ("part-1.parquet", 0), ("part-1.parquet", 1),
-        ]  # fmt: skip
+            ("part-0.jsonl", 1),
+            ("part-0.jsonl", 2),
+            ("part-1.parquet", 0),
+            ("part-1.parquet", 1),
+        ]
     if fmt == "datasets":
         assert [(Path(r.source).name, r.row) for r in records] == [
-            ("data-00000-of-00002.arrow", 0), ("data-00000-of-00002.arrow", 1),
-            ("data-00001-of-00002.arrow", 0), ("data-00001-of-00002.arrow", 1),
-        ]  # fmt: skip
+            ("data-00000-of-00002.arrow", 0),
+            ("data-00000-of-00002.arrow", 1),
+            ("data-00001-of-00002.arrow", 0),
+            ("data-00001-of-00002.arrow", 1),
+        ]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -190,8 +195,11 @@ def test_configurable_columns_blank_lines_and_bom(tmp_path):
 
 
 BAD_JSONL = [
-    (b'{"body": "x"}\n', r"line 1: no 'text' or 'messages' column \(columns: \['body'\]\); set "
-     r"text_column"),
+    (
+        b'{"body": "x"}\n',
+        r"line 1: no 'text' or 'messages' column \(columns: \['body'\]\); set "
+        r"text_column",
+    ),
     (b'{"text": "ok"}\n{"text": ""}\n', r"line 2: 'text' is an empty string"),
     (b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n', r"line 3: invalid UTF-8 at byte 13 .*re-encode"),
     (b'{"text": "ok"}\n{"text": "open}\n', r"line 2: malformed JSON \(Unterminated string"),
@@ -205,16 +213,24 @@ BAD_JSONL = [
     (b'{"messages": []}\n', r"line 1: 'messages' must be a non-empty list"),
     (b'{"messages": ["hi"]}\n', r"line 1: 'messages' message 0 is str 'hi'"),
     (b'{"messages": [{"content": "x"}]}\n', r"line 1: 'messages' message 0 has no string 'role'"),
-    (b'{"messages": [{"role": "assistant", "content": 3}]}\n',
-     r"line 1: 'messages' message 0 \(assistant\) has no string 'content' \(got int 3\)"),
-    (b'{"messages": [{"role": "assistant", "content": "", "reasoning_content": 1}]}\n',
-     r"line 1: 'messages' message 0 \(assistant\) has a 'reasoning_content' that is int 1"),
-    (b'{"messages": [{"role": "user", "content": "hi"}]}\n',
-     r"line 1: the conversation has no assistant message \(roles \['user'\]\)"),
+    (
+        b'{"messages": [{"role": "assistant", "content": 3}]}\n',
+        r"line 1: 'messages' message 0 \(assistant\) has no string 'content' \(got int 3\)",
+    ),
+    (
+        b'{"messages": [{"role": "assistant", "content": "", "reasoning_content": 1}]}\n',
+        r"line 1: 'messages' message 0 \(assistant\) has a 'reasoning_content' that is int 1",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": "hi"}]}\n',
+        r"line 1: the conversation has no assistant message \(roles \['user'\]\)",
+    ),
     (b'{"id": 1.5, "text": "x"}\n', r"line 1: id column 'id' holds float 1.5; use a non-empty"),
-    (b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"id": "a", "text": "z"}\n',
-     r"line 3: sample id 'a' was already used by .*data.jsonl line 1; .*make the 'id' column"),
-]  # fmt: skip
+    (
+        b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"id": "a", "text": "z"}\n',
+        r"line 3: sample id 'a' was already used by .*data.jsonl line 1; .*make the 'id' column",
+    ),
+]
 
 
 @pytest.mark.parametrize(("payload", "pattern"), BAD_JSONL)
@@ -237,8 +253,11 @@ def test_duplicate_derived_ids_across_same_named_shards(tmp_path):
 def test_bad_parquet_rows_are_named_by_file_and_row(root):
     uri = f"{root}/data.parquet"
     _put(uri, _parquet([{"body": "x"}]))
-    with pytest.raises(DataError, match=r"data.parquet: no 'text' or 'messages' column \(columns: "
-                                        r"\['body'\]\); set text_column"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=r"data.parquet: no 'text' or 'messages' column \(columns: "
+        r"\['body'\]\); set text_column",
+    ):
         list(read_records(uri))
     _put(uri, _parquet([{"text": "ok"}, {"text": ""}]))
     with pytest.raises(DataError, match=r"data.parquet row 1: 'text' is an empty string"):

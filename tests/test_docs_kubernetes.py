@@ -50,8 +50,9 @@ def _commands(block: str) -> list[str]:
 
 
 def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
     return done
 
@@ -71,13 +72,17 @@ def test_section_2_runs_as_written(tmp_path):
     assert {"job-local.yaml"} <= {p.name for p in tmp_path.iterdir()}
     commands = [c for _, b in _blocks(section, "sh") for c in _commands(b)]
     assert [c.split()[:3] for c in commands] == [
-        ["crosskd", "distill", "--preset"], ["crosskd", "job", "render"],
-        ["crosskd", "job", "run-local"], ["crosskd", "job", "submit"],
-    ]  # fmt: skip
+        ["crosskd", "distill", "--preset"],
+        ["crosskd", "job", "render"],
+        ["crosskd", "job", "run-local"],
+        ["crosskd", "job", "submit"],
+    ]
     outputs = [_run(c, tmp_path, _env()).stdout for c in commands]
     # The job trained the train config's steps, both replicas, and the final model is there.
-    records = [json.loads(x) for x in (tmp_path / "tiny/job-run/metrics-rank0.jsonl")
-               .read_text().splitlines()]  # fmt: skip
+    records = [
+        json.loads(x)
+        for x in (tmp_path / "tiny/job-run/metrics-rank0.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == list(range(1, 9))
     assert (tmp_path / "tiny/job-run/final/config.json").is_file()
     assert "rank 1 serves /metrics" in (tmp_path / "local-job/worker-0/log.txt").read_text()
@@ -89,8 +94,9 @@ def test_section_2_runs_as_written(tmp_path):
 
 def test_section_1_crosskd_commands_run_as_written(tmp_path):
     section = _section("1. From an empty namespace to a finished job")
-    commands = [c for _, b in _blocks(section, "sh") for c in _commands(b)
-                if c.startswith("crosskd ")]  # fmt: skip
+    commands = [
+        c for _, b in _blocks(section, "sh") for c in _commands(b) if c.startswith("crosskd ")
+    ]
     manifests, submit = commands
     assert manifests == "crosskd job manifests"
     tree = tmp_path / "repo"
@@ -103,9 +109,15 @@ def test_section_1_crosskd_commands_run_as_written(tmp_path):
     shutil.copy(ROOT / "manifests" / "job.yaml", tree / "job.yaml")
     name = job_name(yaml.safe_load((tree / "job.yaml").read_text())["run_id"])
     with FakeKubernetesApi() as fake:
-        fake.on_get("ml", name, 1, lambda f: (
-            f.set_condition("ml", name, "Running"),
-            f.start_master("ml", name, ["step 1/1000 loss 10.1"])))  # fmt: skip
+        fake.on_get(
+            "ml",
+            name,
+            1,
+            lambda f: (
+                f.set_condition("ml", name, "Running"),
+                f.start_master("ml", name, ["step 1/1000 loss 10.1"]),
+            ),
+        )
 
         def finish(f: FakeKubernetesApi) -> None:
             f.finish_master("ml", f"{name}-master-0")
@@ -113,12 +125,18 @@ def test_section_1_crosskd_commands_run_as_written(tmp_path):
 
         fake.on_get("ml", name, 2, finish)
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
-            "users": [{"name": "fake", "user": {"token": "not-a-secret"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-        }))  # fmt: skip
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
+                    "users": [{"name": "fake", "user": {"token": "not-a-secret"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                }
+            )
+        )
         done = _run(submit, tree, _env(KUBECONFIG=str(kubeconfig)))
         assert fake.errors == []
         assert fake.count("POST", fake.job_path("ml")) == 1

@@ -18,16 +18,24 @@ from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_ta
 
 ROWS = [
     {"id": "t1", "text": "Hello world. crosskd aligns tokens."},
-    {"id": "c1", "messages": [
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "<think>Pick one.</think>Blue, like the sky."},
-    ]},
-    {"id": "c2", "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"},
-        {"role": "user", "content": "Count to 3"}, {"role": "assistant", "content": "1, 2, 3 😀"},
-    ]},
-]  # fmt: skip
+    {
+        "id": "c1",
+        "messages": [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "<think>Pick one.</think>Blue, like the sky."},
+        ],
+    },
+    {
+        "id": "c2",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there!"},
+            {"role": "user", "content": "Count to 3"},
+            {"role": "assistant", "content": "1, 2, 3 😀"},
+        ],
+    },
+]
 # The content bytes of the assistant turns, by hand: "Pick one." (9) + "Blue, like the sky." (19);
 # "Hello there!" (12) + "1, 2, 3 " (8) + the emoji (4).
 CONTENT_BYTES = {"c1": 28, "c2": 24}
@@ -38,14 +46,20 @@ MODELS = {"student": "llama3", "teacher0": "qwen3", "teacher1": "smollm2", "teac
 def chat_data(tmp_path_factory, zoo_cache):
     folder = tmp_path_factory.mktemp("chat-eval")
     (folder / "rows.jsonl").write_text(
-        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS), encoding="utf-8")
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS), encoding="utf-8"
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
-        prepare(PrepareConfig(
-            data=str(folder / "rows.jsonl"), student_tokenizer="zoo:llama3",
-            teacher_tokenizers=["zoo:qwen3", "zoo:smollm2", "zoo:llama3"],  # last: the same
-            output=str(folder / "out"), max_length=96,
-        ), progress=False)  # fmt: skip
+        prepare(
+            PrepareConfig(
+                data=str(folder / "rows.jsonl"),
+                student_tokenizer="zoo:llama3",
+                teacher_tokenizers=["zoo:qwen3", "zoo:smollm2", "zoo:llama3"],  # last: the same
+                output=str(folder / "out"),
+                max_length=96,
+            ),
+            progress=False,
+        )
     return load_prepared(str(folder / "out"))
 
 
@@ -55,8 +69,10 @@ def test_every_tokenizer_counts_the_same_content_bytes(chat_data, zoo, name):
     ids = [s["sample_id"] for row in chat_data.packed_rows() for s in row]
     sequences = prepared_sequences(chat_data, name)
     targets = prepared_targets(chat_data, name, tok)
-    counted = {i: int(tok.bytes.lengths[q[t]].sum()) for i, q, t in
-               zip(ids, sequences, targets, strict=True)}  # fmt: skip
+    counted = {
+        i: int(tok.bytes.lengths[q[t]].sum())
+        for i, q, t in zip(ids, sequences, targets, strict=True)
+    }
     assert {i: counted[i] for i in CONTENT_BYTES} == CONTENT_BYTES
     for i, q, t in zip(ids, sequences, targets, strict=True):
         assert not t[0]
@@ -64,8 +80,9 @@ def test_every_tokenizer_counts_the_same_content_bytes(chat_data, zoo, name):
             assert t[1:].all()
         else:
             text = tok.hf.decode(q[t])
-            assert text == ("Pick one.Blue, like the sky." if i == "c1" else
-                            "Hello there!1, 2, 3 😀")  # fmt: skip
+            assert text == (
+                "Pick one.Blue, like the sky." if i == "c1" else "Hello there!1, 2, 3 😀"
+            )
             assert not np.isin(q[t], tok.special_ids).any()
 
 
@@ -73,15 +90,20 @@ def test_bits_are_those_of_the_target_tokens(chat_data, zoo, tmp_path):
     from crosskd.zoo.models import init_llama
 
     tok = zoo("llama3")
-    folder = init_llama(tmp_path / "m", tok.name, {"hidden_size": 16, "intermediate_size": 32,
-                                                   "num_hidden_layers": 1}, seed=3)  # fmt: skip
+    folder = init_llama(
+        tmp_path / "m",
+        tok.name,
+        {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1},
+        seed=3,
+    )
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     sequences = prepared_sequences(chat_data, "student")
     targets = prepared_targets(chat_data, "student", tok)
-    bits, n_bytes = nll_bits_and_bytes(model, sequences, tok.bytes.lengths, targets=targets,
-                                       token_budget=64)  # fmt: skip
+    bits, n_bytes = nll_bits_and_bytes(
+        model, sequences, tok.bytes.lengths, targets=targets, token_budget=64
+    )
     expected_bits = 0.0
     with torch.no_grad():
         for q, t in zip(sequences, targets, strict=True):

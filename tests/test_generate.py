@@ -27,9 +27,16 @@ def _config(tmp_path, model, **changes) -> GenerateConfig:
     if not prompts.exists():
         tmp_path.mkdir(parents=True, exist_ok=True)
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    values = {"output": str(tmp_path / "out" / "conversations.jsonl"), "model": model,
-              "prompts": str(prompts), "conversations": 7, "batch_size": 2,
-              "max_new_tokens": 6, "temperature": 1.0, "device": "cpu"}  # fmt: skip
+    values = {
+        "output": str(tmp_path / "out" / "conversations.jsonl"),
+        "model": model,
+        "prompts": str(prompts),
+        "conversations": 7,
+        "batch_size": 2,
+        "max_new_tokens": 6,
+        "temperature": 1.0,
+        "device": "cpu",
+    }
     return GenerateConfig(**{**values, **changes})
 
 
@@ -42,8 +49,9 @@ def test_conversations_are_chat_rows_that_prepare_reads(tmp_path, chat_model):
 
     config = _config(tmp_path, chat_model)
     result = generate(config, progress=False)
-    rows = [json.loads(x) for x in (tmp_path / "out" / "conversations.jsonl").read_text()
-            .splitlines()]  # fmt: skip
+    rows = [
+        json.loads(x) for x in (tmp_path / "out" / "conversations.jsonl").read_text().splitlines()
+    ]
     assert result["conversations"] == len(rows) == 7 - result["dropped"]
     assert result["generated"] == len(rows) and result["unfinished"] <= len(rows)
     for row in rows:
@@ -59,10 +67,12 @@ def test_conversations_are_chat_rows_that_prepare_reads(tmp_path, chat_model):
     assert all(r.messages is not None for r in records)
     # A rerun of a finished set writes nothing; another seed samples other answers.
     assert generate(config, progress=False)["generated"] == 0
-    other = generate(_config(tmp_path / "b", chat_model, seed=1, prompts=config.prompts),
-                     progress=False)  # fmt: skip
-    assert other["conversations"] and (tmp_path / "b" / "out" / "conversations.jsonl"
-                                       ).read_text() != config_text(config)  # fmt: skip
+    other = generate(
+        _config(tmp_path / "b", chat_model, seed=1, prompts=config.prompts), progress=False
+    )
+    assert other["conversations"] and (
+        tmp_path / "b" / "out" / "conversations.jsonl"
+    ).read_text() != config_text(config)
 
 
 def test_a_killed_run_resumes_to_the_same_file(tmp_path, chat_model, monkeypatch):
@@ -92,14 +102,17 @@ def test_a_killed_run_resumes_to_the_same_file(tmp_path, chat_model, monkeypatch
     result = generate(killed, progress=False)
     assert config_text(killed) == expected
     assert result["generated"] == result["conversations"] - sum(
-        1 for x in expected.splitlines() if json.loads(x)["generation"]["batch"] < 2)
+        1 for x in expected.splitlines() if json.loads(x)["generation"]["batch"] < 2
+    )
 
 
 def test_refusals_name_the_setting(tmp_path, chat_model):
     generate(_config(tmp_path, chat_model, conversations=2, batch_size=1), progress=False)
     with pytest.raises(ConfigError, match=r"generated with temperature=1\.0, not 0\.5; write to"):
-        generate(_config(tmp_path, chat_model, conversations=2, batch_size=1, temperature=0.5),
-                 progress=False)  # fmt: skip
+        generate(
+            _config(tmp_path, chat_model, conversations=2, batch_size=1, temperature=0.5),
+            progress=False,
+        )
     with pytest.raises(ConfigError, match=r"holds 2 batches, more than the 1 of conversations=1"):
         generate(_config(tmp_path, chat_model, conversations=1, batch_size=1), progress=False)
     foreign = tmp_path / "foreign.jsonl"
@@ -107,10 +120,12 @@ def test_refusals_name_the_setting(tmp_path, chat_model):
     with pytest.raises(ConfigError, match=r"has no foreign\.jsonl\.progress\.json: it was not "):
         generate(_config(tmp_path, chat_model, output=str(foreign)), progress=False)
     assert foreign.read_text() == '{"id": "x", "text": "mine"}\n'  # left alone
-    for changes, message in (({"output": "s3://b/c.jsonl"}, "appends to a local file"),
-                             ({"temperature": 0}, r"temperature is 0; it must be a number in"),
-                             ({"top_p": 1.5}, r"top_p is 1\.5"),
-                             ({"conversations": 0}, "conversations is 0")):  # fmt: skip
+    for changes, message in (
+        ({"output": "s3://b/c.jsonl"}, "appends to a local file"),
+        ({"temperature": 0}, r"temperature is 0; it must be a number in"),
+        ({"top_p": 1.5}, r"top_p is 1\.5"),
+        ({"conversations": 0}, "conversations is 0"),
+    ):
         with pytest.raises(ConfigError, match=message):
             _config(tmp_path, chat_model, **changes)
 
@@ -126,8 +141,17 @@ def test_machine_prompts_wrap_docstrings_in_the_instructions():
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys, chat_model):
-    code = main(["generate", "--model", chat_model, "--output", str(tmp_path / "c.jsonl"),
-                 "--prompts", str(tmp_path / "missing.jsonl")])  # fmt: skip
+    code = main(
+        [
+            "generate",
+            "--model",
+            chat_model,
+            "--output",
+            str(tmp_path / "c.jsonl"),
+            "--prompts",
+            str(tmp_path / "missing.jsonl"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("crosskd: error: ")
     assert "missing.jsonl" in err[0]

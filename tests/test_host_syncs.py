@@ -48,14 +48,36 @@ from crosskd.train import Trainer
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
-READS = {Tensor.item, Tensor.tolist, Tensor.__bool__, Tensor.__int__, Tensor.__float__,
-         Tensor.__index__, Tensor.cpu, Tensor.numpy, Tensor.nonzero, torch.nonzero,
-         Tensor.unique, torch.unique, Tensor.masked_select, torch.masked_select}  # fmt: skip
+READS = {
+    Tensor.item,
+    Tensor.tolist,
+    Tensor.__bool__,
+    Tensor.__int__,
+    Tensor.__float__,
+    Tensor.__index__,
+    Tensor.cpu,
+    Tensor.numpy,
+    Tensor.nonzero,
+    torch.nonzero,
+    Tensor.unique,
+    torch.unique,
+    Tensor.masked_select,
+    torch.masked_select,
+}
 INDEXING = {Tensor.__getitem__, Tensor.__setitem__, Tensor.index_put, Tensor.index_put_}
 BACKWARD = {Tensor.backward, torch.autograd.backward}
-ATEN_READS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique,
-              aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.bincount,
-              aten.repeat_interleave, aten.equal}  # fmt: skip
+ATEN_READS = {
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.bincount,
+    aten.repeat_interleave,
+    aten.equal,
+}
 ATEN_INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 PYTHON_READS = ("tolist", "numpy", "cpu")
 
@@ -80,7 +102,8 @@ class _BackwardReads(TorchDispatchMode):
             packet = func.overloadpacket
             boolean = packet in ATEN_INDEXING and any(
                 isinstance(index, Tensor) and index.dtype in (torch.bool, torch.uint8)
-                for index in args[1])  # fmt: skip
+                for index in args[1]
+            )
             if packet in ATEN_READS or boolean:
                 self.reads.append(_where(f"aten.{packet.__name__}"))
         return func(*args, **(kwargs or {}))
@@ -105,11 +128,15 @@ class HostReads(TorchFunctionMode):
         if func in INDEXING and len(args) > 1:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             for part in index:
-                if isinstance(part, Tensor) and part.dtype == torch.bool and (
-                        self._device(part) or self._device(args[0])):  # fmt: skip
+                if (
+                    isinstance(part, Tensor)
+                    and part.dtype == torch.bool
+                    and (self._device(part) or self._device(args[0]))
+                ):
                     return True
                 if isinstance(part, slice) and any(
-                        self._device(b) for b in (part.start, part.stop, part.step)):  # fmt: skip
+                    self._device(b) for b in (part.start, part.stop, part.step)
+                ):
                     return True
         return False
 
@@ -117,8 +144,11 @@ class HostReads(TorchFunctionMode):
         """Host data copied to the device without ``non_blocking``: from pageable memory on
         CUDA such a copy makes the host wait for every kernel queued before it."""
         if func in (Tensor.to, Tensor.cuda) and not self._device(args[0]):
-            moves = func is Tensor.cuda or "device" in kwargs or any(
-                isinstance(a, torch.device | str) for a in args[1:])  # fmt: skip
+            moves = (
+                func is Tensor.cuda
+                or "device" in kwargs
+                or any(isinstance(a, torch.device | str) for a in args[1:])
+            )
             return moves and not kwargs.get("non_blocking", False)
         return False
 
@@ -180,8 +210,7 @@ def test_the_counter_sees_reads_in_both_passes_and_ignores_host_data():
         assert host.tolist()[1] == 1.0 and int(host[2]) == 2 and host[host > 3].numel() == 2
         assert counter.reads == []
         host.to("cpu")
-        assert [read.split(" at ")[0] for read in counter.reads] == [
-            "blocking copy to the device"]
+        assert [read.split(" at ")[0] for read in counter.reads] == ["blocking copy to the device"]
         counter.reads.clear()
         torch.from_numpy(np.arange(3.0)).to("cpu", non_blocking=True)
         assert counter.reads == []
@@ -195,10 +224,23 @@ def test_the_counter_sees_reads_in_both_passes_and_ignores_host_data():
 
 
 def _reads_of_one_step(inputs: dict, output, micro_batch_rows: int) -> list[str]:
-    loss = LossConfig(kd_weight=0.7, dynamic_kd_scale=True, teachers=[TeacherLossConfig(
-        k=16, student_to_teacher=inputs["s2t"], teacher_to_student=inputs["t2s"])])
-    config = train_config(inputs, output, loss=loss, micro_batch_rows=micro_batch_rows,
-                          global_batch_rows=3, prefetch_steps=0)  # fmt: skip
+    loss = LossConfig(
+        kd_weight=0.7,
+        dynamic_kd_scale=True,
+        teachers=[
+            TeacherLossConfig(
+                k=16, student_to_teacher=inputs["s2t"], teacher_to_student=inputs["t2s"]
+            )
+        ],
+    )
+    config = train_config(
+        inputs,
+        output,
+        loss=loss,
+        micro_batch_rows=micro_batch_rows,
+        global_batch_rows=3,
+        prefetch_steps=0,
+    )
     trainer = Trainer(config, progress=False)
     trainer.setup()
     planned = trainer.step_inputs(0)
@@ -209,8 +251,7 @@ def _reads_of_one_step(inputs: dict, output, micro_batch_rows: int) -> list[str]
     return counter.reads
 
 
-def test_a_training_step_reads_the_device_twice_whatever_its_micro_batches(train_inputs,
-                                                                           tmp_path):  # fmt: skip
+def test_a_training_step_reads_the_device_twice_whatever_its_micro_batches(train_inputs, tmp_path):
     """One micro-batch of 3 rows and three of one row: the same two reads (the reported
     values, then the gradient norm), none between a forward and its backward pass and none in
     a backward pass, and no blocking copy of host data to the device. (Before, each

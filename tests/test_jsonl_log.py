@@ -40,12 +40,17 @@ def test_object_store_log_is_written_in_parts(s3, monkeypatch):
     log.close()
     line = len(json.dumps({"step": 1}).encode()) + 1
     assert written == [3 * line, 3 * line, line, line]  # never more than one part a write
-    assert not s3.exists(uri[len("s3://"):])
+    assert not s3.exists(uri[len("s3://") :])
     # A resumed run numbers its parts on and rewrites nothing of the earlier ones.
     again = JsonlLog(uri, flush_s=0.0, part_records=3)
     again.write({"step": 8})
-    parts = sorted(p.rsplit("/", 1)[-1] for p in s3.ls("crosskd-test/log-parts/"
-                                                         "metrics-rank0.jsonl.parts"))
-    assert parts == ["part-000000.jsonl", "part-000001.jsonl", "part-000002.jsonl",
-                     "part-000003.jsonl"]
+    parts = sorted(
+        p.rsplit("/", 1)[-1] for p in s3.ls("crosskd-test/log-parts/metrics-rank0.jsonl.parts")
+    )
+    assert parts == [
+        "part-000000.jsonl",
+        "part-000001.jsonl",
+        "part-000002.jsonl",
+        "part-000003.jsonl",
+    ]
     assert [r["step"] for r in read_jsonl_log(uri)] == list(range(1, 9))

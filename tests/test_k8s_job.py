@@ -80,12 +80,15 @@ def test_cpu_job_by_hand():
     assert spec["nprocPerNode"] == "2" and "elasticPolicy" not in spec
     replicas = spec["pytorchReplicaSpecs"]
     assert {k: (r["replicas"], r["restartPolicy"]) for k, r in replicas.items()} == {
-        "Master": (1, "ExitCode"), "Worker": (1, "ExitCode"),
-    }  # fmt: skip
+        "Master": (1, "ExitCode"),
+        "Worker": (1, "ExitCode"),
+    }
     assert spec["runPolicy"] == {
-        "activeDeadlineSeconds": 604800, "backoffLimit": 3, "cleanPodPolicy": "Running",
+        "activeDeadlineSeconds": 604800,
+        "backoffLimit": 3,
+        "cleanPodPolicy": "Running",
         "ttlSecondsAfterFinished": 86400,
-    }  # fmt: skip
+    }
     assert _pod(m, "Master") == _pod(m, "Worker")
     pod = _pod(m)
     assert pod["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}
@@ -93,21 +96,31 @@ def test_cpu_job_by_hand():
     c = _container(m)
     assert c["name"] == "pytorch" and c["image"] == "crosskd:0.1.0"
     assert c["imagePullPolicy"] == "IfNotPresent"
-    assert c["command"] == ["crosskd", "train", "--config", "/etc/crosskd/train.yaml",
-                            "--nproc-per-node", "2", "metrics_port=9400"]  # fmt: skip
+    assert c["command"] == [
+        "crosskd",
+        "train",
+        "--config",
+        "/etc/crosskd/train.yaml",
+        "--nproc-per-node",
+        "2",
+        "metrics_port=9400",
+    ]
     assert "args" not in c
     assert c["ports"] == [
         {"name": "pytorchjob-port", "containerPort": 23456},
         {"name": "metrics-0", "containerPort": 9400},
         {"name": "metrics-1", "containerPort": 9401},
     ]
-    assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
-                              "limits": {"memory": "16Gi"}}  # fmt: skip
+    assert c["resources"] == {
+        "requests": {"cpu": "4", "memory": "16Gi"},
+        "limits": {"memory": "16Gi"},
+    }
     assert {e["name"]: e["value"] for e in c["env"]} == BASE_ENV
     assert c["securityContext"] == {
-        "allowPrivilegeEscalation": False, "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"]},
-    }  # fmt: skip
+    }
     assert c["volumeMounts"] == [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "train-config", "mountPath": "/etc/crosskd", "readOnly": True},
@@ -117,20 +130,28 @@ def test_cpu_job_by_hand():
     ]
     ps = pod["spec"]
     assert ps["securityContext"] == {
-        "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
         "seccompProfile": {"type": "RuntimeDefault"},
-    }  # fmt: skip
+    }
     assert ps["terminationGracePeriodSeconds"] == 120
     assert ps["automountServiceAccountToken"] is False
     assert not {"nodeSelector", "tolerations", "serviceAccountName"} & set(ps)
     assert ps["volumes"] == [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
-        {"name": "train-config", "configMap": {
-            "name": "crosskd-train", "items": [{"key": "train.yaml", "path": "train.yaml"}]}},
+        {
+            "name": "train-config",
+            "configMap": {
+                "name": "crosskd-train",
+                "items": [{"key": "train.yaml", "path": "train.yaml"}],
+            },
+        },
         {"name": "home", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "cache", "emptyDir": {"sizeLimit": "50Gi"}},
         {"name": "node-cache", "emptyDir": {"sizeLimit": "20Gi"}},
-    ]  # fmt: skip
+    ]
     # camelCase from sanitize_for_serialization, not to_dict()'s snake_case, and no nulls
     assert not [k for k in _keys(m) if "_" in k]
     assert "None" not in yaml.safe_dump(m) and "null" not in yaml.safe_dump(m)
@@ -139,14 +160,28 @@ def test_cpu_job_by_hand():
 def test_gpu_job_by_hand():
     """4 nodes x 8 GPUs: Master + 3 Workers (the operator's WORLD_SIZE 4 x 8 = 32), GPU limit
     = nprocPerNode = --nproc-per-node = metrics ports, S3 keys only from the Secret."""
-    config = load_job_config(overrides=[
-        "run_id=big", "image=crosskd:0.1.0-cuda", "nodes=4", "gpus_per_node=8",
-        "cpu_procs_per_node=3", "cpu=64", "memory=512Gi", "memory_limit=600Gi", "shm_size=64Gi",
-        "s3_secret=crosskd-s3", "s3_endpoint_url=http://minio:9000", "grace_seconds=300",
-        "node_selector={nvidia.com/gpu.product: H100}", "image_pull_secrets=[regcred]",
-        "tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
-        "env={NCCL_SOCKET_IFNAME: eth0}", "train_overrides=[steps=2000]", "metrics_port=9500",
-    ])  # fmt: skip
+    config = load_job_config(
+        overrides=[
+            "run_id=big",
+            "image=crosskd:0.1.0-cuda",
+            "nodes=4",
+            "gpus_per_node=8",
+            "cpu_procs_per_node=3",
+            "cpu=64",
+            "memory=512Gi",
+            "memory_limit=600Gi",
+            "shm_size=64Gi",
+            "s3_secret=crosskd-s3",
+            "s3_endpoint_url=http://minio:9000",
+            "grace_seconds=300",
+            "node_selector={nvidia.com/gpu.product: H100}",
+            "image_pull_secrets=[regcred]",
+            "tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+            "env={NCCL_SOCKET_IFNAME: eth0}",
+            "train_overrides=[steps=2000]",
+            "metrics_port=9500",
+        ]
+    )
     m = job_manifest(config)
     specs = m["spec"]["pytorchReplicaSpecs"]
     assert {k: r["replicas"] for k, r in specs.items()} == {"Master": 1, "Worker": 3}
@@ -157,24 +192,29 @@ def test_gpu_job_by_hand():
         "requests": {"cpu": "64", "memory": "512Gi"},
         "limits": {"memory": "600Gi", "nvidia.com/gpu": "8"},
     }
-    assert [p["name"] for p in c["ports"]] == ["pytorchjob-port"] + [f"metrics-{i}" for i in
-                                                                       range(8)]  # fmt: skip
+    assert [p["name"] for p in c["ports"]] == ["pytorchjob-port"] + [
+        f"metrics-{i}" for i in range(8)
+    ]
     assert [p["containerPort"] for p in c["ports"][1:]] == list(range(9500, 9508))
     plain = {e["name"]: e["value"] for e in c["env"] if "value" in e}
-    assert plain == {**BASE_ENV, "CROSSKD_GRACE_SECONDS": "300", "NCCL_SOCKET_IFNAME": "eth0",
-                     "AWS_ENDPOINT_URL": "http://minio:9000"}  # fmt: skip
+    assert plain == {
+        **BASE_ENV,
+        "CROSSKD_GRACE_SECONDS": "300",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "AWS_ENDPOINT_URL": "http://minio:9000",
+    }
     secret = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
     assert secret == {
         "AWS_ACCESS_KEY_ID": {"name": "crosskd-s3", "key": "AWS_ACCESS_KEY_ID"},
         "AWS_SECRET_ACCESS_KEY": {"name": "crosskd-s3", "key": "AWS_SECRET_ACCESS_KEY"},
-        "AWS_DEFAULT_REGION": {"name": "crosskd-s3", "key": "AWS_DEFAULT_REGION",
-                               "optional": True},
-    }  # fmt: skip
+        "AWS_DEFAULT_REGION": {"name": "crosskd-s3", "key": "AWS_DEFAULT_REGION", "optional": True},
+    }
     ps = _pod(m, "Worker")["spec"]
     assert ps["terminationGracePeriodSeconds"] == 300
     assert ps["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
-    assert ps["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                  "effect": "NoSchedule"}]  # fmt: skip
+    assert ps["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
     assert ps["imagePullSecrets"] == [{"name": "regcred"}]
     assert ps["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     assert _pod(m, "Master") == _pod(m, "Worker")
@@ -185,22 +225,38 @@ def test_one_node_has_no_worker_and_elastic_has_no_master():
     assert list(one["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     cfg = JobConfig(run_id="r", image="i", nodes=3, gpus_per_node=4, elastic=True, min_nodes=2)
     elastic = job_manifest(cfg)
-    assert {k: r["replicas"] for k, r in elastic["spec"]["pytorchReplicaSpecs"].items()} \
-        == {"Worker": 3}  # fmt: skip
+    assert {k: r["replicas"] for k, r in elastic["spec"]["pytorchReplicaSpecs"].items()} == {
+        "Worker": 3
+    }
     assert elastic["spec"]["elasticPolicy"] == {
-        "rdzvBackend": "c10d", "rdzvId": job_name("r"), "minReplicas": 2, "maxReplicas": 3,
-    }  # fmt: skip
+        "rdzvBackend": "c10d",
+        "rdzvId": job_name("r"),
+        "minReplicas": 2,
+        "maxReplicas": 3,
+    }
     assert elastic["spec"]["nprocPerNode"] == "4"
     assert "nProcPerNode" not in elastic["spec"]["elasticPolicy"]  # forbidden with nprocPerNode
 
 
 def test_queue_gang_priority_and_ipc_lock():
-    m = job_manifest(JobConfig(
-        run_id="r", image="i", nodes=4, gpus_per_node=8, queue_name="team-gpus",
-        gang_scheduling=True, scheduling_queue="vq", priority_class="high",
-        schedule_timeout_seconds=600, ipc_lock=True, service_account="s3-reader",
-        labels={"team": "nlp"}, namespace="ml", name="my-job",
-    ))  # fmt: skip
+    m = job_manifest(
+        JobConfig(
+            run_id="r",
+            image="i",
+            nodes=4,
+            gpus_per_node=8,
+            queue_name="team-gpus",
+            gang_scheduling=True,
+            scheduling_queue="vq",
+            priority_class="high",
+            schedule_timeout_seconds=600,
+            ipc_lock=True,
+            service_account="s3-reader",
+            labels={"team": "nlp"},
+            namespace="ml",
+            name="my-job",
+        )
+    )
     assert m["metadata"]["name"] == "my-job" and m["metadata"]["namespace"] == "ml"
     assert m["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-gpus"
     assert m["metadata"]["labels"]["team"] == "nlp"
@@ -208,12 +264,17 @@ def test_queue_gang_priority_and_ipc_lock():
     assert "kueue.x-k8s.io/queue-name" not in pod["metadata"]["labels"]
     assert pod["metadata"]["labels"]["team"] == "nlp"
     assert m["spec"]["runPolicy"]["schedulingPolicy"] == {
-        "minAvailable": 4, "queue": "vq", "priorityClass": "high", "scheduleTimeoutSeconds": 600,
-    }  # fmt: skip
+        "minAvailable": 4,
+        "queue": "vq",
+        "priorityClass": "high",
+        "scheduleTimeoutSeconds": 600,
+    }
     assert pod["spec"]["priorityClassName"] == "high"
     assert pod["spec"]["serviceAccountName"] == "s3-reader"
-    assert _container(m)["securityContext"]["capabilities"] == {"drop": ["ALL"],
-                                                                "add": ["IPC_LOCK"]}  # fmt: skip
+    assert _container(m)["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["IPC_LOCK"],
+    }
 
 
 def test_job_name():
@@ -294,16 +355,21 @@ def test_the_train_layout_must_fit_the_jobs_workers(tmp_path, capsys):
     """``parallel.*`` train overrides (over the train config's ``parallel:`` when render is
     given it) resolved for ``nodes * procs per node``; a layout that does not fit is refused
     at render time in one line naming both sides, a size that is no size by its key."""
-    job = JobConfig(run_id="r", image="i", nodes=4, gpus_per_node=8,
-                    train_overrides=["parallel.dp_shard=8"])  # fmt: skip
+    job = JobConfig(
+        run_id="r", image="i", nodes=4, gpus_per_node=8, train_overrides=["parallel.dp_shard=8"]
+    )
     assert job_layout(job) == ParallelLayout(dp_replicate=4, dp_shard=8)
     assert job_layout(job, {"tp": 2}) == ParallelLayout(dp_replicate=2, dp_shard=8, tp=2)
     command = build_job(job).spec.pytorch_replica_specs["Master"].template.spec.containers[0]
     assert command.command[-1] == "parallel.dp_shard=8"
-    with pytest.raises(ConfigError, match=r"parallel \{'dp_shard': 3\} does not fit this job's "
-                                          r"4 node\(s\) x 8 process\(es\) = 32"):  # fmt: skip
-        JobConfig(run_id="r", image="i", nodes=4, gpus_per_node=8,
-                  train_overrides=["parallel.dp_shard=3"])  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel \{'dp_shard': 3\} does not fit this job's "
+        r"4 node\(s\) x 8 process\(es\) = 32",
+    ):
+        JobConfig(
+            run_id="r", image="i", nodes=4, gpus_per_node=8, train_overrides=["parallel.dp_shard=3"]
+        )
     with pytest.raises(ConfigError, match=r"^parallel.tp is 0; it must be an integer >= 1\.$"):
         JobConfig(run_id="r", image="i", train_overrides=["parallel.tp=0"])
     config = tmp_path / "job.yaml"
@@ -313,12 +379,26 @@ def test_the_train_layout_must_fit_the_jobs_workers(tmp_path, capsys):
     assert main(["job", "render", "--config", str(config), "--train-config", str(train)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "2 node(s) x 2 process(es) = 4 workers" in err
-    assert main(["job", "render", "--config", str(config), "--train-config", str(train),
-                 "train_overrides=[parallel.dp_shard=2]"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "job",
+                "render",
+                "--config",
+                str(config),
+                "--train-config",
+                str(train),
+                "train_overrides=[parallel.dp_shard=2]",
+            ]
+        )
+        == 0
+    )
     # The GPU overlays of manifests/ shard the student over each node's GPUs.
     for overlay, replicas in (("gpu-1x8", 1), ("gpu-4x8", 4)):
-        values = {**yaml.safe_load((ROOT / "manifests/job.yaml").read_text()),
-                  **yaml.safe_load((ROOT / f"manifests/overlays/{overlay}/job.yaml").read_text())}
+        values = {
+            **yaml.safe_load((ROOT / "manifests/job.yaml").read_text()),
+            **yaml.safe_load((ROOT / f"manifests/overlays/{overlay}/job.yaml").read_text()),
+        }
         layout = job_layout(load_job_config(values=values))
         assert (layout.dp_replicate, layout.dp_shard) == (replicas, 8), overlay
 
@@ -326,8 +406,9 @@ def test_the_train_layout_must_fit_the_jobs_workers(tmp_path, capsys):
 def _apply(doc: object, ops: list[dict]) -> object:
     doc = copy.deepcopy(doc)
     for op in ops:
-        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"][1:]
-                          .split("/")]  # fmt: skip
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in op["path"][1:].split("/")
+        ]
         target = doc
         for p in parents:
             target = target[int(p)] if isinstance(target, list) else target[p]
@@ -341,8 +422,12 @@ def _apply(doc: object, ops: list[dict]) -> object:
 
 def test_json_patch_turns_old_into_new():
     base = job_manifest(JobConfig(run_id="r", image="i", nodes=2))
-    for overrides in (dict(nodes=1, gpus_per_node=8), dict(nodes=4, gpus_per_node=8, s3_secret="s"),
-                      dict(elastic=True, nodes=3), dict(tolerations=[{"key": "a/b"}])):
+    for overrides in (
+        dict(nodes=1, gpus_per_node=8),
+        dict(nodes=4, gpus_per_node=8, s3_secret="s"),
+        dict(elastic=True, nodes=3),
+        dict(tolerations=[{"key": "a/b"}]),
+    ):
         new = job_manifest(JobConfig(run_id="r", image="i", **{"nodes": 2, **overrides}))
         ops = json_patch(base, new)
         assert _apply(base, ops) == new

@@ -24,18 +24,42 @@ STEPS = 30
 
 def _documents(train_inputs: dict, output: Path, **train) -> list[dict]:
     values = {
-        "student": train_inputs["student"], "data": train_inputs["data"],
-        "output": str(output), "teachers": [train_inputs["cache"]],
-        "loss": {"dynamic_kd_scale": True, "teachers": [{
-            "k": 16, "student_to_teacher": train_inputs["s2t"],
-            "teacher_to_student": train_inputs["t2s"]}]},
-        "steps": STEPS, "micro_batch_rows": 1, "global_batch_rows": 2, "lr": 3e-3,
-        "warmup_steps": 2, "checkpoint_every": 5,
-    } | train  # fmt: skip
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "crosskd-train"},
-                  "data": {"train.yaml": yaml.safe_dump(values)}}  # fmt: skip
-    job = job_manifest(JobConfig(run_id="local-test", image="crosskd:test", nodes=2,
-                                 env={"OMP_NUM_THREADS": "1"}, grace_seconds=60))  # fmt: skip
+        "student": train_inputs["student"],
+        "data": train_inputs["data"],
+        "output": str(output),
+        "teachers": [train_inputs["cache"]],
+        "loss": {
+            "dynamic_kd_scale": True,
+            "teachers": [
+                {
+                    "k": 16,
+                    "student_to_teacher": train_inputs["s2t"],
+                    "teacher_to_student": train_inputs["t2s"],
+                }
+            ],
+        },
+        "steps": STEPS,
+        "micro_batch_rows": 1,
+        "global_batch_rows": 2,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "checkpoint_every": 5,
+    } | train
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "crosskd-train"},
+        "data": {"train.yaml": yaml.safe_dump(values)},
+    }
+    job = job_manifest(
+        JobConfig(
+            run_id="local-test",
+            image="crosskd:test",
+            nodes=2,
+            env={"OMP_NUM_THREADS": "1"},
+            grace_seconds=60,
+        )
+    )
     return [config_map, job]
 
 
@@ -49,9 +73,13 @@ def reference(train_inputs, tmp_path_factory) -> list[dict]:
     # per micro-batch, as it is per step of the 2-rank job).
     (root / "train.yaml").write_text(yaml.safe_dump(values | {"micro_batch_rows": 2}))
     crosskd = str(Path(sys.executable).parent / "crosskd")
-    done = subprocess.run([crosskd, "train", "--config", str(root / "train.yaml")],
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    done = subprocess.run(
+        [crosskd, "train", "--config", str(root / "train.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return _curve(root / "run")
 
@@ -99,8 +127,7 @@ def test_the_operators_environment_and_nothing_more(train_inputs, tmp_path, monk
 
 def test_a_two_replica_job_trains_like_one_process(train_inputs, reference, tmp_path):
     started = time.perf_counter()
-    result = run_local(_documents(train_inputs, tmp_path / "run"), tmp_path / "work",
-                       timeout=600)  # fmt: skip
+    result = run_local(_documents(train_inputs, tmp_path / "run"), tmp_path / "work", timeout=600)
     seconds = time.perf_counter() - started
     assert result.succeeded, (result, (tmp_path / "work/master-0/log.txt").read_text()[-3000:])
     assert result.exit_codes == {"master-0": [0], "worker-0": [0]}
@@ -179,8 +206,9 @@ def _run_and_act(train_inputs, tmp_path: Path, paused: str, act) -> tuple:
     return result, output
 
 
-def test_a_sigkilled_replica_is_recreated_and_the_job_ends_on_the_curve(train_inputs, reference,
-                                                                        tmp_path):  # fmt: skip
+def test_a_sigkilled_replica_is_recreated_and_the_job_ends_on_the_curve(
+    train_inputs, reference, tmp_path
+):
     def kill(pids: dict[str, int]) -> None:  # the Master's pod: its agent and workers
         _signal_pod(tmp_path / "work", "master-0", signal.SIGKILL)
 

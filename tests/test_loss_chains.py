@@ -44,14 +44,23 @@ TAU, K = 1.0, 3
 def _table(chains: list[list[int]], src: str, dst: str, v_dst: int) -> SubTokenTable:
     offsets = np.concatenate([[0], np.cumsum([len(c) for c in chains])]).astype(np.int64)
     meta = TableMeta(
-        src_name=src, dst_name=dst, src_fingerprint=f"fp-{src}", dst_fingerprint=f"fp-{dst}",
-        src_len=len(chains), dst_len=v_dst, src_vocab_size=len(chains), dst_vocab_size=v_dst,
-        src_roles="{}", dst_roles="{}",
-    )  # fmt: skip
+        src_name=src,
+        dst_name=dst,
+        src_fingerprint=f"fp-{src}",
+        dst_fingerprint=f"fp-{dst}",
+        src_len=len(chains),
+        dst_len=v_dst,
+        src_vocab_size=len(chains),
+        dst_vocab_size=v_dst,
+        src_roles="{}",
+        dst_roles="{}",
+    )
     return SubTokenTable(
-        offsets, np.asarray([i for c in chains for i in c], dtype=np.int32),
-        np.full(len(chains), Flag.NORMAL, dtype=np.uint8), meta,
-    )  # fmt: skip
+        offsets,
+        np.asarray([i for c in chains for i in c], dtype=np.int32),
+        np.full(len(chains), Flag.NORMAL, dtype=np.uint8),
+        meta,
+    )
 
 
 def _pair() -> TablePair:
@@ -103,7 +112,7 @@ def _by_chunk(events) -> dict[int, list[tuple[float, list[tuple[int, int]]]]]:
         ]
         out.setdefault(int(events.chunk_index[chunk]), []).append(
             (float(events.teacher_lp[e]), terms)
-        )  # fmt: skip
+        )
     return out
 
 
@@ -130,9 +139,16 @@ def test_1_n_path_shared_by_two_student_ids_is_one_event(k):
     [2]: they leave the path at t_1); student 4 only (chain [0, 2], leaving at t_2 with c = 2),
     not also its duplicate 5. (Student 0's chain [0] is the path's own t_1; 3 is realized.)"""
     signal = _signal("both", k)
-    events = _by_chunk(build_events(
-        STUDENT_IDS.numpy(), TEACHER_IDS.numpy(), signal, _chunks(), _pair(), CsdOptions(),
-    ))  # fmt: skip
+    events = _by_chunk(
+        build_events(
+            STUDENT_IDS.numpy(),
+            TEACHER_IDS.numpy(),
+            signal,
+            _chunks(),
+            _pair(),
+            CsdOptions(),
+        )
+    )
     realized = sum(float(signal.realized[0, r]) for r in range(3))
     expected = [
         (realized, [(0, 3)]),
@@ -148,19 +164,29 @@ def test_1_n_path_shared_by_two_student_ids_is_one_event(k):
         assert lp == pytest.approx(want, abs=1e-12)
 
 
-@pytest.mark.parametrize(("variant", "k", "alternative"), [
-    ("both", K, 4),     # 4 and 5 in the top K: the event is 4's, once
-    ("higher", K, 0),   # only 5 in the top K: the lookup gives 4, not in the top K: no event;
-                        # teacher 0 (chain [0], leaving at s_1) is in the top K instead
-    ("both", 0, 4),     # dense: 4 (and teacher 0, 1, whose chains [0], [1] leave at s_1)
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("variant", "k", "alternative"),
+    [
+        ("both", K, 4),  # 4 and 5 in the top K: the event is 4's, once
+        ("higher", K, 0),  # only 5 in the top K: the lookup gives 4, not in the top K: no event;
+        # teacher 0 (chain [0], leaving at s_1) is in the top K instead
+        ("both", 0, 4),  # dense: 4 (and teacher 0, 1, whose chains [0], [1] leave at s_1)
+    ],
+)
 def test_n_1_path_shared_by_two_teacher_ids_is_one_event(variant, k, alternative):
     """Chunk 2 (student 2 1 vs teacher 7): the student path [2, 0] (chain of teachers 4 and 5)
     is one event, teacher 4's: student terms c at row 1 then a at row 2, teacher lp_T(4)."""
     signal = _signal(variant, k)
-    events = _by_chunk(build_events(
-        STUDENT_IDS.numpy(), TEACHER_IDS.numpy(), signal, _chunks(), _pair(), CsdOptions(),
-    ))  # fmt: skip
+    events = _by_chunk(
+        build_events(
+            STUDENT_IDS.numpy(),
+            TEACHER_IDS.numpy(),
+            signal,
+            _chunks(),
+            _pair(),
+            CsdOptions(),
+        )
+    )
     expected = {(float(signal.realized[0, 3]), ((1, 2), (2, 1)))}
     if alternative == 4 or k == 0:
         expected.add((_lp(signal, 3, 4), ((1, 2), (2, 0))))
@@ -184,8 +210,14 @@ def test_reference_uses_the_lowest_id_too(variant, k):
     signal = _signal(variant, k)
     logits = torch.zeros(1, 4, V_S, dtype=torch.float64)
     infos = reference_chunks(
-        logits, STUDENT_IDS, TEACHER_IDS, signal, _chunks(), _pair(), tau=TAU,
-    )  # fmt: skip
+        logits,
+        STUDENT_IDS,
+        TEACHER_IDS,
+        signal,
+        _chunks(),
+        _pair(),
+        tau=TAU,
+    )
     one_n = {e.student_path for e in infos[1].events if e.kind == "prefix"}
     assert one_n == {(1,), (2,), (4,)}
     n_one = {e.teacher_path for e in infos[2].events if e.kind == "prefix"}
@@ -205,11 +237,18 @@ def test_loss_matches_the_reference_with_duplicate_ids(variant, k, divergence):
     base = torch.randn(1, 4, V_S, generator=gen, dtype=torch.float64)
     ref_logits, impl_logits = base.clone().requires_grad_(), base.clone().requires_grad_()
     ref, n_ref = reference_kd(
-        ref_logits, STUDENT_IDS, TEACHER_IDS, signal, _chunks(), _pair(), tau=TAU,
+        ref_logits,
+        STUDENT_IDS,
+        TEACHER_IDS,
+        signal,
+        _chunks(),
+        _pair(),
+        tau=TAU,
         divergence=divergence,
-    )  # fmt: skip
-    got = csd_kd(impl_logits, STUDENT_IDS, TEACHER_IDS, signal, _chunks(), _pair(), tau=TAU,
-                 kind=divergence)  # fmt: skip
+    )
+    got = csd_kd(
+        impl_logits, STUDENT_IDS, TEACHER_IDS, signal, _chunks(), _pair(), tau=TAU, kind=divergence
+    )
     assert got.n_chunks == n_ref == 2
     assert got.value.item() == pytest.approx(ref.item(), rel=1e-9)
     assert math.isfinite(ref.item()) and ref.item() > 0

@@ -110,9 +110,7 @@ def test_a_teacher_without_tables_must_have_the_students_tokenizer(zoo):
 
 
 def test_average_needs_one_tokenizer_and_one_vocabulary(zoo):
-    config = LossConfig(
-        teacher_mode="average", teachers=[TeacherLossConfig(k=0, **TABLES)] * 2
-    )
+    config = LossConfig(teacher_mode="average", teachers=[TeacherLossConfig(k=0, **TABLES)] * 2)
     check_teachers(config, zoo("llama3"), [zoo("qwen3"), zoo("qwen3")])
     with pytest.raises(ConfigError, match=r"teachers\[1\] \(.*\) does not share teachers\[0\]"):
         check_teachers(config, zoo("llama3"), [zoo("qwen3"), zoo("qwen2")])

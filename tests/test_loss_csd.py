@@ -45,13 +45,22 @@ def case(request, zoo, built_table) -> CsdCase:
 # --- the vectorised implementation, called like the reference -------------------------------
 
 
-def implementation_kd(logits, case: CsdCase, signal, *, tau=TAU, divergence="jsd", beta=0.5,
-                      **options):  # fmt: skip
+def implementation_kd(
+    logits, case: CsdCase, signal, *, tau=TAU, divergence="jsd", beta=0.5, **options
+):
     """``(KD, N)`` from ``crosskd.loss.csd.csd_kd``, called like the reference."""
     term = csd_kd(
-        logits, case.student_ids, case.teacher_ids, signal, case.chunks, case.pair, tau=tau,
-        kind=divergence, beta=beta, options=CsdOptions(**options),
-    )  # fmt: skip
+        logits,
+        case.student_ids,
+        case.teacher_ids,
+        signal,
+        case.chunks,
+        case.pair,
+        tau=tau,
+        kind=divergence,
+        beta=beta,
+        options=CsdOptions(**options),
+    )
     return term.value, term.n_chunks
 
 
@@ -74,9 +83,15 @@ def test_reference_lookups_match_the_table_pair(case):
 def test_reference_is_finite_nonnegative_with_finite_gradient(case, k, divergence):
     logits = case.logits()
     kd, n = reference_kd(
-        logits, case.student_ids, case.teacher_ids, case.signal(k), case.chunks, case.pair,
-        tau=TAU, divergence=divergence,
-    )  # fmt: skip
+        logits,
+        case.student_ids,
+        case.teacher_ids,
+        case.signal(k),
+        case.chunks,
+        case.pair,
+        tau=TAU,
+        divergence=divergence,
+    )
     assert n > 0
     assert math.isfinite(kd.item()) and kd.item() >= 0
     grad = grad_of(kd, logits)
@@ -95,9 +110,15 @@ def _prefix_free(paths: list[tuple[int, ...]]) -> bool:
 def test_events_are_disjoint_and_rest_completes_them(case, k):
     logits = case.logits()
     infos = reference_chunks(
-        logits, case.student_ids, case.teacher_ids, case.signal(k), case.chunks, case.pair,
-        tau=TAU, keep_realized=True,
-    )  # fmt: skip
+        logits,
+        case.student_ids,
+        case.teacher_ids,
+        case.signal(k),
+        case.chunks,
+        case.pair,
+        tau=TAU,
+        keep_realized=True,
+    )
     with_alternatives = 0
     for info in infos:
         if not info.counts:
@@ -120,9 +141,14 @@ def test_mismatch_events_are_disjoint_with_a_dense_teacher(case):
     """Dense: every prefix alternative exists; the teacher mass of E still cannot exceed 1."""
     sub = _subset(case, 2, (SHAPE_1_N, SHAPE_N_1))
     infos = reference_chunks(
-        sub.logits(), sub.student_ids, sub.teacher_ids, sub.signal(0), sub.chunks, sub.pair,
+        sub.logits(),
+        sub.student_ids,
+        sub.teacher_ids,
+        sub.signal(0),
+        sub.chunks,
+        sub.pair,
         tau=TAU,
-    )  # fmt: skip
+    )
     counted = [info for info in infos if info.counts]
     assert counted
     for info in counted:
@@ -143,8 +169,14 @@ def test_positions_a_token_is_priced_by_the_row_before_it(case):
             teacher[b, t - 1, case.teacher_ids[b, t]] = 60.0
     signal = signal_from_logits(teacher, case.teacher_ids, k=8, tau=TAU)
     infos = reference_chunks(
-        logits, case.student_ids, case.teacher_ids, signal, case.chunks, case.pair, tau=TAU,
-    )  # fmt: skip
+        logits,
+        case.student_ids,
+        case.teacher_ids,
+        signal,
+        case.chunks,
+        case.pair,
+        tau=TAU,
+    )
     realized = [e for info in infos for e in info.events if e.kind == "realized"]
     assert len(realized) == int(case.chunks.valid.sum())
     for event in realized:
@@ -166,10 +198,10 @@ def test_dense_equals_sparse_with_k_covering_the_vocabulary(case):
     sub = _subset(case)
     vocab = sub.teacher_logits.shape[-1]
     args = (sub.student_ids, sub.teacher_ids)
-    dense, n_dense = reference_kd(sub.logits(), *args, sub.signal(0), sub.chunks, sub.pair,
-                                  tau=TAU)  # fmt: skip
-    full, n_full = reference_kd(sub.logits(), *args, sub.signal(vocab), sub.chunks, sub.pair,
-                                tau=TAU)  # fmt: skip
+    dense, n_dense = reference_kd(sub.logits(), *args, sub.signal(0), sub.chunks, sub.pair, tau=TAU)
+    full, n_full = reference_kd(
+        sub.logits(), *args, sub.signal(vocab), sub.chunks, sub.pair, tau=TAU
+    )
     assert n_dense == n_full > 0
     assert dense.item() == pytest.approx(full.item(), rel=1e-12)
 
@@ -186,12 +218,19 @@ def test_dense_equals_sparse_with_k_covering_the_vocabulary(case):
 def test_no_valid_chunk_gives_zero_and_zero_gradient(case):
     signal = case.signal(8)
     none_valid = case.with_valid(torch.zeros_like(case.chunks.valid))
-    empty = replace(case, chunks=ChunkBatch(
-        torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64),
-        torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, dtype=torch.uint8),
-        torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.bool),
-        torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64),
-    ))  # fmt: skip
+    empty = replace(
+        case,
+        chunks=ChunkBatch(
+            torch.zeros(0, dtype=torch.int64),
+            torch.zeros(0, 2, dtype=torch.int64),
+            torch.zeros(0, 2, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.uint8),
+            torch.zeros(0, dtype=torch.uint8),
+            torch.zeros(0, dtype=torch.bool),
+            torch.zeros(0, dtype=torch.uint8),
+            torch.zeros(0, dtype=torch.int64),
+        ),
+    )
     for sub in (none_valid, empty):
         logits = sub.logits()
         kd, n = reference_kd(
@@ -224,13 +263,25 @@ def test_csd_kd_matches_the_reference(case, divergence, option_set):
     signal = case.signal(k)
     ref_logits, impl_logits = case.logits(), case.logits()
     ref, n_ref = reference_kd(
-        ref_logits, case.student_ids, case.teacher_ids, signal, case.chunks, case.pair,
-        tau=TAU, divergence=divergence, beta=0.3 if divergence == "jsd" else 0.5, **options,
-    )  # fmt: skip
+        ref_logits,
+        case.student_ids,
+        case.teacher_ids,
+        signal,
+        case.chunks,
+        case.pair,
+        tau=TAU,
+        divergence=divergence,
+        beta=0.3 if divergence == "jsd" else 0.5,
+        **options,
+    )
     got, n_got = implementation_kd(
-        impl_logits, case, signal, divergence=divergence,
-        beta=0.3 if divergence == "jsd" else 0.5, **options,
-    )  # fmt: skip
+        impl_logits,
+        case,
+        signal,
+        divergence=divergence,
+        beta=0.3 if divergence == "jsd" else 0.5,
+        **options,
+    )
     assert n_got == n_ref > 0
     assert got.item() == pytest.approx(ref.item(), rel=1e-6)
     g_ref, g_got = grad_of(ref, ref_logits), grad_of(got, impl_logits)
@@ -244,9 +295,15 @@ def test_csd_kd_matches_the_reference_dense(case):
     for keep in (False,):
         ref_logits, impl_logits = sub.logits(), sub.logits()
         ref, n_ref = reference_kd(
-            ref_logits, sub.student_ids, sub.teacher_ids, signal, sub.chunks, sub.pair,
-            tau=TAU, keep_realized=keep,
-        )  # fmt: skip
+            ref_logits,
+            sub.student_ids,
+            sub.teacher_ids,
+            signal,
+            sub.chunks,
+            sub.pair,
+            tau=TAU,
+            keep_realized=keep,
+        )
         got, n_got = implementation_kd(impl_logits, sub, signal, keep_realized=keep)
         assert n_got == n_ref > 0
         assert got.item() == pytest.approx(ref.item(), rel=1e-6)
@@ -310,9 +367,16 @@ def test_metrics_match_the_reference_per_shape(case):
     out = compute_loss(case.logits(), plan_rows(case, signal, config), config)
     metrics = out.metrics
     infos = reference_chunks(
-        case.logits(), case.student_ids, case.teacher_ids, signal, case.chunks, case.pair,
-        tau=TAU, drop_unrealized_topk=True, min_mismatch_support=3,
-    )  # fmt: skip
+        case.logits(),
+        case.student_ids,
+        case.teacher_ids,
+        signal,
+        case.chunks,
+        case.pair,
+        tau=TAU,
+        drop_unrealized_topk=True,
+        min_mismatch_support=3,
+    )
     reasons = {"dropped-unrealized": "dropped_unrealized", "unsupported": "unsupported"}
     shares = 0.0
     for code, name in enumerate(SHAPES[:5]):
@@ -352,9 +416,13 @@ def test_teacher_mass_of_mismatch_events_is_at_most_one(case):
 
     sub = _subset(case, 2, (SHAPE_1_N, SHAPE_N_1))
     events = build_events(
-        sub.student_ids.numpy(), sub.teacher_ids.numpy(), sub.signal(0), sub.chunks, sub.pair,
+        sub.student_ids.numpy(),
+        sub.teacher_ids.numpy(),
+        sub.signal(0),
+        sub.chunks,
+        sub.pair,
         CsdOptions(),
-    )  # fmt: skip
+    )
     assert events.n_chunks > 0
     mass = np.bincount(events.event_chunk, weights=np.exp(events.teacher_lp))
     assert (mass <= 1 + 1e-6).all() and (mass > 0).all()
@@ -367,8 +435,16 @@ def test_a_signal_of_another_teacher_vocabulary_is_refused_naming_the_tables(cas
     ids = case.teacher_ids
     small = signal_from_logits(torch.zeros(*ids.shape, 1000), ids % 1000, k=8, tau=TAU)
     config = loss_config(8)
-    with pytest.raises(ConfigError, match=r"teachers\[0\]: the teacher signal has V = 1000 rows, "
-                                          r"its tables were built for V = 151936"):  # fmt: skip
-        plan_loss(config, case.student_ids, case.loss_mask,
-                  [TeacherBatch(ids, case.chunks, small)], [case.pair],
-                  student_vocab=case.student_logits.shape[-1])  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"teachers\[0\]: the teacher signal has V = 1000 rows, "
+        r"its tables were built for V = 151936",
+    ):
+        plan_loss(
+            config,
+            case.student_ids,
+            case.loss_mask,
+            [TeacherBatch(ids, case.chunks, small)],
+            [case.pair],
+            student_vocab=case.student_logits.shape[-1],
+        )

@@ -24,10 +24,14 @@ def _events(chunks: list[list[tuple[float, list[tuple[int, int]]]]], weights=Non
             teacher.append(lp)
     as64 = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
     return Events(
-        as64(event_chunk), np.asarray(teacher, dtype=np.float64), as64(term_event),
-        as64(term_row), as64(term_id),
-        np.asarray(weights or [1.0] * len(chunks), dtype=np.float64), as64(range(len(chunks))),
-    )  # fmt: skip
+        as64(event_chunk),
+        np.asarray(teacher, dtype=np.float64),
+        as64(term_event),
+        as64(term_row),
+        as64(term_id),
+        np.asarray(weights or [1.0] * len(chunks), dtype=np.float64),
+        as64(range(len(chunks))),
+    )
 
 
 def test_worked_forward_kl():
@@ -52,8 +56,9 @@ def test_multi_term_event_weight_and_normalisation():
     # = .4 * .5 = .2; teacher .25. S = (.2 | .8), T = (.25 | .75).
     # KL(S||T) = .2 ln(.2/.25) + .8 ln(.8/.75) = -.0446287 + .0516308 = .0070021.
     # Weight 5 (a mismatch chunk) and N = 2 (another chunk counted elsewhere): 5 * D / 2.
-    logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.2, 0.1, 0.2, 0.5]],
-                                    dtype=torch.float64))  # fmt: skip
+    logits = torch.log(
+        torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.2, 0.1, 0.2, 0.5]], dtype=torch.float64)
+    )
     events = _events([[(math.log(0.25), [(0, 1), (1, 3)])]], weights=[5.0])
     kd = kd_from_events(events, LocalLogProbs(logits), tau=1.0, kind="reverse_kl", n_total=2).value
     assert kd.item() == pytest.approx(5 * 0.0070021 / 2, abs=1e-7)
@@ -72,10 +77,17 @@ def test_temperature_scales_logits_and_the_result():
 def test_gradcheck(kind):
     torch.manual_seed(0)
     logits = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
-    events = _events([
-        [(math.log(0.3), [(0, 1)]), (math.log(0.2), [(0, 4), (1, 2)]), (math.log(0.1), [(0, 6)])],
-        [(math.log(0.6), [(2, 3)])],
-    ], weights=[1.0, 5.0])  # fmt: skip
+    events = _events(
+        [
+            [
+                (math.log(0.3), [(0, 1)]),
+                (math.log(0.2), [(0, 4), (1, 2)]),
+                (math.log(0.1), [(0, 6)]),
+            ],
+            [(math.log(0.6), [(2, 3)])],
+        ],
+        weights=[1.0, 5.0],
+    )
     assert torch.autograd.gradcheck(
         lambda x: kd_from_events(events, LocalLogProbs(x, tau=1.5), tau=1.5, kind=kind).value,
         (logits,),
@@ -100,9 +112,13 @@ def test_signal_of_another_tau_or_vocabulary_is_refused(zoo, built_table):
 
     pair = TablePair(built_table("llama3", "qwen3"), built_table("qwen3", "llama3"))
     ids = torch.zeros(1, 4, dtype=torch.long)
-    chunks = SimpleNamespace(row=np.zeros(0, int), student=np.zeros((0, 2), int),
-                             teacher=np.zeros((0, 2), int), shape=np.zeros(0, np.uint8),
-                             valid=np.zeros(0, bool))  # fmt: skip
+    chunks = SimpleNamespace(
+        row=np.zeros(0, int),
+        student=np.zeros((0, 2), int),
+        teacher=np.zeros((0, 2), int),
+        shape=np.zeros(0, np.uint8),
+        valid=np.zeros(0, bool),
+    )
     logits = torch.zeros(1, 4, 128256)
     good = signal_from_logits(torch.zeros(1, 4, 151936), ids, k=4, tau=2.0)
     with pytest.raises(SignalError, match=r"tau is 2\.0, the config asks for 1\.0"):

@@ -160,8 +160,9 @@ def test_masked_event_changes_nothing(kind: str) -> None:
     student_lp = torch.tensor([[math.log(0.5), -0.01, math.log(0.3)]], dtype=torch.float64)
     student_lp.requires_grad_(True)
     s1 = with_rest(student_lp, pad_mask)
-    t1 = with_rest(torch.tensor([[math.log(0.6), -0.02, math.log(0.2)]], dtype=torch.float64),
-                   pad_mask)
+    t1 = with_rest(
+        torch.tensor([[math.log(0.6), -0.02, math.log(0.2)]], dtype=torch.float64), pad_mask
+    )
     got = divergence(s1, t1, _full_mask(pad_mask), kind=kind, beta=0.7)
     assert got.item() == pytest.approx(expected.item(), rel=1e-12)
     (grad,) = torch.autograd.grad(got.sum(), student_lp)
@@ -193,13 +194,21 @@ def test_zero_probability_entries_marked_real_contribute_nothing(kind: str) -> N
     """An entry inside the mask with probability 0 on both sides (log p = -inf, e.g. a caller
     that marks padded events real) adds 0 and yields no NaN gradient."""
     events = torch.ones(1, 2, dtype=torch.bool)
-    expected = divergence(with_rest(_chunk([0.5, 0.3]), events),
-                          with_rest(_chunk([0.6, 0.2]), events), _full_mask(events), kind=kind)
+    expected = divergence(
+        with_rest(_chunk([0.5, 0.3]), events),
+        with_rest(_chunk([0.6, 0.2]), events),
+        _full_mask(events),
+        kind=kind,
+    )
     inf = -math.inf
-    student = torch.tensor([[math.log(0.5), inf, math.log(0.3), math.log(0.2)]],
-                           dtype=torch.float64, requires_grad=True)
-    teacher = torch.tensor([[math.log(0.6), inf, math.log(0.2), math.log(0.2)]],
-                           dtype=torch.float64)
+    student = torch.tensor(
+        [[math.log(0.5), inf, math.log(0.3), math.log(0.2)]],
+        dtype=torch.float64,
+        requires_grad=True,
+    )
+    teacher = torch.tensor(
+        [[math.log(0.6), inf, math.log(0.2), math.log(0.2)]], dtype=torch.float64
+    )
     got = divergence(student, teacher, torch.ones(1, 4, dtype=torch.bool), kind=kind)
     (grad,) = torch.autograd.grad(got.sum(), student)
     assert got.item() == pytest.approx(expected.item(), rel=1e-12)
@@ -208,8 +217,12 @@ def test_zero_probability_entries_marked_real_contribute_nothing(kind: str) -> N
 
 # ---------------------------------------------------------------- gradients
 def _random_chunks(
-    generator: torch.Generator, chunks: int = 4, events: int = 3, vocab: int = 8,
-    dtype: torch.dtype = torch.float64, scale: float = 1.0,
+    generator: torch.Generator,
+    chunks: int = 4,
+    events: int = 3,
+    vocab: int = 8,
+    dtype: torch.dtype = torch.float64,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Free student logits ``[C, V]``, event ids ``[C, E]``, event mask and teacher ``[C, E+1]``.
 
@@ -227,8 +240,9 @@ def _student(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tor
     return with_rest(torch.log_softmax(logits, -1).gather(1, ids), mask)
 
 
-@pytest.mark.parametrize(("kind", "beta"), [("jsd", 0.5), ("jsd", 0.2), ("forward_kl", 0.5),
-                                            ("reverse_kl", 0.5)])
+@pytest.mark.parametrize(
+    ("kind", "beta"), [("jsd", 0.5), ("jsd", 0.2), ("forward_kl", 0.5), ("reverse_kl", 0.5)]
+)
 def test_gradcheck(kind: str, beta: float) -> None:
     g = torch.Generator().manual_seed(0)
     logits, ids, mask, teacher = _random_chunks(g)
@@ -245,8 +259,9 @@ def test_gradcheck(kind: str, beta: float) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_input_is_computed_in_float32(kind: str) -> None:
     g = torch.Generator().manual_seed(1)
-    logits, ids, mask, teacher = _random_chunks(g, chunks=16, events=4, vocab=32,
-                                                dtype=torch.float32)
+    logits, ids, mask, teacher = _random_chunks(
+        g, chunks=16, events=4, vocab=32, dtype=torch.float32
+    )
     lp = torch.log_softmax(logits, -1).gather(1, ids)
     full = _full_mask(mask)
     ref = divergence(with_rest(lp, mask), teacher, full, kind=kind)
@@ -267,8 +282,9 @@ def test_bf16_input_is_computed_in_float32(kind: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_divergence_upcasts_low_precision_inputs(kind: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
-    logits, ids, mask, teacher = _random_chunks(g, chunks=8, events=3, vocab=16,
-                                                dtype=torch.float32)
+    logits, ids, mask, teacher = _random_chunks(
+        g, chunks=8, events=3, vocab=16, dtype=torch.float32
+    )
     student = _student(logits, ids, mask)
     full = _full_mask(mask)
     got = divergence(student.to(dtype), teacher.to(dtype), full, kind=kind)
@@ -288,8 +304,9 @@ def test_peaked_tempered_inputs_stay_finite(kind: str, tau: float, dtype: torch.
     logits[:, 0] += 200.0  # token 0 dominates
     teacher_logits = torch.randn(6, vocab, generator=g) * 30.0
     teacher_logits[:, 1] += 200.0
-    ids = torch.tensor([[0, 1, 2, 3], [0, 5, 6, 7], [4, 5, 6, 7], [1, 8, 9, 10],
-                        [0, 1, 2, 3], [9, 10, 11, 12]])
+    ids = torch.tensor(
+        [[0, 1, 2, 3], [0, 5, 6, 7], [4, 5, 6, 7], [1, 8, 9, 10], [0, 1, 2, 3], [9, 10, 11, 12]]
+    )
     mask = torch.ones(6, events, dtype=torch.bool)
     mask[4, 2:] = False
     x = (logits / tau).to(dtype).requires_grad_(True)
@@ -334,9 +351,12 @@ def test_divergences_nonnegative_and_zero_on_equal(pair, beta: float) -> None:
 @given(pair=_distribution_pairs())
 def test_jsd_symmetric_at_half(pair) -> None:
     s, t, full = pair
-    torch.testing.assert_close(divergence(s, t, full, kind="jsd", beta=0.5),
-                               divergence(t, s, full, kind="jsd", beta=0.5),
-                               rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        divergence(s, t, full, kind="jsd", beta=0.5),
+        divergence(t, s, full, kind="jsd", beta=0.5),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 def test_jsd_not_symmetric_away_from_half() -> None:
@@ -346,7 +366,8 @@ def test_jsd_not_symmetric_away_from_half() -> None:
     t = with_rest(_chunk([0.6, 0.2]), events)
     full = _full_mask(events)
     assert divergence(s, t, full, beta=0.9).item() != pytest.approx(
-        divergence(t, s, full, beta=0.9).item(), rel=1e-3)
+        divergence(t, s, full, beta=0.9).item(), rel=1e-3
+    )
 
 
 # ---------------------------------------------------------------- argument errors

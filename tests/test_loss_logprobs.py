@@ -11,22 +11,34 @@ from crosskd.loss.logprobs import LocalLogProbs, segment_sum
 
 
 @settings(max_examples=50, deadline=None)
-@given(rows=st.integers(1, 40), vocab=st.integers(2, 30), tau=st.sampled_from([0.5, 1.0, 2.0]),
-       block=st.integers(1, 7), seed=st.integers(0, 2**16))  # fmt: skip
+@given(
+    rows=st.integers(1, 40),
+    vocab=st.integers(2, 30),
+    tau=st.sampled_from([0.5, 1.0, 2.0]),
+    block=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
 def test_log_prob_equals_log_softmax_gather(rows, vocab, tau, block, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 5
     pick_rows = torch.randint(0, rows, (17,), generator=gen)
     pick_ids = torch.randint(0, vocab, (17,), generator=gen)
-    got = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(pick_rows.numpy(),
-                                                                    pick_ids.numpy())
+    got = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(
+        pick_rows.numpy(), pick_ids.numpy()
+    )
     expected = torch.log_softmax(logits / tau, dim=-1)[pick_rows, pick_ids]
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 30), vocab=st.integers(2, 25), tau=st.sampled_from([0.5, 1.0, 3.0]),
-       block=st.integers(1, 9), pairs=st.integers(0, 40), seed=st.integers(0, 2**16))  # fmt: skip
+@given(
+    rows=st.integers(1, 30),
+    vocab=st.integers(2, 25),
+    tau=st.sampled_from([0.5, 1.0, 3.0]),
+    block=st.integers(1, 9),
+    pairs=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
 def test_fused_gradient_equals_autograd_of_log_softmax(rows, vocab, tau, block, pairs, seed):
     """The hand-written backward (block by block, repeated and unsorted pairs) against autograd
     of the plain log_softmax + gather."""
@@ -35,8 +47,9 @@ def test_fused_gradient_equals_autograd_of_log_softmax(rows, vocab, tau, block, 
     pick_rows = torch.randint(0, rows, (pairs,), generator=gen)
     pick_ids = torch.randint(0, vocab, (pairs,), generator=gen)
     weights = torch.randn(pairs, generator=gen, dtype=torch.float64)
-    got_lp = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(pick_rows.numpy(),
-                                                                       pick_ids.numpy())
+    got_lp = LocalLogProbs(logits, tau=tau, block_rows=block).log_prob(
+        pick_rows.numpy(), pick_ids.numpy()
+    )
     (got,) = torch.autograd.grad((got_lp * weights).sum(), logits, allow_unused=True)
     plain = torch.log_softmax(logits / tau, dim=-1)[pick_rows, pick_ids]
     (want,) = torch.autograd.grad((plain * weights).sum(), logits, allow_unused=True)
@@ -66,9 +79,9 @@ def test_gradients_match_autograd_of_the_plain_form():
     (torch.log_softmax(logits / 1.7, dim=-1)[rows, ids] * weights).sum().backward()
     torch.testing.assert_close(got, logits.grad)
     assert torch.autograd.gradcheck(
-        lambda x: LocalLogProbs(x, tau=0.7, block_rows=2).log_prob(*pairs), (logits.detach()
-        .requires_grad_(),)
-    )  # fmt: skip
+        lambda x: LocalLogProbs(x, tau=0.7, block_rows=2).log_prob(*pairs),
+        (logits.detach().requires_grad_(),),
+    )
 
 
 def test_bf16_logits_are_computed_in_float32():

@@ -44,11 +44,15 @@ def token_chunks(lengths: list[int], flags: dict[tuple[int, int], int] | None = 
     ranges = torch.stack([pos_t, pos_t + 1], dim=1)
     flags_t = torch.tensor(flag, dtype=torch.uint8)
     return ChunkBatch(
-        row=torch.tensor(rows, dtype=torch.int64), student=ranges, teacher=ranges.clone(),
+        row=torch.tensor(rows, dtype=torch.int64),
+        student=ranges,
+        teacher=ranges.clone(),
         shape=torch.zeros(len(rows), dtype=torch.uint8),
-        region=torch.zeros(len(rows), dtype=torch.uint8), valid=(flags_t & ALL) == ALL,
-        flags=flags_t, sample=torch.tensor(rows, dtype=torch.int64),
-    )  # fmt: skip
+        region=torch.zeros(len(rows), dtype=torch.uint8),
+        valid=(flags_t & ALL) == ALL,
+        flags=flags_t,
+        sample=torch.tensor(rows, dtype=torch.int64),
+    )
 
 
 # Student row 0 has p = (.1, .4, .2, .3) over V_S = 4. The teacher (V_T = 5, id 4 a padding row
@@ -65,8 +69,10 @@ def worked_case(realized_id: int = 1, realized_p: float = 0.5):
         log_probs=torch.log(torch.tensor([[[0.5, 0.3], [0.5, 0.5], [0.5, 0.5]]])),
         realized=torch.log(torch.tensor([[realized_p, 0.5]])),
         realized_t1=torch.log(torch.tensor([[realized_p, 0.5]])),
-        tau=1.0, vocab_size=5, k=2,
-    )  # fmt: skip
+        tau=1.0,
+        vocab_size=5,
+        k=2,
+    )
     chunks = token_chunks([3], {(0, 2): FLAG_CORRECT | FLAG_PREDICTION})  # position 2: no KD
     loss_mask = torch.tensor([[False, True, False]])
     return ids, logits, TeacherBatch(ids, chunks, signal), loss_mask
@@ -108,8 +114,9 @@ def test_worked_same_tokenizer_keep_realized_outside_the_top_k():
     # KL(T||S) = .5 ln(.5/.4) + .1 ln(.1/.2) + .4 ln(1) = .1115718 - .0693147 = .0422571.
     case = worked_case(realized_id=2, realized_p=0.1)
     for keep, want in ((False, 0.0204110), (True, 0.0422571)):
-        config = LossConfig(divergence="forward_kl", keep_realized=keep,
-                            teachers=[TeacherLossConfig(k=2)])  # fmt: skip
+        config = LossConfig(
+            divergence="forward_kl", keep_realized=keep, teachers=[TeacherLossConfig(k=2)]
+        )
         out, _, _ = run(config, case)
         assert out.kd.item() == pytest.approx(want, abs=1e-7)
         assert out.metrics["teacher0/token/realized_in_topk_rate"] == 0
@@ -134,9 +141,11 @@ def test_dynamic_kd_scale_is_the_detached_ratio_capped_and_zero_without_kd():
     config = LossConfig(dynamic_kd_scale=True, **base)
     out, _, _ = run(config, (ids, logits, none, mask))
     assert out.kd.item() == 0 and out.kd_scale == 0.0
+
     def scale(ce: float, kd: float) -> float:
-        return kd_scale(torch.tensor(ce, dtype=torch.float64),
-                        torch.tensor(kd, dtype=torch.float64), config).item()  # fmt: skip
+        return kd_scale(
+            torch.tensor(ce, dtype=torch.float64), torch.tensor(kd, dtype=torch.float64), config
+        ).item()
 
     assert scale(2.0, 5e-9) == 0.0 and scale(2.0, -0.5) == 4.0 and scale(0.0, 0.0) == 0.0
 
@@ -177,8 +186,9 @@ def test_dense_same_tokenizer_equals_the_full_vocabulary_kl(seed):
     for k in (0, 11):
         config = LossConfig(divergence="forward_kl", tau=tau, teachers=[TeacherLossConfig(k=k)])
         signal = signal_from_logits(teacher_logits, ids, k=k, tau=tau)
-        plan = plan_loss(config, ids, mask, [TeacherBatch(ids, chunks, signal)], [None],
-                         student_vocab=11)  # fmt: skip
+        plan = plan_loss(
+            config, ids, mask, [TeacherBatch(ids, chunks, signal)], [None], student_vocab=11
+        )
         out = compute_loss(student, plan, config)
         assert out.kd.item() == pytest.approx(direct.item(), rel=1e-6)
         target = mask[:, 1:]
@@ -190,13 +200,20 @@ def test_same_tokenizer_teacher_with_a_multi_token_chunk_is_refused():
     ids, _, teacher, mask = worked_case()
     chunks = teacher.chunks
     wide = ChunkBatch(
-        chunks.row, torch.tensor([[0, 1], [1, 3], [2, 3]]), chunks.teacher, chunks.shape,
-        chunks.region, chunks.valid, chunks.flags, chunks.sample,
-    )  # fmt: skip
+        chunks.row,
+        torch.tensor([[0, 1], [1, 3], [2, 3]]),
+        chunks.teacher,
+        chunks.shape,
+        chunks.region,
+        chunks.valid,
+        chunks.flags,
+        chunks.sample,
+    )
     config = LossConfig(teachers=[TeacherLossConfig(k=2)])
     with pytest.raises(ConfigError, match=r"does not tokenize like the student.*tables"):
-        plan_loss(config, ids, mask, [TeacherBatch(ids, wide, teacher.signal)], [None],
-                  student_vocab=4)  # fmt: skip
+        plan_loss(
+            config, ids, mask, [TeacherBatch(ids, wide, teacher.signal)], [None], student_vocab=4
+        )
 
 
 def test_bad_inputs_are_refused_by_name():
@@ -207,11 +224,23 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"teachers\[0\] has no tables in the config but a "):
         plan_loss(config, ids, mask, [teacher], [object()], student_vocab=4)
     with pytest.raises(Exception, match=r"k is 2, the config asks for 8"):
-        plan_loss(LossConfig(teachers=[TeacherLossConfig(k=8)]), ids, mask, [teacher], [None],
-                  student_vocab=4)  # fmt: skip
+        plan_loss(
+            LossConfig(teachers=[TeacherLossConfig(k=8)]),
+            ids,
+            mask,
+            [teacher],
+            [None],
+            student_vocab=4,
+        )
     with pytest.raises(Exception, match=r"tau is 1\.0, the config asks for 2\.0"):
-        plan_loss(LossConfig(tau=2.0, teachers=[TeacherLossConfig(k=2)]), ids, mask, [teacher],
-                  [None], student_vocab=4)  # fmt: skip
+        plan_loss(
+            LossConfig(tau=2.0, teachers=[TeacherLossConfig(k=2)]),
+            ids,
+            mask,
+            [teacher],
+            [None],
+            student_vocab=4,
+        )
     with pytest.raises(DataError, match="loss_mask marks the first token"):
         plan_loss(config, ids, torch.ones_like(mask), [teacher], [None], student_vocab=4)
     select = LossConfig(teacher_mode="select", teachers=[TeacherLossConfig(k=2)])
@@ -240,8 +269,9 @@ def test_bf16_and_peaked_logits_stay_finite():
     for kind in ("jsd", "forward_kl", "reverse_kl"):
         config = LossConfig(divergence=kind, tau=tau, teachers=[TeacherLossConfig(k=4)])
         signal = signal_from_logits(teacher_logits, ids, k=4, tau=tau)
-        plan = plan_loss(config, ids, mask, [TeacherBatch(ids, chunks, signal)], [None],
-                         student_vocab=11)  # fmt: skip
+        plan = plan_loss(
+            config, ids, mask, [TeacherBatch(ids, chunks, signal)], [None], student_vocab=11
+        )
         for logits in (student.bfloat16(), peaked.float(), peaked.bfloat16()):
             logits = logits.clone().requires_grad_(True)
             out = compute_loss(logits, plan, config)
@@ -259,8 +289,15 @@ def test_predicted_bits_worked_example():
     ids = torch.tensor([[0, 1, 2, 2]])
     chunks = token_chunks([4], {(0, 3): FLAG_CORRECT | FLAG_PREDICTION})
     signal = signal_from_logits(torch.zeros(1, 4, 3), ids, k=1, tau=1.0)
-    signal = TeacherSignal(signal.ids, signal.log_probs, signal.realized,
-                           torch.log(torch.tensor([[0.5, 0.25, 0.125]])), 1.0, 3, 1)  # fmt: skip
+    signal = TeacherSignal(
+        signal.ids,
+        signal.log_probs,
+        signal.realized,
+        torch.log(torch.tensor([[0.5, 0.25, 0.125]])),
+        1.0,
+        3,
+        1,
+    )
     bits, n_bytes = predicted_bits(signal, ids.numpy(), chunks, np.array([1, 2, 3]), 2)
     assert bits.tolist() == pytest.approx([3.0, 0.0])
     assert n_bytes.tolist() == [5, 0]
@@ -296,8 +333,9 @@ def test_select_mode_uses_per_sample_the_teacher_with_the_lowest_bits_per_byte()
     config = LossConfig(teacher_mode="select", teachers=teachers)
     batches = [TeacherBatch(ids, chunks, s) for s in signals]
     lengths = np.array([1, 1, 1])
-    plan = plan_loss(config, ids, mask, batches, [None, None], student_vocab=3,
-                     teacher_bytes=[lengths, lengths])  # fmt: skip
+    plan = plan_loss(
+        config, ids, mask, batches, [None, None], student_vocab=3, teacher_bytes=[lengths, lengths]
+    )
     # Teacher 0 counts only row 0's three positions, teacher 1 only row 1's.
     assert plan.counts.chunks == (3, 3)
     rows = [np.unique(t.events.chunk_index // 4).tolist() for t in plan.terms]
@@ -309,8 +347,9 @@ def test_select_mode_uses_per_sample_the_teacher_with_the_lowest_bits_per_byte()
     assert out.kd.item() == pytest.approx(kd0.item() + 3.0 * kd1.item())
     assert out.metrics["teacher1/token/skipped_not_selected"] == 3
     # Sum mode: both teachers everywhere.
-    both = plan_loss(LossConfig(teachers=config.teachers), ids, mask, batches, [None, None],
-                     student_vocab=3)  # fmt: skip
+    both = plan_loss(
+        LossConfig(teachers=config.teachers), ids, mask, batches, [None, None], student_vocab=3
+    )
     assert both.counts.chunks == (6, 6)
 
 
@@ -325,8 +364,9 @@ def test_mix_signals_worked_example():
     assert mixed.log_probs.exp()[0, 0].tolist() == pytest.approx([0.8, 0.2])
     assert mixed.realized.exp().item() == pytest.approx(0.25 * 0.5 + 0.75 * 0.1)
     with pytest.raises(ConfigError, match=r"teachers\[1\]'s signal has K = 2"):
-        top = signal_from_logits(torch.zeros(1, 2, 2), torch.zeros(1, 2, dtype=torch.long),
-                                 k=2, tau=1.0)  # fmt: skip
+        top = signal_from_logits(
+            torch.zeros(1, 2, 2), torch.zeros(1, 2, dtype=torch.long), k=2, tau=1.0
+        )
         mix_signals([dense([0.5, 0.5], 0.5), top], [1.0, 1.0])
 
 
@@ -337,8 +377,14 @@ def test_average_mode_is_one_kd_against_the_mixture():
     signals = [signal_from_logits(t, ids, k=0, tau=1.0) for t in t_logits]
     teachers = [TeacherLossConfig(k=0, weight=1.0), TeacherLossConfig(k=0, weight=3.0)]
     config = LossConfig(teacher_mode="average", divergence="forward_kl", teachers=teachers)
-    plan = plan_loss(config, ids, mask, [TeacherBatch(ids, chunks, s) for s in signals],
-                     [None, None], student_vocab=3)  # fmt: skip
+    plan = plan_loss(
+        config,
+        ids,
+        mask,
+        [TeacherBatch(ids, chunks, s) for s in signals],
+        [None, None],
+        student_vocab=3,
+    )
     assert [t.name for t in plan.terms] == ["average"]
     student = torch.randn(2, 4, 3, dtype=torch.float64, generator=gen)
     out = compute_loss(student, plan, config)
@@ -358,15 +404,19 @@ def test_uld_under_select_pairs_each_sample_with_its_chosen_teacher_only():
     config = LossConfig(kd="uld", teacher_mode="select", teachers=teachers)
     batches = [TeacherBatch(ids, chunks, s) for s in signals]
     lengths = np.array([1, 1, 1])
-    plan = plan_loss(config, ids, mask, batches, [None, None], student_vocab=3,
-                     teacher_bytes=[lengths, lengths])  # fmt: skip
+    plan = plan_loss(
+        config, ids, mask, batches, [None, None], student_vocab=3, teacher_bytes=[lengths, lengths]
+    )
     assert plan.counts.chunks == (3, 3)
     assert [sorted(set(t.student_rows // 4)) for t in plan.terms] == [[0], [1]]
-    student = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True,
-                          generator=torch.Generator().manual_seed(5))
+    student = torch.randn(
+        2, 4, 3, dtype=torch.float64, requires_grad=True, generator=torch.Generator().manual_seed(5)
+    )
     out = compute_loss(student, plan, config)
-    assert out.kd.item() == pytest.approx(out.kd_terms["teacher0"].item()
-                                          + 3.0 * out.kd_terms["teacher1"].item())  # fmt: skip
-    both = plan_loss(replace(config, teacher_mode="sum"), ids, mask, batches, [None, None],
-                     student_vocab=3)  # fmt: skip
+    assert out.kd.item() == pytest.approx(
+        out.kd_terms["teacher0"].item() + 3.0 * out.kd_terms["teacher1"].item()
+    )
+    both = plan_loss(
+        replace(config, teacher_mode="sum"), ids, mask, batches, [None, None], student_vocab=3
+    )
     assert both.counts.chunks == (6, 6)

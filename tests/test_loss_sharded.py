@@ -30,8 +30,10 @@ LAYOUTS = {
 # SmolLM2/Qwen3 rows are padded so that a sequence window boundary falls inside a chunk whose
 # tokens are priced by rows on both sides of it (the explicit exchange between windows).
 COMBOS = [("llama3-qwen3", name) for name in LAYOUTS] + [
-    ("smollm2-qwen3", "cp2"), ("smollm2-qwen3", "tp2xcp2"), ("smollm2-qwen3", "dp2xtp2"),
-]  # fmt: skip
+    ("smollm2-qwen3", "cp2"),
+    ("smollm2-qwen3", "tp2xcp2"),
+    ("smollm2-qwen3", "dp2xtp2"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +105,9 @@ def test_every_layout_equals_one_process(cases, pair, name, tmp_path):
         half = case.student_ids.shape[1] // 2
         assert any(a < half <= b for a, b in _spans(plan_rows(case, signal, config)))
     rows = case.student_ids.shape[0] // layout.dp
-    plans = [plan_rows(case, signal, config, slice(d * rows, (d + 1) * rows))
-             for d in range(layout.dp)]  # fmt: skip
+    plans = [
+        plan_rows(case, signal, config, slice(d * rows, (d + 1) * rows)) for d in range(layout.dp)
+    ]
     logits = case.student_logits.double()
     results = run_layout(layout, logits, plans, config, tmp_path)
     _check_same(results, single, grad, layout, logits.shape)
@@ -125,8 +128,9 @@ def test_a_padding_rank_gives_zero_and_leaves_the_others_unaffected(tmp_path, ca
     mask[1] = False
     valid = case.chunks.valid & (case.chunks.row == 0)
     flags = case.chunks.flags * (case.chunks.row == 0)
-    empty = replace(case, student_ids=pad, loss_mask=mask,
-                    chunks=replace(case.chunks, valid=valid, flags=flags))  # fmt: skip
+    empty = replace(
+        case, student_ids=pad, loss_mask=mask, chunks=replace(case.chunks, valid=valid, flags=flags)
+    )
     single, grad = _single(case, config, signal, slice(0, 1))
     plans = [plan_rows(empty, signal, config, slice(d, d + 1)) for d in (0, 1)]
     assert plans[1].counts.tokens == 0 and plans[1].counts.chunks == (0,)
@@ -153,8 +157,14 @@ def _token_batch(rows: int, width: int, vocab: int, k: int):
     teacher = torch.randn(rows, width, vocab, generator=gen)
     signal = signal_from_logits(teacher, ids, k=k, tau=1.0)
     config = LossConfig(teachers=[TeacherLossConfig(k=k)])
-    plan = plan_loss(config, ids, mask, [TeacherBatch(ids, token_chunks([width] * rows), signal)],
-                     [None], student_vocab=vocab)  # fmt: skip
+    plan = plan_loss(
+        config,
+        ids,
+        mask,
+        [TeacherBatch(ids, token_chunks([width] * rows), signal)],
+        [None],
+        student_vocab=vocab,
+    )
     logits = torch.randn(rows, width, vocab, generator=gen)
     return logits, plan, config
 
@@ -164,8 +174,11 @@ def test_bytes_moved_grow_with_positions_and_events_not_with_the_vocabulary(tmp_
     twice the positions (and so twice the events) about twice as many."""
     layout = ParallelConfig(cp=1, tp=2)
     moved, bound = {}, {}
-    for name, (width, vocab) in {"base": (16, 1000), "vocab_x4": (16, 4000),
-                                 "positions_x2": (32, 1000)}.items():  # fmt: skip
+    for name, (width, vocab) in {
+        "base": (16, 1000),
+        "vocab_x4": (16, 4000),
+        "positions_x2": (32, 1000),
+    }.items():
         logits, plan, config = _token_batch(2, width, vocab, k=8)
         (tmp_path / name).mkdir()
         results = run_layout(layout, logits, [plan], config, tmp_path / name)
@@ -216,12 +229,18 @@ def test_ownership_counts_every_target_and_chunk_exactly_once(cases, name):
 
 
 def test_sharded_log_probs_refuse_uneven_windows():
-    with pytest.raises(ConfigError, match=r"logits hold 5 positions per rank and cp = 2, but the "
-                                          r"rows are 12 long"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"logits hold 5 positions per rank and cp = 2, but the "
+        r"rows are 12 long",
+    ):
         ShardedLogProbs(torch.zeros(1, 5, 8), _mesh(LAYOUTS["cp2"], 0, 0), width=12)
 
 
 def test_sharded_log_probs_refuse_uneven_vocabulary_slices():
-    with pytest.raises(ConfigError, match=r"logits hold 3 vocabulary rows per rank and tp = 2, "
-                                          r"but the student has V = 7"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"logits hold 3 vocabulary rows per rank and tp = 2, "
+        r"but the student has V = 7",
+    ):
         ShardedLogProbs(torch.zeros(1, 4, 3), _mesh(LAYOUTS["tp2"], 0, 1), width=4, vocab_size=7)

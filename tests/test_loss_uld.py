@@ -22,16 +22,19 @@ def _log(p: list[float]) -> torch.Tensor:
     return torch.tensor([p], dtype=torch.float64).log()
 
 
-@pytest.mark.parametrize(("student", "teacher", "expected"), [
-    # top-2 teacher [0.6, 0.1] + tail 0.3 -> [0.6, 0.3, 0.1]: |.5-.6| + |.3-.3| + |.2-.1|
-    ([0.5, 0.3, 0.2], [0.6, 0.3, 0.1], 0.2),
-    # a longer teacher vector: the student's padded with 0 -> .1 + 0 + 0 + .1
-    ([0.5, 0.3, 0.2], [0.4, 0.3, 0.2, 0.1], 0.2),
-    # a shorter teacher vector: [.7, .3, 0, 0] against [.4, .3, .2, .1] -> .3 + 0 + .2 + .1
-    ([0.1, 0.4, 0.2, 0.3], [0.7, 0.3], 0.6),
-    # identical distributions up to order: 0
-    ([0.2, 0.5, 0.3], [0.5, 0.3, 0.2], 0.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("student", "teacher", "expected"),
+    [
+        # top-2 teacher [0.6, 0.1] + tail 0.3 -> [0.6, 0.3, 0.1]: |.5-.6| + |.3-.3| + |.2-.1|
+        ([0.5, 0.3, 0.2], [0.6, 0.3, 0.1], 0.2),
+        # a longer teacher vector: the student's padded with 0 -> .1 + 0 + 0 + .1
+        ([0.5, 0.3, 0.2], [0.4, 0.3, 0.2, 0.1], 0.2),
+        # a shorter teacher vector: [.7, .3, 0, 0] against [.4, .3, .2, .1] -> .3 + 0 + .2 + .1
+        ([0.1, 0.4, 0.2, 0.3], [0.7, 0.3], 0.6),
+        # identical distributions up to order: 0
+        ([0.2, 0.5, 0.3], [0.5, 0.3, 0.2], 0.0),
+    ],
+)
 def test_uld_distance_by_hand(student, teacher, expected):
     value = uld_distance(_log(student), torch.tensor([teacher], dtype=torch.float64), tau=1.0)
     assert value.item() == pytest.approx(expected, abs=1e-12)
@@ -64,11 +67,15 @@ def test_teacher_vector_is_the_top_k_and_the_tail_sorted_together():
 def _chunks(rows, student, teacher, flags, sample) -> ChunkBatch:
     n = len(rows)
     return ChunkBatch(
-        row=torch.tensor(rows), student=torch.tensor(student), teacher=torch.tensor(teacher),
-        shape=torch.zeros(n, dtype=torch.uint8), region=torch.zeros(n, dtype=torch.uint8),
-        valid=torch.ones(n, dtype=torch.bool), flags=torch.tensor(flags, dtype=torch.uint8),
+        row=torch.tensor(rows),
+        student=torch.tensor(student),
+        teacher=torch.tensor(teacher),
+        shape=torch.zeros(n, dtype=torch.uint8),
+        region=torch.zeros(n, dtype=torch.uint8),
+        valid=torch.ones(n, dtype=torch.bool),
+        flags=torch.tensor(flags, dtype=torch.uint8),
         sample=torch.tensor(sample),
-    )  # fmt: skip
+    )
 
 
 def test_pairing_is_by_index_per_sample_and_drops_the_longer_tail():
@@ -82,7 +89,7 @@ def test_pairing_is_by_index_per_sample_and_drops_the_longer_tail():
         teacher=[[3, 5], [0, 2], [2, 3], [5, 6], [6, 7], [7, 8]],
         flags=[both, kd, both, 0, kd, both],
         sample=[0, 0, 0, 0, 1, 1],
-    )  # fmt: skip
+    )
     loss_mask = np.ones((2, 8), dtype=bool)
     loss_mask[0, 0] = loss_mask[1, 4] = False  # the samples' first tokens (sample 1 from 4)
     loss_mask[1, :4] = False  # another sample's rows, not this batch's

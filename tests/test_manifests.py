@@ -43,8 +43,11 @@ LAUNCHER_RULES = {
 def _build(overlay: str) -> tuple[dict, ...]:
     out = subprocess.run(
         [kubectl(), "kustomize", str(ROOT / "overlays" / overlay)],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return tuple(yaml.safe_load_all(out.stdout))
 
@@ -64,13 +67,17 @@ def _validator() -> jsonschema.Draft7Validator:
 
 
 def _errors(job: dict) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in _validator().iter_errors(job)]  # fmt: skip
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in _validator().iter_errors(job)
+    ]
 
 
 def test_generated_files_are_fresh():
-    stale = [str(p.relative_to(REPO)) for p, text in generated_files(ROOT).items()
-             if not p.is_file() or p.read_text(encoding="utf-8") != text]  # fmt: skip
+    stale = [
+        str(p.relative_to(REPO))
+        for p, text in generated_files(ROOT).items()
+        if not p.is_file() or p.read_text(encoding="utf-8") != text
+    ]
     assert not stale, (
         f"stale generated manifests {stale}; regenerate them with "
         f"`crosskd job manifests --root manifests` (or `python -m crosskd.k8s.cli manifests`)"
@@ -87,7 +94,8 @@ def test_strict_schema_refuses_misspelt_fields():
     assert _errors(job) == []
     job["spec"]["runPolicy"]["backofLimit"] = 3
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0][
-        "imagePullPolcy"] = "Always"  # fmt: skip
+        "imagePullPolcy"
+    ] = "Always"
     errors = _errors(job)
     assert any("backofLimit" in e for e in errors) and any("imagePullPolcy" in e for e in errors)
     wrong_type = copy.deepcopy(_one(_build("gpu-4x8"), "PyTorchJob"))
@@ -104,7 +112,9 @@ def test_job_shape_by_hand(overlay):
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert set(specs) <= {"Master", "Worker"}
     assert {k: r["replicas"] for k, r in specs.items()} == {
-        "Master": masters, **({"Worker": workers} if workers else {})}  # fmt: skip
+        "Master": masters,
+        **({"Worker": workers} if workers else {}),
+    }
     assert job["spec"]["nprocPerNode"] == str(nproc)
     for spec in specs.values():
         assert spec["restartPolicy"] == "ExitCode"
@@ -112,14 +122,22 @@ def test_job_shape_by_hand(overlay):
         (container,) = pod["containers"]
         assert container["name"] == "pytorch"
         command = container["command"]
-        assert command[:5] == ["crosskd", "train", "--config", "/etc/crosskd/train.yaml",
-                               "--nproc-per-node"]  # fmt: skip
+        assert command[:5] == [
+            "crosskd",
+            "train",
+            "--config",
+            "/etc/crosskd/train.yaml",
+            "--nproc-per-node",
+        ]
         assert command[5] == str(nproc) and "--node_rank" not in " ".join(command)
-        assert container["resources"]["limits"].get("nvidia.com/gpu") == (str(gpus) if gpus
-                                                                           else None)  # fmt: skip
+        assert container["resources"]["limits"].get("nvidia.com/gpu") == (
+            str(gpus) if gpus else None
+        )
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"pytorchjob-port": 23456,
-                         **{f"metrics-{i}": 9400 + i for i in range(nproc)}}  # fmt: skip
+        assert ports == {
+            "pytorchjob-port": 23456,
+            **{f"metrics-{i}": 9400 + i for i in range(nproc)},
+        }
         assert "metrics_port=9400" in command
         assert spec["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
 
@@ -157,9 +175,12 @@ def test_builtin_kinds_and_pods_are_strictly_valid(overlay):
     assert {d["kind"] for d in docs} == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap"}
     job = _one(_build(overlay), "PyTorchJob")
     for kind, spec in job["spec"]["pytorchReplicaSpecs"].items():
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"p-{kind.lower()}", **spec["template"]["metadata"]},
-               "spec": spec["template"]["spec"]}  # fmt: skip
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"p-{kind.lower()}", **spec["template"]["metadata"]},
+            "spec": spec["template"]["spec"],
+        }
         docs.append(pod)
     for version in K8S_VERSIONS:
         for doc in docs:
@@ -185,16 +206,23 @@ def test_rbac_is_exactly_the_launchers(overlay):
     docs = _build(overlay)
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Secret")]
     role = _one(docs, "Role")
-    got = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
-           for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
+    got = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert got == LAUNCHER_RULES
     assert not [rule for rule in role["rules"] if rule.get("resourceNames") or "*" in str(rule)]
     binding = _one(docs, "RoleBinding")
     account = _one(docs, "ServiceAccount")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}  # fmt: skip
-    assert binding["subjects"] == [{"kind": "ServiceAccount",
-                                    "name": account["metadata"]["name"]}]  # fmt: skip
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -30,25 +30,45 @@ from crosskd.train.attention import (
 )
 from crosskd.train.context_parallel import enable_context_parallel
 
-SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}  # fmt: skip
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
 SLIDING = {
     # every layer slides (no layer_types): one banded mask
     "mistral": {"sliding_window": 4},
     # layer 0 full, layer 1 sliding: a mask per layer type
     "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
     "gemma2": {"sliding_window": 4, "query_pre_attn_scalar": 8},
-    "gemma3_text": {"sliding_window": 4, "query_pre_attn_scalar": 8,
-                    "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3_text": {
+        "sliding_window": 4,
+        "query_pre_attn_scalar": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
 HYBRID = {
     "lfm2": {"layer_types": ["conv", "full_attention"]},
-    "falcon_h1": {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
-                  "mamba_chunk_size": 8},
-    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "num_experts": 2,
-                   "num_experts_per_tok": 1,
-                   "linear_num_key_heads": 2, "linear_num_value_heads": 2,
-                   "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+    "falcon_h1": {
+        "mamba_d_ssm": 32,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 8,
+        "mamba_d_state": 8,
+        "mamba_chunk_size": 8,
+    },
+    "qwen3_next": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+    },
 }
 
 
@@ -88,9 +108,12 @@ def worst_gap(model, attention: str, windows) -> float:
     ids, segments, positions, samples = two_packed_rows(64, [[9, 7], [5, 8, 3]])
     device = next(model.parameters()).device
     with torch.no_grad():
-        packed = model(use_cache=False, **packed_inputs(
-            attention, ids, segments, positions, torch.float32, windows=windows,
-            device=device)).logits.reshape(*ids.shape, -1)  # fmt: skip
+        packed = model(
+            use_cache=False,
+            **packed_inputs(
+                attention, ids, segments, positions, torch.float32, windows=windows, device=device
+            ),
+        ).logits.reshape(*ids.shape, -1)
         gap = 0.0
         for row, start, sample in samples:
             alone = model(input_ids=sample[None].to(device), use_cache=False).logits[0]
@@ -100,14 +123,22 @@ def worst_gap(model, attention: str, windows) -> float:
 
 FLASH = pytest.mark.skipif(
     not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn")),
-    reason="flash-attention needs CUDA and the flash_attn package")
+    reason="flash-attention needs CUDA and the flash_attn package",
+)
 
 
-@pytest.mark.parametrize(("model_type", "attention"), [
-    *((model_type, attention) for model_type in SLIDING for attention in ("eager", "sdpa")
-      if (model_type, attention) != ("gemma2", "sdpa")),  # Gemma 2's softcapping: eager only
-    *(pytest.param(model_type, "flash_attention_2", marks=FLASH) for model_type in SLIDING),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model_type", "attention"),
+    [
+        *(
+            (model_type, attention)
+            for model_type in SLIDING
+            for attention in ("eager", "sdpa")
+            if (model_type, attention) != ("gemma2", "sdpa")
+        ),  # Gemma 2's softcapping: eager only
+        *(pytest.param(model_type, "flash_attention_2", marks=FLASH) for model_type in SLIDING),
+    ],
+)
 def test_a_packed_row_of_a_sliding_window_model_is_each_sample_alone(model_type, attention):
     """Samples of 9, 7, 5, 8 and 3 tokens under a window of 4: with a mask per layer type the
     packed row gives each sample's logits alone; the plain causal mask (what transformers
@@ -128,10 +159,8 @@ def test_layer_windows_by_family():
     """Worked out from each family's config: one kind of layer without ``layer_types``."""
     assert layer_windows(tiny("mistral").config) == {"": 4}
     assert layer_windows(tiny("llama").config) == {"": None}
-    assert layer_windows(tiny("qwen2").config) == {"full_attention": None,
-                                                   "sliding_attention": 4}  # fmt: skip
-    assert layer_windows(tiny("qwen2", use_sliding_window=False).config) == {
-        "full_attention": None}
+    assert layer_windows(tiny("qwen2").config) == {"full_attention": None, "sliding_attention": 4}
+    assert layer_windows(tiny("qwen2", use_sliding_window=False).config) == {"full_attention": None}
     assert layer_windows(tiny("lfm2").config) == {"full_attention": None}
     config = tiny("llama").config
     config.layer_types = ["chunked_attention", "full_attention"]
@@ -145,13 +174,19 @@ def test_the_band_of_a_window_of_positions_is_its_rows_of_the_whole_band():
     ids = torch.arange(1, 8)[None]
     segments = torch.zeros_like(ids)
     positions = torch.arange(7)[None]
-    whole = packed_inputs("sdpa", ids, segments, positions, torch.float32,
-                          windows={"": 2})["attention_mask"]  # fmt: skip
-    part = packed_inputs("sdpa", ids, segments, positions, torch.float32, (3, 7),
-                         windows={"": 2})["attention_mask"]  # fmt: skip
+    whole = packed_inputs("sdpa", ids, segments, positions, torch.float32, windows={"": 2})[
+        "attention_mask"
+    ]
+    part = packed_inputs("sdpa", ids, segments, positions, torch.float32, (3, 7), windows={"": 2})[
+        "attention_mask"
+    ]
     assert torch.equal(part, whole[:, :, 3:7])
-    assert part[0, 0].int().tolist() == [[0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0],
-                                         [0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1]]  # fmt: skip
+    assert part[0, 0].int().tolist() == [
+        [0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1, 1],
+    ]
 
 
 @pytest.mark.parametrize("model_type", list(HYBRID))
@@ -181,10 +216,17 @@ def test_the_state_of_a_hybrid_leaks_into_the_next_packed_sample():
     assert worst_gap(model, "eager", layer_windows(model.config)) > 1e-3
 
 
-@pytest.mark.parametrize(("model_type", "attention"), [
-    ("lfm2", "eager"), ("falcon_h1", "eager"), ("qwen3_next", "sdpa"), ("mistral", "sdpa"),
-    ("gemma2", "eager"), ("lfm3", "sdpa"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model_type", "attention"),
+    [
+        ("lfm2", "eager"),
+        ("falcon_h1", "eager"),
+        ("qwen3_next", "sdpa"),
+        ("mistral", "sdpa"),
+        ("gemma2", "eager"),
+        ("lfm3", "sdpa"),
+    ],
+)
 def test_rows_of_one_sample_are_exact_for_every_family(model_type, attention):
     """Data prepared with ``pack=false``: each right-padded row gets the 2D padding mask and
     the model builds its own masks per layer type, so a row's logits are its sample's alone,
@@ -192,14 +234,25 @@ def test_rows_of_one_sample_are_exact_for_every_family(model_type, attention):
     of ours covers)."""
     if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
-    extra = {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
-             "num_hidden_layers": 4, "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1,
-             "eos_token_id": 2} if model_type == "lfm3" else {}  # fmt: skip
+    extra = (
+        {
+            "layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
+            "num_hidden_layers": 4,
+            "sliding_window": 4,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+        if model_type == "lfm3"
+        else {}
+    )
     model = tiny(model_type, attention, initializer_range=0.5, **extra)
     ids, segments, positions, samples = two_packed_rows(64, [[9], [5], [12]])
     with torch.no_grad():
-        rows = model(use_cache=False, **packed_inputs(
-            attention, ids, segments, positions, torch.float32, packed=False)).logits
+        rows = model(
+            use_cache=False,
+            **packed_inputs(attention, ids, segments, positions, torch.float32, packed=False),
+        ).logits
         for row, _, sample in samples:
             alone = model(input_ids=sample[None], use_cache=False).logits[0]
             torch.testing.assert_close(rows[row, : len(sample)], alone, rtol=0, atol=1e-5)
@@ -213,7 +266,8 @@ def _family_student(folder, tokenizer: str, model_type: str, vocab: int) -> str:
 
 
 def test_the_trainer_packs_a_mistral_student_exactly_and_refuses_an_lfm2_one(
-        train_inputs, tmp_path):  # fmt: skip
+    train_inputs, tmp_path
+):
     """The trainer's own forward on packed rows of a sliding-window student (window 4, rows of
     up to 48 tokens) equals the model's forward of each sample alone (its own sliding mask);
     an LFM2 student on packed data is refused at setup with one line naming the model type,
@@ -221,8 +275,10 @@ def test_the_trainer_packs_a_mistral_student_exactly_and_refuses_an_lfm2_one(
     tokenizer = train_inputs["student"]
     vocab = transformers.AutoConfig.from_pretrained(tokenizer).vocab_size
     student = _family_student(tmp_path / "mistral", tokenizer, "mistral", vocab)
-    trainer = Trainer(train_config(train_inputs, tmp_path / "run", student=student,
-                                   attn_implementation="sdpa"), progress=False)  # fmt: skip
+    trainer = Trainer(
+        train_config(train_inputs, tmp_path / "run", student=student, attn_implementation="sdpa"),
+        progress=False,
+    )
     trainer.setup()
     every, _ = trainer.read_rows(list(range(trainer.shard_order.rows)))
     rows = sorted(every, key=lambda row: -sum(len(s["student_ids"]) for s in row))[:2]
@@ -240,8 +296,9 @@ def test_the_trainer_packs_a_mistral_student_exactly_and_refuses_an_lfm2_one(
                 start += n
     trainer.close()
     hybrid = _family_student(tmp_path / "lfm2", tokenizer, "lfm2", vocab)
-    refused = Trainer(train_config(train_inputs, tmp_path / "run-lfm2", student=hybrid),
-                      progress=False)  # fmt: skip
+    refused = Trainer(
+        train_config(train_inputs, tmp_path / "run-lfm2", student=hybrid), progress=False
+    )
     with pytest.raises(ConfigError, match=r"^lfm2 .*packed rows of .*pack=false") as error:
         refused.setup()
     assert "\n" not in str(error.value)
@@ -261,13 +318,26 @@ def test_an_lfm2_student_trains_on_rows_of_one_sample(train_inputs, tmp_path):
     student = _family_student(tmp_path / "lfm2", tokenizer, "lfm2", vocab)
     data, cache = str(tmp_path / "unpacked"), str(tmp_path / "cache")
     source = str(Path(train_inputs["data"]).parent / "data.jsonl")
-    prepare(PrepareConfig(data=source, student_tokenizer=tokenizer, max_length=48, pack=False,
-                          teacher_tokenizers=[train_inputs["teacher"]], output=data),
-            progress=False)  # fmt: skip
-    score(ScoreConfig(data=data, teacher=train_inputs["teacher"], output=cache, k=16),
-          progress=False)  # fmt: skip
-    trainer = Trainer(train_config(train_inputs, tmp_path / "run", student=student, data=data,
-                                   teachers=[cache], steps=1), progress=False)  # fmt: skip
+    prepare(
+        PrepareConfig(
+            data=source,
+            student_tokenizer=tokenizer,
+            max_length=48,
+            pack=False,
+            teacher_tokenizers=[train_inputs["teacher"]],
+            output=data,
+        ),
+        progress=False,
+    )
+    score(
+        ScoreConfig(data=data, teacher=train_inputs["teacher"], output=cache, k=16), progress=False
+    )
+    trainer = Trainer(
+        train_config(
+            train_inputs, tmp_path / "run", student=student, data=data, teachers=[cache], steps=1
+        ),
+        progress=False,
+    )
     trainer.setup()
     assert trainer.packed is False and trainer.windows is None
     rows, _ = trainer.read_rows([0, 1, 2])

@@ -26,11 +26,16 @@ from crosskd.k8s.job import JobConfig, job_manifest
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "manifests" / "monitoring"
 VENDOR = ROOT.parent / "shared" / "vendor"
-CRDS = {"PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
-        "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml"}  # fmt: skip
+CRDS = {
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
 STEP_PORT = 9400
-OPERATOR_LABELS = ("training.kubeflow.org/job-name", "training.kubeflow.org/replica-type",
-                   "training.kubeflow.org/replica-index")  # fmt: skip
+OPERATOR_LABELS = (
+    "training.kubeflow.org/job-name",
+    "training.kubeflow.org/replica-type",
+    "training.kubeflow.org/replica-index",
+)
 JOBS = {  # name: (JobConfig keys, local ranks per pod)
     "cpu-1x1": ({"cpu_procs_per_node": 1}, 1),
     "cpu-2x2": ({"nodes": 2, "cpu_procs_per_node": 2}, 2),
@@ -41,8 +46,13 @@ JOBS = {  # name: (JobConfig keys, local ranks per pod)
 
 @functools.cache
 def _built() -> tuple[dict, ...]:
-    out = subprocess.run([kubectl(), "kustomize", str(MONITORING)], capture_output=True,
-                         text=True, check=False, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(MONITORING)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return tuple(yaml.safe_load_all(out.stdout))
 
@@ -56,10 +66,16 @@ def _selects(monitor: dict, labels: dict[str, str]) -> bool:
     selector = monitor["spec"]["selector"]
     if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
         return False
-    tests = {"In": lambda v, vs: v in vs, "NotIn": lambda v, vs: v not in vs,
-             "Exists": lambda v, vs: v is not None, "DoesNotExist": lambda v, vs: v is None}
-    return all(tests[e["operator"]](labels.get(e["key"]), e.get("values", []))
-               for e in selector.get("matchExpressions", []))  # fmt: skip
+    tests = {
+        "In": lambda v, vs: v in vs,
+        "NotIn": lambda v, vs: v not in vs,
+        "Exists": lambda v, vs: v is not None,
+        "DoesNotExist": lambda v, vs: v is None,
+    }
+    return all(
+        tests[e["operator"]](labels.get(e["key"]), e.get("values", []))
+        for e in selector.get("matchExpressions", [])
+    )
 
 
 def _training_pods(keys: dict) -> list[tuple[dict[str, str], dict]]:
@@ -69,8 +85,9 @@ def _training_pods(keys: dict) -> list[tuple[dict[str, str], dict]]:
     pods = []
     for kind, spec in job["spec"]["pytorchReplicaSpecs"].items():
         template = spec["template"]
-        labels = dict(template["metadata"]["labels"]) | dict(zip(
-            OPERATOR_LABELS, (job["metadata"]["name"], kind.lower(), "0"), strict=True))
+        labels = dict(template["metadata"]["labels"]) | dict(
+            zip(OPERATOR_LABELS, (job["metadata"]["name"], kind.lower(), "0"), strict=True)
+        )
         (container,) = template["spec"]["containers"]
         pods.append((labels, container))
     return pods
@@ -80,19 +97,23 @@ def _step_pod_labels() -> dict[str, dict[str, str]]:
     """The pod labels the compiled pipeline gives each task (kfp-kubernetes podMetadata)."""
     compiled = list(yaml.safe_load_all((ROOT / "pipelines" / "distill.yaml").read_text()))
     executors = compiled[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
-    return {name.removeprefix("exec-"): e.get("podMetadata", {}).get("labels", {})
-            for name, e in executors.items()}  # fmt: skip
+    return {
+        name.removeprefix("exec-"): e.get("podMetadata", {}).get("labels", {})
+        for name, e in executors.items()
+    }
 
 
 def test_the_build_is_the_monitors_the_rule_and_the_dashboards():
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in _built())
     assert [k for k in kinds if k[0] != "ConfigMap"] == [
-        ("PodMonitor", "crosskd-steps"), ("PodMonitor", "crosskd-training"),
+        ("PodMonitor", "crosskd-steps"),
+        ("PodMonitor", "crosskd-training"),
         ("PrometheusRule", "crosskd"),
-    ]  # fmt: skip
+    ]
     dashboards = [d for d in _built() if d["kind"] == "ConfigMap"]
-    assert dashboards and all(d["metadata"]["labels"]["grafana_dashboard"] == "1"
-                              for d in dashboards)  # fmt: skip
+    assert dashboards and all(
+        d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards
+    )
 
 
 def test_release_label_and_no_namespace():
@@ -114,11 +135,18 @@ def test_release_label_and_no_namespace():
 
 def test_training_monitor_spec():
     spec = _monitors()["crosskd-training"]["spec"]
-    assert spec["selector"] == {"matchLabels": {"app.kubernetes.io/name": "crosskd",
-                                                "app.kubernetes.io/component": "trainer"}}
+    assert spec["selector"] == {
+        "matchLabels": {
+            "app.kubernetes.io/name": "crosskd",
+            "app.kubernetes.io/component": "trainer",
+        }
+    }
     assert spec["jobLabel"] == "training.kubeflow.org/job-name"
-    assert spec["podTargetLabels"] == ["app.kubernetes.io/name", "app.kubernetes.io/component",
-                                       *OPERATOR_LABELS[1:]]  # fmt: skip
+    assert spec["podTargetLabels"] == [
+        "app.kubernetes.io/name",
+        "app.kubernetes.io/component",
+        *OPERATOR_LABELS[1:],
+    ]
     (endpoint,) = spec["podMetricsEndpoints"]
     assert not {"port", "portNumber", "targetPort"} & set(endpoint)  # every declared port
 
@@ -133,20 +161,29 @@ def test_training_monitor_selects_the_training_pods_and_scrapes_every_rank(name)
     assert len(pods) == (2 if keys.get("nodes", 1) > 1 else 1)
     for labels, container in pods:
         assert [m for m, monitor in monitors.items() if _selects(monitor, labels)] == [
-            "crosskd-training"]  # fmt: skip
+            "crosskd-training"
+        ]
         assert training["spec"]["jobLabel"] in labels
         assert set(training["spec"]["podTargetLabels"]) <= set(labels)
         assert labels["app.kubernetes.io/name"] == "crosskd"  # the value CrosskdTargetDown uses
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]
-                 if p["name"].startswith("metrics-")}  # fmt: skip
+        ports = {
+            p["name"]: p["containerPort"]
+            for p in container["ports"]
+            if p["name"].startswith("metrics-")
+        }
         assert ports == {f"metrics-{i}": 9400 + i for i in range(ranks)}
         # pod discovery: one target per declared port; the relabelings keep the metrics ports
-        targets = [{"__address__": f"10.0.0.5:{p['containerPort']}",
-                    "__meta_kubernetes_pod_container_port_name": p["name"]}
-                   for p in container["ports"]]  # fmt: skip
+        targets = [
+            {
+                "__address__": f"10.0.0.5:{p['containerPort']}",
+                "__meta_kubernetes_pod_container_port_name": p["name"],
+            }
+            for p in container["ports"]
+        ]
         kept = [t for t in (relabel(t, endpoint["relabelings"]) for t in targets) if t]
         assert {t["endpoint"]: t["__address__"] for t in kept} == {
-            name: f"10.0.0.5:{port}" for name, port in ports.items()}
+            name: f"10.0.0.5:{port}" for name, port in ports.items()
+        }
 
 
 def test_steps_monitor_selects_the_scoring_and_prepare_pods():
@@ -154,10 +191,14 @@ def test_steps_monitor_selects_the_scoring_and_prepare_pods():
     PodMonitor selects exactly those, and no other task's pod."""
     monitors = _monitors()
     labels = _step_pod_labels()
-    assert labels["score-teacher"] == {"app.kubernetes.io/name": "crosskd",
-                                       "app.kubernetes.io/component": "score-teacher"}
-    assert labels["prepare"] == {"app.kubernetes.io/name": "crosskd",
-                                 "app.kubernetes.io/component": "prepare"}
+    assert labels["score-teacher"] == {
+        "app.kubernetes.io/name": "crosskd",
+        "app.kubernetes.io/component": "score-teacher",
+    }
+    assert labels["prepare"] == {
+        "app.kubernetes.io/name": "crosskd",
+        "app.kubernetes.io/component": "prepare",
+    }
     for task, pod_labels in labels.items():
         chosen = [m for m, monitor in monitors.items() if _selects(monitor, pod_labels)]
         assert chosen == (["crosskd-steps"] if task in ("score-teacher", "prepare") else []), task
@@ -180,21 +221,36 @@ def _kfp_pod_targets(pod_ip: str) -> list[dict[str, str]]:
     """What Prometheus's pod discovery gives for a KFP task pod (Argo containers `main` and
     `wait`, init containers `init` and `kfp-launcher`, none declaring a port): one target per
     container, addressed by the bare pod IP (prometheus discovery/kubernetes/pod.go)."""
-    return [{"__address__": pod_ip, "__meta_kubernetes_pod_ip": pod_ip,
-             "__meta_kubernetes_pod_container_name": name,
-             "__meta_kubernetes_pod_container_init": init}
-            for name, init in (("main", "false"), ("wait", "false"), ("init", "true"),
-                               ("kfp-launcher", "true"))]  # fmt: skip
+    return [
+        {
+            "__address__": pod_ip,
+            "__meta_kubernetes_pod_ip": pod_ip,
+            "__meta_kubernetes_pod_container_name": name,
+            "__meta_kubernetes_pod_container_init": init,
+        }
+        for name, init in (
+            ("main", "false"),
+            ("wait", "false"),
+            ("init", "true"),
+            ("kfp-launcher", "true"),
+        )
+    ]
 
 
-@pytest.mark.parametrize(("pod_ip", "address"), [
-    ("10.1.2.3", f"10.1.2.3:{STEP_PORT}"),
-    ("fd00:10:244::7", f"[fd00:10:244::7]:{STEP_PORT}"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("pod_ip", "address"),
+    [
+        ("10.1.2.3", f"10.1.2.3:{STEP_PORT}"),
+        ("fd00:10:244::7", f"[fd00:10:244::7]:{STEP_PORT}"),
+    ],
+)
 def test_steps_relabelings_give_one_target_per_pod(pod_ip, address):
     (endpoint,) = _monitors()["crosskd-steps"]["spec"]["podMetricsEndpoints"]
-    kept = [t for t in (relabel(t, endpoint["relabelings"]) for t in _kfp_pod_targets(pod_ip))
-            if t is not None]  # fmt: skip
+    kept = [
+        t
+        for t in (relabel(t, endpoint["relabelings"]) for t in _kfp_pod_targets(pod_ip))
+        if t is not None
+    ]
     assert len(kept) == 1
     assert kept[0]["__meta_kubernetes_pod_container_name"] == "main"
     assert kept[0]["__address__"] == address
@@ -202,9 +258,15 @@ def test_steps_relabelings_give_one_target_per_pod(pod_ip, address):
 
 
 def test_relabel_emulation_keeps_drops_and_replaces():
-    configs = [{"action": "drop", "sourceLabels": ["a"], "regex": "x"},
-               {"sourceLabels": ["a", "b"], "regex": "(.*);(.*)", "targetLabel": "c",
-                "replacement": "${2}-$1"}]  # fmt: skip
+    configs = [
+        {"action": "drop", "sourceLabels": ["a"], "regex": "x"},
+        {
+            "sourceLabels": ["a", "b"],
+            "regex": "(.*);(.*)",
+            "targetLabel": "c",
+            "replacement": "${2}-$1",
+        },
+    ]
     assert relabel({"a": "x"}, configs) is None
     assert relabel({"a": "y", "b": "z"}, configs)["c"] == "z-y"
     assert relabel({"a": "ab"}, [{"action": "keep", "sourceLabels": ["a"], "regex": "a"}]) is None
@@ -223,22 +285,35 @@ def test_promtool_accepts_the_steps_relabelings(tmp_path):
     snake case) pass ``promtool check config``; a bad regex fails it."""
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail("promtool is not installed: install Debian's prometheus package "
-                    "(apt-get install --no-install-recommends prometheus; .ci/run does it)")
+        pytest.fail(
+            "promtool is not installed: install Debian's prometheus package "
+            "(apt-get install --no-install-recommends prometheus; .ci/run does it)"
+        )
     (endpoint,) = _monitors()["crosskd-steps"]["spec"]["podMetricsEndpoints"]
     relabel = _snake(endpoint["relabelings"])
     assert relabel[0]["source_labels"][0] == "__meta_kubernetes_pod_container_name"
 
     def check(configs: list[dict]) -> subprocess.CompletedProcess:
-        config = {"scrape_configs": [{
-            "job_name": "podMonitor/ml/crosskd-steps/0", "scrape_interval": "15s",
-            # Debian's build has no kubernetes_sd_configs; the relabelings are the same.
-            "static_configs": [{"targets": ["10.1.2.3"]}],
-            "relabel_configs": configs}]}  # fmt: skip
+        config = {
+            "scrape_configs": [
+                {
+                    "job_name": "podMonitor/ml/crosskd-steps/0",
+                    "scrape_interval": "15s",
+                    # Debian's build has no kubernetes_sd_configs; the relabelings are the same.
+                    "static_configs": [{"targets": ["10.1.2.3"]}],
+                    "relabel_configs": configs,
+                }
+            ]
+        }
         path = tmp_path / "prometheus.yml"
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
-        return subprocess.run([promtool, "check", "config", "--syntax-only", str(path)],
-                              capture_output=True, text=True, timeout=60, check=False)
+        return subprocess.run(
+            [promtool, "check", "config", "--syntax-only", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
 
     out = check(relabel)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -251,8 +326,10 @@ def test_promtool_accepts_the_steps_relabelings(tmp_path):
 def _validator(kind: str) -> jsonschema.Draft7Validator:
     path = VENDOR / CRDS[kind]
     if not path.is_file():
-        pytest.skip(f"{path} is absent (prometheus-operator's CRDs are vendored outside the "
-                    f"repo: example/prometheus-operator-crd/{CRDS[kind]})")  # fmt: skip
+        pytest.skip(
+            f"{path} is absent (prometheus-operator's CRDs are vendored outside the "
+            f"repo: example/prometheus-operator-crd/{CRDS[kind]})"
+        )
     crd = yaml.safe_load(path.read_text(encoding="utf-8"))
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     schema = v1["schema"]["openAPIV3Schema"]
@@ -264,8 +341,10 @@ def test_objects_fit_the_strict_crd_schema(kind):
     docs = [d for d in _built() if d["kind"] == kind]
     assert docs
     for doc in docs:
-        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-                  for e in _validator(kind).iter_errors(doc["spec"])]  # fmt: skip
+        errors = [
+            f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in _validator(kind).iter_errors(doc["spec"])
+        ]
         assert errors == [], doc["metadata"]["name"]
     misspelt = copy.deepcopy(docs[0]["spec"])
     misspelt["podTargetLabel" if kind == "PodMonitor" else "group"] = []

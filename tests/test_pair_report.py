@@ -36,9 +36,13 @@ def table_pair(built_table):
 
 def _report(zoo, table_pair, student, teacher, texts, **kwargs) -> PairReport:
     return pair_report(
-        zoo(student), zoo(teacher), texts, tables=table_pair(student, teacher), progress=False,
+        zoo(student),
+        zoo(teacher),
+        texts,
+        tables=table_pair(student, teacher),
+        progress=False,
         **kwargs,
-    )  # fmt: skip
+    )
 
 
 def test_hand_checked_llama3_vs_qwen3(zoo, table_pair):
@@ -47,8 +51,12 @@ def test_hand_checked_llama3_vs_qwen3(zoo, table_pair):
     r = _report(zoo, table_pair, "llama3", "qwen3", ["Hi 12345 👍🏽"])
     assert (r.documents, r.characters, r.student_tokens, r.teacher_tokens) == (1, 11, 9, 10)
     assert {n: s.chunks for n, s in r.shapes.items()} == {
-        "1:1": 2, "1:n": 2, "n:1": 1, "n:m": 1, "special": 0
-    }  # fmt: skip
+        "1:1": 2,
+        "1:n": 2,
+        "n:1": 1,
+        "n:m": 1,
+        "special": 0,
+    }
     assert [r.shapes[n].student_tokens for n in SHAPE_NAMES] == [2, 2, 3, 2, 0]
     assert [r.shapes[n].teacher_tokens for n in SHAPE_NAMES] == [2, 5, 1, 2, 0]
     assert r.one_to_one_student_share == pytest.approx(2 / 9)
@@ -96,11 +104,38 @@ def test_dropped_control_character_and_special_pair(zoo, table_pair):
 
 def _generated_documents(count: int, seed: int = 7) -> list[str]:
     pieces = [
-        "hello", " world", "  \t ", "\r\n", "\n\n\n", "12345678", "3.14159", "def f(x):\n    ",
-        "return x ** 2", "東京都", "中文文本", "한국어", "Ελληνικά", "русский", "👍🏽", "👨‍👩‍👧",
-        "e\u0301", "\u0301", "\x04", "\x01", "\x7f", "<|im_end|>", "<think>", "<|eot_id|>",
-        "</think>", "ﬁ", "      ", "Ａ", "\u200b", "😀😀", "x",
-    ]  # fmt: skip
+        "hello",
+        " world",
+        "  \t ",
+        "\r\n",
+        "\n\n\n",
+        "12345678",
+        "3.14159",
+        "def f(x):\n    ",
+        "return x ** 2",
+        "東京都",
+        "中文文本",
+        "한국어",
+        "Ελληνικά",
+        "русский",
+        "👍🏽",
+        "👨‍👩‍👧",
+        "e\u0301",
+        "\u0301",
+        "\x04",
+        "\x01",
+        "\x7f",
+        "<|im_end|>",
+        "<think>",
+        "<|eot_id|>",
+        "</think>",
+        "ﬁ",
+        "      ",
+        "Ａ",
+        "\u200b",
+        "😀😀",
+        "x",
+    ]
     rng = random.Random(seed)
     return ["".join(rng.choices(pieces, k=rng.randint(0, 40))) for _ in range(count)]
 
@@ -109,9 +144,18 @@ def _recompute(student, teacher, texts: list[str]) -> dict:
     """The report's counts from ``align``, one text and one chunk at a time."""
     shapes = {n: dict.fromkeys(ShapeStats.__dataclass_fields__, 0) for n in SHAPE_NAMES}
     out = dict.fromkeys(
-        ["documents", "characters", "student_tokens", "teacher_tokens", "unpaired_student_tokens",
-         "unpaired_teacher_tokens", "documents_with_unpaired", "chunks_without_prediction"], 0
-    )  # fmt: skip
+        [
+            "documents",
+            "characters",
+            "student_tokens",
+            "teacher_tokens",
+            "unpaired_student_tokens",
+            "unpaired_teacher_tokens",
+            "documents_with_unpaired",
+            "chunks_without_prediction",
+        ],
+        0,
+    )
     for text in texts:
         s, t = tokenize(student, [text])[0], tokenize(teacher, [text])[0]
         special_s = {i for i, x in enumerate(s.ids.tolist()) if student.is_special(x)}
@@ -214,9 +258,15 @@ def test_format_shows_the_headline_numbers(zoo, table_pair):
     r = _report(zoo, table_pair, "llama3", "qwen3", ["Hi 12345 👍🏽"])
     text = format_report(r)
     for needle in (
-        "student zoo:llama3", "teacher zoo:qwen3", "Verdict: WEAK", "Chunk shapes",
-        "What this means", "22.22%", f"{r.common_vocabulary:,}", f"{r.common_student_share:.2%}",
-    ):  # fmt: skip
+        "student zoo:llama3",
+        "teacher zoo:qwen3",
+        "Verdict: WEAK",
+        "Chunk shapes",
+        "What this means",
+        "22.22%",
+        f"{r.common_vocabulary:,}",
+        f"{r.common_student_share:.2%}",
+    ):
         assert needle in text, needle
     lines = text.splitlines()
     table = lines[lines.index("Chunk shapes") + 2 : lines.index("Chunk shapes") + 8]
@@ -245,12 +295,17 @@ def test_po_messages_hand_checked():
         'msgctxt "menu"\nmsgid ""\n"a long id"\nmsgstr ""\n"ein langer Text, 中文"\n'
     )
     assert _po_messages(po) == [
-        "Hallo", 'zwei\nZeilen "gut"', "Datei", "Dateien", "ein langer Text, 中文"
-    ]  # fmt: skip
+        "Hallo",
+        'zwei\nZeilen "gut"',
+        "Datei",
+        "Dateien",
+        "ein langer Text, 中文",
+    ]
 
 
-def test_cli_inspect_pair_matches_the_aligners_own_chunks(tmp_path, zoo, zoo_cache, monkeypatch,
-                                                          capsys):  # fmt: skip
+def test_cli_inspect_pair_matches_the_aligners_own_chunks(
+    tmp_path, zoo, zoo_cache, monkeypatch, capsys
+):
     """`crosskd inspect pair --json` over rows: the 1:1 share is the aligner's own count."""
     from crosskd.alignment import SHAPE_1_1, align_many
     from crosskd.cli import main
@@ -261,9 +316,19 @@ def test_cli_inspect_pair_matches_the_aligners_own_chunks(tmp_path, zoo, zoo_cac
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": texts[2]}]}
     ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
-    status = main(["inspect", "pair", "--student-tokenizer", "zoo:llama3",
-                   "--teacher-tokenizer", "zoo:qwen3", "--data", str(tmp_path / "rows.jsonl"),
-                   "--json"])  # fmt: skip
+    status = main(
+        [
+            "inspect",
+            "pair",
+            "--student-tokenizer",
+            "zoo:llama3",
+            "--teacher-tokenizer",
+            "zoo:qwen3",
+            "--data",
+            str(tmp_path / "rows.jsonl"),
+            "--json",
+        ]
+    )
     assert status == 0
     derived = json.loads(capsys.readouterr().out)["derived"]
     llama, qwen = zoo("llama3"), zoo("qwen3")
@@ -285,9 +350,11 @@ def test_licence_documents_hand_checked(tmp_path):
     (tmp_path / "0").symlink_to(tmp_path / "b")  # first by name, but a link: skipped
     # Lines of 4, 4, 6 and 5 bytes in windows of at most 10: "one\ntwo\n" (8 bytes, below the
     # target of 10), then "three\n" reaches it.
-    assert licence_documents(10, document_bytes=10, folder=tmp_path) == ["one\ntwo\n",
-                                                                         "three\n"]
+    assert licence_documents(10, document_bytes=10, folder=tmp_path) == ["one\ntwo\n", "three\n"]
     assert licence_documents(100, document_bytes=10, folder=tmp_path) == [
-        "one\ntwo\n", "three\n", "four\n"]  # all there is
+        "one\ntwo\n",
+        "three\n",
+        "four\n",
+    ]  # all there is
     with pytest.raises(DataError, match=r"nowhere: no licence texts there .* give ood_data"):
         licence_documents(10, folder=tmp_path / "nowhere")

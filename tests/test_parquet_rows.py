@@ -16,8 +16,13 @@ from crosskd.artifacts import ParquetRows
 from crosskd.errors import DataError
 from crosskd.ranges import ArtifactFile, RangedParquet, footer_record, write_parquet
 
-TABLE = pa.table({"n": list(range(100)), "s": [f"row {i}" for i in range(100)],
-                  "v": [[i] * (i % 5) for i in range(100)]})  # fmt: skip
+TABLE = pa.table(
+    {
+        "n": list(range(100)),
+        "s": [f"row {i}" for i in range(100)],
+        "v": [[i] * (i % 5) for i in range(100)],
+    }
+)
 
 
 def _payload(group: int) -> bytes:

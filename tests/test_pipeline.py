@@ -22,8 +22,15 @@ from crosskd.pipeline.run import COMPILED_FILE, compile_pipeline, preset_argumen
 from crosskd.steps.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = ("plan-tables", "build-tables", "validate-tables", "prepare", "plan-scoring",
-        "score-teacher", "merge-cache")  # fmt: skip
+PURE = (
+    "plan-tables",
+    "build-tables",
+    "validate-tables",
+    "prepare",
+    "plan-scoring",
+    "score-teacher",
+    "merge-cache",
+)
 
 
 def _compiled(path: Path) -> tuple[dict, dict]:
@@ -38,7 +45,8 @@ def test_compiled_yaml_is_fresh(tmp_path, monkeypatch):
     out = tmp_path / "distill.yaml"
     compile_pipeline(str(out))
     assert out.read_text() == (ROOT / COMPILED_FILE).read_text(), (
-        "pipelines/distill.yaml is stale: run `crosskd pipeline compile`")
+        "pipelines/distill.yaml is stale: run `crosskd pipeline compile`"
+    )
 
 
 def test_two_compiles_in_two_processes_give_the_same_bytes(tmp_path):
@@ -48,23 +56,28 @@ def test_two_compiles_in_two_processes_give_the_same_bytes(tmp_path):
     outputs = []
     for seed in ("1", "2"):
         out = tmp_path / f"distill-{seed}.yaml"
-        subprocess.run([sys.executable, "-m", "crosskd.cli", "pipeline", "compile", "--output",
-                        str(out)], check=True, capture_output=True,
-                       env=env | {"PYTHONHASHSEED": seed})  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "crosskd.cli", "pipeline", "compile", "--output", str(out)],
+            check=True,
+            capture_output=True,
+            env=env | {"PYTHONHASHSEED": seed},
+        )
         outputs.append(out.read_bytes())
     assert outputs[0] == outputs[1]
     assert b"#    job: dict [Default: {'cpu': '2', 'memory': '4Gi'}]" in outputs[0]
 
 
-@pytest.mark.parametrize("params", sorted((ROOT / "pipelines" / "params").glob("*.yaml")),
-                         ids=lambda p: p.stem)  # fmt: skip
+@pytest.mark.parametrize(
+    "params", sorted((ROOT / "pipelines" / "params").glob("*.yaml")), ids=lambda p: p.stem
+)
 def test_every_parameter_set_compiles_with_its_platform_settings(params, tmp_path):
     values = yaml.safe_load(params.read_text())
     out = tmp_path / "p.yaml"
     compile_pipeline(str(out), parameters=values)
     spec, executors = _compiled(out)
-    defaults = {k: v.get("defaultValue") for k, v in
-                spec["root"]["inputDefinitions"]["parameters"].items()}  # fmt: skip
+    defaults = {
+        k: v.get("defaultValue") for k, v in spec["root"]["inputDefinitions"]["parameters"].items()
+    }
     assert {k: defaults[k] for k in values} == values
     # The GPU step: accelerator from score_gpus, node selector and tolerations from parameters,
     # /dev/shm in memory, a deadline, S3 credentials from the Secret named by s3_secret.
@@ -76,24 +89,32 @@ def test_every_parameter_set_compiles_with_its_platform_settings(params, tmp_pat
         assert container["image"].endswith("-cuda")
         score = executors[gpu_step]
         assert score["nodeSelector"]["nodeSelectorJson"]["componentInputParameter"].endswith(
-            "score_node_selector")
+            "score_node_selector"
+        )
         assert score["tolerations"][0]["tolerationJson"]["componentInputParameter"].endswith(
-            "score_tolerations")
-        assert score["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm",
-                                            "sizeLimit": "16Gi", "volumeName": "dshm"}]  # fmt: skip
+            "score_tolerations"
+        )
+        assert score["emptyDirMounts"] == [
+            {"medium": "Memory", "mountPath": "/dev/shm", "sizeLimit": "16Gi", "volumeName": "dshm"}
+        ]
         assert int(score["activeDeadlineSeconds"]) == 24 * 3600
     for name in spec["deploymentSpec"]["executors"]:
         secrets = executors[name]["secretAsEnv"]
         assert {e["envVar"] for s in secrets for e in s["keyToEnv"]} >= {
-            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-        assert all(s["secretNameParameter"]["componentInputParameter"].endswith("s3_secret")
-                   for s in secrets)  # fmt: skip
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+        }
+        assert all(
+            s["secretNameParameter"]["componentInputParameter"].endswith("s3_secret")
+            for s in secrets
+        )
     # The training task is a CPU-only launcher: no accelerator, no toleration; the GPUs and
     # nodes reach the PyTorchJob as parameters of the component.
     train = spec["deploymentSpec"]["executors"]["exec-train"]["container"]
     assert "accelerator" not in train["resources"] and "tolerations" not in executors["exec-train"]
-    loop = next(c for c in spec["components"].values()
-                if "train" in c.get("dag", {}).get("tasks", {}))  # fmt: skip
+    loop = next(
+        c for c in spec["components"].values() if "train" in c.get("dag", {}).get("tasks", {})
+    )
     task = loop["dag"]["tasks"]["train"]
     assert {"gpus_per_node", "nodes", "image", "job"} <= set(task["inputs"]["parameters"])
     assert task["retryPolicy"]["backoffMaxDuration"] == "1209600s"
@@ -120,8 +141,13 @@ def test_components_import_without_crosskd_torch_or_transformers():
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('crosskd', 'torch', 'transformers')))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": ""})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
 
@@ -131,10 +157,18 @@ def tiny_run(s3, tmp_path_factory):
     """The tiny preset through the whole pipeline, everything on S3 (moto); KFP's own files in a
     local folder kept across the runs of this module."""
     local_root = tmp_path_factory.mktemp("kfp-local")
-    config = load_run_config(None, "tiny", ["output=s3://crosskd-test/pipeline", "steps=4",
-                                            "shard_rows=2", "score_pods=2",
-                                            "ood_data=machine:licences",
-                                            "ood_bytes=3000"])  # fmt: skip
+    config = load_run_config(
+        None,
+        "tiny",
+        [
+            "output=s3://crosskd-test/pipeline",
+            "steps=4",
+            "shard_rows=2",
+            "score_pods=2",
+            "ood_data=machine:licences",
+            "ood_bytes=3000",
+        ],
+    )
     return {"arguments": preset_arguments(config), "local_root": str(local_root)}
 
 
@@ -169,16 +203,16 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd, caplog):
     assert all(0 < v < 16 for v in bpb.values())
     report = result["report"]
     assert report.startswith("s3://crosskd-test/pipeline/runs/") and report.endswith(
-        "/report/index.html")
-    page = s3.cat_file(report[len("s3://"):]).decode()
+        "/report/index.html"
+    )
+    page = s3.cat_file(report[len("s3://") :]).decode()
     assert "data:image/png;base64," in page and "student_kd" in page
-    run = report[len("s3://"): -len("/report/index.html")]
+    run = report[len("s3://") : -len("/report/index.html")]
     evaluation = json.loads(s3.cat_file(f"{run}/evaluation.json"))
     assert {n: m["bits_per_byte"] for n, m in evaluation["models"].items()} == bpb
     # The out-of-domain rows (the machine's licence texts) prepared, evaluated and reported.
     ood = json.loads(s3.cat_file(f"{run}/evaluation_ood.json"))
-    assert {n: m["bits_per_byte"] for n, m in ood["models"].items()} == result[
-        "ood_bits_per_byte"]
+    assert {n: m["bits_per_byte"] for n, m in ood["models"].items()} == result["ood_bits_per_byte"]
     assert set(result["ood_bits_per_byte"]) == set(bpb)
     assert ood["data"].endswith("/ood") and ood["data"] != evaluation["data"]
     assert "out-of-domain bits/byte" in page
@@ -191,11 +225,15 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd, caplog):
     parts = s3.ls(f"{cache}/parts")
     assert len(parts) == 2
     manifest = json.loads(s3.cat_file(f"{cache}/manifest.json"))
-    assert [s["path"] for s in manifest["shards"]] == sorted(s["path"] for s in
-                                                             manifest["shards"])  # fmt: skip
+    assert [s["path"] for s in manifest["shards"]] == sorted(s["path"] for s in manifest["shards"])
     # Pure outputs sit under content-addressed prefixes of the root.
     assert {p.rsplit("/", 1)[-1] for p in s3.ls("crosskd-test/pipeline")} >= {
-        "inputs", "tables", "prepared", "cache", "runs"}
+        "inputs",
+        "tables",
+        "prepared",
+        "cache",
+        "runs",
+    }
 
 
 def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, capfd, caplog):
@@ -205,16 +243,24 @@ def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, c
     # k changes the teacher caches (and what follows), not the tables or the prepared data.
     assert {"build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
     assert "score-teacher" not in hits and "merge-cache" not in hits
-    assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd",
-                                            "student_ce"}  # fmt: skip
+    assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd", "student_ce"}
 
 
 def test_a_failing_step_fails_the_pipeline_with_its_own_message(tiny_run, capsys):
     from crosskd.cli import main
 
-    code = main(["pipeline", "run-local", "--preset", "tiny", "--local-root",
-                 tiny_run["local_root"], "output=s3://crosskd-test/pipeline-bad",
-                 "teachers=[s3://crosskd-test/no-such-teacher]"])  # fmt: skip
+    code = main(
+        [
+            "pipeline",
+            "run-local",
+            "--preset",
+            "tiny",
+            "--local-root",
+            tiny_run["local_root"],
+            "output=s3://crosskd-test/pipeline-bad",
+            "teachers=[s3://crosskd-test/no-such-teacher]",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
     assert err.startswith("crosskd: error: step validate_inputs failed: ConfigError: teacher 0")
@@ -232,16 +278,28 @@ def test_cli_submits_the_committed_pipeline(state, code, monkeypatch, tmp_path, 
 
     from crosskd.cli import main
 
-    monkeypatch.setattr(kfp_client_module.Client, "_LOCAL_KFP_CONTEXT",
-                        str(tmp_path / "kfp-context.json"))  # fmt: skip
+    monkeypatch.setattr(
+        kfp_client_module.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json")
+    )
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "no-token-file"))
     monkeypatch.setenv("KFP_TOKEN", "t0ken-from-env")
     with FakeKfpApi() as fake:
         fake.run_states = ["RUNNING", state]
         fake.run_error = "train failed: JobFailed" if state == "FAILED" else None
-        argv = ["pipeline", "submit", "--host", fake.host, "--namespace", "ml", "--wait",
-                "--experiment", "crosskd-test", "steps=50", "teachers=[s3://b/qwen3]",
-                "output_root=s3://b/out"]  # fmt: skip
+        argv = [
+            "pipeline",
+            "submit",
+            "--host",
+            fake.host,
+            "--namespace",
+            "ml",
+            "--wait",
+            "--experiment",
+            "crosskd-test",
+            "steps=50",
+            "teachers=[s3://b/qwen3]",
+            "output_root=s3://b/out",
+        ]
         assert main(argv) == code
         (created,) = fake.requests_to("POST", "/runs")
     out = capsys.readouterr().out
@@ -251,7 +309,10 @@ def test_cli_submits_the_committed_pipeline(state, code, monkeypatch, tmp_path, 
     spec, platform = yaml.safe_load_all((ROOT / COMPILED_FILE).read_text())
     assert body["pipeline_spec"] == {"pipeline_spec": spec, "platform_spec": platform}
     assert body["runtime_config"]["parameters"] == {
-        "steps": 50, "teachers": ["s3://b/qwen3"], "output_root": "s3://b/out"}
+        "steps": 50,
+        "teachers": ["s3://b/qwen3"],
+        "output_root": "s3://b/out",
+    }
     assert created.headers["authorization"] == "Bearer t0ken-from-env"
     assert "t0ken-from-env" not in out
 
@@ -270,8 +331,9 @@ def test_components_called_as_plain_functions(tmp_path):
 
     teacher = {"index": 0, "ref": "m", "fingerprint": "f", "same_tokenizer": True}
     plan = {"root": str(tmp_path), "student": "s", "teachers": [teacher]}
-    assert plan_tables.python_func(plan=plan) == [{"root": str(tmp_path), "student": "s",
-                                                   "teacher": teacher}]  # fmt: skip
+    assert plan_tables.python_func(plan=plan) == [
+        {"root": str(tmp_path), "student": "s", "teacher": teacher}
+    ]
     prepared = {"train": "p/train", "train_shards": 5.0}  # KFP hands ints back as floats
     scoring = {"k": 16.0, "tau": 1.0, "encoding": "lossless", "token_budget": 1024.0}
     jobs = plan_scoring.python_func(plan=plan, prepared=prepared, scoring=scoring, score_pods=2)
@@ -297,7 +359,10 @@ def test_preset_arguments_for_a_local_run(monkeypatch):
     arguments = preset_arguments(config)
     assert arguments["s3_secret"] == ""
     assert (arguments["executor"], arguments["gpus_per_node"], arguments["score_gpus"]) == (
-        "local", 0, 0)
+        "local",
+        0,
+        0,
+    )
     assert arguments["output_root"] == "out" and arguments["steps"] == 7
     assert arguments["metrics_port"] == 0  # a free port: 9400 may be taken on this machine
     assert arguments["teachers"] == ["zoo:smollm2"] and "steps" not in arguments["options"]

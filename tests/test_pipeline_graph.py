@@ -90,8 +90,9 @@ def test_picture_parses_and_names_every_task() -> None:
     assert tasks <= texts
     boxes = _boxes(svg)
     assert set(boxes) == tasks | {f"loop:{name}" for name in loops}
-    labels = [t.text for g in root.iter(f"{SVG}g") if g.get("data-loop")
-              for t in g.iter(f"{SVG}text")]  # fmt: skip
+    labels = [
+        t.text for g in root.iter(f"{SVG}g") if g.get("data-loop") for t in g.iter(f"{SVG}text")
+    ]
     assert "teachers: for each item of plan-tables" in labels
     assert svg == pipeline_svg(str(PACKAGE))  # byte-identical on every call
 

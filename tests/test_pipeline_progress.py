@@ -47,9 +47,11 @@ def test_the_output_of_child_processes_goes_to_the_log(tmp_path):
     standard error go to the log; the step lines, then what is printed after, to the
     terminal."""
     log = tmp_path / "logs" / "run.log"
-    child = ("import sys; print('    [KFP Executor] Got executor_input:'); "
-             "print(\"16:40:18.849 - INFO - Executing task 'prepare'\"); "
-             "print('warning', file=sys.stderr)")  # fmt: skip
+    child = (
+        "import sys; print('    [KFP Executor] Got executor_input:'); "
+        "print(\"16:40:18.849 - INFO - Executing task 'prepare'\"); "
+        "print('warning', file=sys.stderr)"
+    )
     script = f"""
 import subprocess, sys
 from pathlib import Path
@@ -60,11 +62,15 @@ with steps_to_log(Path({str(log)!r})):
     print("12:00:01.000 - INFO - Pipeline 'p' finished with status SUCCESS")
 print("after")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
     text = log.read_text()
     assert "Got executor_input" in text and "warning" in text and "after" not in text
     assert done.stdout.splitlines() == [
-        "12:00:00 prepare: SUCCESS (0 s)", "16:40:18 prepare: started",
-        "12:00:01 pipeline: SUCCESS", "after"]  # fmt: skip
+        "12:00:00 prepare: SUCCESS (0 s)",
+        "16:40:18 prepare: started",
+        "12:00:01 pipeline: SUCCESS",
+        "after",
+    ]
     assert done.stderr == ""

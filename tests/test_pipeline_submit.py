@@ -50,12 +50,19 @@ def _hermetic_client(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No user KFP context, no ambient token or kfp settings from the environment."""
     import kfp.client.client as kfp_client_module
 
-    monkeypatch.setattr(kfp_client_module.Client, "_LOCAL_KFP_CONTEXT",
-                        str(tmp_path / "kfp-context.json"))
-    for name in ("KFP_TOKEN", "KF_PIPELINES_ENDPOINT", "KF_PIPELINES_UI_ENDPOINT",
-                 "KF_PIPELINES_IAP_OAUTH2_CLIENT_ID", "KF_PIPELINES_APP_OAUTH2_CLIENT_ID",
-                 "KF_PIPELINES_APP_OAUTH2_CLIENT_SECRET", "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME",
-                 "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME"):
+    monkeypatch.setattr(
+        kfp_client_module.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json")
+    )
+    for name in (
+        "KFP_TOKEN",
+        "KF_PIPELINES_ENDPOINT",
+        "KF_PIPELINES_UI_ENDPOINT",
+        "KF_PIPELINES_IAP_OAUTH2_CLIENT_ID",
+        "KF_PIPELINES_APP_OAUTH2_CLIENT_ID",
+        "KF_PIPELINES_APP_OAUTH2_CLIENT_SECRET",
+        "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME",
+        "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "no-token-file"))
 
@@ -70,8 +77,9 @@ def fake():
 ARGS = {"name": "run-1", "steps": "50", "flag": "true", "layers": "[3, 4]", "lr": "1e-4"}
 
 
-def test_submit_sends_spec_and_typed_parameters(fake: FakeKfpApi, package: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_submit_sends_spec_and_typed_parameters(
+    fake: FakeKfpApi, package: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = submit_pipeline(str(package), host=fake.host, arguments=ARGS, run_name="first")
 
     (created,) = fake.requests_to("POST", "/runs")
@@ -91,8 +99,9 @@ def test_submit_sends_spec_and_typed_parameters(fake: FakeKfpApi, package: Path,
     assert capsys.readouterr().out == ""
 
 
-def test_health_check_at_construction_unless_a_namespace_is_given(fake: FakeKfpApi,
-                                                                  package: Path) -> None:
+def test_health_check_at_construction_unless_a_namespace_is_given(
+    fake: FakeKfpApi, package: Path
+) -> None:
     submit_pipeline(str(package), host=fake.host, arguments={"name": "x"})
     assert [r.path for r in fake.requests][:1] == ["/apis/v2beta1/healthz"]
 
@@ -102,21 +111,31 @@ def test_health_check_at_construction_unless_a_namespace_is_given(fake: FakeKfpA
 
 
 def test_bearer_token_from_env_reaches_server_and_never_the_log(
-        fake: FakeKfpApi, package: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    fake: FakeKfpApi,
+    package: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("KFP_TOKEN", TOKEN)
     # A service-account token file is there too: the environment variable wins.
     (tmp_path / "sa-token").write_text("file-token")
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "sa-token"))
     caplog.set_level(logging.DEBUG)
     fake.run_states = ["RUNNING", "SUCCEEDED"]
-    run = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, wait=True,
-                          poll_s=0.01, timeout_s=10)
+    run = submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "x"}, wait=True, poll_s=0.01, timeout_s=10
+    )
 
     assert run.state == "SUCCEEDED"
     paths = {r.path for r in fake.requests}
-    assert {"/apis/v2beta1/healthz", "/apis/v2beta1/experiments", "/apis/v2beta1/runs",
-            f"/apis/v2beta1/runs/{run.run_id}"} <= paths
+    assert {
+        "/apis/v2beta1/healthz",
+        "/apis/v2beta1/experiments",
+        "/apis/v2beta1/runs",
+        f"/apis/v2beta1/runs/{run.run_id}",
+    } <= paths
     for request in fake.requests:
         assert request.headers.get("authorization") == f"Bearer {TOKEN}", request.path
     assert caplog.records, "nothing was logged at all"
@@ -125,18 +144,22 @@ def test_bearer_token_from_env_reaches_server_and_never_the_log(
     assert TOKEN not in out and TOKEN not in err
 
 
-def test_token_env_name_is_configurable(fake: FakeKfpApi, package: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_token_env_name_is_configurable(
+    fake: FakeKfpApi, package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MY_KFP_TOKEN", TOKEN)
-    submit_pipeline(str(package), host=fake.host, arguments={"name": "x"},
-                    token_env="MY_KFP_TOKEN")
+    submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, token_env="MY_KFP_TOKEN")
     (created,) = fake.requests_to("POST", "/runs")
     assert created.headers["authorization"] == f"Bearer {TOKEN}"
 
 
 def test_service_account_token_file_reaches_server(
-        fake: FakeKfpApi, package: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
+    fake: FakeKfpApi,
+    package: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("sa-token-from-file\n")
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token_file))
@@ -149,25 +172,29 @@ def test_service_account_token_file_reaches_server(
     token_file.write_text("rotated-token")
     submit_pipeline(str(package), host=fake.host, arguments={"name": "x"})
     assert fake.requests_to("POST", "/runs")[-1].headers["authorization"] == (
-        "Bearer rotated-token")
+        "Bearer rotated-token"
+    )
     assert "sa-token-from-file" not in caplog.text and "rotated-token" not in caplog.text
 
 
 def test_wait_running_then_succeeded(fake: FakeKfpApi, package: Path) -> None:
     fake.run_states = ["RUNNING", "RUNNING", "SUCCEEDED"]
-    run = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, wait=True,
-                          poll_s=0.01, timeout_s=10)
+    run = submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "x"}, wait=True, poll_s=0.01, timeout_s=10
+    )
     assert run.state == "SUCCEEDED" and run.error is None
     assert not run_failed(run)
     assert len(fake.requests_to("GET", f"/runs/{run.run_id}")) == 3
 
 
-def test_wait_running_then_failed(fake: FakeKfpApi, package: Path,
-                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_wait_running_then_failed(
+    fake: FakeKfpApi, package: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     fake.run_states = ["PENDING", "RUNNING", "FAILED"]
     fake.run_error = "task train failed: exit code 1"
-    run = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, wait=True,
-                          poll_s=0.01)
+    run = submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "x"}, wait=True, poll_s=0.01
+    )
     assert run.state == "FAILED"
     assert run.error == "task train failed: exit code 1"
     assert run_failed(run)
@@ -176,8 +203,9 @@ def test_wait_running_then_failed(fake: FakeKfpApi, package: Path,
 
 def test_wait_canceled_is_final(fake: FakeKfpApi, package: Path) -> None:
     fake.run_states = ["RUNNING", "CANCELING", "CANCELED"]
-    run = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, wait=True,
-                          poll_s=0.01, timeout_s=10)
+    run = submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "x"}, wait=True, poll_s=0.01, timeout_s=10
+    )
     assert run.state == "CANCELED" and run_failed(run)
 
 
@@ -185,8 +213,14 @@ def test_wait_timeout_says_still_running_with_url(fake: FakeKfpApi, package: Pat
     fake.run_states = ["RUNNING"]
     start = time.monotonic()
     with pytest.raises(CrosskdError, match="still running") as caught:
-        submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, wait=True,
-                        poll_s=0.01, timeout_s=0.1)
+        submit_pipeline(
+            str(package),
+            host=fake.host,
+            arguments={"name": "x"},
+            wait=True,
+            poll_s=0.01,
+            timeout_s=0.1,
+        )
     assert time.monotonic() - start < 2
     (run_id,) = fake.runs
     assert f"{fake.host}/#/runs/details/{run_id}" in str(caught.value)
@@ -196,15 +230,22 @@ def test_wait_timeout_says_still_running_with_url(fake: FakeKfpApi, package: Pat
 def test_wait_retries_transient_errors_but_not_403(fake: FakeKfpApi, package: Path) -> None:
     fake.run_states = ["RUNNING", "SUCCEEDED"]
     fake.fail("GET", "/runs/*", 503, times=2)
-    run = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, wait=True,
-                          poll_s=0.01, timeout_s=10)
+    run = submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "x"}, wait=True, poll_s=0.01, timeout_s=10
+    )
     assert run.state == "SUCCEEDED"
 
     fake.run_states = ["RUNNING"]
     fake.fail("GET", "/runs/*", 403, "token expired", times=1)
     with pytest.raises(CrosskdError, match=r"403 Forbidden on get run") as caught:
-        submit_pipeline(str(package), host=fake.host, arguments={"name": "x"}, wait=True,
-                        poll_s=0.01, timeout_s=10)
+        submit_pipeline(
+            str(package),
+            host=fake.host,
+            arguments={"name": "x"},
+            wait=True,
+            poll_s=0.01,
+            timeout_s=10,
+        )
     assert "keeps going: http://" in str(caught.value)
 
 
@@ -222,20 +263,32 @@ def test_missing_required_argument_refused(fake: FakeKfpApi, package: Path) -> N
     assert fake.requests == []
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("steps", "fifty"), ("steps", "2.5"), ("steps", True), ("flag", "maybe"), ("flag", 1),
-    ("layers", "3,4"), ("lr", "fast"), ("lr", "nan"), ("name", 5),
-])
-def test_wrong_typed_value_refused(fake: FakeKfpApi, package: Path, key: str,
-                                   value: object) -> None:
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("steps", "fifty"),
+        ("steps", "2.5"),
+        ("steps", True),
+        ("flag", "maybe"),
+        ("flag", 1),
+        ("layers", "3,4"),
+        ("lr", "fast"),
+        ("lr", "nan"),
+        ("name", 5),
+    ],
+)
+def test_wrong_typed_value_refused(
+    fake: FakeKfpApi, package: Path, key: str, value: object
+) -> None:
     with pytest.raises(ConfigError, match=f"pipeline argument {key}="):
         submit_pipeline(str(package), host=fake.host, arguments={"name": "x", key: value})
     assert fake.requests == []
 
 
 def test_native_values_pass_and_none_keeps_default(fake: FakeKfpApi, package: Path) -> None:
-    submit_pipeline(str(package), host=fake.host,
-                    arguments={"name": "yes", "steps": 7, "lr": 2, "flag": None})
+    submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "yes", "steps": 7, "lr": 2, "flag": None}
+    )
     (created,) = fake.requests_to("POST", "/runs")
     # A STRING parameter is never read as YAML ("yes" stays a string); an int for a double
     # becomes a float; None leaves the compiled default.
@@ -260,8 +313,12 @@ def test_bad_package_refused(fake: FakeKfpApi, tmp_path: Path, what: str) -> Non
     assert fake.requests == []
 
 
-def test_403_on_run_creation(fake: FakeKfpApi, package: Path, monkeypatch: pytest.MonkeyPatch,
-                             caplog: pytest.LogCaptureFixture) -> None:
+def test_403_on_run_creation(
+    fake: FakeKfpApi,
+    package: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     monkeypatch.setenv("KFP_TOKEN", TOKEN)
     fake.fail("POST", "/runs", 403, "RBAC: access denied")
     with pytest.raises(CrosskdError) as caught:
@@ -275,8 +332,9 @@ def test_403_on_run_creation(fake: FakeKfpApi, package: Path, monkeypatch: pytes
     assert fake.runs == {}
 
 
-def test_health_check_refused(fake: FakeKfpApi, package: Path,
-                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_health_check_refused(
+    fake: FakeKfpApi, package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # kfp.Client retries its construction-time health check 5 times, 5 s apart (not skipped here).
     import kfp.client.client as kfp_client_module
 
@@ -303,15 +361,17 @@ def test_bad_host_refused(package: Path) -> None:
 
 
 def test_experiment_created_when_absent_then_reused(fake: FakeKfpApi, package: Path) -> None:
-    first = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"},
-                            experiment="distill")
+    first = submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "x"}, experiment="distill"
+    )
     assert [e["display_name"] for e in fake.experiments.values()] == ["distill"]
     assert len(fake.requests_to("POST", "/experiments")) == 1
     (listed,) = fake.requests_to("GET", "/experiments")
     assert '"stringValue": "distill"' in listed.query["filter"][0]
 
-    second = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"},
-                             experiment="distill")
+    second = submit_pipeline(
+        str(package), host=fake.host, arguments={"name": "x"}, experiment="distill"
+    )
     assert second.experiment_id == first.experiment_id
     assert len(fake.requests_to("POST", "/experiments")) == 1
     assert len(fake.runs) == 2
@@ -327,8 +387,9 @@ def test_existing_experiment_used(fake: FakeKfpApi, package: Path) -> None:
 def test_namespace_passed_through(package: Path) -> None:
     with FakeKfpApi(multi_user=True) as fake:
         other = fake.add_experiment("crosskd", namespace="team-b")
-        run = submit_pipeline(str(package), host=fake.host, arguments={"name": "x"},
-                              namespace="team-a")
+        run = submit_pipeline(
+            str(package), host=fake.host, arguments={"name": "x"}, namespace="team-a"
+        )
         (listed,) = fake.requests_to("GET", "/experiments")
         assert listed.query["namespace"] == ["team-a"]
         (created_exp,) = fake.requests_to("POST", "/experiments")
@@ -344,6 +405,8 @@ def test_import_does_not_need_kfp() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['kfp'] = None; sys.modules['kfp_server_api'] = None; "
-            "import crosskd.pipeline.submit")
+    code = (
+        "import sys; sys.modules['kfp'] = None; sys.modules['kfp_server_api'] = None; "
+        "import crosskd.pipeline.submit"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

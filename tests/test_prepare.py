@@ -18,13 +18,16 @@ from crosskd.errors import DataError
 
 ROWS = [
     {"id": "t1", "text": "Hello world. crosskd aligns 12345 tokens 👍🏽 across café e\u0301."},
-    {"id": "c1", "messages": [
-        {"role": "user", "content": "Name a colour. <|im_end|>"},
-        {"role": "assistant", "content": "<think>Pick one.</think>Blue."},
-    ]},
+    {
+        "id": "c1",
+        "messages": [
+            {"role": "user", "content": "Name a colour. <|im_end|>"},
+            {"role": "assistant", "content": "<think>Pick one.</think>Blue."},
+        ],
+    },
     {"id": "t2", "text": "Short."},
     {"id": "t3", "text": "def f(x):\n    return x  # 日本語\r\n"},
-]  # fmt: skip
+]
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -36,9 +39,11 @@ def _config(tmp_path: Path, rows=ROWS, **kwargs) -> PrepareConfig:
     data = _write_jsonl(tmp_path / "data.jsonl", rows)
     settings = {"output": str(tmp_path / "out"), "max_length": 96, **kwargs}
     return PrepareConfig(
-        data=data, student_tokenizer="zoo:llama3",
-        teacher_tokenizers=["zoo:qwen3", "zoo:smollm2"], **settings,
-    )  # fmt: skip
+        data=data,
+        student_tokenizer="zoo:llama3",
+        teacher_tokenizers=["zoo:qwen3", "zoo:smollm2"],
+        **settings,
+    )
 
 
 @pytest.fixture
@@ -55,8 +60,10 @@ def test_prepare_and_collate_round_trip(tmp_path, zoo_env, zoo):
     assert manifest["format_version"] == 2
     assert [m.get("same_tokenizer") for m in manifest["models"]] == [None, False, False]
     assert list(manifest["chunk_shapes"]) == ["teacher0", "teacher1"]
-    prepared = load_prepared(str(tmp_path / "out"), fingerprints={
-        "student": zoo("llama3").fingerprint, "teacher0": zoo("qwen3").fingerprint})  # fmt: skip
+    prepared = load_prepared(
+        str(tmp_path / "out"),
+        fingerprints={"student": zoo("llama3").fingerprint, "teacher0": zoo("qwen3").fingerprint},
+    )
     rows = list(prepared.packed_rows())
     assert sorted(s["sample_id"] for row in rows for s in row) == ["c1", "t1", "t2", "t3"]
     assert len(rows) == manifest["packing"]["bins"]
@@ -68,7 +75,7 @@ def test_prepare_and_collate_round_trip(tmp_path, zoo_env, zoo):
     for r, row in enumerate(rows):
         ids = np.concatenate([s["student_ids"] for s in row])
         assert student.input_ids[r, : len(ids)].tolist() == ids.tolist()
-        assert (student.segment_ids[r, len(ids):] == -1).all()
+        assert (student.segment_ids[r, len(ids) :] == -1).all()
         starts = np.flatnonzero(student.position_ids[r, : len(ids)].numpy() == 0)
         lengths = [len(s["student_ids"]) for s in row]
         assert starts.tolist() == np.cumsum([0, *lengths])[:-1].tolist()
@@ -109,8 +116,17 @@ def test_cli_prepare_with_config_file_and_overrides(tmp_path, zoo_env, capsys):
     (tmp_path / "prepare.yaml").write_text(
         f"data: {config.data}\nstudent_tokenizer: zoo:llama3\nteacher_tokenizers: [zoo:qwen3]\n"
     )
-    status = main(["prepare", "--config", str(tmp_path / "prepare.yaml"),
-                   "--output", str(tmp_path / "cli"), "max_length=64", "pack=false"])  # fmt: skip
+    status = main(
+        [
+            "prepare",
+            "--config",
+            str(tmp_path / "prepare.yaml"),
+            "--output",
+            str(tmp_path / "cli"),
+            "max_length=64",
+            "pack=false",
+        ]
+    )
     assert status == 0
     out = capsys.readouterr().out
     assert out.startswith("prepared 4 rows (0 clipped) into 4 packed rows")
@@ -159,10 +175,21 @@ def test_consumers_refuse_foreign_or_damaged_data(tmp_path, zoo_env, zoo):
 
 def test_long_conversations_keep_whole_turns_then_clip_the_answer(tmp_path, zoo_env):
     turn = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "Sure. " * 6}]
-    long_tail = {"id": "turns", "messages": [*turn, {"role": "user", "content": "More?"},
-                                             {"role": "assistant", "content": "word " * 200}]}
-    huge = {"id": "huge", "messages": [{"role": "user", "content": "Go."},
-                                       {"role": "assistant", "content": "go " * 300}]}
+    long_tail = {
+        "id": "turns",
+        "messages": [
+            *turn,
+            {"role": "user", "content": "More?"},
+            {"role": "assistant", "content": "word " * 200},
+        ],
+    }
+    huge = {
+        "id": "huge",
+        "messages": [
+            {"role": "user", "content": "Go."},
+            {"role": "assistant", "content": "go " * 300},
+        ],
+    }
     config = _config(tmp_path, rows=[long_tail, huge], max_length=80, pack=False)
     config.teacher_tokenizers = ["zoo:qwen3"]
     manifest = prepare(config, progress=False)
@@ -170,7 +197,8 @@ def test_long_conversations_keep_whole_turns_then_clip_the_answer(tmp_path, zoo_
     assert manifest["content_stripped"] is True  # Llama-3's template trims message content
     rows = {r[0]["sample_id"]: r[0] for r in load_prepared(config.output).packed_rows()}
     assert json.loads(rows["turns"]["messages"]) == [
-        turn[0], {**turn[1], "content": turn[1]["content"].strip()}
+        turn[0],
+        {**turn[1], "content": turn[1]["content"].strip()},
     ]
     answer = json.loads(rows["huge"]["messages"])[-1]["content"]
     assert 0 < len(answer) < len("go " * 300) and ("go " * 300).startswith(answer)
@@ -182,8 +210,10 @@ def test_long_conversations_keep_whole_turns_then_clip_the_answer(tmp_path, zoo_
     from crosskd.alignment import render
     from crosskd.tokenization import load_tokenizer
 
-    lengths = [len(render(load_tokenizer(t), grown, sample_id="huge").tokens)
-               for t in ("zoo:llama3", "zoo:qwen3")]  # fmt: skip
+    lengths = [
+        len(render(load_tokenizer(t), grown, sample_id="huge").tokens)
+        for t in ("zoo:llama3", "zoo:qwen3")
+    ]
     assert max(lengths) > 80  # one more character would not fit: the clip is maximal
 
 
@@ -201,10 +231,13 @@ def test_shards_read_together_as_one_dataset(tmp_path, zoo_env):
 
 
 def test_long_reasoning_is_clipped_after_the_answer(tmp_path, zoo_env):
-    row = {"id": "r", "messages": [
-        {"role": "user", "content": "Think."},
-        {"role": "assistant", "content": "Done.", "reasoning_content": "step " * 300},
-    ]}  # fmt: skip
+    row = {
+        "id": "r",
+        "messages": [
+            {"role": "user", "content": "Think."},
+            {"role": "assistant", "content": "Done.", "reasoning_content": "step " * 300},
+        ],
+    }
     config = _config(tmp_path, rows=[row], max_length=96)
     config.teacher_tokenizers = ["zoo:qwen3"]
     prepare(config, progress=False)
@@ -214,8 +247,9 @@ def test_long_reasoning_is_clipped_after_the_answer(tmp_path, zoo_env):
     assert 0 < len(kept["reasoning_content"]) < len(("step " * 300).strip())
     assert len(sample["student_ids"]) <= 96 and len(sample["teacher0_ids"]) <= 96
     eot = 128009
-    assert eot not in [i for i, m in zip(sample["student_ids"], sample["student_loss_mask"],
-                                         strict=True) if m]  # fmt: skip
+    assert eot not in [
+        i for i, m in zip(sample["student_ids"], sample["student_loss_mask"], strict=True) if m
+    ]
 
 
 def test_flags_win_over_the_config_file(tmp_path, zoo_env):
@@ -224,10 +258,23 @@ def test_flags_win_over_the_config_file(tmp_path, zoo_env):
         f"data: {config.data}\nstudent_tokenizer: zoo:llama3\nteacher_tokenizers: [zoo:qwen3]\n"
         f"output: {tmp_path / 'from-file'}\nmax_length: 4096\n"
     )
-    assert main(["prepare", "--config", str(tmp_path / "c.yaml"), "--output",
-                 str(tmp_path / "from-flag"), "--max-length", "100"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "prepare",
+                "--config",
+                str(tmp_path / "c.yaml"),
+                "--output",
+                str(tmp_path / "from-flag"),
+                "--max-length",
+                "100",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "from-flag" / "manifest.json").read_text())
     assert manifest["config"]["max_length"] == 100
     assert not (tmp_path / "from-file").exists()
-    assert main(["prepare", "--config", str(tmp_path / "c.yaml"),
-                 "teacher_tokenizers=zoo:qwen3"]) == 2  # fmt: skip
+    assert (
+        main(["prepare", "--config", str(tmp_path / "c.yaml"), "teacher_tokenizers=zoo:qwen3"]) == 2
+    )

@@ -10,8 +10,12 @@ from crosskd.cli import main
 from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.errors import ConfigError
 
-BASE = {"data": "rows.jsonl", "student_tokenizer": "zoo:no-such-student",
-        "teacher_tokenizers": ["zoo:no-such-teacher"], "output": "out"}  # fmt: skip
+BASE = {
+    "data": "rows.jsonl",
+    "student_tokenizer": "zoo:no-such-student",
+    "teacher_tokenizers": ["zoo:no-such-teacher"],
+    "output": "out",
+}
 
 BAD = [
     # integer counts >= 1
@@ -77,8 +81,15 @@ def test_prepare_checks_again_before_loading_a_tokenizer(tmp_path):
 
 
 def test_good_values_pass():
-    config = PrepareConfig(**BASE, teacher_max_length=4096, pack=False, id_column=None,
-                           included_regions=["answer"], drop_first_chunk=True, shard_rows=1)
+    config = PrepareConfig(
+        **BASE,
+        teacher_max_length=4096,
+        pack=False,
+        id_column=None,
+        included_regions=["answer"],
+        drop_first_chunk=True,
+        shard_rows=1,
+    )
     assert config.max_length == 2048
 
 
@@ -98,9 +109,18 @@ CLI = [
 
 @pytest.mark.parametrize(("extra", "message"), CLI, ids=[" ".join(e) for e, _ in CLI])
 def test_cli_prints_one_line_and_returns_2(tmp_path, capsys, extra, message):
-    argv = ["prepare", "--data", "rows.jsonl", "--student-tokenizer", "zoo:no-such-student",
-            "--teacher-tokenizer", "zoo:no-such-teacher", "--output", str(tmp_path / "out"),
-            *extra]  # fmt: skip
+    argv = [
+        "prepare",
+        "--data",
+        "rows.jsonl",
+        "--student-tokenizer",
+        "zoo:no-such-student",
+        "--teacher-tokenizer",
+        "zoo:no-such-teacher",
+        "--output",
+        str(tmp_path / "out"),
+        *extra,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("crosskd: error: ")

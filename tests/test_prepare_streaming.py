@@ -26,8 +26,13 @@ from crosskd.errors import CrosskdError, DataError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 ROWS = [{"id": f"r{i}", "text": " ".join(WORDS[: 2 + (7 * i) % 9]) + f" {i}."} for i in range(10)]
-ROWS[4] = {"id": "r4", "messages": [{"role": "user", "content": "Say hi."},
-                                    {"role": "assistant", "content": "Hi there."}]}  # fmt: skip
+ROWS[4] = {
+    "id": "r4",
+    "messages": [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "Hi there."},
+    ],
+}
 
 
 def _jsonl(path: Path, rows: list[dict]) -> str:
@@ -37,14 +42,21 @@ def _jsonl(path: Path, rows: list[dict]) -> str:
 
 def _config(data: str, output: Path, **kwargs) -> PrepareConfig:
     settings = {"max_length": 48, "shard_rows": 3, **kwargs}
-    return PrepareConfig(data=data, student_tokenizer="zoo:llama3",
-                         teacher_tokenizers=["zoo:qwen3"], output=str(output), **settings)
+    return PrepareConfig(
+        data=data,
+        student_tokenizer="zoo:llama3",
+        teacher_tokenizers=["zoo:qwen3"],
+        output=str(output),
+        **settings,
+    )
 
 
 def _files(output: Path) -> dict[str, str]:
     """sha256 of every shard."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(output.glob("part-*.parquet"))}  # fmt: skip
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(output.glob("part-*.parquet"))
+    }
 
 
 def _comparable(manifest: dict) -> dict:
@@ -86,12 +98,14 @@ def test_one_shard_per_window_packed_on_its_own(reference):
         assert sorted({s["bin"] for s in samples}) == list(range(len(bins)))
         assert shard["bins"][1] - shard["bins"][0] == len(bins)
         assert [s["sample_id"] for s in samples] == [
-            samples[by_input[i]]["sample_id"] for b in bins for i in b.tolist()]
+            samples[by_input[i]]["sample_id"] for b in bins for i in b.tolist()
+        ]
     assert sorted(seen) == sorted(r["id"] for r in ROWS)
     tokens = sum(len(s["student_ids"]) for w in range(4) for s in data.shard_samples(w))
     assert manifest["models"][0]["tokens"] == tokens
     assert manifest["packing"]["efficiency"]["student"] == pytest.approx(
-        tokens / (48 * manifest["packing"]["bins"]))
+        tokens / (48 * manifest["packing"]["bins"])
+    )
     assert manifest["rows"] == 10 and manifest["clipped_rows"] == 0
 
 
@@ -124,8 +138,11 @@ def test_splits_merge_to_what_one_process_writes(reference, tmp_path, zoo_env, c
     out = tmp_path / "split"
     assert prepare(_config(data, out, split_index=1, split_count=2), progress=False) is None
     assert sorted(_files(out)) == ["part-000001.parquet", "part-000003.parquet"]
-    with pytest.raises(DataError, match=r"2 input window\(s\) have no shard yet \(0, 2\); run "
-                       r"the split\(s\) that own them \(with split_count=2: split_index 0\)"):
+    with pytest.raises(
+        DataError,
+        match=r"2 input window\(s\) have no shard yet \(0, 2\); run "
+        r"the split\(s\) that own them \(with split_count=2: split_index 0\)",
+    ):
         merge_prepared(str(out))
     assert main(["prepare-merge", str(out)]) == 2
     assert "have no shard yet" in capsys.readouterr().err
@@ -140,33 +157,52 @@ def test_changed_input_or_settings_are_refused_on_resume(tmp_path, zoo_env):
     data = _jsonl(tmp_path / "data.jsonl", ROWS)
     out = tmp_path / "out"
     prepare(_config(data, out, split_index=0, split_count=2), progress=False)
-    with pytest.raises(CrosskdError, match=r"holds prepared data \(or an interrupted run\) with "
-                       r"another config"):
+    with pytest.raises(
+        CrosskdError,
+        match=r"holds prepared data \(or an interrupted run\) with "
+        r"another config",
+    ):
         prepare(_config(data, out, max_length=64), progress=False)
     edited = [dict(ROWS[0], text="edited."), *ROWS[1:]]
     _jsonl(tmp_path / "data.jsonl", edited)
-    with pytest.raises(DataError, match=r"part-000000.parquet was prepared from other input "
-                       r"rows than window 0"):
+    with pytest.raises(
+        DataError,
+        match=r"part-000000.parquet was prepared from other input "
+        r"rows than window 0",
+    ):
         prepare(_config(data, out), progress=False)
 
 
 def test_a_repeated_id_across_windows_names_both_lines(tmp_path, zoo_env):
     rows = [*ROWS[:5], {"id": "r1", "text": "again"}]
     data = _jsonl(tmp_path / "data.jsonl", rows)
-    with pytest.raises(DataError, match=r"data.jsonl line 6: sample id 'r1' was already used by "
-                       r".*data.jsonl line 2; .*make the 'id' column unique"):
+    with pytest.raises(
+        DataError,
+        match=r"data.jsonl line 6: sample id 'r1' was already used by "
+        r".*data.jsonl line 2; .*make the 'id' column unique",
+    ):
         prepare(_config(data, tmp_path / "out"), progress=False)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_bad_split_settings_are_refused():
-    with pytest.raises(CrosskdError, match=r"split_index is 2; it must be an integer from 0 to "
-                       r"split_count - 1 \(1\)"):
-        PrepareConfig(data="d", student_tokenizer="s", teacher_tokenizers=["t"], output="o",
-                      split_index=2, split_count=2)  # fmt: skip
+    with pytest.raises(
+        CrosskdError,
+        match=r"split_index is 2; it must be an integer from 0 to "
+        r"split_count - 1 \(1\)",
+    ):
+        PrepareConfig(
+            data="d",
+            student_tokenizer="s",
+            teacher_tokenizers=["t"],
+            output="o",
+            split_index=2,
+            split_count=2,
+        )
     with pytest.raises(CrosskdError, match=r"split_count is 0"):
-        PrepareConfig(data="d", student_tokenizer="s", teacher_tokenizers=["t"], output="o",
-                      split_count=0)  # fmt: skip
+        PrepareConfig(
+            data="d", student_tokenizer="s", teacher_tokenizers=["t"], output="o", split_count=0
+        )
 
 
 def test_shards_are_parquet_with_the_window_rows(reference):
@@ -178,16 +214,33 @@ def test_shards_are_parquet_with_the_window_rows(reference):
 def test_a_killed_process_resumes_to_the_same_bytes(tmp_path, zoo_cache):
     """`crosskd prepare` killed with SIGKILL part way (a real process), then run again: the
     same shards and manifest as a run that was never killed."""
-    rows = [{"id": f"k{i}", "text": f"{r.get('text', 'Hi there.')} {i}"}
-            for i, r in enumerate(ROWS * 20)]  # fmt: skip
+    rows = [
+        {"id": f"k{i}", "text": f"{r.get('text', 'Hi there.')} {i}"}
+        for i, r in enumerate(ROWS * 20)
+    ]
     data = _jsonl(tmp_path / "data.jsonl", rows)
     out, whole = tmp_path / "killed", tmp_path / "whole"
-    command = [sys.executable, "-m", "crosskd.cli", "prepare", "--data", data, "--output",
-               str(out), "--student-tokenizer", "zoo:llama3", "--teacher-tokenizer",
-               "zoo:qwen3", "--max-length", "48", "shard_rows=2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "crosskd.cli",
+        "prepare",
+        "--data",
+        data,
+        "--output",
+        str(out),
+        "--student-tokenizer",
+        "zoo:llama3",
+        "--teacher-tokenizer",
+        "zoo:qwen3",
+        "--max-length",
+        "48",
+        "shard_rows=2",
+    ]
     env = {**os.environ, "CROSSKD_CACHE_DIR": str(zoo_cache), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)  # fmt: skip
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     records = out / "_prepare" / "shards"
     deadline = time.monotonic() + 120
     while process.poll() is None and len(list(records.glob("*.json"))) < 5:

@@ -56,8 +56,10 @@ SCRAPE_INTERVAL = 0.25
 def _prometheus_binary() -> str:
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.fail("prometheus is not installed: install Debian's prometheus package "
-                    "(apt-get install prometheus; .ci/run does it)")  # fmt: skip
+        pytest.fail(
+            "prometheus is not installed: install Debian's prometheus package "
+            "(apt-get install prometheus; .ci/run does it)"
+        )
     return binary
 
 
@@ -72,14 +74,19 @@ def _selects(monitor: dict, pod_labels: dict[str, str]) -> bool:
         return False
     for expression in selector.get("matchExpressions", []):
         value, values = pod_labels.get(expression["key"]), expression.get("values", [])
-        if {"In": value in values, "NotIn": value not in values, "Exists": value is not None,
-                "DoesNotExist": value is None}[expression["operator"]] is False:  # fmt: skip
+        if {
+            "In": value in values,
+            "NotIn": value not in values,
+            "Exists": value is not None,
+            "DoesNotExist": value is None,
+        }[expression["operator"]] is False:
             return False
     return True
 
 
-def _target_labels(pod_labels: dict[str, str], pod: str, container: str,
-                   port: str | None) -> dict[str, str]:  # fmt: skip
+def _target_labels(
+    pod_labels: dict[str, str], pod: str, container: str, port: str | None
+) -> dict[str, str]:
     """The target labels prometheus-operator gives one discovered target (a pod's container,
     and its declared ``port`` name, if any) under the one PodMonitor that selects the pod:
     ``job`` from ``jobLabel``, namespace, pod, container, ``endpoint`` from the endpoint's
@@ -89,15 +96,22 @@ def _target_labels(pod_labels: dict[str, str], pod: str, container: str,
     assert len(chosen) == 1, f"{len(chosen)} PodMonitors select a pod labelled {pod_labels}"
     spec = chosen[0]["spec"]
     (endpoint,) = spec["podMetricsEndpoints"]
-    discovered = {"__address__": "10.0.0.5", "__meta_kubernetes_pod_ip": "10.0.0.5",
-                  "__meta_kubernetes_pod_container_name": container,
-                  "__meta_kubernetes_pod_container_init": "false"}  # fmt: skip
+    discovered = {
+        "__address__": "10.0.0.5",
+        "__meta_kubernetes_pod_ip": "10.0.0.5",
+        "__meta_kubernetes_pod_container_name": container,
+        "__meta_kubernetes_pod_container_init": "false",
+    }
     if port is not None:
         discovered["__meta_kubernetes_pod_container_port_name"] = port
     kept = relabel(discovered, endpoint.get("relabelings", []))
     assert kept is not None, f"{chosen[0]['metadata']['name']} drops {discovered}"
-    labels = {"namespace": NAMESPACE, "pod": pod, "container": container,
-              "endpoint": kept["endpoint"]}  # fmt: skip
+    labels = {
+        "namespace": NAMESPACE,
+        "pod": pod,
+        "container": container,
+        "endpoint": kept["endpoint"],
+    }
     labels["job"] = pod_labels[spec["jobLabel"]]
     for name in spec.get("podTargetLabels", []):
         if name in pod_labels:
@@ -108,8 +122,9 @@ def _target_labels(pod_labels: dict[str, str], pod: str, container: str,
 def _training_pod_labels() -> tuple[dict[str, str], list[str]]:
     """The Master pod's labels (the PyTorchJob's template plus the operator's) and the named
     ports of its container."""
-    job = job_manifest(JobConfig(run_id="tiny", image="crosskd:test", name=TRAIN_JOB,
-                                 cpu_procs_per_node=2))  # fmt: skip
+    job = job_manifest(
+        JobConfig(run_id="tiny", image="crosskd:test", name=TRAIN_JOB, cpu_procs_per_node=2)
+    )
     template = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     labels = dict(template["metadata"]["labels"]) | {
         "training.kubeflow.org/operator-name": "pytorchjob-controller",
@@ -118,8 +133,11 @@ def _training_pod_labels() -> tuple[dict[str, str], list[str]]:
         "training.kubeflow.org/replica-index": "0",
         "training.kubeflow.org/job-role": "master",
     }
-    ports = [p["name"] for p in template["spec"]["containers"][0]["ports"]
-             if p["name"].startswith("metrics-")]  # fmt: skip
+    ports = [
+        p["name"]
+        for p in template["spec"]["containers"][0]["ports"]
+        if p["name"].startswith("metrics-")
+    ]
     return labels, ports
 
 
@@ -138,20 +156,28 @@ class _Prometheus:
 
     def __init__(self, folder: Path, scrape_configs: list[dict]) -> None:
         self.port = free_port()
-        config = {"global": {"scrape_interval": f"{SCRAPE_INTERVAL * 1000:.0f}ms",
-                             # As long as Prometheus allows: on 2 busy cores a rank in
-                             # the middle of a step can take more than 200 ms to answer.
-                             "scrape_timeout": f"{SCRAPE_INTERVAL * 1000:.0f}ms",
-                             "evaluation_interval": "1s"},
-                  "scrape_configs": scrape_configs}  # fmt: skip
+        config = {
+            "global": {
+                "scrape_interval": f"{SCRAPE_INTERVAL * 1000:.0f}ms",
+                # As long as Prometheus allows: on 2 busy cores a rank in
+                # the middle of a step can take more than 200 ms to answer.
+                "scrape_timeout": f"{SCRAPE_INTERVAL * 1000:.0f}ms",
+                "evaluation_interval": "1s",
+            },
+            "scrape_configs": scrape_configs,
+        }
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = (folder / "prometheus.log").open("w")
         self.process = subprocess.Popen(
-            [_prometheus_binary(), f"--config.file={folder / 'prometheus.yml'}",
-             f"--storage.tsdb.path={folder / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                _prometheus_binary(),
+                f"--config.file={folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={folder / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -160,8 +186,10 @@ class _Prometheus:
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    pytest.fail("prometheus did not start: "
-                                f"{(folder / 'prometheus.log').read_text()[-2000:]}")
+                    pytest.fail(
+                        "prometheus did not start: "
+                        f"{(folder / 'prometheus.log').read_text()[-2000:]}"
+                    )
                 time.sleep(0.2)
 
     @property
@@ -177,8 +205,13 @@ class _Prometheus:
 
     def series(self, expr: str, start: float, end: float) -> list[dict]:
         """The range query's series over ``start .. end``, one point per scrape interval."""
-        return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}",
-                        step=str(SCRAPE_INTERVAL))["result"]  # fmt: skip
+        return self.api(
+            "query_range",
+            query=expr,
+            start=f"{start:.3f}",
+            end=f"{end:.3f}",
+            step=str(SCRAPE_INTERVAL),
+        )["result"]
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -197,15 +230,22 @@ def _fake_gpu_exporter(pod: str) -> tuple[int, object]:
     ``label_training_kubeflow_org_job_name``), served for the training pod."""
     registry = CollectorRegistry()
     gpu = ["gpu", "UUID", "modelName", "Hostname", "namespace", "pod", "container"]
-    for name, value in (("DCGM_FI_DEV_GPU_UTIL", 87.0), ("DCGM_FI_DEV_FB_USED", 40960.0),
-                        ("DCGM_FI_DEV_POWER_USAGE", 512.5)):  # fmt: skip
+    for name, value in (
+        ("DCGM_FI_DEV_GPU_UTIL", 87.0),
+        ("DCGM_FI_DEV_FB_USED", 40960.0),
+        ("DCGM_FI_DEV_POWER_USAGE", 512.5),
+    ):
         metric = Gauge(name, f"fake {name}", gpu, registry=registry)
         for index in range(2):
-            metric.labels(str(index), f"GPU-{index}", "NVIDIA H100", "node-1", NAMESPACE, pod,
-                          "pytorch").set(value + index)  # fmt: skip
-    kube = Gauge("kube_pod_labels", "fake kube-state-metrics pod labels",
-                 ["namespace", "pod", "uid", "label_training_kubeflow_org_job_name"],
-                 registry=registry)  # fmt: skip
+            metric.labels(
+                str(index), f"GPU-{index}", "NVIDIA H100", "node-1", NAMESPACE, pod, "pytorch"
+            ).set(value + index)
+    kube = Gauge(
+        "kube_pod_labels",
+        "fake kube-state-metrics pod labels",
+        ["namespace", "pod", "uid", "label_training_kubeflow_org_job_name"],
+        registry=registry,
+    )
     kube.labels(NAMESPACE, pod, "0f0f", TRAIN_JOB).set(1)
     server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
     return server.server_port, server
@@ -225,8 +265,7 @@ def scraped(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prometheus")
     train_labels, train_ports = _training_pod_labels()
     assert train_ports[:2] == ["metrics-0", "metrics-1"]
-    step_monitor = next(m for m in _podmonitors().values()
-                        if not _selects(m, train_labels))  # fmt: skip
+    step_monitor = next(m for m in _podmonitors().values() if not _selects(m, train_labels))
     job_label = step_monitor["spec"]["jobLabel"]
     step_ports = {"prepare": free_port(), "score-teacher": free_port()}
     base = free_ports(2)
@@ -239,37 +278,70 @@ def scraped(tmp_path_factory):
     ]
     step_targets = {
         # a KFP task pod: Argo's container `main`, no declared port
-        component: _target_labels(_step_pod_labels(component, job_label),
-                                  f"crosskd-distill-x7k2p-{component}-1234", "main", None)
+        component: _target_labels(
+            _step_pod_labels(component, job_label),
+            f"crosskd-distill-x7k2p-{component}-1234",
+            "main",
+            None,
+        )
         for component in ("prepare", "score-teacher")
-    }  # fmt: skip
-    scrape_configs = [
-        {"job_name": name, "static_configs": [{"targets": [f"127.0.0.1:{port}"],
-                                               "labels": labels}]}
-        for name, port, labels in targets
-    ] + [
-        {"job_name": f"step-{component}", "static_configs": [
-            {"targets": [f"127.0.0.1:{step_ports[component]}"], "labels": labels}]}
-        for component, labels in step_targets.items()
-    ] + [{"job_name": "fake-dcgm-and-kube-state-metrics", "honor_labels": True,
-          "static_configs": [{"targets": [f"127.0.0.1:{gpu_port}"]}]}]  # fmt: skip
+    }
+    scrape_configs = (
+        [
+            {
+                "job_name": name,
+                "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": labels}],
+            }
+            for name, port, labels in targets
+        ]
+        + [
+            {
+                "job_name": f"step-{component}",
+                "static_configs": [
+                    {"targets": [f"127.0.0.1:{step_ports[component]}"], "labels": labels}
+                ],
+            }
+            for component, labels in step_targets.items()
+        ]
+        + [
+            {
+                "job_name": "fake-dcgm-and-kube-state-metrics",
+                "honor_labels": True,
+                "static_configs": [{"targets": [f"127.0.0.1:{gpu_port}"]}],
+            }
+        ]
+    )
     prometheus = _Prometheus(folder, scrape_configs)
     start = time.time()
     try:
         train_yaml, heldout = _steps_with_metrics(folder / "run", step_ports)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         trained = subprocess.run(
-            [str(Path(sys.executable).parent / "crosskd"), "train", "--nproc-per-node", "2",
-             "--config", str(train_yaml), f"steps={STEPS}", f"metrics_port={base}",
-             "checkpoint_every=10", "eval_every=20", "metrics_host=127.0.0.1",
-             "metrics_final_scrape_s=20", f"eval_data={heldout}"],
-            env=env, timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                str(Path(sys.executable).parent / "crosskd"),
+                "train",
+                "--nproc-per-node",
+                "2",
+                "--config",
+                str(train_yaml),
+                f"steps={STEPS}",
+                f"metrics_port={base}",
+                "checkpoint_every=10",
+                "eval_every=20",
+                "metrics_host=127.0.0.1",
+                "metrics_final_scrape_s=20",
+                f"eval_data={heldout}",
+            ],
+            env=env,
+            timeout=600,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert trained.returncode == 0, trained.stdout[-3000:]
         end = time.time() + 2
         time.sleep(2)
-        jobs = {"crosskd-training.json": TRAIN_JOB,
-                "crosskd-teacher-scoring.json": RUN_LABEL_VALUE}
+        jobs = {"crosskd-training.json": TRAIN_JOB, "crosskd-teacher-scoring.json": RUN_LABEL_VALUE}
         yield prometheus, start, end, jobs, step_targets
     finally:
         prometheus.stop()
@@ -290,17 +362,23 @@ def _steps_with_metrics(root: Path, ports: dict[str, int]) -> tuple[Path, str]:
     config = load_run_config(None, "tiny", [f"output={root}", "device=cpu"])
     plan = steps.validate_inputs(config)
     tables = checked_tables(plan, progress=False)
-    prepared = steps.prepare_data(plan, max_length=config.max_length, shard_rows=8,
-                                  progress=False)  # fmt: skip
+    prepared = steps.prepare_data(plan, max_length=config.max_length, shard_rows=8, progress=False)
     metrics = PrepareMetrics()
     metrics.serve(ports["prepare"], host="127.0.0.1")
     _wait_scraped(metrics)
-    prepare(PrepareConfig(data=prepared_rows(plan, prepared),
-                          student_tokenizer=model_tokenizer(plan["student"]),
-                          teacher_tokenizers=[model_tokenizer(t["ref"]) for t in plan["teachers"]],
-                          output=str(root / "prepared-again"), max_length=16,
-                          teacher_max_length=32, shard_rows=8),
-            progress=False, on_row=lambda reason: metrics.row("train", reason))  # fmt: skip
+    prepare(
+        PrepareConfig(
+            data=prepared_rows(plan, prepared),
+            student_tokenizer=model_tokenizer(plan["student"]),
+            teacher_tokenizers=[model_tokenizer(t["ref"]) for t in plan["teachers"]],
+            output=str(root / "prepared-again"),
+            max_length=16,
+            teacher_max_length=32,
+            shard_rows=8,
+        ),
+        progress=False,
+        on_row=lambda reason: metrics.row("train", reason),
+    )
     metrics.close(30)
     caches = []
     for job in steps.plan_scoring(plan, prepared, config.scoring(), 1):
@@ -308,15 +386,27 @@ def _steps_with_metrics(root: Path, ports: dict[str, int]) -> tuple[Path, str]:
         scoring = ScoringMetrics(f"teacher{job['teacher']['index']}")
         scoring.serve(ports["score-teacher"], host="127.0.0.1")
         _wait_scraped(scoring)
-        score_shards(ScoreConfig(data=job["data"], teacher=job["teacher"]["ref"], output=uri,
-                                 teacher_index=int(job["teacher"]["index"]), k=config.k,
-                                 token_budget=config.token_budget, device="cpu"),
-                     progress=False, metrics=scoring)  # fmt: skip
+        score_shards(
+            ScoreConfig(
+                data=job["data"],
+                teacher=job["teacher"]["ref"],
+                output=uri,
+                teacher_index=int(job["teacher"]["index"]),
+                k=config.k,
+                token_budget=config.token_budget,
+                device="cpu",
+            ),
+            progress=False,
+            metrics=scoring,
+        )
         scoring.close(30)
         merge_cache(uri)
         caches.append({"index": int(job["teacher"]["index"]), "cache": uri})
-    item = next(i for i in steps.plan_training(config, plan, prepared, tables, caches,
-                                                str(root)) if i["variant"] == "kd")  # fmt: skip
+    item = next(
+        i
+        for i in steps.plan_training(config, plan, prepared, tables, caches, str(root))
+        if i["variant"] == "kd"
+    )
     path = root / "kd-train.yaml"
     path.write_text(yaml.safe_dump(item["train"]))
     return path, prepared["heldout"]
@@ -325,8 +415,9 @@ def _steps_with_metrics(root: Path, ports: dict[str, int]) -> tuple[Path, str]:
 def test_prometheus_scrapes_every_endpoint_with_the_podmonitor_labels(scraped):
     prometheus, start, end, _, step_targets = scraped
     up = prometheus.series('up{app_kubernetes_io_name="crosskd"}', start, end)
-    by_endpoint = {(s["metric"]["app_kubernetes_io_component"], s["metric"]["endpoint"]): s
-                   for s in up}  # fmt: skip
+    by_endpoint = {
+        (s["metric"]["app_kubernetes_io_component"], s["metric"]["endpoint"]): s for s in up
+    }
     assert {("trainer", "metrics-0"), ("trainer", "metrics-1")} <= set(by_endpoint)
     for (component, _), series in by_endpoint.items():
         assert any(v == "1" for _, v in series["values"]), (component, series)
@@ -386,9 +477,12 @@ def test_every_alert_selector_returns_series(scraped):
     prometheus, start, end, _, _ = scraped
     rules = alert_rules()
     assert {r["alert"] for r in rules} == {
-        "CrosskdLossNotFinite", "CrosskdTrainingStalled", "CrosskdTargetDown",
-        "CrosskdKdCollapsed", "CrosskdThroughputHalved",
-    }  # fmt: skip
+        "CrosskdLossNotFinite",
+        "CrosskdTrainingStalled",
+        "CrosskdTargetDown",
+        "CrosskdKdCollapsed",
+        "CrosskdThroughputHalved",
+    }
     for rule in rules:
         selectors = metric_selectors(rule["expr"])
         assert selectors, rule
@@ -401,15 +495,20 @@ def test_a_healthy_run_fires_no_alert(scraped):
     are down before their process serves and after it ends, so ``CrosskdTargetDown`` is read
     while both training ranks serve: then no training target is down."""
     prometheus, start, end, _, _ = scraped
-    serving = [[float(t) for t, v in s["values"] if v == "1"] for s in prometheus.series(
-        'up{app_kubernetes_io_component="trainer"}', start, end)]  # fmt: skip
+    serving = [
+        [float(t) for t, v in s["values"] if v == "1"]
+        for s in prometheus.series('up{app_kubernetes_io_component="trainer"}', start, end)
+    ]
     assert len(serving) == 2 and all(serving), serving
     both = (max(times[0] for times in serving), min(times[-1] for times in serving))
     assert both[0] < both[1]
     for rule in alert_rules():
         if rule["alert"] == "CrosskdTargetDown":
-            fired = [s for s in prometheus.series(rule["expr"], *both)
-                     if s["metric"]["app_kubernetes_io_component"] == "trainer"]  # fmt: skip
+            fired = [
+                s
+                for s in prometheus.series(rule["expr"], *both)
+                if s["metric"]["app_kubernetes_io_component"] == "trainer"
+            ]
         else:
             fired = prometheus.series(rule["expr"], start, end)
         assert not fired, (rule["alert"], fired)
@@ -437,8 +536,11 @@ def test_a_short_step_serves_its_final_values_to_a_scraper(tmp_path):
 
     def scraper() -> None:
         while len(read) < 2:
-            read.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                               timeout=10).read().decode())  # fmt: skip
+            read.append(
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                .read()
+                .decode()
+            )
             time.sleep(0.3)
 
     thread = threading.Thread(target=scraper)

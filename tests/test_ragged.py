@@ -28,8 +28,12 @@ def test_select_gathers_rows_in_order(values, data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 2), max_size=4),
-                          st.lists(st.integers(0, 2), max_size=4)), max_size=10))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 2), max_size=4), st.lists(st.integers(0, 2), max_size=4)),
+        max_size=10,
+    )
+)
 def test_segments_equal_matches_list_equality(pairs):
     a, a_offsets = _csr([p[0] for p in pairs])
     b, b_offsets = _csr([p[1] for p in pairs])

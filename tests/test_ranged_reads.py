@@ -60,9 +60,17 @@ def data_uri(s3, zoo_cache, tmp_path_factory) -> str:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
         mp.setattr(crosskd.data.shards, "ROW_GROUP_SAMPLES", 4)
-        prepare(PrepareConfig(data=str(root / "data.jsonl"), output=str(root / "out"),
-                              student_tokenizer="zoo:llama3", teacher_tokenizers=["zoo:qwen3"],
-                              max_length=48, shard_rows=20), progress=False)  # fmt: skip
+        prepare(
+            PrepareConfig(
+                data=str(root / "data.jsonl"),
+                output=str(root / "out"),
+                student_tokenizer="zoo:llama3",
+                teacher_tokenizers=["zoo:qwen3"],
+                max_length=48,
+                shard_rows=20,
+            ),
+            progress=False,
+        )
     s3.put(str(root / "out") + "/", f"{BUCKET}/data/", recursive=True)
     return f"s3://{BUCKET}/data"
 
@@ -73,14 +81,19 @@ def _groups(payload: bytes, rows: range) -> list[tuple[int, int]]:
     bounds = group_bounds(metadata, footer_record(payload)["footer"]["offset"])
     sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    return [(bounds[g], bounds[g + 1]) for g in range(len(sizes))
-            if starts[g] < rows.stop and rows.start < starts[g + 1]]  # fmt: skip
+    return [
+        (bounds[g], bounds[g + 1])
+        for g in range(len(sizes))
+        if starts[g] < rows.stop and rows.start < starts[g + 1]
+    ]
 
 
 def _old_format(manifest: dict) -> dict:
     """``manifest`` as written before footers were recorded."""
-    return {**manifest, "shards": [{k: v for k, v in s.items() if k != "footer"}
-                                   for s in manifest["shards"]]}  # fmt: skip
+    return {
+        **manifest,
+        "shards": [{k: v for k, v in s.items() if k != "footer"} for s in manifest["shards"]],
+    }
 
 
 def _damage(s3, src: str, dst: str, path: str, at: int) -> None:
@@ -114,8 +127,9 @@ def test_every_packed_row_equals_the_whole_shard_read(s3, data_uri, counting):
     whole = PackedRows(PreparedData(data_uri, _old_format(data.manifest)), node_cache=None)
     sizes = ranged.shard_sizes()
     assert sizes == whole.shard_sizes() and len(sizes) == 2
-    order = np.random.default_rng(0).permutation([(s, i) for s, n in enumerate(sizes)
-                                                  for i in range(n)])  # fmt: skip
+    order = np.random.default_rng(0).permutation(
+        [(s, i) for s, n in enumerate(sizes) for i in range(n)]
+    )
     got = []
     counting.fetched = 0
     for shard, index in order.tolist():
@@ -132,8 +146,13 @@ def test_a_damaged_row_group_is_refused_when_read(s3, data_uri):
     payload = s3.cat_file(f"{BUCKET}/data/{entry['path']}")
     bounds = group_bounds(pq.read_metadata(io.BytesIO(payload)), entry["footer"]["offset"])
     damaged = f"s3://{BUCKET}/damaged-data"
-    _damage(s3, f"{BUCKET}/data", f"{BUCKET}/damaged-data", entry["path"],
-            (bounds[-2] + bounds[-1]) // 2)  # the last row group  # fmt: skip
+    _damage(
+        s3,
+        f"{BUCKET}/data",
+        f"{BUCKET}/damaged-data",
+        entry["path"],
+        (bounds[-2] + bounds[-1]) // 2,
+    )  # the last row group
     rows = PackedRows(PreparedData(damaged, data.manifest), node_cache=None)
     assert rows.row(0, 0) == PackedRows(data, node_cache=None).row(0, 0)  # not read: not seen
     last = rows.shard_sizes()[0] - 1
@@ -150,10 +169,18 @@ def test_a_damaged_footer_and_an_old_damaged_shard_are_refused(s3, data_uri):
     data = load_prepared(data_uri)
     entry = data.manifest["shards"][0]
     damaged = f"s3://{BUCKET}/damaged-footer"
-    _damage(s3, f"{BUCKET}/data", f"{BUCKET}/damaged-footer", entry["path"],
-            entry["footer"]["offset"] + 10)  # fmt: skip
-    with pytest.raises(DataError, match=r"part-000000\.parquet footer \(bytes \d+\.\.\d+\) has "
-                                        r"sha256 \w+, the manifest says"):  # fmt: skip
+    _damage(
+        s3,
+        f"{BUCKET}/data",
+        f"{BUCKET}/damaged-footer",
+        entry["path"],
+        entry["footer"]["offset"] + 10,
+    )
+    with pytest.raises(
+        DataError,
+        match=r"part-000000\.parquet footer \(bytes \d+\.\.\d+\) has "
+        r"sha256 \w+, the manifest says",
+    ):
         PackedRows(PreparedData(damaged, data.manifest), node_cache=None).row(0, 0)
     old = PackedRows(PreparedData(damaged, _old_format(data.manifest)), node_cache=None)
     with pytest.raises(DataError, match=r"part-000000\.parquet has sha256 \w+, the manifest says"):
@@ -173,20 +200,35 @@ def cache(s3) -> TeacherCache:
             for i in range(10):
                 n = int(rng.integers(20, 60))
                 top = np.sort(rng.choice(1000, size=(n, 8)), axis=1).astype(np.int32)
-                samples.append(SampleSignal(
-                    top, rng.normal(size=(n, 8)).astype(np.float32),
-                    rng.normal(size=n - 1).astype(np.float32),
-                    rng.normal(size=n - 1).astype(np.float32),
-                ))  # fmt: skip
+                samples.append(
+                    SampleSignal(
+                        top,
+                        rng.normal(size=(n, 8)).astype(np.float32),
+                        rng.normal(size=n - 1).astype(np.float32),
+                        rng.normal(size=n - 1).astype(np.float32),
+                    )
+                )
                 ids.append(f"s{s}-{i}")
             payload = encode(ids, samples, "lossless")
             path = f"part-{s:06d}.parquet"
             s3.pipe_file(f"{BUCKET}/cache/{path}", payload)
-            shards.append({"path": path, "samples": 10, "bytes": len(payload),
-                           "sha256": hashlib.sha256(payload).hexdigest(),
-                           **footer_record(payload)})  # fmt: skip
-    manifest = {"k": 8, "tau": 1.0, "encoding": "lossless", "shards": shards,
-                "teacher": {"vocab_size": 1000}, "data": {"uri": "s3://somewhere"}}  # fmt: skip
+            shards.append(
+                {
+                    "path": path,
+                    "samples": 10,
+                    "bytes": len(payload),
+                    "sha256": hashlib.sha256(payload).hexdigest(),
+                    **footer_record(payload),
+                }
+            )
+    manifest = {
+        "k": 8,
+        "tau": 1.0,
+        "encoding": "lossless",
+        "shards": shards,
+        "teacher": {"vocab_size": 1000},
+        "data": {"uri": "s3://somewhere"},
+    }
     return TeacherCache(f"s3://{BUCKET}/cache", manifest, node_cache=None)
 
 
@@ -214,15 +256,23 @@ def test_a_damaged_cache_row_group_is_refused_when_read(s3, cache):
     entry = cache.manifest["shards"][0]
     payload = s3.cat_file(f"{BUCKET}/cache/{entry['path']}")
     bounds = group_bounds(pq.read_metadata(io.BytesIO(payload)), entry["footer"]["offset"])
-    _damage(s3, f"{BUCKET}/cache", f"{BUCKET}/damaged-cache", entry["path"],
-            (bounds[0] + bounds[1]) // 2)  # fmt: skip
+    _damage(
+        s3,
+        f"{BUCKET}/cache",
+        f"{BUCKET}/damaged-cache",
+        entry["path"],
+        (bounds[0] + bounds[1]) // 2,
+    )
     damaged = TeacherCache(f"s3://{BUCKET}/damaged-cache", cache.manifest, node_cache=None)
     damaged.signal_at(0, 9, "s0-9")  # the last group: not damaged
-    with pytest.raises(CacheError, match=r"^teacher cache s3://crosskd-test/ranged/damaged-cache: "
-                                         r"part-000000\.parquet row group 0 \(bytes 0\.\.\d+\) "
-                                         r"has sha256 \w+, its footer says \w+; the file changed "
-                                         r"or is damaged\. Delete it and rerun `crosskd score` "
-                                         r"\(completed shards are kept\)\.$"):  # fmt: skip
+    with pytest.raises(
+        CacheError,
+        match=r"^teacher cache s3://crosskd-test/ranged/damaged-cache: "
+        r"part-000000\.parquet row group 0 \(bytes 0\.\.\d+\) "
+        r"has sha256 \w+, its footer says \w+; the file changed "
+        r"or is damaged\. Delete it and rerun `crosskd score` "
+        r"\(completed shards are kept\)\.$",
+    ):
         damaged.signal_at(0, 1, "s0-1")
     old = TeacherCache(f"s3://{BUCKET}/damaged-cache", _old_format(cache.manifest))
     with pytest.raises(CacheError, match=r"part-000000\.parquet has sha256 \w+, the manifest"):
@@ -240,9 +290,13 @@ def test_two_processes_of_a_node_fetch_each_range_once(s3, data_uri, cache, tmp_
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     node = str(tmp_path / "node-cache")
-    workers = [context.Process(target=read_rows, args=(uri, entry["path"], entry["footer"], rows,
-                                                       node, barrier, results))
-               for _ in range(2)]  # fmt: skip
+    workers = [
+        context.Process(
+            target=read_rows,
+            args=(uri, entry["path"], entry["footer"], rows, node, barrier, results),
+        )
+        for _ in range(2)
+    ]
     for worker in workers:
         worker.start()
     got = [results.get(timeout=60) for _ in workers]
@@ -257,8 +311,7 @@ def test_two_processes_of_a_node_fetch_each_range_once(s3, data_uri, cache, tmp_
     assert entry["footer"]["sha256"] in names and all(len(n) == 64 for n in names)
 
 
-def test_the_node_cache_keeps_the_most_recently_used_ranges_within_its_bound(tmp_path,
-                                                                             monkeypatch):
+def test_the_node_cache_keeps_the_most_recently_used_ranges_within_its_bound(tmp_path, monkeypatch):
     """Ranges of 100, 200 and 300 bytes under a bound of 500: each fetched once while kept;
     past the bound the least recently used goes (a hit refreshes a range), and a range that
     went is fetched again. The bound and folder come from the training pod's environment."""

@@ -12,19 +12,27 @@ from crosskd.metrics.report import speed, write_report
 
 
 def test_speed_is_all_tokens_over_all_step_seconds_with_nearest_rank_percentiles():
-    history = [{"step": i + 1, "tokens": 100.0, "seconds": s, "ce": 1.0, "kd": 0.5}
-               for i, s in enumerate([0.5, 0.1, 0.2, 0.4, 0.3])]  # fmt: skip
+    history = [
+        {"step": i + 1, "tokens": 100.0, "seconds": s, "ce": 1.0, "kd": 0.5}
+        for i, s in enumerate([0.5, 0.1, 0.2, 0.4, 0.3])
+    ]
     assert speed(history) == pytest.approx(
-        {"tokens_per_s": 500 / 1.5, "step_seconds_p50": 0.3, "step_seconds_p95": 0.5})
+        {"tokens_per_s": 500 / 1.5, "step_seconds_p50": 0.3, "step_seconds_p95": 0.5}
+    )
     assert speed([{"step": 1, "tokens": 5.0, "ce": 1.0, "kd": 0.0}]) == {}
 
 
 def test_the_page_shows_speed_and_needs_no_network(tmp_path):
-    runs = {"kd": [{"step": i + 1, "tokens": 64.0, "seconds": 0.25, "ce": 3.0 - i / 10,
-                    "kd": 1.0 - i / 20} for i in range(4)],
-            "ce": [{"step": 1, "tokens": 64.0, "seconds": 0.5, "ce": 3.0, "kd": 0.0}]}  # fmt: skip
-    page_uri = write_report(str(tmp_path / "report"),
-                            {"bits_per_byte": {"student_kd": 2.5}, "runs": runs, "config": {}})
+    runs = {
+        "kd": [
+            {"step": i + 1, "tokens": 64.0, "seconds": 0.25, "ce": 3.0 - i / 10, "kd": 1.0 - i / 20}
+            for i in range(4)
+        ],
+        "ce": [{"step": 1, "tokens": 64.0, "seconds": 0.5, "ce": 3.0, "kd": 0.0}],
+    }
+    page_uri = write_report(
+        str(tmp_path / "report"), {"bits_per_byte": {"student_kd": 2.5}, "runs": runs, "config": {}}
+    )
     page = (tmp_path / "report" / "index.html").read_text()
     assert page_uri.endswith("/report/index.html")
     assert "<td>kd</td><td>256.0</td><td>0.250</td><td>0.250</td>" in page
@@ -40,18 +48,31 @@ def test_out_of_domain_column_and_the_distilled_student_against_ce_only(tmp_path
     from crosskd.metrics.report import report_markdown
     from crosskd.steps.evaluate import bits_per_byte_table
 
-    metrics = {"bits_per_byte": {"teacher": 1.25, "student_init": 4.0, "student_kd": 3.0,
-                                 "student_ce": 3.5},
-               "ood_bits_per_byte": {"student_ce": 3.75, "teacher": 1.5, "student_init": 4.0,
-                                     "student_kd": 3.25},
-               "runs": {"kd": [], "ce": []}, "config": {}}  # fmt: skip
+    metrics = {
+        "bits_per_byte": {
+            "teacher": 1.25,
+            "student_init": 4.0,
+            "student_kd": 3.0,
+            "student_ce": 3.5,
+        },
+        "ood_bits_per_byte": {
+            "student_ce": 3.75,
+            "teacher": 1.5,
+            "student_init": 4.0,
+            "student_kd": 3.25,
+        },
+        "runs": {"kd": [], "ce": []},
+        "config": {},
+    }
     markdown = report_markdown(metrics)
     assert "| model | in-domain bits/byte | out-of-domain bits/byte |" in markdown
     assert "| student_ce | 3.5000 | 3.7500 |" in markdown
     # 3.25 - 3.75 = -0.5 against CE-only; CE-only 3.75 - 4.0 = -0.25 from the untrained student.
-    assert ("Out of domain: the distilled student is at 3.2500 bits per byte, -0.5000 against "
-            "the CE-only student (3.7500); the untrained student is at 4.0000 (the CE-only "
-            "student -0.2500 from it).") in markdown
+    assert (
+        "Out of domain: the distilled student is at 3.2500 bits per byte, -0.5000 against "
+        "the CE-only student (3.7500); the untrained student is at 4.0000 (the CE-only "
+        "student -0.2500 from it)."
+    ) in markdown
     assert "In domain: the distilled student is at 3.0000 bits per byte, -0.5000" in markdown
     write_report(str(tmp_path / "r"), metrics)
     page = (tmp_path / "r" / "index.html").read_text()
@@ -67,6 +88,9 @@ def test_out_of_domain_column_and_the_distilled_student_against_ce_only(tmp_path
     ]
     # Without out-of-domain rows: one column, no comparison without both trained students.
     assert bits_per_byte_table({"student_kd": 3.0, "teacher": 1.0}) == [
-        "held-out bits per byte:", "  teacher        1.0000", "  student_kd     3.0000"]
+        "held-out bits per byte:",
+        "  teacher        1.0000",
+        "  student_kd     3.0000",
+    ]
     plain = report_markdown({"bits_per_byte": {"student_kd": 3.0}, "runs": {}, "config": {}})
     assert "| model | bits/byte |" in plain and "against the CE-only" not in plain

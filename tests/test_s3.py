@@ -30,17 +30,26 @@ def test_tables_round_trip_through_s3_and_validate_from_the_cli(s3, built_table,
     save_table(s2t, s2t_uri)
     save_table(t2s, t2s_uri)
     assert sorted(s3.ls("crosskd-test/tables")) == [
-        "crosskd-test/tables/s2t.safetensors", "crosskd-test/tables/t2s.safetensors",
-    ]  # fmt: skip
+        "crosskd-test/tables/s2t.safetensors",
+        "crosskd-test/tables/t2s.safetensors",
+    ]
     loaded = load_table(s2t_uri)
     assert loaded.source == s2t_uri and loaded.meta == s2t.meta
     np.testing.assert_array_equal(loaded.chains, s2t.chains)
-    status = main([
-        "tables", "validate",
-        "--student-tokenizer", str(zoo_tokenizer_dir("llama3", zoo_cache)),
-        "--teacher-tokenizer", str(zoo_tokenizer_dir("qwen3", zoo_cache)),
-        "--student-to-teacher", s2t_uri, "--teacher-to-student", t2s_uri,
-    ])  # fmt: skip
+    status = main(
+        [
+            "tables",
+            "validate",
+            "--student-tokenizer",
+            str(zoo_tokenizer_dir("llama3", zoo_cache)),
+            "--teacher-tokenizer",
+            str(zoo_tokenizer_dir("qwen3", zoo_cache)),
+            "--student-to-teacher",
+            s2t_uri,
+            "--teacher-to-student",
+            t2s_uri,
+        ]
+    )
     assert status == 0
 
 

@@ -52,9 +52,14 @@ def zoo_env(zoo_cache, monkeypatch):
 def _prepare(tmp_path: Path, rows: list[dict], teachers: list[str], **kw) -> str:
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
-    config = PrepareConfig(data=str(data), student_tokenizer="zoo:llama3",
-                           teacher_tokenizers=teachers, output=str(tmp_path / "out"),
-                           max_length=256, **kw)  # fmt: skip
+    config = PrepareConfig(
+        data=str(data),
+        student_tokenizer="zoo:llama3",
+        teacher_tokenizers=teachers,
+        output=str(tmp_path / "out"),
+        max_length=256,
+        **kw,
+    )
     prepare(config, progress=False)
     return config.output
 
@@ -93,23 +98,37 @@ def test_prepare_and_plan_emoji_and_cjk_with_llama3_as_its_own_teacher(
     pair = TablePair(built_table("llama3", "qwen3"), built_table("qwen3", "llama3"))
     teachers = [
         TeacherBatch(batch.models["teacher0"].input_ids, positions, _signal(ids, vocab, 4)),
-        TeacherBatch(batch.models["teacher1"].input_ids, batch.chunks[1],
-                     _signal(batch.models["teacher1"].input_ids, zoo("qwen3").vocab_size, 4)),
-    ]  # fmt: skip
+        TeacherBatch(
+            batch.models["teacher1"].input_ids,
+            batch.chunks[1],
+            _signal(batch.models["teacher1"].input_ids, zoo("qwen3").vocab_size, 4),
+        ),
+    ]
     plan = plan_loss(config, ids, batch.loss_mask, teachers, [None, pair], student_vocab=vocab)
     # Independent count: every token of every sample but the sample's first.
     n_tokens = sum(len(s["student_ids"]) for s in samples)
     want = n_tokens - len(samples)
     assert plan.counts.chunks[0] == want == int(batch.loss_mask.sum())
     # The counted positions are priced from the row before each non-first token.
-    starts = {(r, p) for r, row in enumerate(packed)
-              for p in np.cumsum([0, *(len(s["student_ids"]) for s in row)])[:-1].tolist()}
+    starts = {
+        (r, p)
+        for r, row in enumerate(packed)
+        for p in np.cumsum([0, *(len(s["student_ids"]) for s in row)])[:-1].tolist()
+    }
     width = ids.shape[1]
-    counted = {(int(r), int(p)) for r, p in zip(
-        positions.row[plan.terms[0].events.chunk_index].tolist(),
-        positions.student[plan.terms[0].events.chunk_index, 0].tolist(), strict=True)}
-    every = {(r, p) for r, row in enumerate(packed)
-             for p in range(sum(len(s["student_ids"]) for s in row))}
+    counted = {
+        (int(r), int(p))
+        for r, p in zip(
+            positions.row[plan.terms[0].events.chunk_index].tolist(),
+            positions.student[plan.terms[0].events.chunk_index, 0].tolist(),
+            strict=True,
+        )
+    }
+    every = {
+        (r, p)
+        for r, row in enumerate(packed)
+        for p in range(sum(len(s["student_ids"]) for s in row))
+    }
     assert counted == every - starts
     rows_used = set(plan.terms[0].events.term_row.tolist())
     assert rows_used == {r * width + p - 1 for r, p in counted}
@@ -130,8 +149,9 @@ def test_the_emoji_repro_plans_one_position_per_byte_piece(tmp_path, zoo_env, zo
     assert ids.shape == (1, 4)
     vocab = zoo("llama3").vocab_size
     config = LossConfig(teachers=[TeacherLossConfig(k=4)])
-    teacher = TeacherBatch(batch.models["teacher0"].input_ids, batch.chunks[0],
-                           _signal(ids, vocab, 4))  # fmt: skip
+    teacher = TeacherBatch(
+        batch.models["teacher0"].input_ids, batch.chunks[0], _signal(ids, vocab, 4)
+    )
     plan = plan_loss(config, ids, batch.loss_mask, [teacher], [None], student_vocab=vocab)
     assert plan.counts.chunks == (3,) and plan.counts.tokens == 3
 
@@ -156,18 +176,21 @@ def test_chat_kd_positions_are_the_students_own_masks(tmp_path, zoo_env, zoo, dr
     assert own.kd.tolist() == spread.tolist()
     assert own.kd.sum() == own.loss_mask.sum() - (2 if drop_first_chunk else 0)
 
-    out = _prepare(tmp_path, [{"id": "c", "messages": CHAT}], ["zoo:llama3"],
-                   drop_first_chunk=drop_first_chunk)  # fmt: skip
+    out = _prepare(
+        tmp_path, [{"id": "c", "messages": CHAT}], ["zoo:llama3"], drop_first_chunk=drop_first_chunk
+    )
     rows = list(load_prepared(out).packed_rows())
     (sample,) = rows[0]
     assert sample["student_loss_mask"] == own.loss_mask.tolist()
     batch = collate(rows, n_teachers=1)
     ids = batch.models["student"].input_ids
     config = LossConfig(teachers=[TeacherLossConfig(k=4)])
-    teacher = TeacherBatch(batch.models["teacher0"].input_ids, batch.chunks[0],
-                           _signal(ids, llama.vocab_size, 4))  # fmt: skip
-    plan = plan_loss(config, ids, batch.loss_mask, [teacher], [None],
-                     student_vocab=llama.vocab_size)  # fmt: skip
+    teacher = TeacherBatch(
+        batch.models["teacher0"].input_ids, batch.chunks[0], _signal(ids, llama.vocab_size, 4)
+    )
+    plan = plan_loss(
+        config, ids, batch.loss_mask, [teacher], [None], student_vocab=llama.vocab_size
+    )
     assert plan.counts.chunks == (int(own.kd.sum()),)
     assert plan.counts.tokens == int(own.loss_mask.sum())
 
@@ -181,15 +204,22 @@ V_S, V_T, K = 7, 8, 3
 def _sample(sid: str, ids: list[int], kd: list[bool] | None = None) -> dict:
     """A prepared sample with a same-tokenizer teacher0 (the columns the collator reads)."""
     kd = [True] * len(ids) if kd is None else kd
-    flags = [FLAG_CORRECT | (FLAG_PREDICTION if p else 0) | (FLAG_KD if k else 0)
-             for p, k in enumerate(kd)]  # fmt: skip
+    flags = [
+        FLAG_CORRECT | (FLAG_PREDICTION if p else 0) | (FLAG_KD if k else 0)
+        for p, k in enumerate(kd)
+    ]
     mask = [bool(p) for p in range(len(ids))]
     return {
-        "sample_id": sid, "student_ids": ids, "student_loss_mask": mask, "teacher0_ids": ids,
+        "sample_id": sid,
+        "student_ids": ids,
+        "student_loss_mask": mask,
+        "teacher0_ids": ids,
         **{f"teacher0_chunk_{x}": None for x in ("s0", "s1", "t0", "t1")},
-        "teacher0_chunk_shape": [0] * len(ids), "teacher0_chunk_flags": flags,
-        "teacher0_chunk_region": [0] * len(ids), "teacher0_chunk_message": [0] * len(ids),
-    }  # fmt: skip
+        "teacher0_chunk_shape": [0] * len(ids),
+        "teacher0_chunk_flags": flags,
+        "teacher0_chunk_region": [0] * len(ids),
+        "teacher0_chunk_message": [0] * len(ids),
+    }
 
 
 def _tiny():
@@ -240,10 +270,20 @@ def test_kd_equals_a_direct_top_k_plus_rest_computation(keep_realized, divergenc
     teacher_logits[..., 7] += 3.0  # the padding row is often in the top K: left to REST
     student = torch.randn(*ids.shape, V_S, generator=gen, dtype=torch.float64)
     signal = signal_from_logits(teacher_logits, ids, k=K, tau=tau)
-    config = LossConfig(divergence=divergence, tau=tau, keep_realized=keep_realized,
-                        teachers=[TeacherLossConfig(k=K)])  # fmt: skip
-    plan = plan_loss(config, ids, batch.loss_mask, [TeacherBatch(ids, batch.chunks[0], signal)],
-                     [None], student_vocab=V_S)  # fmt: skip
+    config = LossConfig(
+        divergence=divergence,
+        tau=tau,
+        keep_realized=keep_realized,
+        teachers=[TeacherLossConfig(k=K)],
+    )
+    plan = plan_loss(
+        config,
+        ids,
+        batch.loss_mask,
+        [TeacherBatch(ids, batch.chunks[0], signal)],
+        [None],
+        student_vocab=V_S,
+    )
     assert plan.counts.chunks == (len(valid),)
     out = compute_loss(student, plan, config)
     want = _direct_kd(student, teacher_logits, ids, valid, tau, divergence, keep_realized)
@@ -270,8 +310,14 @@ def test_packed_samples_first_positions_have_no_prediction():
     ids = batch.models["student"].input_ids
     config = LossConfig(teachers=[TeacherLossConfig(k=K)])
     signal = signal_from_logits(torch.randn(*ids.shape, V_T), ids, k=K, tau=1.0)
-    plan = plan_loss(config, ids, batch.loss_mask, [TeacherBatch(ids, positions, signal)],
-                     [None], student_vocab=V_S)  # fmt: skip
+    plan = plan_loss(
+        config,
+        ids,
+        batch.loss_mask,
+        [TeacherBatch(ids, positions, signal)],
+        [None],
+        student_vocab=V_S,
+    )
     width = ids.shape[1]
     assert set(plan.terms[0].events.term_row.tolist()) == {r * width + p - 1 for r, p in valid}
 
@@ -282,8 +328,15 @@ def test_select_mode_bits_of_a_same_tokenizer_teacher_cover_its_kd_positions():
     ids = batch.models["student"].input_ids
     signal = signal_from_logits(torch.randn(*ids.shape, V_T), ids, k=K, tau=1.0)
     config = LossConfig(teacher_mode="select", teachers=[TeacherLossConfig(k=K)])
-    plan = plan_loss(config, ids, batch.loss_mask, [TeacherBatch(ids, batch.chunks[0], signal)],
-                     [None], student_vocab=V_S, teacher_bytes=[np.ones(V_T, dtype=np.int64)])
+    plan = plan_loss(
+        config,
+        ids,
+        batch.loss_mask,
+        [TeacherBatch(ids, batch.chunks[0], signal)],
+        [None],
+        student_vocab=V_S,
+        teacher_bytes=[np.ones(V_T, dtype=np.int64)],
+    )
     want = -sum(signal.realized_t1[r, p - 1].item() for r, p in valid) / math.log(2)
     assert plan.sums["teacher0/bits"] == pytest.approx(want, rel=1e-6)
     assert plan.sums["teacher0/bytes"] == len(valid)
@@ -298,8 +351,14 @@ def test_positions_where_the_ids_differ_are_not_compared():
     t_ids = batch.models["teacher0"].input_ids
     signal = signal_from_logits(torch.randn(*ids.shape, V_T), t_ids, k=K, tau=1.0)
     config = LossConfig(teachers=[TeacherLossConfig(k=K)])
-    plan = plan_loss(config, ids, batch.loss_mask, [TeacherBatch(t_ids, batch.chunks[0], signal)],
-                     [None], student_vocab=V_S)  # fmt: skip
+    plan = plan_loss(
+        config,
+        ids,
+        batch.loss_mask,
+        [TeacherBatch(t_ids, batch.chunks[0], signal)],
+        [None],
+        student_vocab=V_S,
+    )
     assert plan.counts.chunks == (len(valid) - 1,)
     out = compute_loss(torch.randn(*ids.shape, V_S), plan, config)
     assert out.metrics["teacher0/token/skipped_incorrect"] == 1
@@ -312,11 +371,20 @@ def test_chunks_of_the_student_aligned_with_itself_become_positions():
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     # Chunks [0, 2) (no prediction: starts the sequence), [2, 5) (3:3), [5, 6) outside KD.
     student = torch.tensor([[0, 2], [2, 5], [5, 6]])
-    flags = torch.tensor([FLAG_CORRECT | FLAG_KD, ALL, FLAG_CORRECT | FLAG_PREDICTION],
-                         dtype=torch.uint8)  # fmt: skip
+    flags = torch.tensor(
+        [FLAG_CORRECT | FLAG_KD, ALL, FLAG_CORRECT | FLAG_PREDICTION], dtype=torch.uint8
+    )
     zeros = torch.zeros(3, dtype=torch.int64)
-    chunks = ChunkBatch(zeros, student, student.clone(), torch.tensor([3, 3, 0], dtype=torch.uint8),
-                        zeros.to(torch.uint8), (flags & ALL) == ALL, flags, zeros)  # fmt: skip
+    chunks = ChunkBatch(
+        zeros,
+        student,
+        student.clone(),
+        torch.tensor([3, 3, 0], dtype=torch.uint8),
+        zeros.to(torch.uint8),
+        (flags & ALL) == ALL,
+        flags,
+        zeros,
+    )
     positions = token_positions(chunks, ids.numpy(), ids.numpy())
     assert positions.same_tokenizer
     assert positions.student[:, 0].tolist() == [0, 1, 2, 3, 4, 5]
@@ -324,8 +392,9 @@ def test_chunks_of_the_student_aligned_with_itself_become_positions():
     signal = signal_from_logits(torch.randn(1, 6, V_S), ids, k=K, tau=1.0)
     config = LossConfig(teachers=[TeacherLossConfig(k=K)])
     mask = torch.tensor([[False, True, True, True, True, False]])
-    plan = plan_loss(config, ids, mask, [TeacherBatch(ids, chunks, signal)], [None],
-                     student_vocab=V_S)  # fmt: skip
+    plan = plan_loss(
+        config, ids, mask, [TeacherBatch(ids, chunks, signal)], [None], student_vocab=V_S
+    )
     assert plan.counts.chunks == (4,)
 
 
@@ -334,8 +403,15 @@ def test_tables_for_a_teacher_prepared_as_same_tokenizer_are_refused():
     batch = collate(rows, n_teachers=1)
     ids = batch.models["student"].input_ids
     signal = signal_from_logits(torch.randn(*ids.shape, V_T), ids, k=K, tau=1.0)
-    config = LossConfig(teachers=[TeacherLossConfig(k=K, student_to_teacher="s2t.st",
-                                                    teacher_to_student="t2s.st")])  # fmt: skip
+    config = LossConfig(
+        teachers=[TeacherLossConfig(k=K, student_to_teacher="s2t.st", teacher_to_student="t2s.st")]
+    )
     with pytest.raises(ConfigError, match=r"teachers\[0\] has tables.*same-tokenizer teacher"):
-        plan_loss(config, ids, batch.loss_mask, [TeacherBatch(ids, batch.chunks[0], signal)],
-                  [object()], student_vocab=V_S)  # fmt: skip
+        plan_loss(
+            config,
+            ids,
+            batch.loss_mask,
+            [TeacherBatch(ids, batch.chunks[0], signal)],
+            [object()],
+            student_vocab=V_S,
+        )

@@ -44,8 +44,10 @@ def test_content_uri_depends_on_the_key_only():
         steps.run_folder("r", "a/b")
 
 
-@given(ids=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=40, unique=True),
-       fraction=st.floats(0.01, 0.99))  # fmt: skip
+@given(
+    ids=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=40, unique=True),
+    fraction=st.floats(0.01, 0.99),
+)
 def test_held_out_rows_do_not_depend_on_order(ids, fraction):
     chosen = {i for i in ids if held_out(i, fraction)}
     assert chosen == {i for i in reversed(ids) if held_out(i, fraction)}
@@ -53,16 +55,33 @@ def test_held_out_rows_do_not_depend_on_order(ids, fraction):
 
 
 def _part(start: int, stop: int, total: int, **extra) -> dict:
-    header = {"teacher": {"name": "t", "fingerprint": "f", "vocab_size": 5},
-              "tokenizer": {"name": "t", "fingerprint": "g"},
-              "data": {"uri": "d", "fingerprint": "h", "teacher": "teacher0"},
-              "config": {"k": 4, "tau": 1.0, "encoding": "lossless"}}  # fmt: skip
+    header = {
+        "teacher": {"name": "t", "fingerprint": "f", "vocab_size": 5},
+        "tokenizer": {"name": "t", "fingerprint": "g"},
+        "data": {"uri": "d", "fingerprint": "h", "teacher": "teacher0"},
+        "config": {"k": 4, "tau": 1.0, "encoding": "lossless"},
+    }
     digest = extra.pop("sha256", None)  # every shard's digest (default: its index)
-    shards = [{"path": f"part-{i:05d}.parquet", "samples": 1, "tokens": 10 * (i + 1),
-               "sha256": digest or str(i), "bytes": 100, "nll_bits": 8.0,
-               "predicted_bytes": 4} for i in range(start, stop)]  # fmt: skip
-    return {"start": start, "stop": stop, "total": total, **header, "shards": shards,
-            "samples": stop - start} | extra  # fmt: skip
+    shards = [
+        {
+            "path": f"part-{i:05d}.parquet",
+            "samples": 1,
+            "tokens": 10 * (i + 1),
+            "sha256": digest or str(i),
+            "bytes": 100,
+            "nll_bits": 8.0,
+            "predicted_bytes": 4,
+        }
+        for i in range(start, stop)
+    ]
+    return {
+        "start": start,
+        "stop": stop,
+        "total": total,
+        **header,
+        "shards": shards,
+        "samples": stop - start,
+    } | extra
 
 
 def _write_parts(folder: Path, parts: list[dict]) -> str:
@@ -91,15 +110,19 @@ def test_ranges_split_otherwise_by_a_rerun_merge_once_per_shard(tmp_path):
     assert merged["bits_per_byte"] == pytest.approx(24.0 / 12)
 
 
-@pytest.mark.parametrize("parts, message", [
-    ([(0, 1), (2, 3)], r"shards 1..1 are not scored yet"),
-    ([(0, 2), (1, 3, "other")], r"shard 1 is recorded twice with different digests"),
-    ([(0, 2)], r"shards 2..2 are not scored yet"),
-    ([(0, 1)], r"shards 1..2 are not scored yet"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parts, message",
+    [
+        ([(0, 1), (2, 3)], r"shards 1..1 are not scored yet"),
+        ([(0, 2), (1, 3, "other")], r"shard 1 is recorded twice with different digests"),
+        ([(0, 2)], r"shards 2..2 are not scored yet"),
+        ([(0, 1)], r"shards 1..2 are not scored yet"),
+    ],
+)
 def test_merging_refuses_gaps_overlaps_and_missing_ranges(tmp_path, parts, message):
-    uri = _write_parts(tmp_path / "c", [_part(a, b, 3, **({"sha256": p[0]} if p else {}))
-                                        for a, b, *p in parts])  # fmt: skip
+    uri = _write_parts(
+        tmp_path / "c", [_part(a, b, 3, **({"sha256": p[0]} if p else {})) for a, b, *p in parts]
+    )
     with pytest.raises(CrosskdError, match=message):
         steps.merge_caches([{"index": 0, "cache": uri}])
     assert not (tmp_path / "c" / "manifest.json").exists()
@@ -112,25 +135,32 @@ def test_merging_refuses_ranges_of_another_teacher(tmp_path):
         steps.merge_caches([{"index": 0, "cache": uri}])
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"stepz": 3}, r"options: unknown key\(s\) stepz"),
-    ({"steps": 3}, r"options sets steps, which the pipeline takes as parameter"),
-    ({"max_length": 0}, r"max_length is 0; it must be an integer >= 1"),
-    ({"loss": {"kd_weight": -1}}, r"loss\.kd_weight"),
-    ({"student_shape": {"layers": 4}}, r"student_shape has unknown key\(s\) layers; known: "),
-    ({"teacher_shape": [64]}, r"teacher_shape is \[64\]; it must be a mapping"),
-    ({"student_shape": {"hidden_size": 0}}, r"student_shape.hidden_size is 0; it must be a "),
-    ({"loss": {"kd": "uldx"}}, r"kd is 'uldx'; choose one of csd, uld"),
-    ({"pack": "no"}, r"pack is 'no'; write true or false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"stepz": 3}, r"options: unknown key\(s\) stepz"),
+        ({"steps": 3}, r"options sets steps, which the pipeline takes as parameter"),
+        ({"max_length": 0}, r"max_length is 0; it must be an integer >= 1"),
+        ({"loss": {"kd_weight": -1}}, r"loss\.kd_weight"),
+        ({"student_shape": {"layers": 4}}, r"student_shape has unknown key\(s\) layers; known: "),
+        ({"teacher_shape": [64]}, r"teacher_shape is \[64\]; it must be a mapping"),
+        ({"student_shape": {"hidden_size": 0}}, r"student_shape.hidden_size is 0; it must be a "),
+        ({"loss": {"kd": "uldx"}}, r"kd is 'uldx'; choose one of csd, uld"),
+        ({"pack": "no"}, r"pack is 'no'; write true or false"),
+    ],
+)
 def test_pipeline_options_are_refused_by_name(options, message):
     with pytest.raises(ConfigError, match=message):
         steps.run_config_from_parameters({"output": "o", "steps": 2}, options)
 
 
 def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
-    config = steps.RunConfig(output=str(tmp_path), teachers=["init"], student="init",
-                             train_data=str(tmp_path / "missing.jsonl"))  # fmt: skip
+    config = steps.RunConfig(
+        output=str(tmp_path),
+        teachers=["init"],
+        student="init",
+        train_data=str(tmp_path / "missing.jsonl"),
+    )
     with pytest.raises(ConfigError, match=r"train_data .*missing\.jsonl: no such file"):
         steps.validate_inputs(config)
     with pytest.raises(ConfigError, match="executor is 'kubernetes'; choose one of"):
@@ -139,19 +169,25 @@ def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
         steps.validate_inputs(config, job={"image": "i", "gpus_per_node": -1}, executor="local")
     # The training layout must fit the job's workers (or the one in-process worker).
     sharded = replace(config, parallel={"dp_shard": 4})
-    with pytest.raises(ConfigError, match=r"parallel \{'dp_shard': 4\} does not fit this job's "
-                                          r"1 node\(s\) x 2 process\(es\) = 2"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel \{'dp_shard': 4\} does not fit this job's "
+        r"1 node\(s\) x 2 process\(es\) = 2",
+    ):
         steps.validate_inputs(sharded, job={"image": "i", "gpus_per_node": 2}, executor="local")
-    with pytest.raises(ConfigError, match=r"does not divide the 1 processes.*In-process training "
-                                          r"is one process"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"does not divide the 1 processes.*In-process training "
+        r"is one process",
+    ):
         steps.validate_inputs(sharded)
     with pytest.raises(ConfigError, match=r"teacher 0: .*nowhere"):
-        steps.validate_inputs(steps.RunConfig(output=str(tmp_path),
-                                              teachers=[str(tmp_path / "nowhere")]))  # fmt: skip
+        steps.validate_inputs(
+            steps.RunConfig(output=str(tmp_path), teachers=[str(tmp_path / "nowhere")])
+        )
 
 
-def test_a_student_that_cannot_pack_is_refused_before_any_data_is_prepared(train_inputs,
-                                                                         tmp_path):  # fmt: skip
+def test_a_student_that_cannot_pack_is_refused_before_any_data_is_prepared(train_inputs, tmp_path):
     """A pretrained LFM2 student (short convolutions) with packed rows: refused by the
     validation step from its config.json alone, naming the model type and ``pack: false``;
     with ``pack: false`` the run validates and its data is prepared one sample per row."""
@@ -161,21 +197,38 @@ def test_a_student_that_cannot_pack_is_refused_before_any_data_is_prepared(train
 
     folder = tmp_path / "lfm2"
     vocab = transformers.AutoConfig.from_pretrained(train_inputs["student"]).vocab_size
-    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        "lfm2", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"],
-    )).save_pretrained(folder)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(
+            "lfm2",
+            vocab_size=vocab,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            layer_types=["conv", "full_attention"],
+        )
+    ).save_pretrained(folder)
     load_tokenizer(train_inputs["student"]).hf.save_pretrained(str(folder))
     data = Path(train_inputs["student"]).parent / "data.jsonl"
-    config = steps.RunConfig(output=str(tmp_path / "run"), teachers=[train_inputs["teacher"]],
-                             student=str(folder), train_data=str(data), max_length=48)
-    with pytest.raises(ConfigError, match=r"^lfm2 \(Lfm2ForCausalLM\) .*layer type 'conv'.*"
-                                          r"packed rows of student .*set pack: false"):
+    config = steps.RunConfig(
+        output=str(tmp_path / "run"),
+        teachers=[train_inputs["teacher"]],
+        student=str(folder),
+        train_data=str(data),
+        max_length=48,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^lfm2 \(Lfm2ForCausalLM\) .*layer type 'conv'.*"
+        r"packed rows of student .*set pack: false",
+    ):
         steps.validate_inputs(config)
     assert not (tmp_path / "run" / "prepared").exists()
     unpacked = replace(config, pack=False)
-    prepared = steps.prepare_data(steps.validate_inputs(unpacked), **unpacked.preparing(),
-                                  progress=False)  # fmt: skip
+    prepared = steps.prepare_data(
+        steps.validate_inputs(unpacked), **unpacked.preparing(), progress=False
+    )
     manifest = json.loads((Path(prepared["train"]) / "manifest.json").read_text())
     assert manifest["packing"]["packed"] is False
     assert manifest["packing"]["bins"] == manifest["rows"]
@@ -184,9 +237,15 @@ def test_a_student_that_cannot_pack_is_refused_before_any_data_is_prepared(train
 def test_the_machine_licence_text_is_resolved_once_under_a_content_address(tmp_path):
     from crosskd.alignment.corpus import licence_documents
 
-    config = steps.RunConfig(output=str(tmp_path), teachers=["init"], corpus_bytes=3000,
-                             teacher_tokenizer="tiny:300", student_tokenizer="tiny:280",
-                             ood_data="machine:licences", ood_bytes=2000)  # fmt: skip
+    config = steps.RunConfig(
+        output=str(tmp_path),
+        teachers=["init"],
+        corpus_bytes=3000,
+        teacher_tokenizer="tiny:300",
+        student_tokenizer="tiny:280",
+        ood_data="machine:licences",
+        ood_bytes=2000,
+    )
     plan = steps.validate_inputs(config)
     rows = [json.loads(x) for x in Path(plan["ood_data"]).read_text().splitlines()]
     assert [r["text"] for r in rows] == licence_documents(2000, document_bytes=3 * 256)
@@ -239,11 +298,18 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
     ood = tmp_path / "ood.jsonl"
     ood.write_text("".join(json.dumps(r) + "\n" for r in rows if held_out(r["id"], 0.25)))
     config = steps.RunConfig(
-        output=str(tmp_path / "run"), teachers=[train_inputs["teacher"],
-                                                train_inputs["teacher_same"]],
-        student=train_inputs["student"], train_data=str(data), heldout_fraction=0.25,
-        ood_data=str(ood), max_length=48, k=8, steps=2, compare_ce_only=False, token_budget=512,
-    )  # fmt: skip
+        output=str(tmp_path / "run"),
+        teachers=[train_inputs["teacher"], train_inputs["teacher_same"]],
+        student=train_inputs["student"],
+        train_data=str(data),
+        heldout_fraction=0.25,
+        ood_data=str(ood),
+        max_length=48,
+        k=8,
+        steps=2,
+        compare_ce_only=False,
+        token_budget=512,
+    )
     result = distill(config, progress=False)
     assert set(result["bits_per_byte"]) == {"teacher0", "teacher1", "student_init", "student_kd"}
     assert result["ood_bits_per_byte"] == result["bits_per_byte"]
@@ -251,8 +317,9 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
     assert "| model | in-domain bits/byte | out-of-domain bits/byte |" in summary
     # Two prepared prefixes: the training and held-out rows', and the out-of-domain rows'.
     (split,) = [p for p in (tmp_path / "run" / "prepared").iterdir() if (p / "rows").is_dir()]
-    held = [json.loads(x)["id"] for x in (split / "rows" / "heldout.jsonl").read_text()
-            .splitlines()]  # fmt: skip
+    held = [
+        json.loads(x)["id"] for x in (split / "rows" / "heldout.jsonl").read_text().splitlines()
+    ]
     assert held == [r["id"] for r in rows if held_out(r["id"], 0.25)] and held
     (tables,) = (tmp_path / "run" / "tables").iterdir()  # one pair: teacher 1 needs none
     assert sorted(p.name for p in tables.iterdir()) == ["s2t.safetensors", "t2s.safetensors"]
@@ -270,8 +337,9 @@ def test_a_retried_training_task_gets_the_same_valid_job_run_id():
     assert job_run_id("train", "kd", "0f3c") == "train-kd-0f3c"
     kfp_id = "4d9e2f0a-7b1c-4e55-9a3b-2c8d6f1e0b7a"  # KFP's pipeline job ids are UUIDs
     long_id = job_run_id("crosskd-train-for-a-long-pipeline-task", "kd", kfp_id)
-    assert len(long_id) == 63 and long_id == job_run_id("crosskd-train-for-a-long-pipeline-task",
-                                                        "kd", kfp_id)  # fmt: skip
+    assert len(long_id) == 63 and long_id == job_run_id(
+        "crosskd-train-for-a-long-pipeline-task", "kd", kfp_id
+    )
     assert long_id.startswith("crosskd-train-for-a-long-pipeline-task-kd-4d9e2f0a-")
     assert long_id != job_run_id("crosskd-train-for-a-long-pipeline-task", "ce", kfp_id)
     config = JobConfig(run_id=long_id, image="i")  # a valid label value: accepted
@@ -286,23 +354,40 @@ def test_chat_distillation_end_to_end(train_inputs, tmp_path):
     from crosskd.generate import GenerateConfig, generate
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n"
-                               for i in range(16)))  # fmt: skip
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n" for i in range(16))
+    )
     conversations = str(tmp_path / "conversations.jsonl")
-    generate(GenerateConfig(output=conversations, model=train_inputs["teacher"],
-                            prompts=str(prompts), conversations=16, max_new_tokens=12,
-                            temperature=1.0, device="cpu"), progress=False)  # fmt: skip
+    generate(
+        GenerateConfig(
+            output=conversations,
+            model=train_inputs["teacher"],
+            prompts=str(prompts),
+            conversations=16,
+            max_new_tokens=12,
+            temperature=1.0,
+            device="cpu",
+        ),
+        progress=False,
+    )
     rows = [json.loads(x) for x in Path(conversations).read_text().splitlines()]
     config = steps.RunConfig(
-        output=str(tmp_path / "run"), teachers=[train_inputs["teacher"]],
-        student=train_inputs["student"], train_data=conversations, heldout_fraction=0.25,
-        max_length=256, k=8, steps=2, token_budget=2048, device="cpu",
-    )  # fmt: skip
+        output=str(tmp_path / "run"),
+        teachers=[train_inputs["teacher"]],
+        student=train_inputs["student"],
+        train_data=conversations,
+        heldout_fraction=0.25,
+        max_length=256,
+        k=8,
+        steps=2,
+        token_budget=2048,
+        device="cpu",
+    )
     result = distill(config, progress=False)
-    assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd",
-                                            "student_ce"}  # fmt: skip
+    assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd", "student_ce"}
     evaluation = json.loads((tmp_path / "run" / "evaluation.json").read_text())
-    answers = sum(len(r["messages"][1]["content"].encode()) for r in rows
-                  if held_out(r["id"], 0.25))  # fmt: skip
+    answers = sum(
+        len(r["messages"][1]["content"].encode()) for r in rows if held_out(r["id"], 0.25)
+    )
     assert answers > 0
     assert {m["bytes"] for m in evaluation["models"].values()} == {answers}

@@ -64,8 +64,9 @@ def test_chain_id_out_of_range_is_named(zoo, built_table):
     for bad_id in (151936 + 5, -7):
         broken = _with_row(table, 1234, [bad_id], Flag.NORMAL)
         report = validate_table(broken, zoo("llama3"), zoo("qwen3"))
-        assert "1 rows have chain ids outside [0, 151936) (first rows: [1234])" in (
-            report.violations[0]
+        assert (
+            "1 rows have chain ids outside [0, 151936) (first rows: [1234])"
+            in (report.violations[0])
         )
 
 
@@ -146,8 +147,9 @@ def test_special_role_mistakes_are_named(zoo, built_table):
     wrong_role = _with_row(table, eot, [qwen.role_ids["turn_start"]], Flag.SPECIAL_MAPPED)
     assert "without their role" in validate_table(wrong_role, llama, qwen).violations[0]
     missed = _with_row(table, eot, [], Flag.SPECIAL_UNMAPPED)
-    assert "flagged unmapped but the destination has their role" in (
-        validate_table(missed, llama, qwen).violations[0]
+    assert (
+        "flagged unmapped but the destination has their role"
+        in (validate_table(missed, llama, qwen).violations[0])
     )
 
 
@@ -243,12 +245,44 @@ def test_pair_of_unrelated_tables_is_refused(built_table):
 def test_cli_build_validate_inspect(tmp_path, zoo_cache, capsys, monkeypatch):
     monkeypatch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
     s2t, t2s = str(tmp_path / "s2t.safetensors"), str(tmp_path / "t2s.safetensors")
-    assert main(["tables", "build", "--source-tokenizer", "zoo:llama3",
-                 "--destination-tokenizer", "zoo:qwen3", "--output", s2t]) == 0  # fmt: skip
-    assert main(["tables", "build", "--source-tokenizer", "zoo:qwen3",
-                 "--destination-tokenizer", "zoo:llama3", "--output", t2s]) == 0  # fmt: skip
-    validate = ["tables", "validate", "--student-tokenizer", "zoo:llama3",
-                "--teacher-tokenizer", "zoo:qwen3"]  # fmt: skip
+    assert (
+        main(
+            [
+                "tables",
+                "build",
+                "--source-tokenizer",
+                "zoo:llama3",
+                "--destination-tokenizer",
+                "zoo:qwen3",
+                "--output",
+                s2t,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "tables",
+                "build",
+                "--source-tokenizer",
+                "zoo:qwen3",
+                "--destination-tokenizer",
+                "zoo:llama3",
+                "--output",
+                t2s,
+            ]
+        )
+        == 0
+    )
+    validate = [
+        "tables",
+        "validate",
+        "--student-tokenizer",
+        "zoo:llama3",
+        "--teacher-tokenizer",
+        "zoo:qwen3",
+    ]
     capsys.readouterr()
     assert main([*validate, "--student-to-teacher", s2t, "--teacher-to-student", t2s]) == 0
     assert capsys.readouterr().out.count(": ok") == 2
@@ -263,8 +297,10 @@ def test_cli_build_validate_inspect(tmp_path, zoo_cache, capsys, monkeypatch):
 def test_cli_bad_input_exits_2_with_one_clear_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "crosskd.cli", "tables", "inspect", str(tmp_path / "none")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("crosskd: error: table ")
     assert "no such file" in result.stderr

@@ -104,9 +104,9 @@ def test_smollm2_missing_bytes_are_flagged_unrepresentable(zoo, built_table):
     single_bytes = {qwen.bytes.token_bytes(i): i for i in range(256)}
     present = {
         smol.bytes.token_bytes(i)
-        for i in np.flatnonzero((smol.bytes.lengths == 1) & ~np.isin(
-            np.arange(smol.vocab_size), smol.special_ids
-        )).tolist()
+        for i in np.flatnonzero(
+            (smol.bytes.lengths == 1) & ~np.isin(np.arange(smol.vocab_size), smol.special_ids)
+        ).tolist()
     }
     missing = [b for b in range(256) if bytes([b]) not in present]
     assert len(missing) == 21 and 0x04 in missing

@@ -22,9 +22,11 @@ def _train(folder: Path, corpus: list[str], vocab_size: int, full_alphabet: bool
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_end|>"], show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_end|>"],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if full_alphabet else [],
-    )  # fmt: skip
+    )
     tok.train_from_iterator(corpus, trainer)
     folder.mkdir(parents=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -60,16 +62,22 @@ corpora = st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=40), min_size
 
 
 @settings(
-    max_examples=40, deadline=None,
+    max_examples=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)  # fmt: skip
+)
 @given(
-    corpus_a=corpora, corpus_b=corpora,
-    size_a=st.integers(270, 420), size_b=st.integers(270, 420),
-    full_a=st.booleans(), full_b=st.booleans(), pad_rows=st.integers(0, 5),
-)  # fmt: skip
-def test_generated_pairs(tmp_path_factory, corpus_a, corpus_b, size_a, size_b, full_a, full_b,
-                         pad_rows):  # fmt: skip
+    corpus_a=corpora,
+    corpus_b=corpora,
+    size_a=st.integers(270, 420),
+    size_b=st.integers(270, 420),
+    full_a=st.booleans(),
+    full_b=st.booleans(),
+    pad_rows=st.integers(0, 5),
+)
+def test_generated_pairs(
+    tmp_path_factory, corpus_a, corpus_b, size_a, size_b, full_a, full_b, pad_rows
+):
     root = tmp_path_factory.mktemp("pair")
     a_dir = _train(root / "a", corpus_a, size_a, full_a)
     b_dir = _train(root / "b", corpus_b, size_b, full_b)
@@ -97,8 +105,11 @@ def test_generated_pairs(tmp_path_factory, corpus_a, corpus_b, size_a, size_b, f
     pair = TablePair(a2b, b2a)
     strings_a, strings_b = a.hf.get_vocab(), b.hf.get_vocab()
     shared = sorted(
-        (i, strings_b[w]) for w, i in strings_a.items()
-        if w in strings_b and a.bytes.kind[i] == KIND_NORMAL == b.bytes.kind[strings_b[w]]
-        and a2b.chain(i).tolist() == [strings_b[w]] and b2a.chain(strings_b[w]).tolist() == [i]
-    )  # fmt: skip
+        (i, strings_b[w])
+        for w, i in strings_a.items()
+        if w in strings_b
+        and a.bytes.kind[i] == KIND_NORMAL == b.bytes.kind[strings_b[w]]
+        and a2b.chain(i).tolist() == [strings_b[w]]
+        and b2a.chain(strings_b[w]).tolist() == [i]
+    )
     assert pair.common.tolist() == [list(p) for p in shared]

@@ -55,33 +55,43 @@ def tiny_teacher(tmp_path_factory):
 def prepared(tmp_path_factory, tiny_teacher, zoo_cache):
     root = tmp_path_factory.mktemp("prepared")
     data = root / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": f"s{i}", "text": t}) + "\n"
-                            for i, t in enumerate(TEXTS)))  # fmt: skip
+    data.write_text(
+        "".join(json.dumps({"id": f"s{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS))
+    )
     config = PrepareConfig(
-        data=str(data), student_tokenizer="zoo:llama3", teacher_tokenizers=[str(tiny_teacher)],
-        output=str(root / "out"), max_length=64, shard_rows=5,
-    )  # fmt: skip
+        data=str(data),
+        student_tokenizer="zoo:llama3",
+        teacher_tokenizers=[str(tiny_teacher)],
+        output=str(root / "out"),
+        max_length=64,
+        shard_rows=5,
+    )
     prepare(config, progress=False)
     return config.output
 
 
 def _score_config(prepared, tiny_teacher, output, **kw) -> ScoreConfig:
-    return ScoreConfig(data=prepared, teacher=str(tiny_teacher), output=output, k=8,
-                       token_budget=64, **kw)  # fmt: skip
+    return ScoreConfig(
+        data=prepared, teacher=str(tiny_teacher), output=output, k=8, token_budget=64, **kw
+    )
 
 
 # --- storage ----------------------------------------------------------------------------------
 
 
 @settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), k=st.integers(1, 9),
-       seed=st.integers(0, 2**16))  # fmt: skip
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    k=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
 def test_lossless_round_trip_is_exact_and_lossy_is_within_half_a_step(lengths, k, seed):
     gen = torch.Generator().manual_seed(seed)
     width, vocab = max(lengths), 40
     ids = torch.randint(0, vocab, (len(lengths), width), generator=gen)
-    signal = signal_from_logits(torch.randn(len(lengths), width, vocab, generator=gen) * 4, ids,
-                                k=k, tau=1.5)  # fmt: skip
+    signal = signal_from_logits(
+        torch.randn(len(lengths), width, vocab, generator=gen) * 4, ids, k=k, tau=1.5
+    )
     samples = signal_samples(signal, lengths)
     names = [f"x{i}" for i in range(len(lengths))]
     lossless = decode(encode(names, samples, "lossless"), "lossless", k)
@@ -138,8 +148,13 @@ def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
             bits -= lp[0, :-1].gather(-1, ids[0, 1:, None]).sum().item() / math.log(2)
             n_bytes += lengths[ids[0, 1:].numpy()].sum()
     assert manifest["bits_per_byte"] == pytest.approx(bits / n_bytes, rel=1e-5)
-    cache = open_cache(uri, teacher_fingerprint=teacher.fingerprint, k=8, tau=1.0,
-                       data_fingerprint=data.manifest["data_fingerprint"])  # fmt: skip
+    cache = open_cache(
+        uri,
+        teacher_fingerprint=teacher.fingerprint,
+        k=8,
+        tau=1.0,
+        data_fingerprint=data.manifest["data_fingerprint"],
+    )
     # Sequential and random access (by place in the prepared data) agree, and match a direct
     # forward of the sample.
     for index in range(len(manifest["shards"])):
@@ -154,22 +169,28 @@ def test_score_to_s3_read_back_and_check(s3, prepared, tiny_teacher, tmp_path):
     got = cache.signal_at(1, 0, sample["sample_id"])
     np.testing.assert_allclose(got.realized, direct.numpy(), rtol=1e-5, atol=1e-5)
     # Every field the training config may ask about is checked, naming it and both values.
-    for kwargs, field in (({"k": 16}, "k is 8, the config asks for 16"),
-                          ({"tau": 2.0}, "tau is 1.0, the config asks for 2.0"),
-                          ({"teacher_fingerprint": "abc"}, "teacher fingerprint is"),
-                          ({"tokenizer_fingerprint": "abc"}, "tokenizer fingerprint is"),
-                          ({"data_fingerprint": "abc"}, "data fingerprint is")):  # fmt: skip
+    for kwargs, field in (
+        ({"k": 16}, "k is 8, the config asks for 16"),
+        ({"tau": 2.0}, "tau is 1.0, the config asks for 2.0"),
+        ({"teacher_fingerprint": "abc"}, "teacher fingerprint is"),
+        ({"tokenizer_fingerprint": "abc"}, "tokenizer fingerprint is"),
+        ({"data_fingerprint": "abc"}, "data fingerprint is"),
+    ):
         with pytest.raises(SignalError, match=field):
             open_cache(uri, **kwargs)
-    with pytest.raises(CacheError, match=r"shard 1 row 0 holds '.*', the prepared data has "
-                       r"'nope' there; .*score the data you train on"):
+    with pytest.raises(
+        CacheError,
+        match=r"shard 1 row 0 holds '.*', the prepared data has "
+        r"'nope' there; .*score the data you train on",
+    ):
         cache.signal_at(1, 0, "nope")
     with pytest.raises(CacheError, match=r"has \d+ shards, not shard 99"):
         cache.signal_at(99, 0, "nope")
 
 
-def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teacher, monkeypatch,
-                                                       tmp_path):  # fmt: skip
+def test_interrupted_run_resumes_to_an_identical_cache(
+    s3, prepared, tiny_teacher, monkeypatch, tmp_path
+):
     full, partial = "s3://crosskd-test/cache/ref", "s3://crosskd-test/cache/resumed"
     reference = score(_score_config(prepared, tiny_teacher, full), progress=False)
     import crosskd.teacher.scoring as scoring
@@ -212,15 +233,20 @@ def test_interrupted_run_resumes_to_an_identical_cache(s3, prepared, tiny_teache
 
 @pytest.mark.parametrize(
     ("content", "problem"),
-    [(b'{"config_fingerprint": "ab', r"is damaged: not valid JSON \(Unterminated string"),
-     (b"\xff\xfe\x00garbage", r"is damaged: not valid JSON"),
-     (b"", r"is damaged: not valid JSON \(Expecting value\)"),
-     (b'["config_fingerprint"]', r"is damaged: a JSON list, not an object"),
-     (b'{"config_fingerprint": "ab", "dtype": "torch.float32"}',
-      r"lacks data_fingerprint, teacher_fingerprint, device_type, token_budget \(damaged")],
-)  # fmt: skip
-def test_a_damaged_run_record_is_refused_in_one_line(prepared, tiny_teacher, tmp_path, capsys,
-                                                     content, problem):  # fmt: skip
+    [
+        (b'{"config_fingerprint": "ab', r"is damaged: not valid JSON \(Unterminated string"),
+        (b"\xff\xfe\x00garbage", r"is damaged: not valid JSON"),
+        (b"", r"is damaged: not valid JSON \(Expecting value\)"),
+        (b'["config_fingerprint"]', r"is damaged: a JSON list, not an object"),
+        (
+            b'{"config_fingerprint": "ab", "dtype": "torch.float32"}',
+            r"lacks data_fingerprint, teacher_fingerprint, device_type, token_budget \(damaged",
+        ),
+    ],
+)
+def test_a_damaged_run_record_is_refused_in_one_line(
+    prepared, tiny_teacher, tmp_path, capsys, content, problem
+):
     """A rerun reads the earlier run's run.json: a damaged one (or one missing keys) is a
     CrosskdError naming the file and what to do, and the CLI prints it as one line."""
     out = tmp_path / "cache"
@@ -234,8 +260,19 @@ def test_a_damaged_run_record_is_refused_in_one_line(prepared, tiny_teacher, tmp
     assert re.search(advice, message) and "\n" not in message
     assert caught.value.__suppress_context__ or caught.value.__context__ is None
     assert not (out / "manifest.json").exists()
-    code = main(["score", "--data", prepared, "--teacher", str(tiny_teacher), "--output",
-                 str(out), "--k", "8"])  # fmt: skip
+    code = main(
+        [
+            "score",
+            "--data",
+            prepared,
+            "--teacher",
+            str(tiny_teacher),
+            "--output",
+            str(out),
+            "--k",
+            "8",
+        ]
+    )
     err = capsys.readouterr().err  # after transformers' progress bars: the error line
     assert code == 2 and "Traceback" not in err
     assert err.endswith(f"crosskd: error: {message}\n") and message.count("\n") == 0
@@ -286,8 +323,10 @@ def test_online_signal_equals_the_cached_signal(prepared, tiny_teacher, tmp_path
     read = [reader.row(*order.locate(r)) for r in (0, 1, order.rows - 1)]
     batch = collate([samples for samples, _ in read], n_teachers=1)
     side = batch.models["teacher0"]
-    where = [(order.locate(r)[0], first) for r, (_, first) in zip((0, 1, order.rows - 1), read,
-                                                                  strict=True)]  # fmt: skip
+    where = [
+        (order.locate(r)[0], first)
+        for r, (_, first) in zip((0, 1, order.rows - 1), read, strict=True)
+    ]
     cached = cache.batch(where, batch.sample_ids, side.input_ids.shape[1])
     online = online_signal(teacher, side, k=8, tau=1.0, token_budget=64)
     valid = side.segment_ids >= 0
@@ -299,16 +338,56 @@ def test_online_signal_equals_the_cached_signal(prepared, tiny_teacher, tmp_path
 
 def test_cli_score_and_bad_configs(prepared, tiny_teacher, tmp_path, capsys):
     out = str(tmp_path / "cli")
-    code = main(["score", "--data", prepared, "--teacher", str(tiny_teacher), "--output", out,
-                 "--k", "4", "--encoding", "lossy", "token_budget=32"])  # fmt: skip
+    code = main(
+        [
+            "score",
+            "--data",
+            prepared,
+            "--teacher",
+            str(tiny_teacher),
+            "--output",
+            out,
+            "--k",
+            "4",
+            "--encoding",
+            "lossy",
+            "token_budget=32",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert f"scored {len(TEXTS)} samples" in printed and "top-4 at tau 1.0, lossy" in printed
-    assert main(["score", "--data", prepared, "--teacher", str(tiny_teacher), "--output",
-                 str(tmp_path / "bad"), "--k", "0"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "score",
+                "--data",
+                prepared,
+                "--teacher",
+                str(tiny_teacher),
+                "--output",
+                str(tmp_path / "bad"),
+                "--k",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "k is 0; the cache stores a top K" in capsys.readouterr().err
-    assert main(["score", "--data", prepared, "--teacher", "zoo:qwen3", "--output",
-                 str(tmp_path / "bad2")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "score",
+                "--data",
+                prepared,
+                "--teacher",
+                "zoo:qwen3",
+                "--output",
+                str(tmp_path / "bad2"),
+            ]
+        )
+        == 2
+    )
     assert "unknown zoo model 'qwen3'" in capsys.readouterr().err
     with pytest.raises(CrosskdError, match="teacher_index is 3, but prepared data"):
         score(_score_config(prepared, tiny_teacher, str(tmp_path / "bad3"), teacher_index=3))

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.real_model
 
 DOCS = [
     "The capital of France is Paris. It is known for the Eiffel Tower and fine food.",
-    "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n",
+    'def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n',
     "Water boils at 100 degrees Celsius at sea level, and freezes at 0 degrees.",
     "Once upon a time, there was a little girl who lived in a village near the forest.",
 ]
@@ -39,17 +39,31 @@ def smollm2(zoo_cache):
 def scored(smollm2, zoo_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("real")
     data = root / "docs.jsonl"
-    data.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
-                            for i, t in enumerate(DOCS)))  # fmt: skip
-    prep = PrepareConfig(data=str(data), student_tokenizer="zoo:llama3",
-                         teacher_tokenizers=["zoo:smollm2"], output=str(root / "prep"),
-                         max_length=128)  # fmt: skip
+    data.write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(DOCS))
+    )
+    prep = PrepareConfig(
+        data=str(data),
+        student_tokenizer="zoo:llama3",
+        teacher_tokenizers=["zoo:smollm2"],
+        output=str(root / "prep"),
+        max_length=128,
+    )
     prepare(prep, progress=False)
     caches = {}
     for encoding in ("lossless", "lossy"):
         out = str(root / encoding)
-        score(ScoreConfig(data=prep.output, teacher=str(smollm2.folder), output=out, k=128,
-                          encoding=encoding, token_budget=256), progress=False)  # fmt: skip
+        score(
+            ScoreConfig(
+                data=prep.output,
+                teacher=str(smollm2.folder),
+                output=out,
+                k=128,
+                encoding=encoding,
+                token_budget=256,
+            ),
+            progress=False,
+        )
         caches[encoding] = open_cache(out, teacher_fingerprint=smollm2.fingerprint, k=128)
     return prep.output, caches
 
@@ -77,24 +91,39 @@ def test_realized_log_probs_equal_a_direct_forward_and_top1_beats_chance(smollm2
 def test_lossy_kd_is_within_one_percent_of_lossless(scored, zoo, built_table):
     prepared, caches = scored
     reader = PackedRows(load_prepared(prepared))
-    read = [(shard, *reader.row(shard, i))
-            for shard, n in enumerate(reader.shard_sizes()) for i in range(n)]  # fmt: skip
+    read = [
+        (shard, *reader.row(shard, i))
+        for shard, n in enumerate(reader.shard_sizes())
+        for i in range(n)
+    ]
     batch = collate([samples for _, samples, _ in read], n_teachers=1)
     side = batch.models["teacher0"]
     pair = TablePair(built_table("llama3", "smollm2"), built_table("smollm2", "llama3"))
-    config = LossConfig(teachers=[TeacherLossConfig(
-        k=128, student_to_teacher="s2t", teacher_to_student="t2s",
-    )])  # fmt: skip
+    config = LossConfig(
+        teachers=[
+            TeacherLossConfig(
+                k=128,
+                student_to_teacher="s2t",
+                teacher_to_student="t2s",
+            )
+        ]
+    )
     student_ids = batch.models["student"].input_ids
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(*student_ids.shape, zoo("llama3").vocab_size, generator=gen)
     kd = {}
     for encoding, cache in caches.items():
-        signal = cache.batch([(shard, first) for shard, _, first in read], batch.sample_ids,
-                             side.input_ids.shape[1])  # fmt: skip
-        plan = plan_loss(config, student_ids, batch.loss_mask,
-                         [TeacherBatch(side.input_ids, batch.chunks[0], signal)], [pair],
-                         student_vocab=logits.shape[-1])  # fmt: skip
+        signal = cache.batch(
+            [(shard, first) for shard, _, first in read], batch.sample_ids, side.input_ids.shape[1]
+        )
+        plan = plan_loss(
+            config,
+            student_ids,
+            batch.loss_mask,
+            [TeacherBatch(side.input_ids, batch.chunks[0], signal)],
+            [pair],
+            student_vocab=logits.shape[-1],
+        )
         kd[encoding] = compute_loss(logits, plan, config).kd.item()
     assert kd["lossless"] > 0
     assert abs(kd["lossy"] - kd["lossless"]) <= 0.01 * kd["lossless"]

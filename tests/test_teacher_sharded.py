@@ -47,8 +47,13 @@ def _shards(cache: str) -> dict[str, bytes]:
 
 
 def test_a_teacher_sharded_over_two_processes_scores_the_same_bytes(train_inputs, tmp_path):
-    config = ScoreConfig(data=train_inputs["data_sharded"], teacher=train_inputs["teacher"],
-                         output=str(tmp_path / "cache"), k=16, processes=2)  # fmt: skip
+    config = ScoreConfig(
+        data=train_inputs["data_sharded"],
+        teacher=train_inputs["teacher"],
+        output=str(tmp_path / "cache"),
+        k=16,
+        processes=2,
+    )
     # One shard over two processes: the second has none and joins the first's passes.
     first = score_on_processes(config, 0, 1, progress=False)
     assert (first["start"], first["stop"], len(first["parts"])) == (0, 1, 1)
@@ -56,32 +61,46 @@ def test_a_teacher_sharded_over_two_processes_scores_the_same_bytes(train_inputs
     # All of it: the halves 0..2 and 3..5, shard 0 kept from the first run (recorded twice).
     manifest = score(config, progress=False)
     assert sorted(p.name for p in (tmp_path / "cache" / "parts").iterdir()) == [
-        "00000-00001.json", "00000-00003.json", "00003-00006.json"]
+        "00000-00001.json",
+        "00000-00003.json",
+        "00003-00006.json",
+    ]
     whole = json.loads((Path(train_inputs["cache_sharded"]) / MANIFEST).read_text())
     assert manifest["samples"] == whole["samples"] and len(manifest["shards"]) == 6
     assert _shards(config.output) == _shards(train_inputs["cache_sharded"])
     assert manifest["bits_per_byte"] == pytest.approx(whole["bits_per_byte"], rel=1e-12)
 
 
-def test_processes_must_be_a_positive_integer_and_use_the_default_device(train_inputs,
-                                                                         tmp_path):  # fmt: skip
+def test_processes_must_be_a_positive_integer_and_use_the_default_device(train_inputs, tmp_path):
     with pytest.raises(CrosskdError, match=r"processes is 0; it must be an integer >= 1"):
         ScoreConfig(data="d", teacher="t", output="o", processes=0).check()
     with pytest.raises(CrosskdError, match=r"collective_timeout_s is 1.5; it must be an integer"):
         ScoreConfig(data="d", teacher="t", output="o", collective_timeout_s=1.5).check()
-    config = ScoreConfig(data=train_inputs["data_sharded"], teacher=train_inputs["teacher"],
-                         output=str(tmp_path / "c"), processes=2, device="cuda:0")  # fmt: skip
-    with pytest.raises(CrosskdError, match=r"device is 'cuda:0', but processes = 2 puts one "
-                                           r"process on each cpu device here"):  # fmt: skip
+    config = ScoreConfig(
+        data=train_inputs["data_sharded"],
+        teacher=train_inputs["teacher"],
+        output=str(tmp_path / "c"),
+        processes=2,
+        device="cuda:0",
+    )
+    with pytest.raises(
+        CrosskdError,
+        match=r"device is 'cuda:0', but processes = 2 puts one "
+        r"process on each cpu device here",
+    ):
         score_on_processes(config)
 
 
 def _bindings(real: object) -> list[tuple[object, str]]:
     """Every ``(module, name)`` of crosskd, transformers and safetensors bound to ``real``."""
     prefixes = ("crosskd", "transformers", "safetensors")
-    return [(module, name) for key, module in list(sys.modules.items())
-            if key.split(".")[0] in prefixes
-            for name, value in list(vars(module).items()) if value is real]  # fmt: skip
+    return [
+        (module, name)
+        for key, module in list(sys.modules.items())
+        if key.split(".")[0] in prefixes
+        for name, value in list(vars(module).items())
+        if value is real
+    ]
 
 
 class _ProbedSlice:
@@ -107,8 +126,9 @@ class _Probe:
         if self.seen["together"] is None:
             (self.out / f"reading-{self.rank}").touch()
             deadline = time.monotonic() + TOGETHER_WAIT_S
-            while (len(list(self.out.glob("reading-*"))) < self.world
-                   and time.monotonic() < deadline):  # fmt: skip
+            while (
+                len(list(self.out.glob("reading-*"))) < self.world and time.monotonic() < deadline
+            ):
                 time.sleep(0.1)
             self.seen["together"] = len(list(self.out.glob("reading-*"))) == self.world
         self.seen["read"][key] += tensor.numel()
@@ -117,8 +137,11 @@ class _Probe:
     def install(self) -> None:
         import torch.distributed as dist
 
-        real_open, real_hash, real_init = (safetensors.safe_open, crosskd.teacher.model.fingerprint,
-                                           dist.init_process_group)  # fmt: skip
+        real_open, real_hash, real_init = (
+            safetensors.safe_open,
+            crosskd.teacher.model.fingerprint,
+            dist.init_process_group,
+        )
         probe = self
 
         class ProbedOpen:
@@ -164,8 +187,7 @@ def _probed_worker(*args):
     """:func:`crosskd.teacher.sharded._worker` of this process, with a :class:`_Probe`."""
     from crosskd.teacher import sharded
 
-    probe = _Probe(Path(os.environ[PROBES]), int(os.environ["RANK"]),
-                   int(os.environ["WORLD_SIZE"]))  # fmt: skip
+    probe = _Probe(Path(os.environ[PROBES]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     probe.install()
     try:
         return sharded._worker(*args)
@@ -188,9 +210,14 @@ def test_the_workers_hash_nothing_read_their_own_rows_at_once_under_the_timeout(
     probes = tmp_path / "probes"
     probes.mkdir()
     monkeypatch.setenv(PROBES, str(probes))
-    config = ScoreConfig(data=train_inputs["data_sharded"], teacher=train_inputs["teacher"],
-                         output=str(tmp_path / "cache"), k=16, processes=2,
-                         collective_timeout_s=1234)  # fmt: skip
+    config = ScoreConfig(
+        data=train_inputs["data_sharded"],
+        teacher=train_inputs["teacher"],
+        output=str(tmp_path / "cache"),
+        k=16,
+        processes=2,
+        collective_timeout_s=1234,
+    )
     result = score_on_processes(config, 0, 2, progress=False)
 
     whole = json.loads((Path(train_inputs["cache_sharded"]) / MANIFEST).read_text())
@@ -217,22 +244,32 @@ def _save_teachers(root: Path) -> dict[str, Path]:
     from safetensors.torch import load_file, save_file
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    shape = {"vocab_size": 67, "hidden_size": 12, "num_attention_heads": 3,
-             "num_key_value_heads": 1, "intermediate_size": 24}  # fmt: skip
+    shape = {
+        "vocab_size": 67,
+        "hidden_size": 12,
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "intermediate_size": 24,
+    }
     folders = {name: root / name for name in ("tied", "untied", "renamed")}
     torch.manual_seed(0)
     tiny_llama(**shape).save_pretrained(folders["tied"])
-    tiny_llama(**shape, tie_word_embeddings=False).save_pretrained(folders["untied"],
-                                                                  max_shard_size="4KB")
+    tiny_llama(**shape, tie_word_embeddings=False).save_pretrained(
+        folders["untied"], max_shard_size="4KB"
+    )
     tiny_llama(**shape).save_pretrained(folders["renamed"])
     weights = folders["renamed"] / "model.safetensors"
     save_file({f"transformer.{k}": v for k, v in load_file(weights).items()}, weights)
     folders["mixtral"] = root / "mixtral"
     # bfloat16 grouped matmuls on CPU need rows of a multiple of 16 bytes: hidden 16.
-    MixtralForCausalLM(MixtralConfig(
-        **shape | {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2},
-        num_hidden_layers=2, num_local_experts=3, num_experts_per_tok=2,
-    )).save_pretrained(folders["mixtral"])  # fmt: skip
+    MixtralForCausalLM(
+        MixtralConfig(
+            **shape | {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2},
+            num_hidden_layers=2,
+            num_local_experts=3,
+            num_experts_per_tok=2,
+        )
+    ).save_pretrained(folders["mixtral"])
     return folders
 
 
@@ -259,17 +296,25 @@ def _loader_worker(rank: int, world: int, port: int, folders: dict[str, Path], o
             ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
             ref_params = dict(ref.named_parameters(remove_duplicate=False))
             seen[name] = {
-                "fingerprint": teacher.fingerprint, "vocab": teacher.vocab_size,
+                "fingerprint": teacher.fingerprint,
+                "vocab": teacher.vocab_size,
                 "tied": model.lm_head.weight is model.model.embed_tokens.weight,
                 "empty parts": sum(p.to_local().numel() == 0 for p in model.parameters()),
                 "differ": sorted(
-                    [n for n, p in model.named_parameters(remove_duplicate=False)
-                     if p.dtype != ref_params[n].dtype
-                     or not torch.equal(p.full_tensor(), ref_params[n])]
-                    + [n for n, b in model.named_buffers()
-                       if b.dtype != ref.get_buffer(n).dtype
-                       or not torch.equal(b, ref.get_buffer(n))]),
-            }  # fmt: skip
+                    [
+                        n
+                        for n, p in model.named_parameters(remove_duplicate=False)
+                        if p.dtype != ref_params[n].dtype
+                        or not torch.equal(p.full_tensor(), ref_params[n])
+                    ]
+                    + [
+                        n
+                        for n, b in model.named_buffers()
+                        if b.dtype != ref.get_buffer(n).dtype
+                        or not torch.equal(b, ref.get_buffer(n))
+                    ]
+                ),
+            }
             ids = torch.tensor([[1, 5, 9, 3, 66, 0, 7]])
             with torch.no_grad():
                 same = torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
@@ -287,11 +332,15 @@ def test_sharded_loading_gives_the_weights_buffers_and_logits_of_from_pretrained
     for rank in seen:
         for name in ("tied", "untied", "mixtral"):
             assert rank[name] | {"empty parts": None} == {
-                "fingerprint": "digest", "vocab": 67, "tied": name == "tied", "differ": [],
-                "same logits": True, "empty parts": None}, name  # fmt: skip
+                "fingerprint": "digest",
+                "vocab": 67,
+                "tied": name == "tied",
+                "differ": [],
+                "same logits": True,
+                "empty parts": None,
+            }, name
         assert rank["renamed"]["error"].startswith(
-            f"teacher {folders['renamed']}: its checkpoint holds no tensor for "
-            f"['lm_head.weight', "
+            f"teacher {folders['renamed']}: its checkpoint holds no tensor for ['lm_head.weight', "
         )
         assert "save the teacher with save_pretrained" in rank["renamed"]["error"]
     # rank 2 holds no rows of the 4-row k_proj and v_proj weights of the 2 layers

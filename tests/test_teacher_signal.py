@@ -16,9 +16,9 @@ from crosskd.teacher import SignalError, signal_from_logits, top_k_ids
 def test_hand_worked_signal():
     # One sequence of 3 tokens over V = 4. Row 0 predicts token 1 (id 2), row 1 predicts
     # token 2 (id 3); row 2 has no next token.
-    logits = torch.tensor([[0.0, 0.0, math.log(2.0), 0.0],
-                           [math.log(3.0), 0.0, 0.0, 0.0],
-                           [0.0, 0.0, 0.0, 0.0]])  # fmt: skip
+    logits = torch.tensor(
+        [[0.0, 0.0, math.log(2.0), 0.0], [math.log(3.0), 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    )
     ids = torch.tensor([1, 2, 3])
     signal = signal_from_logits(logits, ids, k=2, tau=1.0)
     # Row 0: exp(logits) = (1, 1, 2, 1), sum 5: p = (.2, .2, .4, .2). Top 2: id 2 (.4) and the
@@ -91,9 +91,12 @@ def test_signal_identity_is_enforced():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"k": 3, "tau": 0.0}, "tau is 0.0"), ({"k": 10, "tau": 1.0}, "k is 10"),
-     ({"k": -1, "tau": 1.0}, "k is -1")],
-)  # fmt: skip
+    [
+        ({"k": 3, "tau": 0.0}, "tau is 0.0"),
+        ({"k": 10, "tau": 1.0}, "k is 10"),
+        ({"k": -1, "tau": 1.0}, "k is -1"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(SignalError, match=message):
         signal_from_logits(torch.randn(4, 9), torch.randint(0, 9, (4,)), **kwargs)

@@ -22,8 +22,16 @@ from crosskd.tokenization.byte_level import byte_level_to_bytes, bytes_to_byte_l
 CORPUS = ["Hello world, héllo wörld! 123 4567", "Ünïcödé text\twith\nnewlines  ", "日本語 ✓"] * 20
 
 
-def _tiny(folder: Path, *, model="bpe", pre="bytelevel", normalizer=None, specials=(), config=None,
-          bpe=None):  # fmt: skip
+def _tiny(
+    folder: Path,
+    *,
+    model="bpe",
+    pre="bytelevel",
+    normalizer=None,
+    specials=(),
+    config=None,
+    bpe=None,
+):
     """Train a tiny tokenizer with the given components into ``folder``; returns the folder.
     ``bpe``: options for both the BPE model and its trainer (affixes)."""
     if model == "wordpiece":
@@ -32,9 +40,11 @@ def _tiny(folder: Path, *, model="bpe", pre="bytelevel", normalizer=None, specia
     else:
         tok = Tokenizer(models.BPE(**(bpe or {})))
         trainer = trainers.BpeTrainer(
-            vocab_size=400, special_tokens=list(specials),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), **(bpe or {}),
-        )  # fmt: skip
+            vocab_size=400,
+            special_tokens=list(specials),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            **(bpe or {}),
+        )
     if pre == "bytelevel":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -60,9 +70,10 @@ def test_llama3_byte_view_matches_tiktoken_for_every_id(zoo, tiktoken_encoding):
     normal = np.flatnonzero(llama.bytes.kind == KIND_NORMAL)
     assert len(normal) == 128000
     mismatched = [
-        i for i in normal.tolist()
+        i
+        for i in normal.tolist()
         if llama.bytes.token_bytes(i) != reference.decode_single_token_bytes(i)
-    ]  # fmt: skip
+    ]
     assert mismatched == []
     not_utf8 = 0
     for i in normal.tolist():
@@ -87,15 +98,38 @@ def test_specials_have_their_content_as_bytes_and_a_kind(zoo):
 @pytest.mark.parametrize(
     ("name", "expected"),
     [
-        ("llama3", {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "eot": "<|eot_id|>",
-                    "turn_start": "<|start_header_id|>", "header_end": "<|end_header_id|>"}),
-        ("qwen3", {"eos": "<|endoftext|>", "eot": "<|im_end|>", "turn_start": "<|im_start|>",
-                   "think_open": "<think>", "think_close": "</think>"}),
-        ("deepseek-v3", {"bos": "<｜begin▁of▁sentence｜>", "eot": "<｜end▁of▁sentence｜>",
-                         "user": "<｜User｜>", "assistant": "<｜Assistant｜>"}),
+        (
+            "llama3",
+            {
+                "bos": "<|begin_of_text|>",
+                "eos": "<|end_of_text|>",
+                "eot": "<|eot_id|>",
+                "turn_start": "<|start_header_id|>",
+                "header_end": "<|end_header_id|>",
+            },
+        ),
+        (
+            "qwen3",
+            {
+                "eos": "<|endoftext|>",
+                "eot": "<|im_end|>",
+                "turn_start": "<|im_start|>",
+                "think_open": "<think>",
+                "think_close": "</think>",
+            },
+        ),
+        (
+            "deepseek-v3",
+            {
+                "bos": "<｜begin▁of▁sentence｜>",
+                "eot": "<｜end▁of▁sentence｜>",
+                "user": "<｜User｜>",
+                "assistant": "<｜Assistant｜>",
+            },
+        ),
         ("smollm2", {"eos": "<|endoftext|>", "eot": "<|im_end|>", "turn_start": "<|im_start|>"}),
     ],
-)  # fmt: skip
+)
 def test_roles_of_the_zoo(zoo, name, expected):
     tok = zoo(name)
     found = {role: tok.bytes.token_bytes(i).decode() for role, i in tok.role_ids.items()}
@@ -106,15 +140,18 @@ def test_roles_of_the_zoo(zoo, name, expected):
 
 def test_roles_from_the_special_map_and_overrides(tmp_path):
     folder = _tiny(
-        tmp_path / "t", specials=("[EOS]", "[PAD]", "[X]"),
+        tmp_path / "t",
+        specials=("[EOS]", "[PAD]", "[X]"),
         config={"eos_token": "[EOS]", "pad_token": "[EOS]"},
-    )  # fmt: skip
+    )
     tok = load_tokenizer(folder)
     eos = tok.hf.convert_tokens_to_ids("[EOS]")
     assert tok.roles == {eos: "eos"}
     tok = load_tokenizer(folder, role_overrides={"[PAD]": "pad", "[X]": "eot", "[EOS]": None})
-    assert tok.role_ids == {"pad": tok.hf.convert_tokens_to_ids("[PAD]"),
-                            "eot": tok.hf.convert_tokens_to_ids("[X]")}  # fmt: skip
+    assert tok.role_ids == {
+        "pad": tok.hf.convert_tokens_to_ids("[PAD]"),
+        "eot": tok.hf.convert_tokens_to_ids("[X]"),
+    }
     with pytest.raises(TokenizerError, match="no added token with that content"):
         load_tokenizer(folder, role_overrides={"hello": "eos"})
     with pytest.raises(TokenizerError, match="is not a role"):
@@ -161,10 +198,12 @@ def test_fingerprint_is_stable_and_sensitive(tmp_path):
         ({"pre": "metaspace"}, "Metaspace pre-tokenizer"),
         ({"model": "wordpiece"}, "WordPiece model"),
         ({"normalizer": normalizers.NFKC()}, "NFKC normalizer"),
-        ({"normalizer": normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])},
-         "NFC, Lowercase normalizer"),
+        (
+            {"normalizer": normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])},
+            "NFC, Lowercase normalizer",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unsupported_tokenizers_are_refused(tmp_path, kwargs, found):
     folder = _tiny(tmp_path / "x", **kwargs)
     with pytest.raises(TokenizerError) as info:

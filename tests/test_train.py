@@ -51,8 +51,16 @@ _config = train_config
 
 
 def test_schedule_and_data_order():
-    config = TrainConfig(student="s", data="d", output="o", teachers=["c"], steps=10,
-                         warmup_steps=2, lr=1.0, min_lr_ratio=0.1)  # fmt: skip
+    config = TrainConfig(
+        student="s",
+        data="d",
+        output="o",
+        teachers=["c"],
+        steps=10,
+        warmup_steps=2,
+        lr=1.0,
+        min_lr_ratio=0.1,
+    )
     # Warmup: (s + 1) / 2 for s = 0, 1. Then cosine over 8 steps from 1 to 0.1: step 9 is at
     # 7/8 of it: 0.1 + 0.9 * 0.5 * (1 + cos(7 pi / 8)) = 0.1 + 0.45 * 0.0761205 = 0.1342542.
     got = [lr_at(s, config) for s in (0, 1, 2, 9)]
@@ -84,8 +92,9 @@ def test_schedule_and_data_order():
     with pytest.raises(ConfigError, match=r"a step of 8 rows does not split"):
         rank_micro_batches(step, 0, 3, 1)
     # The global batch decides grad_accum on each world size, or is refused by key.
-    config = TrainConfig(student="s", data="d", output="o", teachers=["c"], global_batch_rows=8,
-                         micro_batch_rows=2)  # fmt: skip
+    config = TrainConfig(
+        student="s", data="d", output="o", teachers=["c"], global_batch_rows=8, micro_batch_rows=2
+    )
     assert [config.batch_layout(dp) for dp in (1, 2, 4)] == [(8, 4), (8, 2), (8, 1)]
     with pytest.raises(ConfigError, match=r"global_batch_rows is 8, which micro_batch_rows"):
         config.batch_layout(3)
@@ -154,8 +163,9 @@ def _resume_from_step_2(config: TrainConfig, reference: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def reference(setup, tmp_path_factory):
     """One uninterrupted 6-step run (checkpoints every 2 steps) the resume tests compare to."""
-    trainer = Trainer(_config(setup, tmp_path_factory.mktemp("ref"), checkpoint_every=2),
-                      progress=False)  # fmt: skip
+    trainer = Trainer(
+        _config(setup, tmp_path_factory.mktemp("ref"), checkpoint_every=2), progress=False
+    )
     trainer.setup()
     history = trainer.train()
     trainer.close()
@@ -169,8 +179,10 @@ def test_a_killed_run_resumes_to_the_same_loss_curve(setup, reference, tmp_path)
     proc = SPAWN.Process(target=train_hanging_at, args=(config, 3))
     proc.start()
     log_path = tmp_path / "run" / "metrics-rank0.jsonl"
-    _wait_for(lambda: log_path.exists() and len(log_path.read_text().splitlines()) == 3,
-              "step 3 to be logged")  # fmt: skip
+    _wait_for(
+        lambda: log_path.exists() and len(log_path.read_text().splitlines()) == 3,
+        "step 3 to be logged",
+    )
     _kill(proc)
     latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 2
@@ -199,8 +211,9 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_last_complete_one(
 
 def test_checkpoint_retention_and_a_resume_that_would_change_the_data_order(setup, tmp_path):
     out = tmp_path / "run"
-    trainer = Trainer(_config(setup, out, checkpoint_every=1, keep_checkpoints=2, steps=5),
-                      progress=False)  # fmt: skip
+    trainer = Trainer(
+        _config(setup, out, checkpoint_every=1, keep_checkpoints=2, steps=5), progress=False
+    )
     trainer.setup()
     trainer.train(stop_after=4)
     trainer.close()
@@ -262,14 +275,17 @@ def test_an_infinite_gradient_under_a_finite_loss_stops_before_the_step(setup, t
 
 
 def test_metrics_are_served_over_http_during_the_run(setup, tmp_path):
-    trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=0,
-                              metrics_final_scrape_s=0), progress=False)  # fmt: skip
+    trainer = Trainer(
+        _config(setup, tmp_path / "run", metrics_port=0, metrics_final_scrape_s=0), progress=False
+    )
     trainer.setup()
     trainer.train(stop_after=2)
     port = trainer.exporter.port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    records = [json.loads(line) for line in
-               (tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()]  # fmt: skip
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()
+    ]
     last = records[-1]
     values = {}
     for line in text.splitlines():
@@ -283,7 +299,8 @@ def test_metrics_are_served_over_http_during_the_run(setup, tmp_path):
     assert values[f"crosskd_train_resumed_step{{{labels}}}"] == 0
     assert values[f"crosskd_train_loss{{{labels}}}"] == pytest.approx(last["loss"])
     assert values[f'crosskd_train_kd_loss{{{labels},teacher="teacher0"}}'] == pytest.approx(
-        last["kd/teacher0"])
+        last["kd/teacher0"]
+    )
     assert values[f"crosskd_train_learning_rate{{{labels}}}"] == pytest.approx(last["lr"])
     assert values[f"crosskd_train_grad_norm{{{labels}}}"] == pytest.approx(last["grad_norm"])
     assert last["grad_norm"] > 0
@@ -304,8 +321,10 @@ def test_metrics_port_is_per_local_rank(setup, tmp_path, monkeypatch):
     """Each pod numbers its processes by LOCAL_RANK; process k serves on metrics_port + k."""
     port = free_port()
     monkeypatch.setenv("LOCAL_RANK", "1")
-    trainer = Trainer(_config(setup, tmp_path / "run", metrics_port=port - 1,
-                              metrics_final_scrape_s=0), progress=False)  # fmt: skip
+    trainer = Trainer(
+        _config(setup, tmp_path / "run", metrics_port=port - 1, metrics_final_scrape_s=0),
+        progress=False,
+    )
     trainer.setup()
     assert trainer.exporter.port == port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -318,16 +337,20 @@ def test_two_process_ddp_equals_one_process_and_resumes_on_one(setup, tmp_path):
     curve, the KD term itself to 1e-5. Then a 2-process run stopped at step 2 resumes in one
     process and continues the same data order: the same micro-batches and the same curve as
     the uninterrupted one-process run."""
-    single = Trainer(_config(setup, tmp_path / "one", micro_batch_rows=2, checkpoint_every=2),
-                     progress=False)  # fmt: skip
+    single = Trainer(
+        _config(setup, tmp_path / "one", micro_batch_rows=2, checkpoint_every=2), progress=False
+    )
     single.setup()
     want = single.train()
     want_batches = [single.step_micro_batches(s) for s in range(6)]
     single.close()
-    run_ddp([
-        ("two", _config(setup, tmp_path / "two", micro_batch_rows=1), None),
-        ("stop", _config(setup, tmp_path / "stop", micro_batch_rows=1, checkpoint_every=2), 2),
-    ], tmp_path)  # fmt: skip
+    run_ddp(
+        [
+            ("two", _config(setup, tmp_path / "two", micro_batch_rows=1), None),
+            ("stop", _config(setup, tmp_path / "stop", micro_batch_rows=1, checkpoint_every=2), 2),
+        ],
+        tmp_path,
+    )
     for rank in (0, 1):
         got = json.loads((tmp_path / f"two-rank{rank}.json").read_text())
         for g, w in zip(got["history"], want, strict=True):
@@ -337,8 +360,9 @@ def test_two_process_ddp_equals_one_process_and_resumes_on_one(setup, tmp_path):
         for mine, whole in zip(got["micro_batches"], want_batches, strict=True):
             assert mine == [[rows[rank]] for rows in whole]
     assert json.loads((tmp_path / "two-rank0.json").read_text())["history"][0]["kd"] > 0.05
-    resumed = Trainer(_config(setup, tmp_path / "stop", micro_batch_rows=2, checkpoint_every=2),
-                      progress=False)  # fmt: skip
+    resumed = Trainer(
+        _config(setup, tmp_path / "stop", micro_batch_rows=2, checkpoint_every=2), progress=False
+    )
     resumed.setup()
     assert resumed.start == 2
     assert [resumed.step_micro_batches(s) for s in range(6)] == want_batches
@@ -351,17 +375,20 @@ def test_uld_trains_and_two_processes_equal_one(setup, tmp_path):
     """``loss.kd: uld``: the KD term is the ULD mean over the step's pairs (its pair count
     reduced over the ranks first), so 2 gloo processes give the one-process curve."""
     loss = dataclasses.replace(_config(setup, tmp_path).loss, kd="uld")
-    single = Trainer(_config(setup, tmp_path / "one", micro_batch_rows=2, loss=loss),
-                     progress=False)  # fmt: skip
+    single = Trainer(
+        _config(setup, tmp_path / "one", micro_batch_rows=2, loss=loss), progress=False
+    )
     single.setup()
     want = single.train()
     single.close()
     assert all(math.isfinite(h["loss"]) for h in want) and 0 < want[0]["kd"] <= 2
     assert want[0]["teacher0/uld_pairs"] > 0 and not any(k.endswith("/valid") for k in want[0])
     assert want[0]["kd/teacher0"] == pytest.approx(
-        want[0]["teacher0/uld_sum_l1"] / want[0]["teacher0/uld_pairs"])
-    run_ddp([("two", _config(setup, tmp_path / "two", micro_batch_rows=1, loss=loss), None)],
-            tmp_path)  # fmt: skip
+        want[0]["teacher0/uld_sum_l1"] / want[0]["teacher0/uld_pairs"]
+    )
+    run_ddp(
+        [("two", _config(setup, tmp_path / "two", micro_batch_rows=1, loss=loss), None)], tmp_path
+    )
     for rank in (0, 1):
         got = json.loads((tmp_path / f"two-rank{rank}.json").read_text())
         for g, w in zip(got["history"], want, strict=True):
@@ -398,17 +425,28 @@ def test_a_rank_with_a_damaged_shard_stops_every_rank_with_its_error(setup, tmp_
         payload = bytearray(shard.read_bytes())
         payload[len(payload) // 2] ^= 0xFF
         shard.write_bytes(bytes(payload))
-    configs = [_config(setup, tmp_path / "run", data=data, teachers=[setup["cache_sharded"]],
-                       micro_batch_rows=1, collective_timeout_s=60)
-               for data in (setup["data_sharded"], str(damaged))]  # fmt: skip
+    configs = [
+        _config(
+            setup,
+            tmp_path / "run",
+            data=data,
+            teachers=[setup["cache_sharded"]],
+            micro_batch_rows=1,
+            collective_timeout_s=60,
+        )
+        for data in (setup["data_sharded"], str(damaged))
+    ]
     run_ranks(input_failure_worker, (configs, tmp_path), tmp_path, world=2, timeout=120)
     outcomes = [json.loads((tmp_path / f"outcome{r}.json").read_text()) for r in (0, 1)]
     assert outcomes[0] == outcomes[1]
     assert outcomes[0]["type"] == "InputError" and outcomes[0]["exit_code"] == 2
     message = outcomes[0]["message"]
     assert "\n" not in message
-    assert re.match(r"step 1: the inputs of 1 rank\(s\) are bad, so every rank stopped \(rank 1: "
-                    r".*part-\d+\.parquet", message), message
+    assert re.match(
+        r"step 1: the inputs of 1 rank\(s\) are bad, so every rank stopped \(rank 1: "
+        r".*part-\d+\.parquet",
+        message,
+    ), message
 
 
 def test_inputs_that_failed_to_read_stop_every_rank_for_a_retry():
@@ -419,8 +457,10 @@ def test_inputs_that_failed_to_read_stop_every_rank_for_a_retry():
 
     transient = input_failure(4, [(3, "ConnectionResetError: reset by peer", False)])
     assert isinstance(transient, InputFailed) and not isinstance(transient, CrosskdError)
-    assert str(transient) == ("step 5: 1 rank(s) could not read their inputs, so every rank "
-                              "stopped (rank 3: ConnectionResetError: reset by peer)")  # fmt: skip
+    assert str(transient) == (
+        "step 5: 1 rank(s) could not read their inputs, so every rank "
+        "stopped (rank 3: ConnectionResetError: reset by peer)"
+    )
     final = input_failure(0, [(0, "timeout", False), (2, "cache sample id s1 is not s2", True)])
     assert isinstance(final, InputError) and final.exit_code == EXIT_INPUT
     assert str(final).endswith("(rank 0: timeout; rank 2: cache sample id s1 is not s2)")
@@ -430,12 +470,16 @@ def test_inputs_that_failed_to_read_stop_every_rank_for_a_retry():
     ("change", "message"),
     [
         ({"seed": 2**70}, r"seed is \d+; it must be < 2\*\*63"),
-        ({"student": "init", "student_tokenizer": "t", "student_shape": {"hidden_size": 0}},
-         r"student_shape.hidden_size is 0; it must be a positive integer"),
+        (
+            {"student": "init", "student_tokenizer": "t", "student_shape": {"hidden_size": 0}},
+            r"student_shape.hidden_size is 0; it must be a positive integer",
+        ),
         ({"loss": {"teachers": 5}}, r"loss: .*loss.teachers as a list of mappings"),
         ({"collective_timeout_s": 0}, r"collective_timeout_s is 0"),
-        ({"student": "init", "student_tokenizer": "t", "student_shape": {"hiden_size": 64}},
-         r"student_shape has unknown key\(s\) hiden_size; known: hidden_size, "),
+        (
+            {"student": "init", "student_tokenizer": "t", "student_shape": {"hiden_size": 64}},
+            r"student_shape has unknown key\(s\) hiden_size; known: hidden_size, ",
+        ),
         ({"metrics_final_scrape_s": -1}, r"metrics_final_scrape_s is -1; it must be a finite"),
         ({"steps": 0}, r"steps is 0; it must be an integer >= 1"),
         ({"steps": "10"}, r"steps is '10'; it must be an integer >= 1"),
@@ -521,8 +565,11 @@ def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
         model.weight.add_(1.0)
     save_checkpoint(str(tmp_path), 5, _one_process(model), optimizer, {"note": "again"})
     assert sorted(p.name for p in (tmp_path / "step-0000005").iterdir()) == [
-        "index.json", "rank-00000.json", "rank-00000.safetensors", "state.json",
-    ]  # fmt: skip
+        "index.json",
+        "rank-00000.json",
+        "rank-00000.safetensors",
+        "state.json",
+    ]
     fresh = torch.nn.Linear(3, 2)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     state = load_checkpoint(str(tmp_path), 5, _one_process(fresh), fresh_optimizer)
@@ -531,11 +578,13 @@ def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
         assert torch.equal(fresh_optimizer.state[fresh.bias][key], optimizer.state[model.bias][key])
     (tmp_path / "step-0000005" / "rank-00000.safetensors").write_bytes(b"garbage")
     with pytest.raises(CrosskdError, match=r"checkpoint .* is incomplete or damaged"):
-        load_checkpoint(str(tmp_path), 5, _one_process(fresh),
-                        torch.optim.AdamW(fresh.parameters(), lr=0.1))  # fmt: skip
+        load_checkpoint(
+            str(tmp_path), 5, _one_process(fresh), torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        )
     with pytest.raises(CrosskdError, match=r"step-0000006 cannot be read here .* storage all"):
-        load_checkpoint(str(tmp_path), 6, _one_process(fresh),
-                        torch.optim.AdamW(fresh.parameters(), lr=0.1))  # fmt: skip
+        load_checkpoint(
+            str(tmp_path), 6, _one_process(fresh), torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        )
 
 
 def test_a_checkpoint_for_another_optimizer_or_without_param_groups_is_refused(tmp_path):
@@ -544,17 +593,24 @@ def test_a_checkpoint_for_another_optimizer_or_without_param_groups_is_refused(t
     _saved_linear(tmp_path)
     other = torch.nn.Linear(3, 2)
     two_groups = torch.optim.AdamW([{"params": [other.weight]}, {"params": [other.bias]}])
-    with pytest.raises(CrosskdError, match=r"step-0000005: its optimizer state does not fit "
-                                           r"this model's optimizer"):  # fmt: skip
+    with pytest.raises(
+        CrosskdError,
+        match=r"step-0000005: its optimizer state does not fit "
+        r"this model's optimizer",
+    ):
         load_checkpoint(str(tmp_path), 5, _one_process(other), two_groups)
     state_file = tmp_path / "step-0000005" / "state.json"
     state = json.loads(state_file.read_text())
     del state["param_groups"]
     state_file.write_text(json.dumps(state))
-    with pytest.raises(CrosskdError, match=r"incomplete or damaged \(state.json has no "
-                                           r"param_groups list\)"):  # fmt: skip
-        load_checkpoint(str(tmp_path), 5, _one_process(other),
-                        torch.optim.AdamW(other.parameters()))  # fmt: skip
+    with pytest.raises(
+        CrosskdError,
+        match=r"incomplete or damaged \(state.json has no "
+        r"param_groups list\)",
+    ):
+        load_checkpoint(
+            str(tmp_path), 5, _one_process(other), torch.optim.AdamW(other.parameters())
+        )
 
 
 def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):
@@ -571,8 +627,9 @@ def test_online_teacher_trains_like_the_cache(setup, tmp_path):
     models, ~5e-5, moves by a few 1e-9)."""
     runs = {}
     for name, source in (("cache", setup["cache"]), ("online", f"online:{setup['teacher']}")):
-        trainer = Trainer(_config(setup, tmp_path / name, teachers=[source], steps=3),
-                          progress=False)  # fmt: skip
+        trainer = Trainer(
+            _config(setup, tmp_path / name, teachers=[source], steps=3), progress=False
+        )
         trainer.setup()
         runs[name] = trainer.train()
         trainer.close()
@@ -588,9 +645,16 @@ def test_shard_local_reads_once_per_epoch_and_the_input_thread_changes_nothing(s
     like the run that reads them inline."""
     runs = {}
     for depth in (0, 2):
-        config = train_config(setup, tmp_path / f"run-{depth}", data=setup["data_sharded"],
-                              teachers=[setup["cache_sharded"]], steps=8, window_shards=2,
-                              prefetch_steps=depth, checkpoint_every=0)  # fmt: skip
+        config = train_config(
+            setup,
+            tmp_path / f"run-{depth}",
+            data=setup["data_sharded"],
+            teachers=[setup["cache_sharded"]],
+            steps=8,
+            window_shards=2,
+            prefetch_steps=depth,
+            checkpoint_every=0,
+        )
         trainer = Trainer(config, progress=False)
         trainer.setup()
         assert len(trainer.rows.shard_sizes()) == 6
@@ -608,4 +672,5 @@ def test_shard_local_reads_once_per_epoch_and_the_input_thread_changes_nothing(s
     assert epochs >= 2
     for inline, ahead in zip(runs[0], runs[2], strict=True):
         assert {k: v for k, v in inline.items() if k != "input_wait_s"} == {
-            k: v for k, v in ahead.items() if k != "input_wait_s"}
+            k: v for k, v in ahead.items() if k != "input_wait_s"
+        }

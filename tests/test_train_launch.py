@@ -41,17 +41,35 @@ def test_exit_codes_of_failed_workers():
 
 
 def test_rendezvous_from_the_operators_environment():
-    master = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "PET_NNODES": "4",
-              "PET_NODE_RANK": "2", "WORLD_SIZE": "32", "RANK": "2"}  # fmt: skip
+    master = {
+        "MASTER_ADDR": "job-master-0",
+        "MASTER_PORT": "23456",
+        "PET_NNODES": "4",
+        "PET_NODE_RANK": "2",
+        "WORLD_SIZE": "32",
+        "RANK": "2",
+    }
     assert rendezvous(master) == {
-        "rdzv_backend": "static", "rdzv_endpoint": "job-master-0:23456",
-        "rdzv_configs": {"rank": 2}, "min_nodes": 4, "max_nodes": 4, "run_id": "crosskd",
-    }  # fmt: skip
-    elastic = {"PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "job-worker-0:23456",
-               "PET_RDZV_ID": "job", "PET_NNODES": "2:4"}  # fmt: skip
+        "rdzv_backend": "static",
+        "rdzv_endpoint": "job-master-0:23456",
+        "rdzv_configs": {"rank": 2},
+        "min_nodes": 4,
+        "max_nodes": 4,
+        "run_id": "crosskd",
+    }
+    elastic = {
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": "job-worker-0:23456",
+        "PET_RDZV_ID": "job",
+        "PET_NNODES": "2:4",
+    }
     got = rendezvous(elastic)
     assert (got["rdzv_backend"], got["min_nodes"], got["max_nodes"], got["run_id"]) == (
-        "c10d", 2, 4, "job")
+        "c10d",
+        2,
+        4,
+        "job",
+    )
     alone = rendezvous({})
     assert alone["rdzv_endpoint"].startswith("127.0.0.1:") and alone["max_nodes"] == 1
     with pytest.raises(Exception, match=r"PET_NNODES is 4 but PET_NODE_RANK is not set"):
@@ -73,14 +91,26 @@ def test_the_restart_budget_counts_failures_without_progress(train_inputs, tmp_p
 
 def _write_config(tmp_path: Path, train_inputs: dict, **kw) -> Path:
     values = {
-        "student": train_inputs["student"], "data": train_inputs["data"],
-        "output": str(tmp_path / "run"), "teachers": [train_inputs["cache"]],
-        "loss": {"dynamic_kd_scale": True, "teachers": [{
-            "k": 16, "student_to_teacher": train_inputs["s2t"],
-            "teacher_to_student": train_inputs["t2s"]}]},
-        "steps": 6, "micro_batch_rows": 1, "global_batch_rows": 2, "lr": 3e-3,
+        "student": train_inputs["student"],
+        "data": train_inputs["data"],
+        "output": str(tmp_path / "run"),
+        "teachers": [train_inputs["cache"]],
+        "loss": {
+            "dynamic_kd_scale": True,
+            "teachers": [
+                {
+                    "k": 16,
+                    "student_to_teacher": train_inputs["s2t"],
+                    "teacher_to_student": train_inputs["t2s"],
+                }
+            ],
+        },
+        "steps": 6,
+        "micro_batch_rows": 1,
+        "global_batch_rows": 2,
+        "lr": 3e-3,
         "warmup_steps": 2,
-    } | kw  # fmt: skip
+    } | kw
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
@@ -89,10 +119,22 @@ def _write_config(tmp_path: Path, train_inputs: dict, **kw) -> Path:
 def _agent(config: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "crosskd.cli", "train", "--config", str(config),
-         "--nproc-per-node", "2", *overrides],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "crosskd.cli",
+            "train",
+            "--config",
+            str(config),
+            "--nproc-per-node",
+            "2",
+            *overrides,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _logged(tmp_path: Path) -> list[dict]:
@@ -128,8 +170,7 @@ def test_two_workers_under_the_agent_train_like_one_process(train_inputs, tmp_pa
     assert json.loads((tmp_path / "run" / "final" / "crosskd-model.json").read_text())["step"] == 6
 
 
-def test_sigterm_stops_every_worker_after_a_step_checkpoints_and_exits_143(train_inputs,
-                                                                          tmp_path):  # fmt: skip
+def test_sigterm_stops_every_worker_after_a_step_checkpoints_and_exits_143(train_inputs, tmp_path):
     """SIGTERM to the pod's process (eviction): the workers finish their step together, it is
     checkpointed, the pod exits 143 (retried by the operator), never 0, and no final model is
     written; started again, the run resumes from that checkpoint and completes."""
@@ -158,8 +199,7 @@ def _children(pid: int) -> list[int]:
 def test_a_killed_worker_is_retryable_and_a_data_error_is_not(train_inputs, tmp_path):
     """SIGKILL one worker: the pod exits 200 (retryable) and counts the failure; tables that
     do not belong to the data fail in the workers with exit 2, permanent, not counted."""
-    config = _write_config(tmp_path, train_inputs, steps=5000, checkpoint_every=0,
-                           max_restarts=1)  # fmt: skip
+    config = _write_config(tmp_path, train_inputs, steps=5000, checkpoint_every=0, max_restarts=1)
     proc = _agent(config)
     _wait_logged(tmp_path, 2, proc)
     workers = _children(proc.pid)
@@ -169,9 +209,20 @@ def test_a_killed_worker_is_retryable_and_a_data_error_is_not(train_inputs, tmp_
     assert proc.returncode == EXIT_RETRYABLE, output[-3000:]
     record = json.loads((tmp_path / "run" / "restarts" / "node-0.json").read_text())
     assert record["count"] == 1
-    wrong = _write_config(tmp_path, train_inputs, output=str(tmp_path / "wrong"), loss={
-        "teachers": [{"k": 16, "student_to_teacher": train_inputs["s2t_b"],
-                      "teacher_to_student": train_inputs["t2s_b"]}]})  # fmt: skip
+    wrong = _write_config(
+        tmp_path,
+        train_inputs,
+        output=str(tmp_path / "wrong"),
+        loss={
+            "teachers": [
+                {
+                    "k": 16,
+                    "student_to_teacher": train_inputs["s2t_b"],
+                    "teacher_to_student": train_inputs["t2s_b"],
+                }
+            ]
+        },
+    )
     proc = _agent(wrong)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_INPUT, output[-3000:]

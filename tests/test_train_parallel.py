@@ -67,19 +67,39 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
     one-process figure."""
     want, single = _single(_config(train_inputs, tmp_path / "one"))
     runs = [
-        ("fsdp", _config(train_inputs, tmp_path / "fsdp", micro_batch_rows=1,
-                         parallel={"dp_shard": 2})),
+        (
+            "fsdp",
+            _config(train_inputs, tmp_path / "fsdp", micro_batch_rows=1, parallel={"dp_shard": 2}),
+        ),
         ("tp", _config(train_inputs, tmp_path / "tp", parallel={"tp": 2})),
         ("cp", _config(train_inputs, tmp_path / "cp", parallel={"cp": 2})),
         # Recomputed layers repeat their collectives (FSDP2 gathers, cp's key/value gathers).
-        ("fsdp_recompute", _config(train_inputs, tmp_path / "fsdp_recompute",
-                                   parallel={"dp_shard": 2}, micro_batch_rows=1,
-                                   activation_checkpointing=True)),
-        ("cp_recompute", _config(train_inputs, tmp_path / "cp_recompute", parallel={"cp": 2},
-                                 activation_checkpointing=True)),
-        ("cp_eager", _config(train_inputs, tmp_path / "cp_eager", parallel={"cp": 2},
-                             attn_implementation="eager")),
-    ]  # fmt: skip
+        (
+            "fsdp_recompute",
+            _config(
+                train_inputs,
+                tmp_path / "fsdp_recompute",
+                parallel={"dp_shard": 2},
+                micro_batch_rows=1,
+                activation_checkpointing=True,
+            ),
+        ),
+        (
+            "cp_recompute",
+            _config(
+                train_inputs,
+                tmp_path / "cp_recompute",
+                parallel={"cp": 2},
+                activation_checkpointing=True,
+            ),
+        ),
+        (
+            "cp_eager",
+            _config(
+                train_inputs, tmp_path / "cp_eager", parallel={"cp": 2}, attn_implementation="eager"
+            ),
+        ),
+    ]
     run_ddp([(name, config, None) for name, config in runs], tmp_path)
     reference = _weights(tmp_path / "one")
     for name, _ in runs:
@@ -97,7 +117,10 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
     # parameter) are held whole by every rank.
     steps = 4 * len(list(single.model.parameters()))
     assert [halves[0][k] + halves[1][k] for k in ("parameters", "gradients", "optimizer")] == [
-        whole["parameters"], whole["gradients"], whole["optimizer"] + steps]
+        whole["parameters"],
+        whole["gradients"],
+        whole["optimizer"] + steps,
+    ]
     # tp = 2: each rank holds half the (tied) embedding and head; the decoder layers whole.
     vocab_bytes = single.model.get_input_embeddings().weight.numel() * 4
     tp_bytes = _rank(tmp_path, "tp", 0)["state_bytes"]["parameters"]
@@ -110,12 +133,19 @@ def test_fsdp2_gradient_accumulation_holds_only_gradient_shards(train_inputs, tm
     no rank ever holds more than its half of the gradients: every micro-batch reduce-scatters
     (accumulating whole gradients until the last one would hold the model's size on every
     rank)."""
-    loss = LossConfig(kd_weight=0.7, teachers=[TeacherLossConfig(
-        k=16, student_to_teacher=train_inputs["s2t"], teacher_to_student=train_inputs["t2s"])])
+    loss = LossConfig(
+        kd_weight=0.7,
+        teachers=[
+            TeacherLossConfig(
+                k=16, student_to_teacher=train_inputs["s2t"], teacher_to_student=train_inputs["t2s"]
+            )
+        ],
+    )
     common = {"loss": loss, "global_batch_rows": 4, "steps": 3}
     want, single = _single(_config(train_inputs, tmp_path / "one", micro_batch_rows=4, **common))
-    accumulated = _config(train_inputs, tmp_path / "fsdp", micro_batch_rows=1,
-                          parallel={"dp_shard": 2}, **common)  # fmt: skip
+    accumulated = _config(
+        train_inputs, tmp_path / "fsdp", micro_batch_rows=1, parallel={"dp_shard": 2}, **common
+    )
     run_ddp([("fsdp", accumulated, None)], tmp_path)
     whole = single.state_bytes["gradients"]
     assert single.student.gradient_peak == whole
@@ -138,18 +168,52 @@ def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_
     # One micro-batch of 4 rows per step on every layout (kd_scale is the last micro-batch's).
     global_batch = {"global_batch_rows": 4}
     want, _ = _single(_config(train_inputs, tmp_path / "one", micro_batch_rows=4, **global_batch))
-    grid = _config(train_inputs, tmp_path / "grid", micro_batch_rows=2,
-                   parallel={"dp_shard": 2, "tp": 2}, **global_batch)  # fmt: skip
-    reshard = _config(train_inputs, tmp_path / "grid", micro_batch_rows=1,
-                      parallel={"dp_shard": 4}, **global_batch)  # fmt: skip
-    hsdp = _config(train_inputs, tmp_path / "hsdp", micro_batch_rows=1,
-                   parallel={"dp_replicate": 2, "dp_shard": 2}, **global_batch)  # fmt: skip
-    cp_tp = _config(train_inputs, tmp_path / "cp_tp", micro_batch_rows=4,
-                    parallel={"cp": 2, "tp": 2}, **global_batch)  # fmt: skip
-    fsdp_cp = _config(train_inputs, tmp_path / "fsdp_cp", micro_batch_rows=2,
-                      parallel={"dp_shard": 2, "cp": 2}, **global_batch)  # fmt: skip
-    run_ddp([("grid", grid, 2), ("reshard", reshard, None), ("hsdp", hsdp, 2),
-             ("cp_tp", cp_tp, 2), ("fsdp_cp", fsdp_cp, 2)], tmp_path, world=4)  # fmt: skip
+    grid = _config(
+        train_inputs,
+        tmp_path / "grid",
+        micro_batch_rows=2,
+        parallel={"dp_shard": 2, "tp": 2},
+        **global_batch,
+    )
+    reshard = _config(
+        train_inputs,
+        tmp_path / "grid",
+        micro_batch_rows=1,
+        parallel={"dp_shard": 4},
+        **global_batch,
+    )
+    hsdp = _config(
+        train_inputs,
+        tmp_path / "hsdp",
+        micro_batch_rows=1,
+        parallel={"dp_replicate": 2, "dp_shard": 2},
+        **global_batch,
+    )
+    cp_tp = _config(
+        train_inputs,
+        tmp_path / "cp_tp",
+        micro_batch_rows=4,
+        parallel={"cp": 2, "tp": 2},
+        **global_batch,
+    )
+    fsdp_cp = _config(
+        train_inputs,
+        tmp_path / "fsdp_cp",
+        micro_batch_rows=2,
+        parallel={"dp_shard": 2, "cp": 2},
+        **global_batch,
+    )
+    run_ddp(
+        [
+            ("grid", grid, 2),
+            ("reshard", reshard, None),
+            ("hsdp", hsdp, 2),
+            ("cp_tp", cp_tp, 2),
+            ("fsdp_cp", fsdp_cp, 2),
+        ],
+        tmp_path,
+        world=4,
+    )
     for rank in range(4):
         _same_curve(_rank(tmp_path, "grid", rank)["history"], want[:2])
         _same_curve(_rank(tmp_path, "hsdp", rank)["history"], want[:2])
@@ -166,11 +230,15 @@ def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_
     alone = tmp_path / "alone" / "checkpoints"
     shutil.copytree(tmp_path / "grid/checkpoints/step-0000002", alone / "step-0000002")
     (alone / "latest.json").write_text(json.dumps({"step": 2, "path": "step-0000002"}))
-    loaded = Trainer(_config(train_inputs, tmp_path / "alone", micro_batch_rows=4,
-                             **global_batch), progress=False)  # fmt: skip
+    loaded = Trainer(
+        _config(train_inputs, tmp_path / "alone", micro_batch_rows=4, **global_batch),
+        progress=False,
+    )
     loaded.setup()
-    mine = Trainer(_config(train_inputs, tmp_path / "mine", micro_batch_rows=4, steps=2,
-                           **global_batch), progress=False)  # fmt: skip
+    mine = Trainer(
+        _config(train_inputs, tmp_path / "mine", micro_batch_rows=4, steps=2, **global_batch),
+        progress=False,
+    )
     mine.setup()
     mine.train()
     for (name, a), b in zip(loaded.model.named_parameters(), mine.model.parameters(), strict=True):
@@ -178,8 +246,9 @@ def test_dp_shard_x_tp_on_four_ranks_resumes_on_other_layouts(train_inputs, tmp_
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             x, y = loaded.optimizer.state[a][key], mine.optimizer.state[b][key]
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4 * float(y.abs().max()),
-                                       msg=f"{name} {key}")  # fmt: skip
+            torch.testing.assert_close(
+                x, y, rtol=1e-4, atol=1e-4 * float(y.abs().max()), msg=f"{name} {key}"
+            )
     _same_curve(loaded.train(), want[2:])
     loaded.close()
     mine.close()
@@ -209,8 +278,7 @@ def test_a_failed_write_of_the_gathered_model_leaves_no_rank_in_a_gather(tmp_pat
     """Rank 0's first file write fails with every tensor still to gather: it goes on gathering
     with the other rank and raises at the end; both reach the barrier after (no hang)."""
     run_ranks(gather_failure_worker, (tmp_path,), tmp_path, world=2, timeout=120)
-    raised = [json.loads((tmp_path / f"gather-rank{r}.json").read_text())["raised"]
-              for r in (0, 1)]  # fmt: skip
+    raised = [json.loads((tmp_path / f"gather-rank{r}.json").read_text())["raised"] for r in (0, 1)]
     assert raised[0] is not None and raised[1] is None
     assert not (tmp_path / "missing").exists()
 
@@ -219,14 +287,22 @@ def test_a_failed_write_of_the_gathered_model_leaves_no_rank_in_a_gather(tmp_pat
     ("parallel", "world", "message"),
     [
         ({"dp_shard": 0}, 1, r"parallel.dp_shard is 0; it must be an integer >= 1"),
-        ({"tp": 3}, 2, r"parallel.dp_shard \* parallel.cp \* parallel.tp = 1 \* 1 \* 3 = 3 "
-                       r"does not divide the 2 processes"),
-        ({"dp_replicate": 2, "dp_shard": 2}, 2, r"parallel.dp_replicate \* parallel.dp_shard \* "
-                                                r"parallel.cp \* parallel.tp = 2 \* 2 \* 1 \* 1 "
-                                                r"= 4, but there are 2 processes"),
+        (
+            {"tp": 3},
+            2,
+            r"parallel.dp_shard \* parallel.cp \* parallel.tp = 1 \* 1 \* 3 = 3 "
+            r"does not divide the 2 processes",
+        ),
+        (
+            {"dp_replicate": 2, "dp_shard": 2},
+            2,
+            r"parallel.dp_replicate \* parallel.dp_shard \* "
+            r"parallel.cp \* parallel.tp = 2 \* 2 \* 1 \* 1 "
+            r"= 4, but there are 2 processes",
+        ),
         ({"pp": 2}, 1, r"parallel: unknown key\(s\) pp; known keys: dp_replicate, dp_shard"),
     ],
-)  # fmt: skip
+)
 def test_bad_layouts_are_refused_by_key(parallel, world, message):
     with pytest.raises(ConfigError, match=message):
         config = TrainConfig(student="s", data="d", output="o", teachers=["c"], parallel=parallel)
@@ -240,15 +316,22 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     real ranks)."""
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(ConfigError, match=r"parallel.tp / parallel.cp split the logits, which "
-                                          r"loss.kd 'uld'"):  # fmt: skip
-        train_config(train_inputs, tmp_path / "a", parallel={"tp": 2},
-                     loss={"kd": "uld", "teachers": [{}]})  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.tp / parallel.cp split the logits, which "
+        r"loss.kd 'uld'",
+    ):
+        train_config(
+            train_inputs, tmp_path / "a", parallel={"tp": 2}, loss={"kd": "uld", "teachers": [{}]}
+        )
     layout = ParallelLayout(tp=4).resolved(4)
     assert layout.dp_replicate == 1 and layout.dp == 1 and layout.model_parallel == 4
     model = AutoModelForCausalLM.from_pretrained(train_inputs["student"])  # 330 entries
-    with pytest.raises(ConfigError, match=r"vocabulary has 330 entries, which parallel.tp = 4 "
-                                          r"does not divide"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"vocabulary has 330 entries, which parallel.tp = 4 "
+        r"does not divide",
+    ):
         parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None))
 
     class ScaledEmbedding(torch.nn.Embedding):  # as Gemma's: the lookup times sqrt(hidden)
@@ -263,25 +346,34 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     cp_only = ParallelLayout(cp=2).resolved(2)  # cp runs the model's own embedding and head
     student = parallelize(model, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
     assert student.sliced == frozenset() and model.get_input_embeddings() is scaled
-    dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                          "rope_theta": 1e4})  # fmt: skip
-    with pytest.raises(ConfigError, match=r"LlamaForCausalLM uses 'dynamic' rotary embeddings, "
-                                          r".* train it with parallel.cp=1"):  # fmt: skip
+    dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(
+        ConfigError,
+        match=r"LlamaForCausalLM uses 'dynamic' rotary embeddings, "
+        r".* train it with parallel.cp=1",
+    ):
         parallelize(dynamic, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
     flash = tiny_llama()
     flash.config._attn_implementation = "flash_attention_2"  # a micro-batch as one row
-    with pytest.raises(ConfigError, match=r"it has 'flash_attention_2' .* Set "
-                                          r"attn_implementation to sdpa or eager"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"it has 'flash_attention_2' .* Set "
+        r"attn_implementation to sdpa or eager",
+    ):
         parallelize(flash, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
     layerless = tiny_llama()
     layerless._no_split_modules = []  # a model that names no decoder layer class
     layers = r"names no decoder layer class \(_no_split_modules\), so it cannot be split per "
     with pytest.raises(ConfigError, match=layers + r"layer .* parallel.cp=1"):
         parallelize(layerless, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
-    config = train_config(train_inputs, tmp_path / "eval", parallel={"tp": 2},
-                          eval_data=train_inputs["heldout"])  # fmt: skip
-    with pytest.raises(AssertionError, match=r"held-out evaluation needs whole logits \(cp and "
-                                             r"tp 1\)"):  # fmt: skip
+    config = train_config(
+        train_inputs, tmp_path / "eval", parallel={"tp": 2}, eval_data=train_inputs["heldout"]
+    )
+    with pytest.raises(
+        AssertionError,
+        match=r"held-out evaluation needs whole logits \(cp and "
+        r"tp 1\)",
+    ):
         run_ddp([("eval", config, None)], tmp_path, timeout=120)
 
 
@@ -289,19 +381,31 @@ def test_heldout_evaluation_under_fsdp2_equals_one_process(train_inputs, tmp_pat
     """Two FSDP2 ranks score 2 and 1 held-out samples (their forward passes in lockstep: the
     one with fewer batches joins the other's): the one-process bits per byte, and the same
     best/ step."""
-    want, _ = _single(_config(train_inputs, tmp_path / "one", steps=4,
-                              eval_data=train_inputs["heldout"]))  # fmt: skip
-    config = _config(train_inputs, tmp_path / "fsdp", steps=4, micro_batch_rows=1,
-                     parallel={"dp_shard": 2}, eval_data=train_inputs["heldout"])  # fmt: skip
+    want, _ = _single(
+        _config(train_inputs, tmp_path / "one", steps=4, eval_data=train_inputs["heldout"])
+    )
+    config = _config(
+        train_inputs,
+        tmp_path / "fsdp",
+        steps=4,
+        micro_batch_rows=1,
+        parallel={"dp_shard": 2},
+        eval_data=train_inputs["heldout"],
+    )
     run_ddp([("fsdp", config, None)], tmp_path)
     got = _rank(tmp_path, "fsdp", 0)["history"]
-    scored = [(g["heldout_bits_per_byte"], w["heldout_bits_per_byte"])
-              for g, w in zip(got, want, strict=True) if "heldout_bits_per_byte" in w]  # fmt: skip
+    scored = [
+        (g["heldout_bits_per_byte"], w["heldout_bits_per_byte"])
+        for g, w in zip(got, want, strict=True)
+        if "heldout_bits_per_byte" in w
+    ]
     assert len(scored) == 2
     for g, w in scored:
         assert g == pytest.approx(w, rel=1e-5)
-    best = [json.loads((tmp_path / run / "best/crosskd-model.json").read_text())["step"]
-            for run in ("fsdp", "one")]  # fmt: skip
+    best = [
+        json.loads((tmp_path / run / "best/crosskd-model.json").read_text())["step"]
+        for run in ("fsdp", "one")
+    ]
     assert best[0] == best[1]
 
 
@@ -312,14 +416,18 @@ def test_activation_checkpointing_recomputes_the_same_step(train_inputs, tmp_pat
     want.setup()
     kept = want.train()
     want.close()
-    again = Trainer(_config(train_inputs, tmp_path / "again", steps=3,
-                            activation_checkpointing=True), progress=False)  # fmt: skip
+    again = Trainer(
+        _config(train_inputs, tmp_path / "again", steps=3, activation_checkpointing=True),
+        progress=False,
+    )
     again.setup()
-    checkpointed = [m for m in again.model.modules()
-                    if getattr(m, "gradient_checkpointing", False)]  # fmt: skip
+    checkpointed = [m for m in again.model.modules() if getattr(m, "gradient_checkpointing", False)]
     assert checkpointed, "no layer is checkpointed"
     _same_curve(again.train(), kept)
     again.close()
-    with pytest.raises(ConfigError, match=r"activation_checkpointing is 'yes'; it must be true "
-                                          r"or false"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"activation_checkpointing is 'yes'; it must be true "
+        r"or false",
+    ):
         _config(train_inputs, tmp_path / "bad", activation_checkpointing="yes")

@@ -30,15 +30,18 @@ def _trainer(config) -> Trainer:
 ATTENTION = [
     "eager",
     "sdpa",
-    pytest.param("flash_attention_2", marks=pytest.mark.skipif(
-        not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn")),
-        reason="flash-attention needs CUDA and the flash_attn package")),
-]  # fmt: skip
+    pytest.param(
+        "flash_attention_2",
+        marks=pytest.mark.skipif(
+            not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn")),
+            reason="flash-attention needs CUDA and the flash_attn package",
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("implementation", ATTENTION)
-def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_path,
-                                                          implementation):  # fmt: skip
+def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_path, implementation):
     """The trainer's own forward call, in train mode, on a batch of two packed rows (one
     padded): each sample's logits equal the sample's forward alone. (A boolean mask under eager
     attention is added as +1/0 and misses this by ~0.2.)"""
@@ -97,9 +100,11 @@ def test_a_window_of_positions_gets_its_rows_of_the_whole_mask():
         assert window["position_ids"].tolist() == [[1, 2, 0], [3, 0, 0]]
         assert torch.equal(window["attention_mask"], whole["attention_mask"][:, :, 3:6])
     allowed = packed_inputs("sdpa", ids, segments, positions, torch.float32, (3, 6))
-    assert allowed["attention_mask"][0, 0].int().tolist() == [[0, 0, 1, 1, 0, 0],
-                                                              [0, 0, 1, 1, 1, 0],
-                                                              [0, 0, 0, 0, 0, 1]]  # fmt: skip
+    assert allowed["attention_mask"][0, 0].int().tolist() == [
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
     with pytest.raises(ConfigError, match=r"windows of positions need eager or sdpa"):
         packed_inputs("flash_attention_2", ids, segments, positions, torch.bfloat16, (3, 6))
 
@@ -107,12 +112,26 @@ def test_a_window_of_positions_gets_its_rows_of_the_whole_mask():
 def test_gradient_accumulation_equals_one_bigger_batch(train_inputs, tmp_path):
     """Two micro-batches of one row per step train exactly like one micro-batch of two rows
     (static kd_scale: the dynamic one is per micro-batch by definition)."""
-    loss = LossConfig(kd_weight=0.7, teachers=[TeacherLossConfig(
-        k=16, student_to_teacher=train_inputs["s2t"], teacher_to_student=train_inputs["t2s"])])
+    loss = LossConfig(
+        kd_weight=0.7,
+        teachers=[
+            TeacherLossConfig(
+                k=16, student_to_teacher=train_inputs["s2t"], teacher_to_student=train_inputs["t2s"]
+            )
+        ],
+    )
     runs = {}
     for name, rows, accum in (("accum", 1, 2), ("big", 2, 1)):
-        trainer = _trainer(train_config(train_inputs, tmp_path / name, loss=loss, steps=3,
-                                        micro_batch_rows=rows, grad_accum=accum))  # fmt: skip
+        trainer = _trainer(
+            train_config(
+                train_inputs,
+                tmp_path / name,
+                loss=loss,
+                steps=3,
+                micro_batch_rows=rows,
+                grad_accum=accum,
+            )
+        )
         runs[name] = (trainer.train(), [p.detach().clone() for p in trainer.model.parameters()])
         trainer.close()
     for got, want in zip(runs["accum"][0], runs["big"][0], strict=True):
@@ -129,14 +148,28 @@ def test_two_teachers_at_tau_2_match_the_slow_reference(train_inputs, tmp_path):
     equals 1 * KD_A + 0.5 * KD_B of the slow reference (float64, loops) on the same batch and
     the student's initial logits, and its CE equals cross_entropy over the loss mask."""
     teachers = [
-        TeacherLossConfig(weight=1.0, k=16, student_to_teacher=train_inputs["s2t"],
-                          teacher_to_student=train_inputs["t2s"]),
-        TeacherLossConfig(weight=0.5, k=16, student_to_teacher=train_inputs["s2t_b"],
-                          teacher_to_student=train_inputs["t2s_b"]),
-    ]  # fmt: skip
+        TeacherLossConfig(
+            weight=1.0,
+            k=16,
+            student_to_teacher=train_inputs["s2t"],
+            teacher_to_student=train_inputs["t2s"],
+        ),
+        TeacherLossConfig(
+            weight=0.5,
+            k=16,
+            student_to_teacher=train_inputs["s2t_b"],
+            teacher_to_student=train_inputs["t2s_b"],
+        ),
+    ]
     loss = LossConfig(tau=2.0, teachers=teachers)
-    config = train_config(train_inputs, tmp_path, data=train_inputs["data2"], loss=loss, steps=2,
-                          teachers=[train_inputs["cache2_0"], train_inputs["cache2_1"]])
+    config = train_config(
+        train_inputs,
+        tmp_path,
+        data=train_inputs["data2"],
+        loss=loss,
+        steps=2,
+        teachers=[train_inputs["cache2_0"], train_inputs["cache2_1"]],
+    )
     trainer = _trainer(config)
     (micro,) = trainer.step_micro_batches(0)
     packed, where = trainer.read_rows(micro)
@@ -147,8 +180,15 @@ def test_two_teachers_at_tau_2_match_the_slow_reference(train_inputs, tmp_path):
     want_kd = 0.0
     for i, weight in enumerate((1.0, 0.5)):
         signal = trainer.teachers.sources[i].signal(batch, i, where)
-        kd, n = reference_kd(logits, student_ids, batch.models[f"teacher{i}"].input_ids, signal,
-                             batch.chunks[i], trainer.teachers.pairs[i], tau=2.0)  # fmt: skip
+        kd, n = reference_kd(
+            logits,
+            student_ids,
+            batch.models[f"teacher{i}"].input_ids,
+            signal,
+            batch.chunks[i],
+            trainer.teachers.pairs[i],
+            tau=2.0,
+        )
         assert n > 0
         want_kd += weight * float(kd)
     targets = student_ids[:, 1:][batch.loss_mask[:, 1:]]
@@ -165,6 +205,7 @@ def test_a_same_tokenizer_teacher_trains_on_emoji_text(train_inputs, tmp_path):
     including each byte piece of an emoji (the aligner would make one n:n chunk of them, and
     that used to stop the run). The step's KD equals the slow same-tokenizer computation
     (top K + REST against the student's log-softmax) worked out here."""
+
     def jsd(s: torch.Tensor, t: torch.Tensor) -> float:
         m = 0.5 * (s + t)
         return float(0.5 * (t * (t / m).log()).sum() + 0.5 * (s * (s / m).log()).sum())
@@ -173,8 +214,14 @@ def test_a_same_tokenizer_teacher_trains_on_emoji_text(train_inputs, tmp_path):
         return torch.cat([p, (1 - p.sum()).clamp(min=1e-12)[None]])
 
     loss = LossConfig(teachers=[TeacherLossConfig(k=16)])
-    config = train_config(train_inputs, tmp_path, data=train_inputs["data_same"], loss=loss,
-                          teachers=[train_inputs["cache_same"]], steps=2)  # fmt: skip
+    config = train_config(
+        train_inputs,
+        tmp_path,
+        data=train_inputs["data_same"],
+        loss=loss,
+        teachers=[train_inputs["cache_same"]],
+        steps=2,
+    )
     trainer = _trainer(config)
     (micro,) = trainer.step_micro_batches(0)
     rows, where = trainer.read_rows(micro)
@@ -206,28 +253,58 @@ def test_a_same_tokenizer_teacher_trains_on_emoji_text(train_inputs, tmp_path):
 def test_inputs_that_do_not_belong_together_are_refused_by_name(train_inputs, tmp_path):
     """Tables of another teacher tokenizer (teacher B's, with teacher A's data and cache), a
     cache scored at another tau, an online teacher of another tokenizer."""
-    wrong = LossConfig(teachers=[TeacherLossConfig(
-        k=16, student_to_teacher=train_inputs["s2t_b"], teacher_to_student=train_inputs["t2s_b"])])
+    wrong = LossConfig(
+        teachers=[
+            TeacherLossConfig(
+                k=16,
+                student_to_teacher=train_inputs["s2t_b"],
+                teacher_to_student=train_inputs["t2s_b"],
+            )
+        ]
+    )
     with pytest.raises(TableError, match=r"was built for a teacher tokenizer with fingerprint"):
         _trainer(train_config(train_inputs, tmp_path / "a", loss=wrong))
-    swapped = LossConfig(teachers=[TeacherLossConfig(
-        k=16, student_to_teacher=train_inputs["t2s"], teacher_to_student=train_inputs["s2t"])])
+    swapped = LossConfig(
+        teachers=[
+            TeacherLossConfig(
+                k=16, student_to_teacher=train_inputs["t2s"], teacher_to_student=train_inputs["s2t"]
+            )
+        ]
+    )
     with pytest.raises(TableError, match=r"student tokenizer with fingerprint"):
         _trainer(train_config(train_inputs, tmp_path / "b", loss=swapped))
-    at_tau_1 = LossConfig(teachers=[
-        TeacherLossConfig(k=16, student_to_teacher=train_inputs[f"s2t{x}"],
-                          teacher_to_student=train_inputs[f"t2s{x}"]) for x in ("", "_b")
-    ])  # fmt: skip
+    at_tau_1 = LossConfig(
+        teachers=[
+            TeacherLossConfig(
+                k=16,
+                student_to_teacher=train_inputs[f"s2t{x}"],
+                teacher_to_student=train_inputs[f"t2s{x}"],
+            )
+            for x in ("", "_b")
+        ]
+    )
     with pytest.raises(CrosskdError, match=r"cache2-0: tau is 2\.0, the config asks for 1\.0"):
-        _trainer(train_config(train_inputs, tmp_path / "c", data=train_inputs["data2"],
-                              loss=at_tau_1,
-                              teachers=[train_inputs["cache2_0"], train_inputs["cache2_1"]]))
+        _trainer(
+            train_config(
+                train_inputs,
+                tmp_path / "c",
+                data=train_inputs["data2"],
+                loss=at_tau_1,
+                teachers=[train_inputs["cache2_0"], train_inputs["cache2_1"]],
+            )
+        )
     same = LossConfig(teachers=[TeacherLossConfig(k=16)])
     with pytest.raises(ConfigError, match=r"no tables .* same-tokenizer teacher, but its tok"):
         _trainer(train_config(train_inputs, tmp_path / "d", loss=same))
     with pytest.raises(ConfigError, match=r"loss.teachers\[0\] names tables, but .* same-tok"):
-        _trainer(train_config(train_inputs, tmp_path / "f", data=train_inputs["data_same"],
-                              teachers=[train_inputs["cache_same"]]))  # fmt: skip
+        _trainer(
+            train_config(
+                train_inputs,
+                tmp_path / "f",
+                data=train_inputs["data_same"],
+                teachers=[train_inputs["cache_same"]],
+            )
+        )
     online = f"online:{train_inputs['teacher_b']}"
     with pytest.raises(ConfigError, match=r"teachers\[0\] online:.* prepared for teacher0"):
         _trainer(train_config(train_inputs, tmp_path / "e", teachers=[online]))
@@ -242,13 +319,15 @@ def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
     s3.put(train_inputs["student"] + "/", "crosskd-test/student-folder/", recursive=True)
     student = "s3://crosskd-test/student-folder"
     output = "s3://crosskd-test/train-run"
-    trainer = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2,
-                                    student=student))  # fmt: skip
+    trainer = _trainer(
+        train_config(train_inputs, output, steps=4, checkpoint_every=2, student=student)
+    )
     first = trainer.train(stop_after=2)
     trainer.close()
     assert s3.exists("crosskd-test/train-run/checkpoints/step-0000002/rank-00000.safetensors")
-    resumed = _trainer(train_config(train_inputs, output, steps=4, checkpoint_every=2,
-                                    student=student))  # fmt: skip
+    resumed = _trainer(
+        train_config(train_inputs, output, steps=4, checkpoint_every=2, student=student)
+    )
     assert resumed.start == 2
     rest = resumed.train()
     final = resumed.save()
@@ -272,14 +351,24 @@ def test_checkpoints_and_the_final_model_on_s3(train_inputs, s3, tmp_path):
 def test_heldout_evaluation_keeps_the_best_student(train_inputs, tmp_path):
     """Every 2 steps: held-out bits per byte logged and exported; ``best/`` is the student of
     the lowest one and says its step; ``crosskd evaluate`` of ``best/`` gives the same figure."""
-    config = train_config(train_inputs, tmp_path / "run", steps=6, checkpoint_every=3,
-                          eval_every=2, eval_data=train_inputs["heldout"], lr=1e-2)
+    config = train_config(
+        train_inputs,
+        tmp_path / "run",
+        steps=6,
+        checkpoint_every=3,
+        eval_every=2,
+        eval_data=train_inputs["heldout"],
+        lr=1e-2,
+    )
     trainer = _trainer(config)
     history = trainer.train()
     final = trainer.save()
     trainer.close()
-    evaluated = {i + 1: h["heldout_bits_per_byte"] for i, h in enumerate(history)
-                 if "heldout_bits_per_byte" in h}  # fmt: skip
+    evaluated = {
+        i + 1: h["heldout_bits_per_byte"]
+        for i, h in enumerate(history)
+        if "heldout_bits_per_byte" in h
+    }
     assert sorted(evaluated) == [2, 4, 6]
     best_step = min(evaluated, key=evaluated.get)
     best = json.loads((tmp_path / "run" / "best" / "crosskd-model.json").read_text())
@@ -288,9 +377,16 @@ def test_heldout_evaluation_keeps_the_best_student(train_inputs, tmp_path):
     assert trainer.exporter.heldout.labels(rank="0")._value.get() == pytest.approx(evaluated[6])
     info = json.loads((tmp_path / "run" / "final" / "crosskd-model.json").read_text())
     assert info["step"] == 6 and info["best"]["step"] == best_step
-    out = evaluate(EvaluateConfig(data=train_inputs["heldout"],
-                                  models=[f"best={tmp_path / 'run' / 'best'}", f"final={final}",
-                                          f"teacher={train_inputs['teacher']}"]))  # fmt: skip
+    out = evaluate(
+        EvaluateConfig(
+            data=train_inputs["heldout"],
+            models=[
+                f"best={tmp_path / 'run' / 'best'}",
+                f"final={final}",
+                f"teacher={train_inputs['teacher']}",
+            ],
+        )
+    )
     rows = out["models"]
     assert rows["best"]["bits_per_byte"] == pytest.approx(evaluated[best_step], rel=1e-6)
     assert rows["final"]["bits_per_byte"] == pytest.approx(evaluated[6], rel=1e-6)
@@ -307,9 +403,16 @@ def test_heldout_evaluation_runs_under_the_training_autocast(train_inputs, tmp_p
     trainer = _trainer(config)
     trainer.compute_dtype = torch.bfloat16
     seen = []
-    hook = trainer.model.lm_head.register_forward_hook(lambda module, args, out: seen.append(
-        (module.training, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-         out.dtype)))  # fmt: skip
+    hook = trainer.model.lm_head.register_forward_hook(
+        lambda module, args, out: seen.append(
+            (
+                module.training,
+                torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"),
+                out.dtype,
+            )
+        )
+    )
     trainer.train()
     bf16 = trainer.heldout_bits_per_byte()
     hook.remove()
@@ -330,8 +433,13 @@ def test_best_is_the_lowest_heldout_and_survives_a_resume(train_inputs, tmp_path
 
     figures = iter([3.0, 2.0, 2.5])
     monkeypatch.setattr(Trainer, "heldout_bits_per_byte", lambda self: next(figures))
-    config = train_config(train_inputs, tmp_path / "run", steps=6, checkpoint_every=2,
-                          eval_data=train_inputs["heldout"])  # fmt: skip
+    config = train_config(
+        train_inputs,
+        tmp_path / "run",
+        steps=6,
+        checkpoint_every=2,
+        eval_data=train_inputs["heldout"],
+    )
     run = tmp_path / "run"
 
     def info(folder: str) -> dict:
@@ -369,14 +477,29 @@ def test_crosskd_train_runs_resumes_and_refuses_by_one_line(train_inputs, tmp_pa
     complete it exits 0 at once; a config error and a damaged latest.json exit 2 with one
     line."""
     out = tmp_path / "run"
-    config = _write_yaml(tmp_path / "train.yaml", {
-        "student": "init", "student_tokenizer": train_inputs["student"],
-        "student_shape": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1},
-        "data": train_inputs["data"], "output": str(out), "teachers": [train_inputs["cache"]],
-        "loss": {"teachers": [{"k": 16, "student_to_teacher": train_inputs["s2t"],
-                               "teacher_to_student": train_inputs["t2s"]}]},
-        "steps": 3, "micro_batch_rows": 2, "warmup_steps": 1,
-    })  # fmt: skip
+    config = _write_yaml(
+        tmp_path / "train.yaml",
+        {
+            "student": "init",
+            "student_tokenizer": train_inputs["student"],
+            "student_shape": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1},
+            "data": train_inputs["data"],
+            "output": str(out),
+            "teachers": [train_inputs["cache"]],
+            "loss": {
+                "teachers": [
+                    {
+                        "k": 16,
+                        "student_to_teacher": train_inputs["s2t"],
+                        "teacher_to_student": train_inputs["t2s"],
+                    }
+                ]
+            },
+            "steps": 3,
+            "micro_batch_rows": 2,
+            "warmup_steps": 1,
+        },
+    )
     assert main(["train", "--config", config, "loss.kd_weight=0.5"]) == 0
     assert "trained steps 1..3 into" in capsys.readouterr().out
     info = json.loads((out / "final" / "crosskd-model.json").read_text())
@@ -402,12 +525,21 @@ def test_crosskd_train_runs_resumes_and_refuses_by_one_line(train_inputs, tmp_pa
     assert "latest.json is damaged" in err and err.count("\n") == 1
 
 
-def test_crosskd_evaluate_writes_json_and_refuses_a_foreign_model(train_inputs, tmp_path,
-                                                                 capsys):  # fmt: skip
+def test_crosskd_evaluate_writes_json_and_refuses_a_foreign_model(train_inputs, tmp_path, capsys):
     out = tmp_path / "eval" / "result.json"
-    code = main(["evaluate", "--data", train_inputs["heldout"], "--model",
-                 f"student={train_inputs['student']}", "--model", train_inputs["teacher"],
-                 "--output", str(out)])  # fmt: skip
+    code = main(
+        [
+            "evaluate",
+            "--data",
+            train_inputs["heldout"],
+            "--model",
+            f"student={train_inputs['student']}",
+            "--model",
+            train_inputs["teacher"],
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -419,4 +551,3 @@ def test_crosskd_evaluate_writes_json_and_refuses_a_foreign_model(train_inputs, 
     assert main(["evaluate", "--data", train_inputs["heldout"], "--model", str(other)]) == 2
     err = capsys.readouterr().err
     assert "is none of the tokenizers" in err and err.count("\n") == 1
-

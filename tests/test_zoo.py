@@ -50,6 +50,7 @@ IM, EOT, BOS_DS, EOS_DS = (
 )
 # name: (len(tokenizer) or None for "as shipped", config vocab_size, {attribute: token},
 #        {token: id}, an added token that is not special or None)
+# (kept unformatted: a table, one tokenizer per entry with its fields read across)
 # fmt: off
 EXPECTED: dict[str, tuple[int | None, int, dict[str, str], dict[str, int], str | None]] = {
     "llama3": (128256, 128256, {"bos_token": "<|begin_of_text|>", "eos_token": EOT},

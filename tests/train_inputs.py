@@ -48,8 +48,9 @@ HELDOUT = [
 def tiny_model(folder: Path, vocab_texts: list[str], vocab: int, seed: int, **shape) -> Path:
     """A tiny random-init Llama with a tiny BPE of ``vocab`` tokens trained on ``vocab_texts``."""
     train_tiny_bpe(vocab_texts, vocab, folder)
-    return init_llama(folder, str(folder), {"hidden_size": 32, "intermediate_size": 64} | shape,
-                      seed)  # fmt: skip
+    return init_llama(
+        folder, str(folder), {"hidden_size": 32, "intermediate_size": 64} | shape, seed
+    )
 
 
 def tables(root: Path, student: Path, teacher: Path, name: str) -> tuple[str, str]:
@@ -61,8 +62,9 @@ def tables(root: Path, student: Path, teacher: Path, name: str) -> tuple[str, st
 
 
 def _jsonl(path: Path, texts: list[str], prefix: str) -> str:
-    path.write_text("".join(json.dumps({"id": f"{prefix}{i}", "text": t}) + "\n"
-                            for i, t in enumerate(texts)))  # fmt: skip
+    path.write_text(
+        "".join(json.dumps({"id": f"{prefix}{i}", "text": t}) + "\n" for i, t in enumerate(texts))
+    )
     return str(path)
 
 
@@ -72,57 +74,117 @@ def make_train_inputs(root: Path) -> dict:
     and their caches at tau 2; emoji text prepared and scored for a teacher with the student's
     own tokenizer."""
     student = tiny_model(root / "student", TEXTS * 4, 330, seed=1)
-    teacher = tiny_model(root / "teacher", [t.upper() + t for t in TEXTS] * 4, 420, seed=2,
-                         initializer_range=0.5)  # fmt: skip
-    teacher_b = tiny_model(root / "teacher-b", [t[::-1] + t for t in TEXTS] * 4, 380, seed=3,
-                           initializer_range=0.5)  # fmt: skip
+    teacher = tiny_model(
+        root / "teacher", [t.upper() + t for t in TEXTS] * 4, 420, seed=2, initializer_range=0.5
+    )
+    teacher_b = tiny_model(
+        root / "teacher-b", [t[::-1] + t for t in TEXTS] * 4, 380, seed=3, initializer_range=0.5
+    )
     # The student's own tokenizer (not trained on emoji: byte pieces) with a sharp model.
-    teacher_same = init_llama(root / "teacher-same", str(student),
-                              {"hidden_size": 32, "intermediate_size": 64,
-                               "initializer_range": 0.5}, 4)  # fmt: skip
+    teacher_same = init_llama(
+        root / "teacher-same",
+        str(student),
+        {"hidden_size": 32, "intermediate_size": 64, "initializer_range": 0.5},
+        4,
+    )
     s2t, t2s = tables(root, student, teacher, "a")
     s2t_b, t2s_b = tables(root, student, teacher_b, "b")
     data = _jsonl(root / "data.jsonl", TEXTS, "s")
-    out = {"student": str(student), "teacher": str(teacher), "teacher_b": str(teacher_b),
-           "teacher_same": str(teacher_same), "s2t": s2t, "t2s": t2s, "s2t_b": s2t_b,
-           "t2s_b": t2s_b}  # fmt: skip
+    out = {
+        "student": str(student),
+        "teacher": str(teacher),
+        "teacher_b": str(teacher_b),
+        "teacher_same": str(teacher_same),
+        "s2t": s2t,
+        "t2s": t2s,
+        "s2t_b": s2t_b,
+        "t2s_b": t2s_b,
+    }
     for name, source, teachers in (
         ("data", data, [teacher]),
         ("heldout", _jsonl(root / "heldout.jsonl", HELDOUT, "h"), [teacher]),
         ("data2", data, [teacher, teacher_b]),
         ("data_same", _jsonl(root / "emoji.jsonl", EMOJI * 2, "e"), [teacher_same]),
     ):
-        prepare(PrepareConfig(data=source, student_tokenizer=str(student),
-                              teacher_tokenizers=[str(t) for t in teachers],
-                              output=str(root / name), max_length=48), progress=False)  # fmt: skip
+        prepare(
+            PrepareConfig(
+                data=source,
+                student_tokenizer=str(student),
+                teacher_tokenizers=[str(t) for t in teachers],
+                output=str(root / name),
+                max_length=48,
+            ),
+            progress=False,
+        )
         out[name] = str(root / name)
     # The same rows in shards of 3 (6 shards), for the shard-local data order.
     out["data_sharded"] = str(root / "data-sharded")
-    prepare(PrepareConfig(data=data, student_tokenizer=str(student),
-                          teacher_tokenizers=[str(teacher)], output=out["data_sharded"],
-                          max_length=48, shard_rows=3), progress=False)  # fmt: skip
+    prepare(
+        PrepareConfig(
+            data=data,
+            student_tokenizer=str(student),
+            teacher_tokenizers=[str(teacher)],
+            output=out["data_sharded"],
+            max_length=48,
+            shard_rows=3,
+        ),
+        progress=False,
+    )
     out["cache"] = str(root / "cache")
-    score(ScoreConfig(data=out["data"], teacher=str(teacher), output=out["cache"], k=16),
-          progress=False)  # fmt: skip
+    score(
+        ScoreConfig(data=out["data"], teacher=str(teacher), output=out["cache"], k=16),
+        progress=False,
+    )
     out["cache_sharded"] = str(root / "cache-sharded")
-    score(ScoreConfig(data=out["data_sharded"], teacher=str(teacher), output=out["cache_sharded"],
-                      k=16), progress=False)  # fmt: skip
+    score(
+        ScoreConfig(
+            data=out["data_sharded"], teacher=str(teacher), output=out["cache_sharded"], k=16
+        ),
+        progress=False,
+    )
     out["cache_same"] = str(root / "cache-same")
-    score(ScoreConfig(data=out["data_same"], teacher=str(teacher_same),
-                      output=out["cache_same"], k=16), progress=False)  # fmt: skip
+    score(
+        ScoreConfig(
+            data=out["data_same"], teacher=str(teacher_same), output=out["cache_same"], k=16
+        ),
+        progress=False,
+    )
     for index, model in enumerate((teacher, teacher_b)):
         out[f"cache2_{index}"] = str(root / f"cache2-{index}")
-        score(ScoreConfig(data=out["data2"], teacher=str(model), output=out[f"cache2_{index}"],
-                          k=16, tau=2.0, teacher_index=index), progress=False)  # fmt: skip
+        score(
+            ScoreConfig(
+                data=out["data2"],
+                teacher=str(model),
+                output=out[f"cache2_{index}"],
+                k=16,
+                tau=2.0,
+                teacher_index=index,
+            ),
+            progress=False,
+        )
     return out
 
 
 def train_config(inputs: dict, output: Path, **kw) -> TrainConfig:
     """A 6-step run of the student against teacher A's cache (dynamic kd_scale, 2 rows per
     micro-batch); ``kw`` overrides any key."""
-    loss = LossConfig(dynamic_kd_scale=True, teachers=[TeacherLossConfig(
-        k=16, student_to_teacher=inputs["s2t"], teacher_to_student=inputs["t2s"])])  # fmt: skip
-    values = {"student": inputs["student"], "data": inputs["data"], "output": str(output),
-              "teachers": [inputs["cache"]], "loss": loss, "steps": 6, "micro_batch_rows": 2,
-              "lr": 3e-3, "warmup_steps": 2} | kw  # fmt: skip
+    loss = LossConfig(
+        dynamic_kd_scale=True,
+        teachers=[
+            TeacherLossConfig(
+                k=16, student_to_teacher=inputs["s2t"], teacher_to_student=inputs["t2s"]
+            )
+        ],
+    )
+    values = {
+        "student": inputs["student"],
+        "data": inputs["data"],
+        "output": str(output),
+        "teachers": [inputs["cache"]],
+        "loss": loss,
+        "steps": 6,
+        "micro_batch_rows": 2,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+    } | kw
     return TrainConfig(**values)

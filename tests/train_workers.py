@@ -124,9 +124,15 @@ def train_hanging_in_checkpoint(config: TrainConfig, hang_step: int) -> None:
 
 def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None:
     with worker_exit(rank, out):
-        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
-                           "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})  # fmt: skip
+        os.environ.update(
+            {
+                "WORLD_SIZE": str(world),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
         _quiet()
         import torch.distributed as dist
 
@@ -139,17 +145,24 @@ def _ddp_worker(rank: int, world: int, port: int, runs: list, out: Path) -> None
             if stop_after is None:
                 trainer.save()
             seen = [trainer.step_micro_batches(s) for s in range(config.steps)]
-            (out / f"{name}-rank{rank}.json").write_text(json.dumps(
-                {"history": history, "micro_batches": seen, "start": trainer.start,
-                 "state_bytes": trainer.state_bytes,
-                 "gradient_peak": trainer.student.gradient_peak}
-            ))  # fmt: skip
+            (out / f"{name}-rank{rank}.json").write_text(
+                json.dumps(
+                    {
+                        "history": history,
+                        "micro_batches": seen,
+                        "start": trainer.start,
+                        "state_bytes": trainer.state_bytes,
+                        "gradient_peak": trainer.student.gradient_peak,
+                    }
+                )
+            )
             trainer.close()
         dist.destroy_process_group()
 
 
-def run_ddp(runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: int = 2,
-            timeout: float = 600) -> None:  # fmt: skip
+def run_ddp(
+    runs: list[tuple[str, TrainConfig, int | None]], out: Path, world: int = 2, timeout: float = 600
+) -> None:
     """Run each ``(name, config, stop_after)`` in turn in ``world`` fresh gloo processes (the
     student saved to ``final/`` when the run is not stopped early); rank r's history,
     micro-batches and state bytes go to ``out/<name>-rank<r>.json``. Raises with the ranks'
@@ -186,16 +199,28 @@ def tiny_llama(**config):
     """A random-init Llama of 64 tokens, hidden 16, 2 layers, tied (``config`` overrides)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    values = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
-              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-              "tie_word_embeddings": True} | config  # fmt: skip
+    values = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": True,
+    } | config
     return LlamaForCausalLM(LlamaConfig(**values))
 
 
 def _join(rank: int, world: int, port: int) -> None:
     """Join a gloo process group of ``world`` processes on loopback ``port`` as ``rank``."""
-    os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    os.environ.update(
+        {
+            "WORLD_SIZE": str(world),
+            "RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     _quiet()
     import torch.distributed as dist
 
@@ -225,8 +250,10 @@ def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], ou
             for _, param in student.named_parameters():
                 param.grad = torch.full_like(param, float(rank + 1))
             student.sync_copies()
-            seen[i] = {name: sorted(set(local_part(param.grad).flatten().tolist()))
-                       for name, param in student.named_parameters()}  # fmt: skip
+            seen[i] = {
+                name: sorted(set(local_part(param.grad).flatten().tolist()))
+                for name, param in student.named_parameters()
+            }
             if mesh.layout.cp > 1:  # without the window's mask: refused, not a wrong window
                 try:
                     model(input_ids=torch.zeros(1, 4, dtype=torch.long))
@@ -262,15 +289,22 @@ def gather_failure_worker(rank: int, world: int, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def input_failure_worker(rank: int, world: int, port: int, configs: list[TrainConfig],
-                         out: Path) -> None:  # fmt: skip
+def input_failure_worker(
+    rank: int, world: int, port: int, configs: list[TrainConfig], out: Path
+) -> None:
     """Train ``configs[rank]`` (the ranks may read different copies of the data) as one of
     ``world`` gloo ranks; the error the run stops with goes to ``out/outcome<rank>.json`` (its
     type, message and exit code)."""
     with worker_exit(rank, out):
-        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank),
-                           "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})  # fmt: skip
+        os.environ.update(
+            {
+                "WORLD_SIZE": str(world),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
         _quiet()
         from crosskd.train import Trainer
 
@@ -280,7 +314,10 @@ def input_failure_worker(rank: int, world: int, port: int, configs: list[TrainCo
             trainer.train()
             outcome = {"type": None}
         except Exception as exc:
-            outcome = {"type": type(exc).__name__, "message": str(exc),
-                       "exit_code": getattr(exc, "exit_code", None)}  # fmt: skip
+            outcome = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "exit_code": getattr(exc, "exit_code", None),
+            }
         (out / f"outcome{rank}.json").write_text(json.dumps(outcome))
         trainer.close()

@@ -36,10 +36,12 @@ def evaluate(
     runs = from_kfp(runs)
     scoring = from_kfp(scoring)
     result = evaluate_run(
-        prepared, models_to_evaluate(plan, runs), run_folder(plan["root"], run_id),
+        prepared,
+        models_to_evaluate(plan, runs),
+        run_folder(plan["root"], run_id),
         token_budget=int(scoring["token_budget"]),
         device=scoring.get("device") if gpus else "cpu",
-    )  # fmt: skip
+    )
     values = {key: result[key] for key in ("bits_per_byte", "ood_bits_per_byte") if key in result}
     for key, by_model in values.items():
         for name, value in by_model.items():

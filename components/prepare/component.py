@@ -26,13 +26,23 @@ def prepare(
     start_step("prepare")
     plan = from_kfp(plan)
     preparing = from_kfp(preparing)
-    prepared = prepare_data(plan, max_length=int(preparing["max_length"]),
-                            shard_rows=int(preparing["shard_rows"]),
-                            pack=bool(preparing.get("pack", True)), progress=False,
-                            metrics_port=None if metrics_port < 0 else metrics_port)  # fmt: skip
+    prepared = prepare_data(
+        plan,
+        max_length=int(preparing["max_length"]),
+        shard_rows=int(preparing["shard_rows"]),
+        pack=bool(preparing.get("pack", True)),
+        progress=False,
+        metrics_port=None if metrics_port < 0 else metrics_port,
+    )
     for split, artifact in (("train", train), ("heldout", heldout), ("ood", ood)):
-        artifact.metadata.update(write_pointer(artifact.path, prepared.get(split), {
-            "rows": prepared["rows"].get(split),
-            "data_fingerprint": prepared["data_fingerprint"].get(split),
-        }))  # fmt: skip
+        artifact.metadata.update(
+            write_pointer(
+                artifact.path,
+                prepared.get(split),
+                {
+                    "rows": prepared["rows"].get(split),
+                    "data_fingerprint": prepared["data_fingerprint"].get(split),
+                },
+            )
+        )
     return drop_none(prepared)

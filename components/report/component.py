@@ -38,5 +38,10 @@ def report(
         Path(page.path).write_bytes(fh.read())
     Path(summary.path).write_text(written["markdown"], encoding="utf-8")
     folder.metadata.update(write_pointer(folder.path, written["uri"], {"html": written["html"]}))
-    return drop_none({"report": written["html"], "bits_per_byte": written["bits_per_byte"],
-                      "ood_bits_per_byte": written.get("ood_bits_per_byte")})
+    return drop_none(
+        {
+            "report": written["html"],
+            "bits_per_byte": written["bits_per_byte"],
+            "ood_bits_per_byte": written.get("ood_bits_per_byte"),
+        }
+    )

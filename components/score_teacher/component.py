@@ -24,7 +24,11 @@ def score_teacher(job: dict, gpus: int, metrics_port: int, part: dsl.Output[dsl.
     job = from_kfp(job)
     if not gpus and not job["scoring"].get("device"):
         job["scoring"]["device"] = "cpu"
-    scored = score_teacher(job, progress=False, processes=max(gpus, 1),
-                           metrics_port=None if metrics_port < 0 else metrics_port)
+    scored = score_teacher(
+        job,
+        progress=False,
+        processes=max(gpus, 1),
+        metrics_port=None if metrics_port < 0 else metrics_port,
+    )
     part.metadata.update(write_pointer(part.path, scored["cache"], scored))
     return drop_none(scored)

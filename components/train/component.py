@@ -40,10 +40,14 @@ def train(
     if s3_secret:
         settings.setdefault("s3_secret", s3_secret)
     workdir = str(Path(figures.path).parent / "replicas")
-    result = train(item, executor=executor, job=settings, run_id=run_id, workdir=workdir,
-                   progress=False)  # fmt: skip
-    model.metadata.update(write_pointer(model.path, result["model"], {
-        "variant": result["variant"], "steps": result["steps"]}))  # fmt: skip
+    result = train(
+        item, executor=executor, job=settings, run_id=run_id, workdir=workdir, progress=False
+    )
+    model.metadata.update(
+        write_pointer(
+            model.path, result["model"], {"variant": result["variant"], "steps": result["steps"]}
+        )
+    )
     for key in ("loss", "ce", "kd"):
         if key in result["last"]:
             figures.log_metric(f"{result['variant']}_final_{key}", float(result["last"][key]))

@@ -45,11 +45,18 @@ def validate_inputs(
     options = from_kfp(options)
     job = from_kfp(job)
     parameters = {
-        "output": output_root, "teachers": list(teachers), "student": student,
-        "train_data": train_data, "heldout_data": heldout_data, "ood_data": ood_data, "k": k,
+        "output": output_root,
+        "teachers": list(teachers),
+        "student": student,
+        "train_data": train_data,
+        "heldout_data": heldout_data,
+        "ood_data": ood_data,
+        "k": k,
         "tau": tau,
-        "steps": steps, "compare_ce_only": compare_ce_only, "score_pods": score_pods,
-    }  # fmt: skip
+        "steps": steps,
+        "compare_ce_only": compare_ce_only,
+        "score_pods": score_pods,
+    }
     config = run_config_from_parameters(parameters, options)
     settings = {**job, "image": image, "gpus_per_node": gpus_per_node, "nodes": nodes}
     plan = validate_inputs(config, job=settings, executor=executor)

@@ -39,8 +39,7 @@ def read_manifest(
     path = f"{root}/{MANIFEST}"
     if not fs.exists(path):
         raise error(
-            f"{what} {uri}: no {MANIFEST} (missing, or a run that did not finish); run "
-            f"{rebuild}."
+            f"{what} {uri}: no {MANIFEST} (missing, or a run that did not finish); run {rebuild}."
         )
     try:
         manifest = json.loads(fs.cat_file(path))
@@ -59,9 +58,14 @@ def read_manifest(
 
 
 def read_checked(
-    uri: str, entry: dict, *, what: str, error: type[CrosskdError], rebuild: str,
+    uri: str,
+    entry: dict,
+    *,
+    what: str,
+    error: type[CrosskdError],
+    rebuild: str,
     node_cache: NodeCache | None = None,
-) -> bytes:  # fmt: skip
+) -> bytes:
     """The bytes of the file ``entry["path"]`` under ``uri``, refused with ``error`` unless
     their sha256 is ``entry["sha256"]`` (``node_cache``: :class:`crosskd.ranges.ArtifactFile`)."""
     file = ArtifactFile(uri, entry["path"], what, error, rebuild, node_cache)
@@ -162,8 +166,11 @@ class ParquetRows:
         out = []
         for g in range(metadata.num_row_groups):
             group = metadata.row_group(g)
-            column = next(group.column(i) for i in range(group.num_columns)
-                          if group.column(i).path_in_schema == name)  # fmt: skip
+            column = next(
+                group.column(i)
+                for i in range(group.num_columns)
+                if group.column(i).path_in_schema == name
+            )
             stats = column.statistics
             if stats is None or not stats.has_min_max:
                 return None
@@ -180,8 +187,9 @@ class ParquetRows:
         last = np.flatnonzero(self._group(groups[-1]).column(name).to_numpy() == value)
         if not len(first) or not len(last):
             return range(0)
-        return range(int(self._starts[groups[0]] + first[0]),
-                     int(self._starts[groups[-1]] + last[-1]) + 1)  # fmt: skip
+        return range(
+            int(self._starts[groups[0]] + first[0]), int(self._starts[groups[-1]] + last[-1]) + 1
+        )
 
     def rows(self, start: int, stop: int):
         """Rows ``start .. stop - 1`` as a ``pyarrow.Table``."""

@@ -31,15 +31,18 @@ log = logging.getLogger("crosskd")
 def _tokenizer_args(parser: argparse.ArgumentParser, *sides: str) -> None:
     for side in sides:
         parser.add_argument(
-            f"--{side}-tokenizer", required=True,
+            f"--{side}-tokenizer",
+            required=True,
             help="folder, tokenizer.json, zoo:NAME, fsspec URI, or a Hugging Face id in the "
             "local cache",
-        )  # fmt: skip
+        )
         parser.add_argument(
-            f"--{side}-vocab-size", type=int, default=None,
+            f"--{side}-vocab-size",
+            type=int,
+            default=None,
             help="rows of the model's output layer (default: config.json next to the "
             "tokenizer, else the largest token id + 1)",
-        )  # fmt: skip
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,15 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--config", help="YAML file with PrepareConfig keys")
     prep.add_argument("--data", help="JSONL/Parquet/datasets folder, local or any fsspec URI")
     prep.add_argument("--student-tokenizer")
-    prep.add_argument("--teacher-tokenizer", action="append", dest="teacher_tokenizers",
-                      help="repeat once per teacher")  # fmt: skip
+    prep.add_argument(
+        "--teacher-tokenizer",
+        action="append",
+        dest="teacher_tokenizers",
+        help="repeat once per teacher",
+    )
     prep.add_argument("--output", help="output folder or URI")
     prep.add_argument("--max-length", type=int, help="student capacity in tokens")
     prep.add_argument("--teacher-max-length", type=int, help="teacher capacity in tokens")
-    prep.add_argument("--no-pack", dest="pack", action="store_false", default=None,
-                      help="one sample per row instead of lockstep packing")  # fmt: skip
-    prep.add_argument("overrides", nargs="*", metavar="key=value",
-                      help="any PrepareConfig field, e.g. drop_first_chunk=true")  # fmt: skip
+    prep.add_argument(
+        "--no-pack",
+        dest="pack",
+        action="store_false",
+        default=None,
+        help="one sample per row instead of lockstep packing",
+    )
+    prep.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="any PrepareConfig field, e.g. drop_first_chunk=true",
+    )
     merge = commands.add_parser(
         "prepare-merge", help="write the manifest of prepared data from its splits' shards"
     )
@@ -113,60 +129,95 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--k", type=int, help="top-K size")
     sc.add_argument("--tau", type=float, help="temperature")
     sc.add_argument("--encoding", choices=["lossless", "lossy"])
-    sc.add_argument("overrides", nargs="*", metavar="key=value",
-                    help="any ScoreConfig field, e.g. token_budget=8192")  # fmt: skip
+    sc.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="any ScoreConfig field, e.g. token_budget=8192",
+    )
 
     tr = commands.add_parser(
-        "train", help="train the student (one process, or every process under torchrun); a "
+        "train",
+        help="train the student (one process, or every process under torchrun); a "
         "restarted run resumes from its last checkpoint",
-    )  # fmt: skip
+    )
     tr.add_argument("--config", help="YAML file with TrainConfig keys")
-    tr.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                    help="run N worker processes under torch's elastic agent (a training pod's "
-                    "entry point; exit codes in docs/kubernetes.md); default: train in this "
-                    "process")  # fmt: skip
-    tr.add_argument("overrides", nargs="*", metavar="key=value",
-                    help="any TrainConfig field, e.g. steps=500 loss.kd_weight=0.5")  # fmt: skip
+    tr.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N worker processes under torch's elastic agent (a training pod's "
+        "entry point; exit codes in docs/kubernetes.md); default: train in this "
+        "process",
+    )
+    tr.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="any TrainConfig field, e.g. steps=500 loss.kd_weight=0.5",
+    )
 
     ev = commands.add_parser(
         "evaluate", help="held-out bits per byte of models and teachers on prepared data"
     )
     ev.add_argument("--config", help="YAML file with EvaluateConfig keys")
     ev.add_argument("--data", help="prepared data (crosskd prepare output), any fsspec URI")
-    ev.add_argument("--model", action="append", dest="models", metavar="[NAME=]REF",
-                    help="a model or teacher (HF folder, URI, zoo:NAME); repeat")  # fmt: skip
+    ev.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        metavar="[NAME=]REF",
+        help="a model or teacher (HF folder, URI, zoo:NAME); repeat",
+    )
     ev.add_argument("--output", help="write the JSON result here (local path or URI)")
-    ev.add_argument("overrides", nargs="*", metavar="key=value",
-                    help="any EvaluateConfig field, e.g. token_budget=8192")  # fmt: skip
+    ev.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="any EvaluateConfig field, e.g. token_budget=8192",
+    )
 
     dist = commands.add_parser(
         "distill", help="the whole run: tables, prepare, score, train, evaluate, report"
     )
     dist.add_argument("--config", help="YAML file with DistillConfig keys")
     dist.add_argument("--preset", help="a shipped preset to start from: tiny, demo, chat-demo")
-    dist.add_argument("overrides", nargs="*", metavar="key=value",
-                      help="any DistillConfig field, e.g. output=runs/demo steps=50")  # fmt: skip
+    dist.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="any DistillConfig field, e.g. output=runs/demo steps=50",
+    )
 
     gen = commands.add_parser(
-        "generate", help="a conversation set: an instruct model's sampled answers to prompts "
+        "generate",
+        help="a conversation set: an instruct model's sampled answers to prompts "
         "(JSONL; a rerun resumes)",
-    )  # fmt: skip
+    )
     gen.add_argument("--config", help="YAML file with GenerateConfig keys")
     gen.add_argument("--model", help="the instruct model (HF folder, zoo:NAME, URI)")
-    gen.add_argument("--prompts", help="rows with a prompt (or text) column, or "
-                     "machine:docstrings (the default)")  # fmt: skip
+    gen.add_argument(
+        "--prompts", help="rows with a prompt (or text) column, or machine:docstrings (the default)"
+    )
     gen.add_argument("--output", help="the JSONL file to write (local)")
     gen.add_argument("--conversations", type=int, help="how many prompts to answer")
-    gen.add_argument("overrides", nargs="*", metavar="key=value",
-                     help="any GenerateConfig field, e.g. temperature=0.8 seed=1")  # fmt: skip
+    gen.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="any GenerateConfig field, e.g. temperature=0.8 seed=1",
+    )
 
     dashboards = commands.add_parser(
         "dashboards", help="write the Grafana dashboards (training, teacher scoring) as JSON"
     )
     dashboards.add_argument(
-        "--output", required=True, metavar="DIR",
+        "--output",
+        required=True,
+        metavar="DIR",
         help="folder for the crosskd-*.json files (created if missing)",
-    )  # fmt: skip
+    )
 
     from crosskd.k8s.cli import add_job_commands
     from crosskd.pipeline.cli import add_pipeline_commands
@@ -262,15 +313,24 @@ def _prepare(args: argparse.Namespace) -> int:
     from crosskd.config import load_config
     from crosskd.data.prepare import PrepareConfig, prepare
 
-    flags = ("data", "student_tokenizer", "teacher_tokenizers", "output", "max_length",
-             "teacher_max_length", "pack")  # fmt: skip
+    flags = (
+        "data",
+        "student_tokenizer",
+        "teacher_tokenizers",
+        "output",
+        "max_length",
+        "teacher_max_length",
+        "pack",
+    )
     given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     config = load_config(PrepareConfig, args.config, args.overrides, flags=given)
     manifest = prepare(config)
     if manifest is None:
-        _write(f"split {config.split_index} of {config.split_count} done at {config.output}; "
-               f"the manifest is written when every split is done (or `crosskd prepare-merge "
-               f"{config.output}`)")  # fmt: skip
+        _write(
+            f"split {config.split_index} of {config.split_count} done at {config.output}; "
+            f"the manifest is written when every split is done (or `crosskd prepare-merge "
+            f"{config.output}`)"
+        )
         return 0
     return _prepared_summary(manifest, config.output)
 
@@ -280,11 +340,16 @@ def _prepared_summary(manifest: dict, output: str) -> int:
     lines = [
         f"prepared {manifest['rows']} rows ({manifest['clipped_rows']} clipped) into "
         f"{manifest['packing']['bins']} packed rows at {output}",
-        *(f"  {m['name']}: {m['tokens']} tokens, packing efficiency "
-          f"{manifest['packing']['efficiency'][m['name']]:.1%}" for m in manifest["models"]),
-        *(f"  chunks {name}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-          for name, counts in shapes.items()),
-    ]  # fmt: skip
+        *(
+            f"  {m['name']}: {m['tokens']} tokens, packing efficiency "
+            f"{manifest['packing']['efficiency'][m['name']]:.1%}"
+            for m in manifest["models"]
+        ),
+        *(
+            f"  chunks {name}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+            for name, counts in shapes.items()
+        ),
+    ]
     _write("\n".join(lines))
     return 0
 
@@ -345,8 +410,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     from crosskd.config import load_config
     from crosskd.evaluate import EvaluateConfig, evaluate
 
-    given = {k: getattr(args, k) for k in ("data", "models", "output")
-             if getattr(args, k) is not None}  # fmt: skip
+    given = {
+        k: getattr(args, k) for k in ("data", "models", "output") if getattr(args, k) is not None
+    }
     config = load_config(EvaluateConfig, args.config, args.overrides, flags=given)
     result = evaluate(config)
     lines = [f"held-out bits per byte on {config.data}:"]
@@ -365,8 +431,10 @@ def _distill(args: argparse.Namespace) -> int:
 
     config = load_distill_config(args.config, args.preset, args.overrides)
     metrics = distill(config)
-    lines = [f"report: {metrics['report']}",
-             *bits_per_byte_table(metrics["bits_per_byte"], metrics.get("ood_bits_per_byte"))]
+    lines = [
+        f"report: {metrics['report']}",
+        *bits_per_byte_table(metrics["bits_per_byte"], metrics.get("ood_bits_per_byte")),
+    ]
     _write("\n".join(lines))
     return 0
 
@@ -375,13 +443,18 @@ def _generate(args: argparse.Namespace) -> int:
     from crosskd.config import load_config
     from crosskd.generate import GenerateConfig, generate
 
-    given = {k: getattr(args, k) for k in ("model", "prompts", "output", "conversations")
-             if getattr(args, k) is not None}  # fmt: skip
+    given = {
+        k: getattr(args, k)
+        for k in ("model", "prompts", "output", "conversations")
+        if getattr(args, k) is not None
+    }
     config = load_config(GenerateConfig, args.config, args.overrides, flags=given)
     result = generate(config)
-    _write(f"wrote {result['output']}: {result['conversations']} conversations "
-           f"({result['generated']} new, {result['dropped']} empty answers dropped, "
-           f"{result['unfinished']} cut at max_new_tokens)")
+    _write(
+        f"wrote {result['output']}: {result['conversations']} conversations "
+        f"({result['generated']} new, {result['dropped']} empty answers dropped, "
+        f"{result['unfinished']} cut at max_new_tokens)"
+    )
     return 0
 
 
@@ -406,13 +479,18 @@ def _inspect_pair(args: argparse.Namespace) -> int:
     if args.data is None:
         texts = benchmark_corpus()
     else:
-        records = read_records(args.data, text_column=args.text_column,
-                               messages_column=args.messages_column, id_column=None)  # fmt: skip
+        records = read_records(
+            args.data,
+            text_column=args.text_column,
+            messages_column=args.messages_column,
+            id_column=None,
+        )
         texts = [
-            r.text if r.text is not None else "\n".join(
-                m.get("reasoning_content", "") + m["content"] for m in r.messages)
+            r.text
+            if r.text is not None
+            else "\n".join(m.get("reasoning_content", "") + m["content"] for m in r.messages)
             for r in records
-        ]  # fmt: skip
+        ]
     texts = list(islice(texts, args.limit))
     if student.normalizes_nfc or teacher.normalizes_nfc:  # as `crosskd prepare` does
         texts = [unicodedata.normalize("NFC", text) for text in texts]

@@ -30,8 +30,15 @@ from crosskd.steps.config import PRESETS, RunConfig, load_run_config, preset_pat
 log = logging.getLogger(__name__)
 
 DistillConfig = RunConfig
-__all__ = ["PRESETS", "DistillConfig", "checked_tables", "distill", "load_distill_config",
-           "preset_path", "teacher_caches"]
+__all__ = [
+    "PRESETS",
+    "DistillConfig",
+    "checked_tables",
+    "distill",
+    "load_distill_config",
+    "preset_path",
+    "teacher_caches",
+]
 
 
 def load_distill_config(path: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
@@ -47,12 +54,16 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     plan = steps.validate_inputs(config)
     tables = checked_tables(plan, progress=progress)
     prepared = steps.prepare_data(plan, **config.preparing(), progress=progress)
-    caches = teacher_caches(plan, prepared, config.scoring(), config.score_pods,
-                            progress=progress)  # fmt: skip
+    caches = teacher_caches(plan, prepared, config.scoring(), config.score_pods, progress=progress)
     items = steps.plan_training(config, plan, prepared, tables, caches, root)
     runs = [steps.train(item, executor="inprocess", progress=progress) for item in items]
-    evaluation = steps.evaluate_run(prepared, steps.models_to_evaluate(plan, runs), root,
-                                    token_budget=config.token_budget, device=config.device)
+    evaluation = steps.evaluate_run(
+        prepared,
+        steps.models_to_evaluate(plan, runs),
+        root,
+        token_budget=config.token_budget,
+        device=config.device,
+    )
     result = steps.report(evaluation, runs, asdict(config), f"{root}/report")
     return {"report": result["html"], **{k: result[k] for k in result if "bits_per_byte" in k}}
 
@@ -68,8 +79,14 @@ def checked_tables(plan: dict[str, Any], *, progress: bool = True) -> list[dict[
     return tables
 
 
-def teacher_caches(plan: dict[str, Any], prepared: dict[str, Any], scoring: dict[str, Any],
-                   pods: int, *, progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+def teacher_caches(
+    plan: dict[str, Any],
+    prepared: dict[str, Any],
+    scoring: dict[str, Any],
+    pods: int,
+    *,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
     """Every teacher's cache of the prepared training data (steps ``plan_scoring`` over
     ``pods`` shard ranges, ``score_teacher``, ``merge_caches``), in this process; the output of
     ``merge_caches``. ``scoring``: ``RunConfig.scoring()`` keys."""

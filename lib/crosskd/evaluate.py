@@ -57,20 +57,26 @@ def nll_bits_and_bytes(
     (None: the parameters' dtype)."""
     was_training = model.training
     model.eval()
-    autocast = torch.autocast(torch.device(device).type, dtype=compute_dtype,
-                              enabled=compute_dtype is not None)  # fmt: skip
+    autocast = torch.autocast(
+        torch.device(device).type, dtype=compute_dtype, enabled=compute_dtype is not None
+    )
     with autocast:
-        result = _nll_bits_and_bytes(model, sequences, token_bytes, device, token_budget,
-                                     targets, lockstep)  # fmt: skip
+        result = _nll_bits_and_bytes(
+            model, sequences, token_bytes, device, token_budget, targets, lockstep
+        )
     model.train(was_training)
     return result
 
 
 def _nll_bits_and_bytes(
-    model: torch.nn.Module, sequences: list[np.ndarray], token_bytes: np.ndarray,
-    device: torch.device | str, token_budget: int, targets: list[np.ndarray] | None,
+    model: torch.nn.Module,
+    sequences: list[np.ndarray],
+    token_bytes: np.ndarray,
+    device: torch.device | str,
+    token_budget: int,
+    targets: list[np.ndarray] | None,
     lockstep: Lockstep | None,
-) -> tuple[float, int]:  # fmt: skip
+) -> tuple[float, int]:
     from crosskd.teacher.scoring import budget_batches
 
     bits, n_bytes = 0.0, 0
@@ -184,18 +190,23 @@ class EvaluateConfig:
     """The models' dtype while scoring (float32 by default, so figures compare)."""
     trust_remote_code: bool = False
     """Passed to transformers; off unless you trust the models' code."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.data, str) or not self.data:
             raise ConfigError(f"data is {self.data!r}; give the prepared data's URI.")
-        if not isinstance(self.models, list) or not self.models or not all(
-            isinstance(m, str) and m for m in self.models
-        ):  # fmt: skip
+        if (
+            not isinstance(self.models, list)
+            or not self.models
+            or not all(isinstance(m, str) and m for m in self.models)
+        ):
             raise ConfigError(
                 f"models is {self.models!r}; give one or more NAME=REF or REF strings."
             )
-        if isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or (
-            self.token_budget < 1
-        ):  # fmt: skip
+        if (
+            isinstance(self.token_budget, bool)
+            or not isinstance(self.token_budget, int)
+            or (self.token_budget < 1)
+        ):
             raise ConfigError(f"token_budget is {self.token_budget!r}; it must be an int >= 1.")
         for key in ("output", "device", "dtype"):
             value = getattr(self, key)
@@ -214,8 +225,9 @@ class EvaluateConfig:
                 f"trust_remote_code is {self.trust_remote_code!r}; write true or false."
             )
         if len(set(self.names)) != len(self.names):
-            raise ConfigError(f"models {self.models}: two models have the same name; name them "
-                              f"NAME=REF.")  # fmt: skip
+            raise ConfigError(
+                f"models {self.models}: two models have the same name; name them NAME=REF."
+            )
 
     @property
     def names(self) -> list[str]:
@@ -245,24 +257,39 @@ def evaluate(config: EvaluateConfig) -> dict:
                 f"({', '.join(f'{n} {f[:12]}' for f, n in by_fingerprint.items())}); prepare "
                 f"the data with this tokenizer too."
             )
-        loaded = load_teacher(ref, device=config.device, dtype=config.dtype, role="model",
-                              trust_remote_code=config.trust_remote_code)  # fmt: skip
+        loaded = load_teacher(
+            ref,
+            device=config.device,
+            dtype=config.dtype,
+            role="model",
+            trust_remote_code=config.trust_remote_code,
+        )
         sequences = prepared_sequences(data, prepared)
         bits, n_bytes = nll_bits_and_bytes(
-            loaded.model, sequences, tok.bytes.lengths, device=loaded.device,
+            loaded.model,
+            sequences,
+            tok.bytes.lengths,
+            device=loaded.device,
             token_budget=config.token_budget,
             targets=prepared_targets(data, prepared, tok),
-        )  # fmt: skip
+        )
         results[name] = {
-            "ref": ref, "prepared_model": prepared, "sequences": len(sequences),
-            "bits": bits, "bytes": n_bytes,
+            "ref": ref,
+            "prepared_model": prepared,
+            "sequences": len(sequences),
+            "bits": bits,
+            "bytes": n_bytes,
             "bits_per_byte": bits / n_bytes if n_bytes else None,
-        }  # fmt: skip
-        log.info("%s: %.4f bits per byte on %s", name, results[name]["bits_per_byte"] or 0,
-                 prepared)  # fmt: skip
+        }
+        log.info(
+            "%s: %.4f bits per byte on %s", name, results[name]["bits_per_byte"] or 0, prepared
+        )
         del loaded
-    out = {"data": config.data, "data_fingerprint": data.manifest["data_fingerprint"],
-           "models": results}  # fmt: skip
+    out = {
+        "data": config.data,
+        "data_fingerprint": data.manifest["data_fingerprint"],
+        "models": results,
+    }
     if config.output is not None:
         fs, path = fsspec.core.url_to_fs(config.output)
         parent = path.rsplit("/", 1)[0] if "/" in path else ""

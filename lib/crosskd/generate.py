@@ -47,8 +47,16 @@ INSTRUCTIONS = (
     "{text}",
 )
 """The instructions of the machine prompts; prompt ``i`` uses ``INSTRUCTIONS[i % 4]``."""
-SETTINGS = ("model", "prompts", "system", "temperature", "top_p", "max_new_tokens", "seed",
-            "batch_size")  # fmt: skip
+SETTINGS = (
+    "model",
+    "prompts",
+    "system",
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "seed",
+    "batch_size",
+)
 """What a conversation depends on: stored with every row, and checked when a run resumes."""
 
 
@@ -100,9 +108,11 @@ class GenerateConfig:
             raise ConfigError(f"seed is {self.seed!r}; it must be an integer >= 0.")
         for key, low, high in (("temperature", 0.0, float("inf")), ("top_p", 0.0, 1.0)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                low < value <= high
-            ):  # fmt: skip
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (low < value <= high)
+            ):
                 raise ConfigError(f"{key} is {value!r}; it must be a number in ({low}, {high}].")
         if not isinstance(self.system, str):
             raise ConfigError(f"system is {self.system!r}; it must be a string (empty: none).")
@@ -137,8 +147,10 @@ def read_prompts(source: str, limit: int) -> list[str]:
     prompts = []
     for record in read_records(source, text_column=_prompt_column(source)):
         if record.text is None or not record.text.strip():
-            raise DataError(f"prompts {source}: {record} has no prompt text; give each row a "
-                            f"non-empty prompt (or text) value.")  # fmt: skip
+            raise DataError(
+                f"prompts {source}: {record} has no prompt text; give each row a "
+                f"non-empty prompt (or text) value."
+            )
         prompts.append(record.text)
         if len(prompts) == limit:
             break
@@ -157,45 +169,89 @@ def generate(config: GenerateConfig, *, progress: bool = True) -> dict[str, Any]
     prompts = read_prompts(config.prompts, config.conversations)
     if not prompts:
         raise DataError(f"prompts {config.prompts}: no prompts found.")
-    batches = [list(range(i, min(i + config.batch_size, len(prompts))))
-               for i in range(0, len(prompts), config.batch_size)]  # fmt: skip
+    batches = [
+        list(range(i, min(i + config.batch_size, len(prompts))))
+        for i in range(0, len(prompts), config.batch_size)
+    ]
     done, kept = _resume(output, config, len(batches))
-    loaded = load_teacher(config.model, device=config.device, dtype=config.dtype, role="model",
-                          trust_remote_code=config.trust_remote_code)  # fmt: skip
+    loaded = load_teacher(
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        role="model",
+        trust_remote_code=config.trust_remote_code,
+    )
     tokenizer = _tokenizer(loaded.folder)
     settings = config.settings()
     written = dropped = unfinished = 0
     output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("ab") as handle, tqdm(
-        total=len(batches), initial=done, desc="generate", unit="batch", disable=not progress
-    ) as bar:  # fmt: skip
+    with (
+        output.open("ab") as handle,
+        tqdm(
+            total=len(batches), initial=done, desc="generate", unit="batch", disable=not progress
+        ) as bar,
+    ):
         for b in range(done, len(batches)):
-            answers = _answer(loaded, tokenizer, [prompts[i] for i in batches[b]], config,
-                              seed=_batch_seed(config.seed, b))  # fmt: skip
+            answers = _answer(
+                loaded,
+                tokenizer,
+                [prompts[i] for i in batches[b]],
+                config,
+                seed=_batch_seed(config.seed, b),
+            )
             lines = []
             for index, (answer, finished) in zip(batches[b], answers, strict=True):
                 if not answer:
                     dropped += 1
                     continue
                 unfinished += not finished
-                lines.append(json.dumps({
-                    "id": f"conv-{index:06d}",
-                    "messages": _messages(config.system, prompts[index], answer),
-                    "generation": {**settings, "prompt_index": index, "batch": b,
-                                   "finished": finished},
-                }, ensure_ascii=False) + "\n")  # fmt: skip
+                lines.append(
+                    json.dumps(
+                        {
+                            "id": f"conv-{index:06d}",
+                            "messages": _messages(config.system, prompts[index], answer),
+                            "generation": {
+                                **settings,
+                                "prompt_index": index,
+                                "batch": b,
+                                "finished": finished,
+                            },
+                        },
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
             handle.write("".join(lines).encode("utf-8"))
             handle.flush()
             os.fsync(handle.fileno())
-            _write_progress(output, {"batches": b + 1, "bytes": handle.tell(),
-                                     "rows": kept + written + len(lines), **settings})
+            _write_progress(
+                output,
+                {
+                    "batches": b + 1,
+                    "bytes": handle.tell(),
+                    "rows": kept + written + len(lines),
+                    **settings,
+                },
+            )
             written += len(lines)
             bar.update(1)
     total = kept + written
-    log.info("generate: %d conversations in %s (%d written now, %d empty answers dropped, %d "
-             "cut at max_new_tokens)", total, output, written, dropped, unfinished)  # fmt: skip
-    return {"output": str(output), "conversations": total, "generated": written,
-            "dropped": dropped, "unfinished": unfinished}  # fmt: skip
+    log.info(
+        "generate: %d conversations in %s (%d written now, %d empty answers dropped, %d "
+        "cut at max_new_tokens)",
+        total,
+        output,
+        written,
+        dropped,
+        unfinished,
+    )
+    return {
+        "output": str(output),
+        "conversations": total,
+        "generated": written,
+        "dropped": dropped,
+        "unfinished": unfinished,
+    }
 
 
 def _prompt_column(source: str) -> str:
@@ -211,8 +267,11 @@ def _prompt_column(source: str) -> str:
 
 def _messages(system: str, prompt: str, answer: str) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": system}] if system else []
-    return [*messages, {"role": "user", "content": prompt},
-            {"role": "assistant", "content": answer}]  # fmt: skip
+    return [
+        *messages,
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": answer},
+    ]
 
 
 def _batch_seed(seed: int, batch: int) -> int:
@@ -230,38 +289,50 @@ def _tokenizer(folder: Path):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not tokenizer.chat_template:
-        raise ConfigError(f"model {folder}: its tokenizer has no chat template; give an "
-                          f"instruct (chat) model.")  # fmt: skip
+        raise ConfigError(
+            f"model {folder}: its tokenizer has no chat template; give an instruct (chat) model."
+        )
     return tokenizer
 
 
-def _answer(loaded, tokenizer, prompts: list[str], config: GenerateConfig,
-            seed: int) -> list[tuple[str, bool]]:  # fmt: skip
+def _answer(
+    loaded, tokenizer, prompts: list[str], config: GenerateConfig, seed: int
+) -> list[tuple[str, bool]]:
     """Each prompt's sampled answer and whether it ended before ``max_new_tokens``."""
     import torch
 
-    texts = [tokenizer.apply_chat_template(_messages(config.system, p, "")[:-1], tokenize=False,
-                                           add_generation_prompt=True)
-             for p in prompts]  # fmt: skip
+    texts = [
+        tokenizer.apply_chat_template(
+            _messages(config.system, p, "")[:-1], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     batch = {k: v.to(loaded.device) for k, v in batch.items()}
     with torch.random.fork_rng(devices=[loaded.device] if loaded.device.type == "cuda" else []):
         torch.manual_seed(seed)
         out = loaded.model.generate(
-            **batch, do_sample=True, temperature=float(config.temperature),
-            top_p=float(config.top_p), top_k=0, max_new_tokens=config.max_new_tokens,
+            **batch,
+            do_sample=True,
+            temperature=float(config.temperature),
+            top_p=float(config.top_p),
+            top_k=0,
+            max_new_tokens=config.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
-    new = out[:, batch["input_ids"].shape[1]:]
+        )
+    new = out[:, batch["input_ids"].shape[1] :]
     configured = loaded.model.generation_config.eos_token_id
-    stops = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else
-                                       [configured])} - {None}  # fmt: skip
+    stops = {
+        tokenizer.eos_token_id,
+        *(configured if isinstance(configured, list) else [configured]),
+    } - {None}
     answers = []
     for row in new.tolist():
         ended = next((i for i, t in enumerate(row) if t in stops), None)
         tokens = row if ended is None else row[:ended]
-        answers.append((tokenizer.decode(tokens, skip_special_tokens=True).strip(),
-                        ended is not None))  # fmt: skip
+        answers.append(
+            (tokenizer.decode(tokens, skip_special_tokens=True).strip(), ended is not None)
+        )
     return answers
 
 
@@ -284,8 +355,10 @@ def _resume(output: Path, config: GenerateConfig, batches: int) -> tuple[int, in
     progress = progress_path(output)
     if not progress.exists():
         if output.exists() and output.stat().st_size:
-            raise ConfigError(f"output {output} exists but has no {progress.name}: it was not "
-                              f"written by crosskd generate; remove it or write elsewhere.")
+            raise ConfigError(
+                f"output {output} exists but has no {progress.name}: it was not "
+                f"written by crosskd generate; remove it or write elsewhere."
+            )
         return 0, 0
     record = json.loads(progress.read_text(encoding="utf-8"))
     for key in SETTINGS:
@@ -294,20 +367,32 @@ def _resume(output: Path, config: GenerateConfig, batches: int) -> tuple[int, in
                 f"output {output} holds conversations generated with {key}="
                 f"{record.get(key)!r}, not {getattr(config, key)!r}; write to another output "
                 f"or remove it (and {progress.name}) to start over."
-            )  # fmt: skip
+            )
     if record["batches"] > batches:
-        raise ConfigError(f"output {output} holds {record['batches']} batches, more than the "
-                          f"{batches} of conversations={config.conversations}; raise "
-                          f"conversations or write elsewhere.")  # fmt: skip
+        raise ConfigError(
+            f"output {output} holds {record['batches']} batches, more than the "
+            f"{batches} of conversations={config.conversations}; raise "
+            f"conversations or write elsewhere."
+        )
     size = output.stat().st_size if output.exists() else 0
     if size < record["bytes"]:
-        raise DataError(f"output {output} is {size} bytes, shorter than the {record['bytes']} "
-                        f"its {progress.name} records; remove both to start over.")  # fmt: skip
+        raise DataError(
+            f"output {output} is {size} bytes, shorter than the {record['bytes']} "
+            f"its {progress.name} records; remove both to start over."
+        )
     if size > record["bytes"]:
-        log.warning("generate: %s ends in an unfinished batch (%d bytes); it is written again",
-                    output, size - record["bytes"])  # fmt: skip
+        log.warning(
+            "generate: %s ends in an unfinished batch (%d bytes); it is written again",
+            output,
+            size - record["bytes"],
+        )
         with output.open("r+b") as handle:
             handle.truncate(record["bytes"])
-    log.info("generate: resuming %s after %d of %d batches (%d conversations)", output,
-             record["batches"], batches, record["rows"])  # fmt: skip
+    log.info(
+        "generate: resuming %s after %d of %d batches (%d conversations)",
+        output,
+        record["batches"],
+        batches,
+        record["rows"],
+    )
     return int(record["batches"]), int(record["rows"])

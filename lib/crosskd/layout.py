@@ -54,12 +54,12 @@ class ParallelLayout:
         """A layout from the mapping of a config's ``parallel:``, refusing unknown keys by
         name (``parallel.KEY``)."""
         if not isinstance(values, dict):
-            raise ConfigError(f"parallel is {values!r}; it must be a mapping of "
-                              f"{', '.join(DIMS)}.")  # fmt: skip
+            raise ConfigError(f"parallel is {values!r}; it must be a mapping of {', '.join(DIMS)}.")
         unknown = sorted(set(values) - set(DIMS))
         if unknown:
-            raise ConfigError(f"parallel: unknown key(s) {', '.join(unknown)}; known keys: "
-                              f"{', '.join(DIMS)}.")  # fmt: skip
+            raise ConfigError(
+                f"parallel: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(DIMS)}."
+            )
         return cls(**values)
 
     def check(self) -> None:

@@ -79,8 +79,10 @@ class NodeCache:
         if folder is None:
             return None
         if limit is not None and not limit.isdigit():
-            raise CrosskdError(f"{NODE_CACHE_BYTES_ENV} is {limit!r}; it must be a number of "
-                               f"bytes (or unset: no bound).")  # fmt: skip
+            raise CrosskdError(
+                f"{NODE_CACHE_BYTES_ENV} is {limit!r}; it must be a number of "
+                f"bytes (or unset: no bound)."
+            )
         return cls(folder, None if limit is None else int(limit))
 
     def get(self, sha256: str, download) -> bytes:
@@ -202,8 +204,13 @@ def footer_record(payload: bytes) -> dict:
         return {}
     size = _footer_size(payload)
     tail = payload[len(payload) - size :]
-    return {"footer": {"offset": len(payload) - size, "bytes": size,
-                       "sha256": hashlib.sha256(tail).hexdigest()}}  # fmt: skip
+    return {
+        "footer": {
+            "offset": len(payload) - size,
+            "bytes": size,
+            "sha256": hashlib.sha256(tail).hexdigest(),
+        }
+    }
 
 
 def _footer_size(payload: bytes) -> int:
@@ -218,10 +225,12 @@ def group_bounds(metadata, footer_offset: int) -> list[int]:
     starts = []
     for g in range(metadata.num_row_groups):
         group = metadata.row_group(g)
-        starts.append(min(
-            c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
-            for c in (group.column(i) for i in range(group.num_columns))
-        ))  # fmt: skip
+        starts.append(
+            min(
+                c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
+                for c in (group.column(i) for i in range(group.num_columns))
+            )
+        )
     return [0, *starts[1:], footer_offset] if starts else []
 
 
@@ -239,8 +248,15 @@ class ArtifactFile:
     rebuild: str
     node_cache: NodeCache | None = None
 
-    def fetch(self, start: int | None, stop: int | None, sha256: str, *, part: str = "",
-              recorder: str = "the manifest") -> bytes:  # fmt: skip
+    def fetch(
+        self,
+        start: int | None,
+        stop: int | None,
+        sha256: str,
+        *,
+        part: str = "",
+        recorder: str = "the manifest",
+    ) -> bytes:
         """Bytes ``[start, stop)`` of the file (None, None: all of it), refused unless their
         sha256 is ``sha256``; ``part`` names the range in the message (e.g. "row group 3"),
         ``recorder`` what recorded the digest."""

@@ -26,9 +26,26 @@ from crosskd.alignment.core import (
 from crosskd.alignment.sample import REGIONS, AlignedSample, Rendered, align_text, render_text
 
 __all__ = [
-    "CHATML_FALLBACK", "REGIONS", "SHAPE_1_1", "SHAPE_1_N", "SHAPE_NAMES", "SHAPE_N_1",
-    "SHAPE_N_M", "SHAPE_SPECIAL", "AlignedSample", "ChatOptions", "Chunks", "Rendered",
-    "Tokenized", "align", "align_chat", "align_many", "align_text", "harmonize_reasoning",
-    "render", "render_text",
-    "split_reasoning", "tokenize",
-]  # fmt: skip
+    "CHATML_FALLBACK",
+    "REGIONS",
+    "SHAPE_1_1",
+    "SHAPE_1_N",
+    "SHAPE_NAMES",
+    "SHAPE_N_1",
+    "SHAPE_N_M",
+    "SHAPE_SPECIAL",
+    "AlignedSample",
+    "ChatOptions",
+    "Chunks",
+    "Rendered",
+    "Tokenized",
+    "align",
+    "align_chat",
+    "align_many",
+    "align_text",
+    "harmonize_reasoning",
+    "render",
+    "render_text",
+    "split_reasoning",
+    "tokenize",
+]

@@ -123,8 +123,11 @@ def _dropped_reasoning(tok: LoadedTokenizer, messages: list[dict]) -> set[int]:
     if not any(m.get("reasoning_content") for m in messages):
         return set()
     rendered, marks, _ = _sentinel_rendering(tok, messages)
-    return {i for (i, region), mark in marks.items()
-            if region == REGION_REASONING and mark not in rendered}  # fmt: skip
+    return {
+        i
+        for (i, region), mark in marks.items()
+        if region == REGION_REASONING and mark not in rendered
+    }
 
 
 def _sentinel_rendering(
@@ -144,8 +147,11 @@ def _sentinel_rendering(
             )
         stand_in.append(copy)
     rendered = tok.hf.apply_chat_template(stand_in, tokenize=False, chat_template=template)
-    ignored = [i for (i, region), mark in marks.items()
-               if region == REGION_REASONING and mark not in rendered]  # fmt: skip
+    ignored = [
+        i
+        for (i, region), mark in marks.items()
+        if region == REGION_REASONING and mark not in rendered
+    ]
     if ignored:
         for index in ignored:
             reasoning = stand_in[index].pop("reasoning_content")
@@ -284,10 +290,13 @@ def align_chat(
             loss_mask[s_rows] = True
         if len(s_rows) and len(t_rows):
             chunks = align(
-                _rebased(s.tokens, s_rows, a), _rebased(t.tokens, t_rows, t_start),
-                student_tok, teacher_tok,
-                student_start=int(s_rows[0]), teacher_start=int(t_rows[0]),
-            )  # fmt: skip
+                _rebased(s.tokens, s_rows, a),
+                _rebased(t.tokens, t_rows, t_start),
+                student_tok,
+                teacher_tok,
+                student_start=int(s_rows[0]),
+                teacher_start=int(t_rows[0]),
+            )
             _add(parts, regions, owners, chunks, region, message)
         if region == REGION_ANSWER and message != clipped_message:
             pair = _eot_pair(s, t, student_tok, teacher_tok, b, t_end)
@@ -348,14 +357,15 @@ def _eot_pair(
     if s_eot is None or t_eot is None:
         return None
     return Chunks(
-        np.array([[s_eot, s_eot + 1]]), np.array([[t_eot, t_eot + 1]]),
-        np.array([SHAPE_SPECIAL], dtype=np.uint8), np.ones(1, dtype=bool), np.ones(1, dtype=bool),
-    )  # fmt: skip
+        np.array([[s_eot, s_eot + 1]]),
+        np.array([[t_eot, t_eot + 1]]),
+        np.array([SHAPE_SPECIAL], dtype=np.uint8),
+        np.ones(1, dtype=bool),
+        np.ones(1, dtype=bool),
+    )
 
 
-def first_with_role(
-    rendered: Rendered, tok: LoadedTokenizer, role: str, after: int
-) -> int | None:
+def first_with_role(rendered: Rendered, tok: LoadedTokenizer, role: str, after: int) -> int | None:
     """Index of the first ``role`` token that ends after character ``after`` and before the
     next located region begins."""
     target = tok.role_ids.get(role)

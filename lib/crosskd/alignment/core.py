@@ -192,13 +192,24 @@ def align_many(
     )
     shape = ((s_count > 1).astype(np.uint8) << 1) | (t_count > 1).astype(np.uint8)
     content = Chunks(
-        student_ranges, teacher_ranges, _SHAPE_OF_CODE[shape], same & clean,
+        student_ranges,
+        teacher_ranges,
+        _SHAPE_OF_CODE[shape],
+        same & clean,
         np.ones(len(doc), dtype=bool),
-    )  # fmt: skip
+    )
     pairs = _pair_specials(
-        s, t, student_tok, teacher_tok, s_special, t_special, student_ranges, teacher_ranges,
-        s_doc, t_doc,
-    )  # fmt: skip
+        s,
+        t,
+        student_tok,
+        teacher_tok,
+        s_special,
+        t_special,
+        student_ranges,
+        teacher_ranges,
+        s_doc,
+        t_doc,
+    )
     merged, merged_doc = _merge(content, doc, pairs)
     return _split(merged, merged_doc, s_doc, t_doc)
 
@@ -218,8 +229,9 @@ def _joined(docs: list[Tokenized], char_base: np.ndarray) -> Tokenized:
     """All documents one after another, ends shifted by each document's character base."""
     if not docs:
         return Tokenized(_EMPTY, _EMPTY)
-    ends = np.concatenate([d.ends + base for d, base in zip(docs, char_base[:-1].tolist(),
-                                                              strict=True)])  # fmt: skip
+    ends = np.concatenate(
+        [d.ends + base for d, base in zip(docs, char_base[:-1].tolist(), strict=True)]
+    )
     return Tokenized(np.concatenate([d.ids for d in docs]).astype(np.int64), ends)
 
 
@@ -330,9 +342,7 @@ def _merge(
     ]
 
 
-def _split(
-    chunks: Chunks, doc: np.ndarray, s_doc: np.ndarray, t_doc: np.ndarray
-) -> list[Chunks]:
+def _split(chunks: Chunks, doc: np.ndarray, s_doc: np.ndarray, t_doc: np.ndarray) -> list[Chunks]:
     """Per-document chunks with document-local token indices and ``has_prediction``."""
     n_docs = len(s_doc) - 1
     student = chunks.student - s_doc[doc][:, None]
@@ -342,6 +352,13 @@ def _split(
     out = []
     for d in range(n_docs):
         part = slice(int(bounds[d]), int(bounds[d + 1]))
-        out.append(Chunks(student[part], teacher[part], chunks.shape[part],
-                          chunks.is_correct[part], has_prediction[part]))  # fmt: skip
+        out.append(
+            Chunks(
+                student[part],
+                teacher[part],
+                chunks.shape[part],
+                chunks.is_correct[part],
+                has_prediction[part],
+            )
+        )
     return out

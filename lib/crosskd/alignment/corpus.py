@@ -78,27 +78,37 @@ def benchmark_corpus(target_bytes: int = 1_000_000, *, document_bytes: int = 409
             log.warning("benchmark corpus: no %s documents found on this machine", name)
     log.info(
         "benchmark corpus: %d documents, %d bytes (%s)",
-        len(documents), total,
+        len(documents),
+        total,
         ", ".join(f"{name} {counts[name]} docs / {sizes[name]} B" for name in streams),
-    )  # fmt: skip
+    )
     return documents
 
 
-def licence_documents(target_bytes: int, *, document_bytes: int = 4096,
-                      folder: Path = LICENCES) -> list[str]:
+def licence_documents(
+    target_bytes: int, *, document_bytes: int = 4096, folder: Path = LICENCES
+) -> list[str]:
     """About ``target_bytes`` UTF-8 bytes of the licence texts under ``folder`` (files in name
     order, symbolic links skipped), in NFC documents of whole lines of at most about
     ``document_bytes`` bytes; stops at the first document that reaches the target. A missing
     or empty ``folder`` is a :class:`crosskd.errors.DataError`."""
     from crosskd.errors import DataError
 
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink()) \
-        if folder.is_dir() else []  # fmt: skip
+    files = (
+        sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+        if folder.is_dir()
+        else []
+    )
     if not files:
-        raise DataError(f"{folder}: no licence texts there (Debian's base-files installs "
-                        f"them); give ood_data as a file of rows instead.")  # fmt: skip
-    lines = (line for path in files
-             for line in path.read_text(encoding="utf-8", errors="replace").splitlines(True))
+        raise DataError(
+            f"{folder}: no licence texts there (Debian's base-files installs "
+            f"them); give ood_data as a file of rows instead."
+        )
+    lines = (
+        line
+        for path in files
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines(True)
+    )
     documents, total = [], 0
     for document in _windows(lines, document_bytes):
         if not document.strip():
@@ -107,8 +117,9 @@ def licence_documents(target_bytes: int, *, document_bytes: int = 4096,
         total += len(document.encode("utf-8"))
         if total >= target_bytes:
             break
-    log.info("licence texts: %d documents, %d bytes from %d files", len(documents), total,
-             len(files))  # fmt: skip
+    log.info(
+        "licence texts: %d documents, %d bytes from %d files", len(documents), total, len(files)
+    )
     return documents
 
 
@@ -203,8 +214,10 @@ def _catalogue_files() -> dict[str, list[Path]]:
     found = sum(len(v) for v in by_language.values())
     log.info(
         "benchmark corpus: %d translation catalogues in %d languages under %s",
-        found, len(by_language), ", ".join(str(r) for r in sorted(seen)) or "(no folder found)",
-    )  # fmt: skip
+        found,
+        len(by_language),
+        ", ".join(str(r) for r in sorted(seen)) or "(no folder found)",
+    )
     return {lang: _stable_order(files) for lang, files in sorted(by_language.items())}
 
 

@@ -271,10 +271,17 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
 
 
 _COUNTED = (
-    "documents", "characters", "student_tokens", "teacher_tokens", "unpaired_student_tokens",
-    "unpaired_teacher_tokens", "documents_with_unpaired", "chunks_without_prediction",
-    "student_tokens_common", "teacher_tokens_common",
-)  # fmt: skip
+    "documents",
+    "characters",
+    "student_tokens",
+    "teacher_tokens",
+    "unpaired_student_tokens",
+    "unpaired_teacher_tokens",
+    "documents_with_unpaired",
+    "chunks_without_prediction",
+    "student_tokens_common",
+    "teacher_tokens_common",
+)
 
 
 class _Totals:

@@ -42,9 +42,13 @@ def format_report(r: PairReport) -> str:
         chunks, s_tok, t_tok, correct = (
             (st.chunks, st.student_tokens, st.teacher_tokens, st.correct_rate)
             if st is not None
-            else (r.chunks, r.student_tokens - r.unpaired_student_tokens,
-                  r.teacher_tokens - r.unpaired_teacher_tokens, r.correct_rate)
-        )  # fmt: skip
+            else (
+                r.chunks,
+                r.student_tokens - r.unpaired_student_tokens,
+                r.teacher_tokens - r.unpaired_teacher_tokens,
+                r.correct_rate,
+            )
+        )
         lines.append(
             f"  {name:<8}{chunks:>10,}{ratio(chunks, r.chunks):>8.1%}"
             f"{s_tok:>13,}{ratio(s_tok, r.student_tokens):>8.1%}"

@@ -68,12 +68,14 @@ def align_text(
     loss_mask = np.ones(len(s.tokens), dtype=bool)
     loss_mask[:1] = False
     return AlignedSample(
-        s, t, chunks,
+        s,
+        t,
+        chunks,
         np.full(len(chunks), REGION_TEXT, dtype=np.uint8),
         np.zeros(len(chunks), dtype=np.int32),
         chunks_in_mask(chunks, loss_mask),
         loss_mask,
-    )  # fmt: skip
+    )
 
 
 def chunks_in_mask(chunks: Chunks, loss_mask: np.ndarray) -> np.ndarray:

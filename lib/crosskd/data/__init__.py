@@ -7,6 +7,12 @@ from crosskd.data.packing import pack_lockstep, packed_positions, packing_effici
 from crosskd.data.records import Record, read_records
 
 __all__ = [
-    "ClipResult", "Record", "clip_text", "pack_lockstep", "packed_positions",
-    "packing_efficiency", "read_records", "segment_ids",
-]  # fmt: skip
+    "ClipResult",
+    "Record",
+    "clip_text",
+    "pack_lockstep",
+    "packed_positions",
+    "packing_efficiency",
+    "read_records",
+    "segment_ids",
+]

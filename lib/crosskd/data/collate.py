@@ -52,9 +52,12 @@ class PreparedData:
         import pyarrow.parquet as pq
 
         payload = read_checked(
-            self.uri, self.manifest["shards"][index], what="prepared data", error=DataError,
+            self.uri,
+            self.manifest["shards"][index],
+            what="prepared data",
+            error=DataError,
             rebuild="Run `crosskd prepare` again.",
-        )  # fmt: skip
+        )
         return pq.read_table(io.BytesIO(payload)).to_pylist()
 
     def packed_rows(self) -> Iterator[list[dict]]:
@@ -74,9 +77,13 @@ def load_prepared(uri: str, *, fingerprints: dict[str, str] | None = None) -> Pr
     """Open prepared data, refusing a missing or foreign manifest, an unknown format version,
     or a model whose fingerprint differs from ``fingerprints`` (model name -> fingerprint)."""
     manifest = read_manifest(
-        uri, what="prepared data", kind=KIND, versions=FORMAT_VERSIONS, error=DataError,
+        uri,
+        what="prepared data",
+        kind=KIND,
+        versions=FORMAT_VERSIONS,
+        error=DataError,
         rebuild="`crosskd prepare`",
-    )  # fmt: skip
+    )
     recorded = {m["name"]: m["fingerprint"] for m in manifest["models"]}
     for name, want in (fingerprints or {}).items():
         if recorded.get(name) != want:
@@ -138,9 +145,13 @@ def collate(rows: list[list[dict]], n_teachers: int, student_multiple: int = 1) 
     the student's rows padded to a multiple of ``student_multiple`` positions (equal windows of
     positions for sequence-parallel ranks)."""
     names = ["student", *(f"teacher{k}" for k in range(n_teachers))]
-    models = {name: _model_batch([[s[f"{name}_ids"] for s in row] for row in rows],
-                                 student_multiple if name == "student" else 1)
-              for name in names}  # fmt: skip
+    models = {
+        name: _model_batch(
+            [[s[f"{name}_ids"] for s in row] for row in rows],
+            student_multiple if name == "student" else 1,
+        )
+        for name in names
+    }
     width = models["student"].input_ids.shape[1]
     loss_mask = torch.zeros(len(rows), width, dtype=torch.bool)
     for r, row in enumerate(rows):
@@ -219,7 +230,13 @@ def _chunk_batch(rows: list[list[dict]], name: str) -> ChunkBatch:
     flags = cat("flags", (0,), np.uint8)
     need = FLAG_CORRECT | FLAG_PREDICTION | FLAG_KD
     return ChunkBatch(
-        cat("row", (0,), np.int64), cat("s", (0, 2), np.int64), cat("t", (0, 2), np.int64),
-        cat("shape", (0,), np.uint8), cat("region", (0,), np.uint8), (flags & need) == need,
-        flags, cat("sample", (0,), np.int64), same_tokenizer=kinds == {True},
-    )  # fmt: skip
+        cat("row", (0,), np.int64),
+        cat("s", (0, 2), np.int64),
+        cat("t", (0, 2), np.int64),
+        cat("shape", (0,), np.uint8),
+        cat("region", (0,), np.uint8),
+        (flags & need) == need,
+        flags,
+        cat("sample", (0,), np.int64),
+        same_tokenizer=kinds == {True},
+    )

@@ -39,8 +39,10 @@ def splits_done(output: str) -> bool:
     fs, root = fsspec.core.url_to_fs(output)
     markers = _markers(fs, root)
     counts = {m["split_count"] for m in markers}
-    return any({m["split_index"] for m in markers if m["split_count"] == n} == set(range(n))
-               for n in counts)  # fmt: skip
+    return any(
+        {m["split_index"] for m in markers if m["split_count"] == n} == set(range(n))
+        for n in counts
+    )
 
 
 def merge_prepared(output: str) -> dict:
@@ -80,9 +82,15 @@ def merge_prepared(output: str) -> dict:
         if record is None:
             missing.append(w)
             continue
-        shards.append({"path": record["path"], "rows": record["rows"],
-                       "bins": [bins, bins + record["bins"]], "sha256": record["sha256"],
-                       **({"footer": record["footer"]} if "footer" in record else {})})
+        shards.append(
+            {
+                "path": record["path"],
+                "rows": record["rows"],
+                "bins": [bins, bins + record["bins"]],
+                "sha256": record["sha256"],
+                **({"footer": record["footer"]} if "footer" in record else {}),
+            }
+        )
         rows += record["rows"]
         clipped += record["clipped_rows"]
         bins += record["bins"]
@@ -98,13 +106,18 @@ def merge_prepared(output: str) -> dict:
         owners.append(np.full(len(ids), len(shards) - 1, dtype=np.int32))
     if missing:
         raise DataError(_missing_message(output, missing, markers))
-    _check_unique_ids(output, shards, np.concatenate(hashes), np.concatenate(owners),
-                      run["config"]["id_column"])  # fmt: skip
-    models = [m | {"chatml_fallback": fallback[i], "tokens": int(tokens[i])}
-              for i, m in enumerate(run["models"])]  # fmt: skip
+    _check_unique_ids(
+        output, shards, np.concatenate(hashes), np.concatenate(owners), run["config"]["id_column"]
+    )
+    models = [
+        m | {"chatml_fallback": fallback[i], "tokens": int(tokens[i])}
+        for i, m in enumerate(run["models"])
+    ]
     packed = run.pop("packed")
-    efficiency = {name: float(tokens[i]) / (bins * m["capacity"])
-                  for i, (name, m) in enumerate(zip(names, models, strict=True))}  # fmt: skip
+    efficiency = {
+        name: float(tokens[i]) / (bins * m["capacity"])
+        for i, (name, m) in enumerate(zip(names, models, strict=True))
+    }
     manifest = run | {
         "models": models,
         "rows": rows,
@@ -127,10 +140,10 @@ def _markers(fs: fsspec.AbstractFileSystem, root: str) -> list[dict]:
 def _missing_message(output: str, missing: list[int], markers: list[dict]) -> str:
     counts = sorted({m["split_count"] for m in markers})
     owners = "; ".join(
-        f"with split_count={n}: split_index " + ", ".join(str(i) for i in sorted({w % n
-                                                                                for w in missing}))
+        f"with split_count={n}: split_index "
+        + ", ".join(str(i) for i in sorted({w % n for w in missing}))
         for n in counts
-    )  # fmt: skip
+    )
     shown = ", ".join(str(w) for w in missing[:8]) + (", ..." if len(missing) > 8 else "")
     return (
         f"output {output}: {len(missing)} input window(s) have no shard yet ({shown}); run the "
@@ -138,8 +151,9 @@ def _missing_message(output: str, missing: list[int], markers: list[dict]) -> st
     )
 
 
-def _check_unique_ids(output: str, shards: list[dict], hashes: np.ndarray, owners: np.ndarray,
-                      id_column: str | None) -> None:  # fmt: skip
+def _check_unique_ids(
+    output: str, shards: list[dict], hashes: np.ndarray, owners: np.ndarray, id_column: str | None
+) -> None:
     """Refuse a sample id used twice, naming both rows (hash matches are confirmed on the ids:
     a 64-bit collision of two different ids is not an error)."""
     order = np.argsort(hashes, kind="stable")
@@ -157,20 +171,26 @@ def _check_unique_ids(output: str, shards: list[dict], hashes: np.ndarray, owner
         for shard in sorted({int(owners[order[at]]), int(owners[order[at + 1]])}):
             if shard not in columns:
                 with fs.open(f"{root}/{shards[shard]['path']}", "rb") as f:
-                    columns[shard] = pq.read_table(f, columns=["sample_id", "source", "row"]
-                                                   ).to_pydict()  # fmt: skip
+                    columns[shard] = pq.read_table(
+                        f, columns=["sample_id", "source", "row"]
+                    ).to_pydict()
             table = columns[shard]
-            places += [(sid, table["source"][i], table["row"][i])
-                       for i, sid in enumerate(table["sample_id"]) if id_hash(sid) == value]
+            places += [
+                (sid, table["source"][i], table["row"][i])
+                for i, sid in enumerate(table["sample_id"])
+                if id_hash(sid) == value
+            ]
         places.sort(key=lambda p: (p[1], p[2]))
         for i, (sid, source, row) in enumerate(places):
             for first in places[:i]:
                 if first[0] == sid:
                     raise DataError(
-                        f"output {output}: " + duplicate_id_message(
-                            sid, _where(first[1], first[2]), _where(source, row), id_column)
+                        f"output {output}: "
+                        + duplicate_id_message(
+                            sid, _where(first[1], first[2]), _where(source, row), id_column
+                        )
                         + "; then prepare into a new output"
-                    )  # fmt: skip
+                    )
 
 
 def _where(source: str, row: int) -> str:

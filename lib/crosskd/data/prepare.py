@@ -151,16 +151,21 @@ class PrepareConfig:
         for key in ("max_length", "shard_rows", "split_count"):
             _count(key, getattr(self, key))
         index = self.split_index
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < (
-            self.split_count
-        ):  # fmt: skip
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < (self.split_count)
+        ):
             raise ConfigError(
                 f"split_index is {index!r}; it must be an integer from 0 to split_count - 1 "
                 f"({self.split_count - 1})."
             )
         if self.teacher_max_length is not None:
-            _count("teacher_max_length", self.teacher_max_length, "an integer >= 1, or null "
-                   "for max_length")  # fmt: skip
+            _count(
+                "teacher_max_length",
+                self.teacher_max_length,
+                "an integer >= 1, or null for max_length",
+            )
         for key in ("pack", "drop_first_chunk"):
             value = getattr(self, key)
             if not isinstance(value, bool):
@@ -195,8 +200,12 @@ def model_names(n_teachers: int) -> list[str]:
     return ["student", *(f"teacher{k}" for k in range(n_teachers))]
 
 
-def prepare(config: PrepareConfig, *, progress: bool = True,
-            on_row: Callable[[str | None], None] | None = None) -> dict:  # fmt: skip
+def prepare(
+    config: PrepareConfig,
+    *,
+    progress: bool = True,
+    on_row: Callable[[str | None], None] | None = None,
+) -> dict:
     """Run the preparation (:func:`prepare_split` of the config's split) and, once every split
     has finished, merge the shards into the manifest (:func:`crosskd.data.merge.merge_prepared`);
     returns the manifest, or None while other splits are still to run. ``on_row`` is called
@@ -208,8 +217,12 @@ def prepare(config: PrepareConfig, *, progress: bool = True,
     return merge_prepared(config.output)
 
 
-def prepare_split(config: PrepareConfig, *, progress: bool = True,
-                  on_row: Callable[[str | None], None] | None = None) -> dict:  # fmt: skip
+def prepare_split(
+    config: PrepareConfig,
+    *,
+    progress: bool = True,
+    on_row: Callable[[str | None], None] | None = None,
+) -> dict:
     """Prepare the windows of ``shard_rows`` input rows that belong to this split (window ``w``
     when ``w % split_count == split_index``), each into its shard ``part-<w>.parquet`` and its
     record (:data:`SHARDS`), skipping windows whose record exists (after checking that their
@@ -234,14 +247,16 @@ def prepare_split(config: PrepareConfig, *, progress: bool = True,
     options = ChatOptions(tuple(config.included_regions), config.drop_first_chunk)
     run = _run_record(config, models, capacities, nfc, strip, same)
     records = read_records(
-        config.data, text_column=config.text_column, messages_column=config.messages_column,
-        id_column=config.id_column, unique_ids=False,
-    )  # fmt: skip
+        config.data,
+        text_column=config.text_column,
+        messages_column=config.messages_column,
+        id_column=config.id_column,
+        unique_ids=False,
+    )
     bar = tqdm(desc="align", unit="row", disable=not progress)
     recorded = fs.exists(f"{root}/{RUN}")
     if recorded:  # a resume: the settings must be the run's
-        start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data",
-                  activity="prepare")  # fmt: skip
+        start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data", activity="prepare")
     windows = prepared = 0
     for w, window in enumerate(batched(records, config.shard_rows)):
         windows = w + 1
@@ -265,8 +280,9 @@ def prepare_split(config: PrepareConfig, *, progress: bool = True,
                 on_row(rows[-1]["clip_reason"])
             bar.update(1)
         if not recorded:  # not before a row is prepared: bad input leaves nothing behind
-            start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data",
-                      activity="prepare")  # fmt: skip
+            start_run(
+                fs, f"{root}/{RUN}", config.output, run, what="prepared data", activity="prepare"
+            )
             recorded = True
         _write_window(fs, root, w, rows, config.pack, capacities, digest)
         prepared += len(rows)
@@ -274,18 +290,35 @@ def prepare_split(config: PrepareConfig, *, progress: bool = True,
     if windows == 0:
         raise DataError(f"data {config.data} has no rows; nothing to prepare.")
     start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data", activity="prepare")
-    marker = {"split_index": config.split_index, "split_count": config.split_count,
-              "windows": windows}  # fmt: skip
+    marker = {
+        "split_index": config.split_index,
+        "split_count": config.split_count,
+        "windows": windows,
+    }
     fs.makedirs(f"{root}/{SPLITS}", exist_ok=True)
-    fs.pipe_file(f"{root}/{SPLITS}/{config.split_index}-of-{config.split_count}.json",
-                 json.dumps(marker).encode("utf-8"))  # fmt: skip
-    log.info("split %d of %d: prepared %d rows (%d windows in the input) at %s",
-             config.split_index, config.split_count, prepared, windows, config.output)  # fmt: skip
+    fs.pipe_file(
+        f"{root}/{SPLITS}/{config.split_index}-of-{config.split_count}.json",
+        json.dumps(marker).encode("utf-8"),
+    )
+    log.info(
+        "split %d of %d: prepared %d rows (%d windows in the input) at %s",
+        config.split_index,
+        config.split_count,
+        prepared,
+        windows,
+        config.output,
+    )
     return marker
 
 
-def _run_record(config: PrepareConfig, models: list[LoadedTokenizer], capacities: list[int],
-                nfc: bool, strip: bool, same: list[bool]) -> dict:  # fmt: skip
+def _run_record(
+    config: PrepareConfig,
+    models: list[LoadedTokenizer],
+    capacities: list[int],
+    nfc: bool,
+    strip: bool,
+    same: list[bool],
+) -> dict:
     """What every split of a run must share: the manifest's fields that do not depend on the
     rows (config without the split, models, normalisation)."""
     names = model_names(len(models) - 1)
@@ -323,8 +356,15 @@ def _canonical(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
-def _write_window(fs: fsspec.AbstractFileSystem, root: str, window: int, rows: list[dict],
-                  pack: bool, capacities: list[int], input_sha256: str) -> None:  # fmt: skip
+def _write_window(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    window: int,
+    rows: list[dict],
+    pack: bool,
+    capacities: list[int],
+    input_sha256: str,
+) -> None:
     """Pack one window's prepared rows, write its shard, then its record (last: a record means
     a complete shard). The record holds what the manifest sums over shards."""
     lengths = np.array([row["lengths"] for row in rows], dtype=np.int64)
@@ -338,8 +378,10 @@ def _write_window(fs: fsspec.AbstractFileSystem, root: str, window: int, rows: l
                 counts.update(SHAPE_NAMES[s] for s in row["aligned"][k].chunks.shape.tolist())
             shapes[f"teacher{k}"] = {name: counts.get(name, 0) for name in SHAPE_NAMES}
     fallback = [any(row["student"].fallback_template for row in rows)]
-    fallback += [any(row["aligned"][k].teacher.fallback_template for row in rows)
-                 for k in range(len(rows[0]["aligned"]))]  # fmt: skip
+    fallback += [
+        any(row["aligned"][k].teacher.fallback_template for row in rows)
+        for k in range(len(rows[0]["aligned"]))
+    ]
     content = [[r["record"].sample_id, r["text"], r["messages"]] for r in rows]
     ids = sorted(id_hash(r["record"].sample_id) for r in rows)
     record = shard | {
@@ -374,9 +416,9 @@ def _template_strips(tok: LoadedTokenizer) -> bool:
     template would show."""
     if not tok.hf.chat_template:
         return False
-    probe = [{"role": "user", "content": " \uE002 "}, {"role": "assistant", "content": " \uE003 "}]
+    probe = [{"role": "user", "content": " \ue002 "}, {"role": "assistant", "content": " \ue003 "}]
     rendered = tok.hf.apply_chat_template(probe, tokenize=False)
-    return " \uE003 " not in rendered
+    return " \ue003 " not in rendered
 
 
 def _stripped(record: Record) -> Record:
@@ -425,8 +467,9 @@ def _prepare_row(
         messages, clipped, original, cut = _fit_chat(record, models, capacities)
         s_view = render(student, messages, sample_id=record.sample_id)
         text = None
-    own = student_tokens(student, s_view, messages, options, sample_id=record.sample_id,
-                         clipped_message=cut)  # fmt: skip
+    own = student_tokens(
+        student, s_view, messages, options, sample_id=record.sample_id, clipped_message=cut
+    )
     aligned: list[AlignedSample | SameTokenizerSample] = []
     for k, t in enumerate(teachers):
         if same[k]:
@@ -434,16 +477,26 @@ def _prepare_row(
         elif messages is None:
             aligned.append(align_text(student, t, text, student=s_view))
         else:
-            aligned.append(align_chat(student, t, messages, sample_id=record.sample_id,
-                                      options=options, student=s_view, clipped_message=cut))
+            aligned.append(
+                align_chat(
+                    student,
+                    t,
+                    messages,
+                    sample_id=record.sample_id,
+                    options=options,
+                    student=s_view,
+                    clipped_message=cut,
+                )
+            )
     lengths = [len(s_view.tokens), *(len(a.teacher.tokens) for a in aligned)]
     return {
         "record": record,
         "text": text,
         "messages": messages,
         "clipped": clipped,
-        "clip_reason": None if not clipped else (
-            "text" if messages is None else "turns" if cut is None else "message"),
+        "clip_reason": None
+        if not clipped
+        else ("text" if messages is None else "turns" if cut is None else "message"),
         "original_lengths": list(original),
         "lengths": lengths,
         "student": s_view,

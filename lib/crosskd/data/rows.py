@@ -68,8 +68,9 @@ class PackedRows:
             self._open.move_to_end(index)
             return self._open[index]
         entry = self.data.manifest["shards"][index]
-        file = ArtifactFile(self.data.uri, entry["path"], "prepared data", DataError, REBUILD,
-                            self.node_cache)  # fmt: skip
+        file = ArtifactFile(
+            self.data.uri, entry["path"], "prepared data", DataError, REBUILD, self.node_cache
+        )
         rows = ParquetRows(open_parquet(file, entry))
         bins = rows.statistics("bin")
         expected = entry["bins"][1] - entry["bins"][0]

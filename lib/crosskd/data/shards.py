@@ -60,9 +60,13 @@ def same_tokenizer_sample(
     prediction = np.arange(len(ids)) > 0
     flags = FLAG_CORRECT + prediction * FLAG_PREDICTION + own.kd * FLAG_KD
     return SameTokenizerSample(
-        student, own.loss_mask, shape.astype(np.uint8), flags.astype(np.uint8), own.region,
+        student,
+        own.loss_mask,
+        shape.astype(np.uint8),
+        flags.astype(np.uint8),
+        own.region,
         own.message,
-    )  # fmt: skip
+    )
 
 
 def schema(n_teachers: int):
@@ -71,11 +75,17 @@ def schema(n_teachers: int):
 
     ints, small = pa.list_(pa.int32()), pa.list_(pa.uint8())
     fields = [
-        ("sample_id", pa.string()), ("source", pa.string()), ("row", pa.int64()),
-        ("text", pa.string()), ("messages", pa.string()), ("clipped", pa.bool_()),
-        ("original_lengths", pa.list_(pa.int64())), ("bin", pa.int64()),
-        ("student_ids", ints), ("student_loss_mask", pa.list_(pa.bool_())),
-    ]  # fmt: skip
+        ("sample_id", pa.string()),
+        ("source", pa.string()),
+        ("row", pa.int64()),
+        ("text", pa.string()),
+        ("messages", pa.string()),
+        ("clipped", pa.bool_()),
+        ("original_lengths", pa.list_(pa.int64())),
+        ("bin", pa.int64()),
+        ("student_ids", ints),
+        ("student_loss_mask", pa.list_(pa.bool_())),
+    ]
     for k in range(n_teachers):
         fields += [(f"teacher{k}_ids", ints)]
         fields += [(f"teacher{k}_chunk_{x}", ints) for x in ("s0", "s1", "t0", "t1")]
@@ -90,8 +100,17 @@ def _columns(rows: list[dict], order: np.ndarray, bin_of: np.ndarray, n_teachers
     names += ["bin", "student_ids", "student_loss_mask"]
     cols: dict[str, list] = {name: [] for name in names}
     for k in range(n_teachers):
-        for suffix in ("ids", "chunk_s0", "chunk_s1", "chunk_t0", "chunk_t1", "chunk_shape",
-                       "chunk_flags", "chunk_region", "chunk_message"):  # fmt: skip
+        for suffix in (
+            "ids",
+            "chunk_s0",
+            "chunk_s1",
+            "chunk_t0",
+            "chunk_t1",
+            "chunk_shape",
+            "chunk_flags",
+            "chunk_region",
+            "chunk_message",
+        ):
             cols[f"teacher{k}_{suffix}"] = []
     for i in order.tolist():
         row = rows[i]
@@ -161,6 +180,11 @@ def write_shard(
     tmp = f"{root}/.tmp-{name}"
     fs.pipe_file(tmp, payload)
     fs.mv(tmp, f"{root}/{name}")
-    return {"path": name, "rows": len(order), "bins": len(bins),
-            "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
-            **footer_record(payload)}  # fmt: skip
+    return {
+        "path": name,
+        "rows": len(order),
+        "bins": len(bins),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "bytes": len(payload),
+        **footer_record(payload),
+    }

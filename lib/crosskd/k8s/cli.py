@@ -56,13 +56,16 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
     render.add_argument("--config", help="YAML file with JobConfig keys")
     render.add_argument("--output", help="write the YAML here instead of stdout")
     render.add_argument(
-        "--train-config", metavar="FILE",
+        "--train-config",
+        metavar="FILE",
         help="the train config the job will run: its parallel layout must fit the job's workers",
-    )  # fmt: skip
+    )
     render.add_argument(
-        "overrides", nargs="*", metavar="key=value",
+        "overrides",
+        nargs="*",
+        metavar="key=value",
         help="any JobConfig field, e.g. nodes=4 gpus_per_node=8",
-    )  # fmt: skip
+    )
     gen = actions.add_parser(
         "manifests", help="regenerate manifests/base/pytorchjob.yaml and the overlay patches"
     )
@@ -265,11 +268,15 @@ def _submit(args: argparse.Namespace) -> int:
     else:
         namespace = args.namespace or config.namespace or current_namespace()
         result = submit(
-            manifest, namespace=namespace, wait_timeout=args.wait_timeout,
-            manifest_path=args.manifest, delete_on_sigterm=not args.keep_on_sigterm,
-            delete_when_done=args.delete_when_done, poll_interval=args.poll_interval,
+            manifest,
+            namespace=namespace,
+            wait_timeout=args.wait_timeout,
+            manifest_path=args.manifest,
+            delete_on_sigterm=not args.keep_on_sigterm,
+            delete_when_done=args.delete_when_done,
+            poll_interval=args.poll_interval,
             final_model_uri=args.final_model_uri,
-        )  # fmt: skip
+        )
     final = args.final_model_uri or result.final_model_uri
     sys.stdout.write(
         f"PyTorchJob {result.namespace}/{result.name} succeeded in {result.elapsed_s:.0f} s"
@@ -301,16 +308,20 @@ def _run_local(args: argparse.Namespace) -> int:
     documents = [d for path in args.files for d in load_documents(path)]
     jobs = [d for d in documents if d.get("kind") == "PyTorchJob"]
     if len(jobs) != 1:
-        raise ConfigError(f"{', '.join(args.files)} hold {len(jobs)} PyTorchJob objects; give "
-                          f"exactly one.")  # fmt: skip
+        raise ConfigError(
+            f"{', '.join(args.files)} hold {len(jobs)} PyTorchJob objects; give exactly one."
+        )
     if args.train_config:
         documents.append(train_config_map(jobs[0], args.train_config))
     if args.max_recreations < 0:
         raise ConfigError(f"--max-recreations is {args.max_recreations}; it must be >= 0.")
-    result = run_local_job(documents, args.workdir, wait_timeout=args.timeout,
-                           max_recreations=args.max_recreations)  # fmt: skip
-    sys.stdout.write(f"PyTorchJob {result.name} succeeded locally in {result.elapsed_s:.0f} s: "
-                     f"{result.message}\n")  # fmt: skip
+    result = run_local_job(
+        documents, args.workdir, wait_timeout=args.timeout, max_recreations=args.max_recreations
+    )
+    sys.stdout.write(
+        f"PyTorchJob {result.name} succeeded locally in {result.elapsed_s:.0f} s: "
+        f"{result.message}\n"
+    )
     return 0
 
 

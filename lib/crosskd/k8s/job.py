@@ -207,8 +207,12 @@ class JobConfig:
 
     def check(self) -> None:
         """Refuse bad values naming the key."""
-        if not isinstance(self.run_id, str) or not self.run_id or len(self.run_id) > 63 \
-                or not _LABEL_VALUE.fullmatch(self.run_id):  # fmt: skip
+        if (
+            not isinstance(self.run_id, str)
+            or not self.run_id
+            or len(self.run_id) > 63
+            or not _LABEL_VALUE.fullmatch(self.run_id)
+        ):
             raise ConfigError(
                 f"run_id is {self.run_id!r}; it must be a label value: 1..63 letters, digits, "
                 f"'-', '_' or '.', starting and ending with a letter or digit."
@@ -217,14 +221,14 @@ class JobConfig:
         if any(c.isspace() for c in self.image):
             raise ConfigError(f"image is {self.image!r}; it must not contain spaces.")
         _choice("image_pull_policy", self.image_pull_policy, ("Always", "IfNotPresent", "Never"))
-        _choice("restart_policy", self.restart_policy, ("ExitCode", "OnFailure", "Never",
-                                                        "Always"))  # fmt: skip
+        _choice("restart_policy", self.restart_policy, ("ExitCode", "OnFailure", "Never", "Always"))
         _choice("clean_pod_policy", self.clean_pod_policy, ("Running", "All", "None"))
         _choice("nccl_debug", self.nccl_debug, ("VERSION", "WARN", "INFO", "TRACE"))
         if self.name is not None and (
-            not isinstance(self.name, str) or len(self.name) > MAX_NAME
+            not isinstance(self.name, str)
+            or len(self.name) > MAX_NAME
             or not _DNS1035.fullmatch(self.name)
-        ):  # fmt: skip
+        ):
             raise ConfigError(
                 f"name is {self.name!r}; it must be a DNS-1035 label of at most {MAX_NAME} "
                 f"characters (lowercase letters, digits, '-', starting with a letter), or unset."
@@ -241,9 +245,12 @@ class JobConfig:
             raise ConfigError(
                 f"metrics_port is {self.metrics_port}; ports metrics_port .. metrics_port + "
                 f"{self.procs_per_node - 1} must be <= 65535 and leave out {OPERATOR_PORT}."
-            )  # fmt: skip
-        for key in ("active_deadline_seconds", "ttl_seconds_after_finished",
-                    "schedule_timeout_seconds"):  # fmt: skip
+            )
+        for key in (
+            "active_deadline_seconds",
+            "ttl_seconds_after_finished",
+            "schedule_timeout_seconds",
+        ):
             if getattr(self, key) is not None:
                 _int(key, getattr(self, key), 0 if key == "ttl_seconds_after_finished" else 1)
         if self.min_nodes is not None:
@@ -256,8 +263,7 @@ class JobConfig:
         for key in ("elastic", "gang_scheduling", "ipc_lock"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} is {getattr(self, key)!r}; it must be true or false.")
-        for key in ("cpu", "memory", "memory_limit", "shm_size", "cache_size",
-                    "node_cache_size"):
+        for key in ("cpu", "memory", "memory_limit", "shm_size", "cache_size", "node_cache_size"):
             value = getattr(self, key)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 value = str(value)
@@ -273,8 +279,9 @@ class JobConfig:
         if self.train_config_uri is not None:
             _str("train_config_uri", self.train_config_uri)
             if any(c.isspace() for c in self.train_config_uri):
-                raise ConfigError(f"train_config_uri is {self.train_config_uri!r}; it must not "
-                                  f"contain spaces.")  # fmt: skip
+                raise ConfigError(
+                    f"train_config_uri is {self.train_config_uri!r}; it must not contain spaces."
+                )
         for key in (
             "namespace",
             "priority_class",
@@ -286,7 +293,7 @@ class JobConfig:
             "service_account",
         ):
             if getattr(self, key) is not None:
-                _str(key, getattr(self, key))  # fmt: skip
+                _str(key, getattr(self, key))
         for key in ("node_selector", "env", "labels"):
             _str_map(key, getattr(self, key))
         for key in ("image_pull_secrets", "train_overrides"):
@@ -298,8 +305,9 @@ class JobConfig:
                 raise ConfigError(f"train_overrides[{i}] is {item!r}; write it as key=value.")
         if any(item.startswith("parallel.") for item in self.train_overrides):
             job_layout(self)
-        secret_env = sorted(set(self.env) & {*CREDENTIAL_ENV, "AWS_ENDPOINT_URL",
-                                             "AWS_DEFAULT_REGION"})  # fmt: skip
+        secret_env = sorted(
+            set(self.env) & {*CREDENTIAL_ENV, "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"}
+        )
         if secret_env:
             raise ConfigError(
                 f"env sets {', '.join(secret_env)}; give credentials through s3_secret (a "
@@ -315,15 +323,19 @@ class JobConfig:
                     f"{', '.join(sorted(_TOLERATION_KEYS))}."
                 )
             if tol.get("operator", "Equal") not in ("Equal", "Exists"):
-                raise ConfigError(f"tolerations[{i}].operator is {tol['operator']!r}; it must "
-                                  f"be Equal or Exists.")  # fmt: skip
+                raise ConfigError(
+                    f"tolerations[{i}].operator is {tol['operator']!r}; it must be Equal or Exists."
+                )
             if tol.get("effect") not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
-                raise ConfigError(f"tolerations[{i}].effect is {tol['effect']!r}; it must be "
-                                  f"NoSchedule, PreferNoSchedule or NoExecute.")  # fmt: skip
+                raise ConfigError(
+                    f"tolerations[{i}].effect is {tol['effect']!r}; it must be "
+                    f"NoSchedule, PreferNoSchedule or NoExecute."
+                )
             for key in ("key", "value"):
                 if key in tol and not isinstance(tol[key], str):
-                    raise ConfigError(f"tolerations[{i}].{key} is {tol[key]!r}; it must be a "
-                                      f"string.")  # fmt: skip
+                    raise ConfigError(
+                        f"tolerations[{i}].{key} is {tol[key]!r}; it must be a string."
+                    )
             if "tolerationSeconds" in tol:
                 _int(f"tolerations[{i}].tolerationSeconds", tol["tolerationSeconds"], 0)
 
@@ -336,8 +348,9 @@ def load_job_config(
     known = {f.name for f in fields(JobConfig)}
     unknown = sorted(set(values or {}) - known)
     if unknown:
-        raise ConfigError(f"unknown job key(s) {', '.join(unknown)}; known keys: "
-                          f"{', '.join(sorted(known))}.")  # fmt: skip
+        raise ConfigError(
+            f"unknown job key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
+        )
     try:
         return load_config(JobConfig, path, overrides, flags=values)
     except ConfigError:
@@ -443,10 +456,15 @@ def job_manifest(config: JobConfig) -> dict[str, Any]:
 def train_command(config: JobConfig) -> list[str]:
     """The container's command: the pod's entry point around ``procs_per_node`` workers."""
     return [
-        "crosskd", "train", "--config", config.train_config_uri or TRAIN_CONFIG_PATH,
-        "--nproc-per-node", str(config.procs_per_node),
-        f"metrics_port={config.metrics_port}", *config.train_overrides,
-    ]  # fmt: skip
+        "crosskd",
+        "train",
+        "--config",
+        config.train_config_uri or TRAIN_CONFIG_PATH,
+        "--nproc-per-node",
+        str(config.procs_per_node),
+        f"metrics_port={config.metrics_port}",
+        *config.train_overrides,
+    ]
 
 
 def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplateSpec:
@@ -454,9 +472,11 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
     if config.gpus_per_node:
         limits[config.gpu_resource] = str(config.gpus_per_node)
     ports = [k8s.V1ContainerPort(name="pytorchjob-port", container_port=OPERATOR_PORT)]
-    config_mount = [] if config.train_config_uri else [
-        k8s.V1VolumeMount(name="train-config", mount_path=TRAIN_CONFIG_DIR, read_only=True)
-    ]  # fmt: skip
+    config_mount = (
+        []
+        if config.train_config_uri
+        else [k8s.V1VolumeMount(name="train-config", mount_path=TRAIN_CONFIG_DIR, read_only=True)]
+    )
     ports += [
         k8s.V1ContainerPort(name=f"metrics-{i}", container_port=config.metrics_port + i)
         for i in range(config.procs_per_node)
@@ -487,18 +507,32 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
         ),
     )
     volumes = [
-        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
-            medium="Memory", size_limit=config.shm_size)),
-        *([] if config.train_config_uri else [k8s.V1Volume(
-            name="train-config", config_map=k8s.V1ConfigMapVolumeSource(
-                name=config.train_config_map,
-                items=[k8s.V1KeyToPath(key=TRAIN_CONFIG_KEY, path=TRAIN_CONFIG_KEY)]))]),
+        k8s.V1Volume(
+            name="dshm",
+            empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=config.shm_size),
+        ),
+        *(
+            []
+            if config.train_config_uri
+            else [
+                k8s.V1Volume(
+                    name="train-config",
+                    config_map=k8s.V1ConfigMapVolumeSource(
+                        name=config.train_config_map,
+                        items=[k8s.V1KeyToPath(key=TRAIN_CONFIG_KEY, path=TRAIN_CONFIG_KEY)],
+                    ),
+                )
+            ]
+        ),
         k8s.V1Volume(name="home", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit="1Gi")),
-        k8s.V1Volume(name="cache", empty_dir=k8s.V1EmptyDirVolumeSource(
-            size_limit=config.cache_size)),
-        k8s.V1Volume(name="node-cache", empty_dir=k8s.V1EmptyDirVolumeSource(
-            size_limit=config.node_cache_size)),
-    ]  # fmt: skip
+        k8s.V1Volume(
+            name="cache", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=config.cache_size)
+        ),
+        k8s.V1Volume(
+            name="node-cache",
+            empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=config.node_cache_size),
+        ),
+    ]
     tolerations = [
         k8s.V1Toleration(
             key=t.get("key"),
@@ -544,7 +578,8 @@ def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
         "HF_HOME": f"{CACHE}/huggingface",
         NODE_CACHE_ENV: NODE_CACHE,
         NODE_CACHE_BYTES_ENV: str(
-            int(parse_quantity(config.node_cache_size)) * NODE_CACHE_PERCENT // 100),
+            int(parse_quantity(config.node_cache_size)) * NODE_CACHE_PERCENT // 100
+        ),
         "CROSSKD_GRACE_SECONDS": str(config.grace_seconds),
         "NCCL_DEBUG": config.nccl_debug,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
@@ -560,11 +595,16 @@ def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
         keys = [(k, False) for k in CREDENTIAL_ENV[:2]]
         keys += [(k, True) for k, v in optional.items() if v is None]
         env += [
-            k8s.V1EnvVar(name=k, value_from=k8s.V1EnvVarSource(
-                secret_key_ref=k8s.V1SecretKeySelector(
-                    name=config.s3_secret, key=k, optional=True if opt else None)))
+            k8s.V1EnvVar(
+                name=k,
+                value_from=k8s.V1EnvVarSource(
+                    secret_key_ref=k8s.V1SecretKeySelector(
+                        name=config.s3_secret, key=k, optional=True if opt else None
+                    )
+                ),
+            )
             for k, opt in keys
-        ]  # fmt: skip
+        ]
     return env
 
 
@@ -586,7 +626,7 @@ def _choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
 def _str_map(key: str, value: object) -> None:
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and k and isinstance(v, str) for k, v in value.items()
-    ):  # fmt: skip
+    ):
         raise ConfigError(
             f"{key} is {value!r}; it must be a mapping of strings to strings (quote numbers "
             f"and booleans in YAML)."

@@ -167,17 +167,24 @@ def train_config_map(job: Mapping[str, Any], path: str) -> dict:
 
     specs = job["spec"]["pytorchReplicaSpecs"]
     template = specs.get("Master", specs.get("Worker"))["template"]
-    names = [v["configMap"]["name"] for v in template["spec"].get("volumes", [])
-             if "configMap" in v]  # fmt: skip
+    names = [
+        v["configMap"]["name"] for v in template["spec"].get("volumes", []) if "configMap" in v
+    ]
     if len(names) != 1:
-        raise ConfigError(f"the job mounts {len(names)} ConfigMaps; --train-config needs exactly "
-                          f"one (the train config's).")  # fmt: skip
+        raise ConfigError(
+            f"the job mounts {len(names)} ConfigMaps; --train-config needs exactly "
+            f"one (the train config's)."
+        )
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"train config {path}: cannot read it ({exc.strerror}).") from exc
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": names[0]},
-            "data": {TRAIN_CONFIG_KEY: text}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": names[0]},
+        "data": {TRAIN_CONFIG_KEY: text},
+    }
 
 
 def run_local_job(
@@ -200,27 +207,38 @@ def run_local_job(
     job = _only(documents, "PyTorchJob")
     name = job["metadata"]["name"]
     started = time.monotonic()
-    outcome = run_local(documents, workdir, max_recreations=max_recreations,
-                        timeout=wait_timeout)  # fmt: skip
+    outcome = run_local(documents, workdir, max_recreations=max_recreations, timeout=wait_timeout)
     annotations = job["metadata"].get("annotations") or {}
     result = JobResult(
-        name=name, namespace="local", condition=outcome.condition, reason=None,
-        message=f"{outcome.message}; exit codes {outcome.exit_codes}", succeeded=outcome.succeeded,
-        final_model_uri=annotations.get(FINAL_MODEL_URI_ANNOTATION) if outcome.succeeded
-        else None, elapsed_s=time.monotonic() - started,
-    )  # fmt: skip
+        name=name,
+        namespace="local",
+        condition=outcome.condition,
+        reason=None,
+        message=f"{outcome.message}; exit codes {outcome.exit_codes}",
+        succeeded=outcome.succeeded,
+        final_model_uri=annotations.get(FINAL_MODEL_URI_ANNOTATION) if outcome.succeeded else None,
+        elapsed_s=time.monotonic() - started,
+    )
     if outcome.succeeded:
         return result
     where = Path(workdir) / "master-0" / "log.txt"
     if outcome.timed_out:
-        raise JobTimeout(f"PyTorchJob {name} (local): {outcome.message}; logs under {workdir}",
-                         result)  # fmt: skip
-    raise JobFailed(f"PyTorchJob {name} (local) failed: {outcome.message}; the Master's log is "
-                    f"{where}", result)  # fmt: skip
+        raise JobTimeout(
+            f"PyTorchJob {name} (local): {outcome.message}; logs under {workdir}", result
+        )
+    raise JobFailed(
+        f"PyTorchJob {name} (local) failed: {outcome.message}; the Master's log is {where}", result
+    )
 
 
-def run_local(documents: list[dict], workdir: str | Path, *, max_recreations: int = 10,
-              timeout: float | None = None, settle: float = 30.0) -> LocalJobResult:  # fmt: skip
+def run_local(
+    documents: list[dict],
+    workdir: str | Path,
+    *,
+    max_recreations: int = 10,
+    timeout: float | None = None,
+    settle: float = 30.0,
+) -> LocalJobResult:
     """Run the PyTorchJob of ``documents`` (with its ConfigMaps) under ``workdir`` (one folder
     per replica: ``log.txt``, mounted ConfigMaps and emptyDirs) until the job's result is known
     (module docstring); ``timeout`` seconds (None: no limit) stops and fails it. Once the Master
@@ -249,12 +267,14 @@ def run_local(documents: list[dict], workdir: str | Path, *, max_recreations: in
                         return _result("Succeeded", "the Master exited 0", replicas)
                     continue
                 if not _retryable(policy[replica.kind], code):
-                    return _result("Failed", f"{replica.name} exited {code} (permanent under "
-                                             f"{policy[replica.kind]})", replicas)  # fmt: skip
+                    return _result(
+                        "Failed",
+                        f"{replica.name} exited {code} (permanent under {policy[replica.kind]})",
+                        replicas,
+                    )
                 recreations += 1
                 if recreations > max_recreations:
-                    return _result("Failed", f"more than {max_recreations} recreations",
-                                   replicas)  # fmt: skip
+                    return _result("Failed", f"more than {max_recreations} recreations", replicas)
                 log.info("%s exited %d: recreating it", replica.name, code)
                 replica.recreated += 1
                 replica.start()
@@ -286,7 +306,8 @@ def _wait(replicas: list[Replica], seconds: float) -> None:
             continue
         try:
             replica.exit_codes.append(
-                replica.process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+                replica.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            )
             replica.process = None
         except subprocess.TimeoutExpired:
             continue
@@ -330,8 +351,9 @@ def _replicas(job: dict, config_maps: dict[str, dict], workdir: Path) -> list[Re
     unknown = sorted(set(specs) - {"Master", "Worker"})
     if unknown:
         raise ConfigError(f"pytorchReplicaSpecs has {unknown}; only Master and Worker exist.")
-    counts = {kind: int(specs[kind].get("replicas", 1)) for kind in ("Master", "Worker")
-              if kind in specs}  # fmt: skip
+    counts = {
+        kind: int(specs[kind].get("replicas", 1)) for kind in ("Master", "Worker") if kind in specs
+    }
     nproc = spec.get("nprocPerNode")
     nodes = sum(counts.values())
     operator = {"PYTHONUNBUFFERED": "1"}
@@ -342,13 +364,15 @@ def _replicas(job: dict, config_maps: dict[str, dict], workdir: Path) -> list[Re
         operator["PET_NNODES"] = str(nodes)
     else:
         port = _free_port()
-        operator.update({
-            "PET_RDZV_BACKEND": elastic.get("rdzvBackend", "c10d"),
-            "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
-            "PET_RDZV_ID": job["metadata"]["name"],
-            "PET_NNODES": f"{elastic.get('minReplicas', nodes)}:"
-                          f"{elastic.get('maxReplicas', nodes)}",
-        })  # fmt: skip
+        operator.update(
+            {
+                "PET_RDZV_BACKEND": elastic.get("rdzvBackend", "c10d"),
+                "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+                "PET_RDZV_ID": job["metadata"]["name"],
+                "PET_NNODES": f"{elastic.get('minReplicas', nodes)}:"
+                f"{elastic.get('maxReplicas', nodes)}",
+            }
+        )
     master_port = _free_port()
     per_node = int(nproc) if str(nproc).isdigit() else 1
     replicas = []
@@ -357,22 +381,46 @@ def _replicas(job: dict, config_maps: dict[str, dict], workdir: Path) -> list[Re
             rank = index if kind == "Master" else index + counts.get("Master", 0)
             env = dict(operator)
             if "Master" in counts:
-                env.update({"MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(master_port),
-                            "PET_MASTER_PORT": str(master_port),
-                            "WORLD_SIZE": str(nodes * per_node), "RANK": str(rank),
-                            "PET_NODE_RANK": str(rank)})  # fmt: skip
+                env.update(
+                    {
+                        "MASTER_ADDR": "127.0.0.1",
+                        "PET_MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(master_port),
+                        "PET_MASTER_PORT": str(master_port),
+                        "WORLD_SIZE": str(nodes * per_node),
+                        "RANK": str(rank),
+                        "PET_NODE_RANK": str(rank),
+                    }
+                )
             folder = workdir / f"{kind.lower()}-{index}"
             if folder.exists():
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
-            replicas.append(_replica(kind, index, rank, specs[kind]["template"], env,
-                                     config_maps, folder, rank * per_node))  # fmt: skip
+            replicas.append(
+                _replica(
+                    kind,
+                    index,
+                    rank,
+                    specs[kind]["template"],
+                    env,
+                    config_maps,
+                    folder,
+                    rank * per_node,
+                )
+            )
     return replicas
 
 
-def _replica(kind: str, index: int, rank: int, template: dict, operator_env: dict[str, str],
-             config_maps: dict[str, dict], folder: Path, port_shift: int) -> Replica:  # fmt: skip
+def _replica(
+    kind: str,
+    index: int,
+    rank: int,
+    template: dict,
+    operator_env: dict[str, str],
+    config_maps: dict[str, dict],
+    folder: Path,
+    port_shift: int,
+) -> Replica:
     pod = template["spec"]
     containers = [c for c in pod["containers"] if c["name"] == CONTAINER]
     if not containers:
@@ -399,7 +447,7 @@ def _replica(kind: str, index: int, rank: int, template: dict, operator_env: dic
     def mapped(value: str) -> str:
         for path in sorted(mounts, key=len, reverse=True):
             if value == path or value.startswith(path + "/"):
-                return str(mounts[path]) + value[len(path):]
+                return str(mounts[path]) + value[len(path) :]
         return value
 
     env = {k: os.environ[k] for k in HOST_ENV if k in os.environ}
@@ -410,8 +458,10 @@ def _replica(kind: str, index: int, rank: int, template: dict, operator_env: dic
         if env_value is not None:
             env[item["name"]] = mapped(env_value)
     env.update(operator_env)
-    command = [_shift_metrics_arg(mapped(x), port_shift)
-               for x in [*container.get("command", []), *container.get("args", [])]]  # fmt: skip
+    command = [
+        _shift_metrics_arg(mapped(x), port_shift)
+        for x in [*container.get("command", []), *container.get("args", [])]
+    ]
     if not command:
         raise ConfigError(f"{kind}'s container has no command; crosskd's image runs `crosskd`.")
     executable = shutil.which(command[0], path=env["PATH"])

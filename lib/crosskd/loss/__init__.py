@@ -27,8 +27,26 @@ from crosskd.loss.objective import (
 )
 
 __all__ = [
-    "DIVERGENCES", "CsdOptions", "Events", "KdTerm", "LocalLogProbs", "LossConfig", "LossOutput",
-    "LossPlan", "StepCounts", "StudentLogProbs", "TeacherBatch", "TeacherLossConfig",
-    "build_events", "check_teachers", "compute_loss", "csd_kd", "divergence", "kd_from_events",
-    "kd_scale", "plan_loss", "segment_sum", "with_rest",
-]  # fmt: skip
+    "DIVERGENCES",
+    "CsdOptions",
+    "Events",
+    "KdTerm",
+    "LocalLogProbs",
+    "LossConfig",
+    "LossOutput",
+    "LossPlan",
+    "StepCounts",
+    "StudentLogProbs",
+    "TeacherBatch",
+    "TeacherLossConfig",
+    "build_events",
+    "check_teachers",
+    "compute_loss",
+    "csd_kd",
+    "divergence",
+    "kd_from_events",
+    "kd_scale",
+    "plan_loss",
+    "segment_sum",
+    "with_rest",
+]

@@ -134,8 +134,12 @@ class LossConfig:
         _finite("max_kd_scale", self.max_kd_scale)
         if self.max_kd_scale <= 0:
             raise ConfigError(f"max_kd_scale is {self.max_kd_scale!r}; it must be > 0.")
-        for key in ("dynamic_kd_scale", "keep_realized", "realized_only_mismatch",
-                    "drop_unrealized_topk"):  # fmt: skip
+        for key in (
+            "dynamic_kd_scale",
+            "keep_realized",
+            "realized_only_mismatch",
+            "drop_unrealized_topk",
+        ):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} is {getattr(self, key)!r}; write true or false.")
         support = self.min_mismatch_support
@@ -181,11 +185,12 @@ class LossConfig:
     def csd_options(self) -> CsdOptions:
         """The event options of the CSD term."""
         return CsdOptions(
-            keep_realized=self.keep_realized, min_mismatch_support=self.min_mismatch_support,
+            keep_realized=self.keep_realized,
+            min_mismatch_support=self.min_mismatch_support,
             mismatch_weight=self.mismatch_weight,
             realized_only_mismatch=self.realized_only_mismatch,
             drop_unrealized_topk=self.drop_unrealized_topk,
-        )  # fmt: skip
+        )
 
 
 def check_teachers(

@@ -45,9 +45,16 @@ class KdTerm:
 
 
 def kd_from_grids(
-    student: Tensor, teacher: Tensor, mask: Tensor, weight: Tensor, *, tau: float, kind: str,
-    beta: float, n: int,
-) -> KdTerm:  # fmt: skip
+    student: Tensor,
+    teacher: Tensor,
+    mask: Tensor,
+    weight: Tensor,
+    *,
+    tau: float,
+    kind: str,
+    beta: float,
+    n: int,
+) -> KdTerm:
     """KD of chunks laid out as grids: event log probs ``student`` (differentiable) and
     ``teacher`` ``[C, E]`` with ``mask`` bool ``[C, E]`` marking real events, chunk weights
     ``weight`` ``[C]``; ``N = n``."""
@@ -56,9 +63,13 @@ def kd_from_grids(
     per_chunk = divergence(log_s, log_t, full_mask, kind=kind, beta=beta)
     value = tau**2 * (weight.to(per_chunk.dtype) * per_chunk).sum() / max(n, 1)
     return KdTerm(
-        value, int(mask.shape[0]), per_chunk.detach(), log_s[:, -1].detach(),
-        log_t[:, -1].detach(), mask.sum(-1),
-    )  # fmt: skip
+        value,
+        int(mask.shape[0]),
+        per_chunk.detach(),
+        log_s[:, -1].detach(),
+        log_t[:, -1].detach(),
+        mask.sum(-1),
+    )
 
 
 def csd_kd(
@@ -82,11 +93,16 @@ def csd_kd(
     ``student``, ``teacher``, ``shape``, ``valid`` (a :class:`crosskd.data.collate.ChunkBatch`).
     """
     signal.require(
-        tau=tau, vocab_size=pair.teacher_to_student.meta.src_vocab_size,
+        tau=tau,
+        vocab_size=pair.teacher_to_student.meta.src_vocab_size,
         where="passed to csd_kd (checked against the teacher V of the tables)",
-    )  # fmt: skip
+    )
     events = build_events(
-        to_numpy(student_ids), to_numpy(teacher_ids), signal, chunks, pair,
+        to_numpy(student_ids),
+        to_numpy(teacher_ids),
+        signal,
+        chunks,
+        pair,
         options or CsdOptions(),
     )
     logprobs = LocalLogProbs(student_logits.reshape(-1, student_logits.shape[-1]), tau=tau)
@@ -130,9 +146,13 @@ def kd_from_terms(
     if events.n_chunks == 0 or n == 0:
         empty = term_lp.new_zeros(0).detach()
         return KdTerm(
-            term_lp.sum() * 0.0, events.n_chunks, empty, empty, empty,
+            term_lp.sum() * 0.0,
+            events.n_chunks,
+            empty,
+            empty,
+            empty,
             torch.zeros(0, dtype=torch.int64, device=device),
-        )  # fmt: skip
+        )
     dtype = term_lp.dtype
     n_events = len(events.teacher_lp)
     student = segment_sum(term_lp, tensor(events.term_event), n_events)

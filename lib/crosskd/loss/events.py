@@ -111,15 +111,18 @@ class Events:
         event_new = np.cumsum(keep_event) - 1
         position = np.cumsum(keep) - 1
         kept = Events(
-            chunk_new[self.event_chunk[keep_event]], self.teacher_lp[keep_event],
-            event_new[self.term_event[keep_term]], self.term_row[keep_term],
-            self.term_id[keep_term], self.weight[keep_chunk],
+            chunk_new[self.event_chunk[keep_event]],
+            self.teacher_lp[keep_event],
+            event_new[self.term_event[keep_term]],
+            self.term_row[keep_term],
+            self.term_id[keep_term],
+            self.weight[keep_chunk],
             position[self.chunk_index[keep_chunk]],
             None if self.status is None else self.status[keep],
             None if self.shape is None else self.shape[keep_chunk],
             None if self.top1 is None else self.top1[keep_chunk],
             None if self.in_topk is None else self.in_topk[keep_chunk],
-        )  # fmt: skip
+        )
         return kept, np.flatnonzero(keep_term)
 
 
@@ -149,10 +152,12 @@ class _Flat:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
         return (
-            cat(self.chunk, np.int64), cat(self.teacher_lp, np.float64),
-            cat(self.term_event, np.int64), cat(self.term_row, np.int64),
+            cat(self.chunk, np.int64),
+            cat(self.teacher_lp, np.float64),
+            cat(self.term_event, np.int64),
+            cat(self.term_row, np.int64),
             cat(self.term_id, np.int64),
-        )  # fmt: skip
+        )
 
 
 def build_events(
@@ -204,10 +209,12 @@ def build_events(
     term_pos = np.arange(offsets[-1]) - np.repeat(offsets[:-1] - s0[real], n_terms)
     term_b = np.repeat(b[real], n_terms)
     flat.add(
-        cand[real], csum[b[real], t1[real] - 1] - csum[b[real], t0[real] - 1],
-        np.repeat(np.arange(len(real)), n_terms), term_b * width + term_pos - 1,
+        cand[real],
+        csum[b[real], t1[real] - 1] - csum[b[real], t0[real] - 1],
+        np.repeat(np.arange(len(real)), n_terms),
+        term_b * width + term_pos - 1,
         student_ids[term_b, term_pos],
-    )  # fmt: skip
+    )
 
     # 1:1 alternatives, all at once: common tokens (i, j) with j in the teacher's top K.
     one = np.flatnonzero(effective == SHAPE_1_1)
@@ -230,16 +237,31 @@ def build_events(
         )
         owner, _ = np.nonzero(keep)
         flat.add(
-            cand[one[owner]], lps[keep], np.arange(len(owner)),
-            b[one[owner]] * width + s0[one[owner]] - 1, students[keep],
-        )  # fmt: skip
+            cand[one[owner]],
+            lps[keep],
+            np.arange(len(owner)),
+            b[one[owner]] * width + s0[one[owner]] - 1,
+            students[keep],
+        )
 
     for c in np.flatnonzero((effective == SHAPE_1_N) | (effective == SHAPE_N_1)).tolist():
         _mismatch_events(
-            flat, int(cand[c]), int(effective[c]), int(b[c]), int(s0[c]), int(s1[c]),
-            int(t0[c]), int(t1[c]), student_ids, teacher_ids, realized, top_ids, top_lps, pair,
+            flat,
+            int(cand[c]),
+            int(effective[c]),
+            int(b[c]),
+            int(s0[c]),
+            int(s1[c]),
+            int(t0[c]),
+            int(t1[c]),
+            student_ids,
+            teacher_ids,
+            realized,
+            top_ids,
+            top_lps,
+            pair,
             width,
-        )  # fmt: skip
+        )
 
     event_chunk, teacher_lp, term_event, term_row, term_id = flat.arrays()
     n_events = np.bincount(np.searchsorted(cand, event_chunk), minlength=len(cand))
@@ -264,11 +286,18 @@ def build_events(
     term_keep = term_event >= 0
     weight = np.where(np.isin(shape[counted], _MISMATCH), options.mismatch_weight, 1.0)
     return Events(
-        np.searchsorted(chunk_index, event_chunk[order]), teacher_lp[order],
-        term_event[term_keep], term_row[term_keep], term_id[term_keep],
-        weight.astype(np.float64), chunk_index, status, shape[counted].astype(np.uint8),
-        top1[counted], in_topk[counted],
-    )  # fmt: skip
+        np.searchsorted(chunk_index, event_chunk[order]),
+        teacher_lp[order],
+        term_event[term_keep],
+        term_row[term_keep],
+        term_id[term_keep],
+        weight.astype(np.float64),
+        chunk_index,
+        status,
+        shape[counted].astype(np.uint8),
+        top1[counted],
+        in_topk[counted],
+    )
 
 
 def to_numpy(value: Tensor | np.ndarray) -> np.ndarray:
@@ -290,10 +319,22 @@ def _top1(top_ids: np.ndarray | None, top_lps: np.ndarray, b: np.ndarray, q: np.
 
 
 def _mismatch_events(
-    flat: _Flat, chunk: int, shape: int, b: int, s0: int, s1: int, t0: int, t1: int,
-    student_ids: np.ndarray, teacher_ids: np.ndarray, realized: np.ndarray,
-    top_ids: np.ndarray | None, top_lps: np.ndarray, pair: TablePair, width: int,
-) -> None:  # fmt: skip
+    flat: _Flat,
+    chunk: int,
+    shape: int,
+    b: int,
+    s0: int,
+    s1: int,
+    t0: int,
+    t1: int,
+    student_ids: np.ndarray,
+    teacher_ids: np.ndarray,
+    realized: np.ndarray,
+    top_ids: np.ndarray | None,
+    top_lps: np.ndarray,
+    pair: TablePair,
+    width: int,
+) -> None:
     """The prefix alternatives of one ``1:n`` or ``n:1`` chunk."""
     s_tok, t_tok = student_ids[b, s0:s1], teacher_ids[b, t0:t1]
 
@@ -315,9 +356,12 @@ def _mismatch_events(
             keep = ~np.isnan(lps) & (rows[:, 1] != t_tok[k]) & (rows[:, 0] != s_tok[0])
             n = int(keep.sum())
             flat.add(
-                np.full(n, chunk), t_real[:k].sum() + lps[keep], np.arange(n),
-                np.full(n, b * width + s0 - 1), rows[keep, 0],
-            )  # fmt: skip
+                np.full(n, chunk),
+                t_real[:k].sum() + lps[keep],
+                np.arange(n),
+                np.full(n, b * width + s0 - 1),
+                rows[keep, 0],
+            )
         return
     for k in range(len(s_tok)):
         rows = pair.prefix_t2s.get(tuple(s_tok[:k].tolist()))
@@ -329,6 +373,9 @@ def _mismatch_events(
         # Student terms per event: s_1..s_k-1 at their rows, then the event's last id.
         ids = np.concatenate([np.tile(s_tok[:k], (n, 1)), rows[keep, 1:2]], axis=1)
         flat.add(
-            np.full(n, chunk), lps[keep], np.repeat(np.arange(n), k + 1),
-            np.tile(b * width + np.arange(s0, s0 + k + 1) - 1, n), ids.reshape(-1),
-        )  # fmt: skip
+            np.full(n, chunk),
+            lps[keep],
+            np.repeat(np.arange(n), k + 1),
+            np.tile(b * width + np.arange(s0, s0 + k + 1) - 1, n),
+            ids.reshape(-1),
+        )

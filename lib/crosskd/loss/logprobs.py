@@ -81,7 +81,11 @@ class LocalLogProbs:
 
 
 def row_pieces(
-    logits: Tensor, rows: np.ndarray, ids: np.ndarray, owned: np.ndarray | None, tau: float,
+    logits: Tensor,
+    rows: np.ndarray,
+    ids: np.ndarray,
+    owned: np.ndarray | None,
+    tau: float,
     block: int,
 ) -> tuple[Tensor, Tensor]:
     """The two pieces every log probability is made of, as one fused autograd operation.
@@ -105,9 +109,15 @@ def row_pieces(
     bounds = (0, *np.cumsum(per_block).tolist())
     device = logits.device
     return _RowPieces.apply(
-        logits, to_device(kept_rows, device), to_device(ids if kept is None else ids[kept], device),
-        None if kept is None else to_device(kept, device), len(rows), bounds, tau, block,
-    )  # fmt: skip
+        logits,
+        to_device(kept_rows, device),
+        to_device(ids if kept is None else ids[kept], device),
+        None if kept is None else to_device(kept, device),
+        len(rows),
+        bounds,
+        tau,
+        block,
+    )
 
 
 def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
@@ -122,8 +132,9 @@ class _RowPieces(torch.autograd.Function):
     (host ints) where each block's pairs start and end once sorted by row."""
 
     @staticmethod
-    def forward(ctx, logits, rows, ids, kept, size: int, bounds: tuple[int, ...], tau: float,
-                block: int):  # fmt: skip
+    def forward(
+        ctx, logits, rows, ids, kept, size: int, bounds: tuple[int, ...], tau: float, block: int
+    ):
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         normalizer = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         for start in range(0, logits.shape[0], block):
@@ -150,8 +161,9 @@ class _RowPieces(torch.autograd.Function):
         )
         grad = (
             torch.zeros(len(rows), dtype=dtype, device=logits.device)
-            if g_picked is None else g_picked.to(dtype)[place] / tau
-        )  # fmt: skip
+            if g_picked is None
+            else g_picked.to(dtype)[place] / tau
+        )
         out = torch.empty_like(logits)
         for i, start in enumerate(range(0, logits.shape[0], block)):
             stop = min(start + block, logits.shape[0])

@@ -40,8 +40,13 @@ from crosskd.transfer import to_device
 SHAPES = (*SHAPE_NAMES, "token")
 """Metric names of the shape codes (``SHAPE_TOKEN``: a same-tokenizer position)."""
 SKIP_REASONS = (
-    "incorrect", "masked", "no_prediction", "not_selected", "unsupported", "dropped_unrealized",
-)  # fmt: skip
+    "incorrect",
+    "masked",
+    "no_prediction",
+    "not_selected",
+    "unsupported",
+    "dropped_unrealized",
+)
 
 
 def _shapes(chunk_shape: np.ndarray, same_tokenizer: bool) -> np.ndarray:
@@ -75,9 +80,13 @@ def chunk_sums(
     # selected another teacher.
     not_selected = ~incorrect & ~masked & ~no_prediction & (status == STATUS_INVALID)
     reasons = [
-        incorrect, masked, no_prediction, not_selected, status == STATUS_UNSUPPORTED,
+        incorrect,
+        masked,
+        no_prediction,
+        not_selected,
+        status == STATUS_UNSUPPORTED,
         status == STATUS_DROPPED,
-    ]  # fmt: skip
+    ]
     taken = np.zeros(len(flags), dtype=bool)
     for code, name in enumerate(SHAPES):
         count = float((shape == code).sum())
@@ -105,13 +114,24 @@ def chunk_sums(
     return dict(out)
 
 
-TERM_STATS = ("sum_divergence", "sum_weighted", "sum_events", "sum_rest_student",
-              "sum_rest_teacher")  # fmt: skip
+TERM_STATS = (
+    "sum_divergence",
+    "sum_weighted",
+    "sum_events",
+    "sum_rest_student",
+    "sum_rest_teacher",
+)
 """The sums of values the KD term computed on the device (:func:`term_sums`)."""
 
 
-def term_sums(teacher: str, events: Events, term: KdTerm, chunk_shape: np.ndarray, *,
-              same_tokenizer: bool = False) -> tuple[list[str], Tensor | None]:  # fmt: skip
+def term_sums(
+    teacher: str,
+    events: Events,
+    term: KdTerm,
+    chunk_shape: np.ndarray,
+    *,
+    same_tokenizer: bool = False,
+) -> tuple[list[str], Tensor | None]:
     """The :data:`TERM_STATS` sums of one teacher's KD term over its counted chunks, per shape
     present: their keys and a float64 vector on the term's device, summed there (nothing is
     read back to the host); ``([], None)`` without counted chunks."""
@@ -123,19 +143,33 @@ def term_sums(teacher: str, events: Events, term: KdTerm, chunk_shape: np.ndarra
     codes = to_device(np.searchsorted(present, shape), device)
     weight = to_device(np.asarray(events.weight, dtype=np.float64), device)
     divergence = term.divergence.double()
-    columns = torch.stack([
-        divergence, divergence * weight, term.n_events.double(),
-        term.log_rest_student.double().exp(), term.log_rest_teacher.double().exp(),
-    ], dim=1)  # fmt: skip
+    columns = torch.stack(
+        [
+            divergence,
+            divergence * weight,
+            term.n_events.double(),
+            term.log_rest_student.double().exp(),
+            term.log_rest_teacher.double().exp(),
+        ],
+        dim=1,
+    )
     grid = columns.new_zeros(len(present), len(TERM_STATS)).index_add_(0, codes, columns)
     keys = [f"{teacher}/{SHAPES[code]}/{stat}" for code in present for stat in TERM_STATS]
     return keys, grid.reshape(-1)
 
 
 CHUNK_STATS = (
-    "chunks", "valid", *(f"skipped_{r}" for r in SKIP_REASONS), "sum_divergence", "sum_weighted",
-    "sum_events", "sum_rest_student", "sum_rest_teacher", "top1", "realized_in_topk",
-)  # fmt: skip
+    "chunks",
+    "valid",
+    *(f"skipped_{r}" for r in SKIP_REASONS),
+    "sum_divergence",
+    "sum_weighted",
+    "sum_events",
+    "sum_rest_student",
+    "sum_rest_teacher",
+    "top1",
+    "realized_in_topk",
+)
 TEACHER_STATS = ("bits", "bytes", "selected_samples")
 
 
@@ -173,10 +207,13 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
     for group, values in groups.items():
         weighted[group.split("/")[0]] += values.get("sum_weighted", 0.0)
     means = {
-        "sum_divergence": "mean_divergence", "sum_events": "mean_events",
-        "sum_rest_student": "mean_rest_student", "sum_rest_teacher": "mean_rest_teacher",
-        "top1": "top1_agreement", "realized_in_topk": "realized_in_topk_rate",
-    }  # fmt: skip
+        "sum_divergence": "mean_divergence",
+        "sum_events": "mean_events",
+        "sum_rest_student": "mean_rest_student",
+        "sum_rest_teacher": "mean_rest_teacher",
+        "top1": "top1_agreement",
+        "realized_in_topk": "realized_in_topk_rate",
+    }
     for group, values in groups.items():
         valid = values.get("valid", 0.0)
         for key, value in values.items():

@@ -211,9 +211,15 @@ class Ownership:
         """One process: everything is evaluated here; nothing to reduce."""
         return cls(
             np.ones(len(plan.ce_rows), dtype=bool),
-            [np.ones(len(t.chunk_shape) if isinstance(t, TeacherPlan) else t.n_counted,
-                     dtype=bool) for t in plan.terms], True, lambda x: x,
-        )  # fmt: skip
+            [
+                np.ones(
+                    len(t.chunk_shape) if isinstance(t, TeacherPlan) else t.n_counted, dtype=bool
+                )
+                for t in plan.terms
+            ],
+            True,
+            lambda x: x,
+        )
 
 
 def plan_loss(
@@ -244,10 +250,11 @@ def plan_loss(
     _check_inputs(config, teachers, pairs, teacher_bytes)
     ids = student_ids.cpu().numpy()
     teachers = [
-        t if pair is not None
+        t
+        if pair is not None
         else replace(t, chunks=token_positions(t.chunks, ids, to_numpy(t.input_ids)))
         for t, pair in zip(teachers, pairs, strict=True)
-    ]  # fmt: skip
+    ]
     mask = loss_mask.cpu().numpy().astype(bool)
     width = ids.shape[1]
     b, p = np.nonzero(mask)
@@ -265,9 +272,12 @@ def plan_loss(
         n_bytes = np.zeros((len(teachers), n_samples), dtype=np.int64)
         for i, (teacher, lengths) in enumerate(zip(teachers, teacher_bytes, strict=True)):
             bits[i], n_bytes[i] = predicted_bits(
-                teacher.signal, to_numpy(teacher.input_ids), teacher.chunks, np.asarray(lengths),
+                teacher.signal,
+                to_numpy(teacher.input_ids),
+                teacher.chunks,
+                np.asarray(lengths),
                 n_samples,
-            )  # fmt: skip
+            )
             sums[f"teacher{i}/bits"] = float(bits[i].sum())
             sums[f"teacher{i}/bytes"] = float(n_bytes[i].sum())
         if config.teacher_mode == "select":
@@ -291,16 +301,29 @@ def plan_loss(
         t_ids = to_numpy(teacher.input_ids)
         if pair is None:
             events = build_token_events(
-                ids, t_ids, teacher.signal, ch, valid[i], student_vocab=student_vocab,
+                ids,
+                t_ids,
+                teacher.signal,
+                ch,
+                valid[i],
+                student_vocab=student_vocab,
                 keep_realized=config.keep_realized,
             )
         else:
             events = build_events(ids, t_ids, teacher.signal, ch, pair, options, valid[i])
         weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
         first_row = to_numpy(ch.row) * width + np.maximum(to_numpy(ch.student)[:, 0] - 1, 0)
-        plans.append(TeacherPlan(
-            name, weight, events, to_numpy(ch.shape), to_numpy(ch.flags), first_row, pair is None,
-        ))  # fmt: skip
+        plans.append(
+            TeacherPlan(
+                name,
+                weight,
+                events,
+                to_numpy(ch.shape),
+                to_numpy(ch.flags),
+                first_row,
+                pair is None,
+            )
+        )
     return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], plans, sums)
 
 
@@ -312,19 +335,33 @@ def term_names(config: LossConfig, n_teachers: int) -> list[str]:
     return [f"teacher{i}" for i in range(n_teachers)]
 
 
-def _uld_terms(config: LossConfig, teachers: Sequence[TeacherBatch], names: list[str],
-               loss_mask: np.ndarray, chosen_by: list[np.ndarray | None], width: int,
-               sums: dict[str, float]) -> list[UldTerm]:  # fmt: skip
+def _uld_terms(
+    config: LossConfig,
+    teachers: Sequence[TeacherBatch],
+    names: list[str],
+    loss_mask: np.ndarray,
+    chosen_by: list[np.ndarray | None],
+    width: int,
+    sums: dict[str, float],
+) -> list[UldTerm]:
     """One :class:`UldTerm` per KD term (the paper's pairing over the student's ``loss_mask``
     ``[B, L_s]``); adds each term's pair counts to ``sums``."""
     terms = []
     for i, (teacher, name) in enumerate(zip(teachers, names, strict=True)):
         rows, s_pos, t_pos, unpaired_s, unpaired_t = paired_positions(
-            teacher.chunks, loss_mask, chosen_by[i])
+            teacher.chunks, loss_mask, chosen_by[i]
+        )
         weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
-        terms.append(UldTerm(name, weight, rows * width + s_pos - 1,
-                             teacher_sorted_probs(teacher.signal, rows, t_pos),
-                             unpaired_s, unpaired_t))  # fmt: skip
+        terms.append(
+            UldTerm(
+                name,
+                weight,
+                rows * width + s_pos - 1,
+                teacher_sorted_probs(teacher.signal, rows, t_pos),
+                unpaired_s,
+                unpaired_t,
+            )
+        )
         sums[f"{name}/uld_pairs"] = float(len(rows))
         sums[f"{name}/uld_unpaired_student"] = float(unpaired_s)
         sums[f"{name}/uld_unpaired_teacher"] = float(unpaired_t)
@@ -403,23 +440,46 @@ def loss_from_logprobs(
     for term_plan, n_total, term_lp, owned in parts:
         events, kept = term_plan.events.subset(owned)
         term = kd_from_terms(
-            events, term_lp[tensor(kept)], tau=config.tau, kind=config.divergence,
-            beta=config.beta, n_total=n_total,
-        )  # fmt: skip
+            events,
+            term_lp[tensor(kept)],
+            tau=config.tau,
+            kind=config.divergence,
+            beta=config.beta,
+            n_total=n_total,
+        )
         kd_terms[term_plan.name] = term.value
         kd = kd + term_plan.weight * term.value
-        sums = add_sums(sums, chunk_sums(
-            term_plan.name, events, term_plan.chunk_shape[owned], term_plan.chunk_flags[owned],
-            same_tokenizer=term_plan.same_tokenizer,
-        ))  # fmt: skip
-        on_device.append(term_sums(term_plan.name, events, term, term_plan.chunk_shape[owned],
-                                   same_tokenizer=term_plan.same_tokenizer))  # fmt: skip
+        sums = add_sums(
+            sums,
+            chunk_sums(
+                term_plan.name,
+                events,
+                term_plan.chunk_shape[owned],
+                term_plan.chunk_flags[owned],
+                same_tokenizer=term_plan.same_tokenizer,
+            ),
+        )
+        on_device.append(
+            term_sums(
+                term_plan.name,
+                events,
+                term,
+                term_plan.chunk_shape[owned],
+                same_tokenizer=term_plan.same_tokenizer,
+            )
+        )
     return _complete(ce, kd, kd_terms, sums, on_device, plan, config, own, device)
 
 
-def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
-              config: LossConfig, counts: StepCounts, own: Ownership,
-              device: torch.device | str) -> LossOutput:  # fmt: skip
+def _uld_loss(
+    plain: StudentLogProbs,
+    tempered: StudentLogProbs,
+    plan: LossPlan,
+    config: LossConfig,
+    counts: StepCounts,
+    own: Ownership,
+    device: torch.device | str,
+) -> LossOutput:
     """:func:`loss_from_logprobs` under ``kd: uld``: CE as always, each teacher's ULD sum over
     its pairs divided by the step's pairs (this process's logits hold whole rows)."""
     if not isinstance(tempered, LocalLogProbs) or not own.ce.all():
@@ -442,10 +502,16 @@ def _uld_loss(plain: StudentLogProbs, tempered: StudentLogProbs, plan: LossPlan,
 
 
 def _complete(
-    ce: Tensor, kd: Tensor, kd_terms: dict[str, Tensor], sums: dict[str, float],
-    on_device: list[tuple[list[str], Tensor | None]], plan: LossPlan, config: LossConfig,
-    own: Ownership, device: torch.device | str,
-) -> LossOutput:  # fmt: skip
+    ce: Tensor,
+    kd: Tensor,
+    kd_terms: dict[str, Tensor],
+    sums: dict[str, float],
+    on_device: list[tuple[list[str], Tensor | None]],
+    plan: LossPlan,
+    config: LossConfig,
+    own: Ownership,
+    device: torch.device | str,
+) -> LossOutput:
     """The :class:`LossOutput` of this rank's terms: the host ``sums`` and the device ones
     (``on_device``: keys and values) and the terms packed into one float64 vector on
     ``device`` and all-reduced, ``kd_scale`` from the complete terms, the total; nothing is
@@ -463,9 +529,14 @@ def _complete(
     ce_total, kd_total = complete[0], complete[1]
     scale = kd_scale(ce_total, kd_total, config)
     loss = config.ce_weight * ce + scale.to(kd.dtype) * kd
-    reported = torch.cat([(config.ce_weight * ce_total + scale * kd_total)[None],
-                          complete[: 2 + len(names)], scale[None],
-                          complete[2 + len(names) :]])  # fmt: skip
+    reported = torch.cat(
+        [
+            (config.ce_weight * ce_total + scale * kd_total)[None],
+            complete[: 2 + len(names)],
+            scale[None],
+            complete[2 + len(names) :],
+        ]
+    )
     return LossOutput(loss, ce, kd, kd_terms, reported, ReportLayout(tuple(names), tuple(keys)))
 
 
@@ -516,11 +587,11 @@ def _check_inputs(
                     f"{pair.teacher_to_student.source}); use the tables of this teacher, or score "
                     f"it with the model the tables were built for."
                 )
-        teacher.signal.require(tau=config.tau, vocab_size=None, k=entry.k,
-                               where=f"of teachers[{i}]")  # fmt: skip
+        teacher.signal.require(
+            tau=config.tau, vocab_size=None, k=entry.k, where=f"of teachers[{i}]"
+        )
     if config.teacher_mode == "select" and teacher_bytes is None:
         raise ConfigError(
             "teacher_mode is 'select', which picks teachers by bits per byte; pass "
             "teacher_bytes (each teacher tokenizer's bytes.lengths)."
         )
-

@@ -103,9 +103,14 @@ def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> Mesh:
         device_type, (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp")
     )
     return Mesh(
-        config, mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh.get_local_rank("tp"),
-        mesh.get_group("dp"), mesh.get_group("cp"), mesh.get_group("tp"),
-    )  # fmt: skip
+        config,
+        mesh.get_local_rank("dp"),
+        mesh.get_local_rank("cp"),
+        mesh.get_local_rank("tp"),
+        mesh.get_group("dp"),
+        mesh.get_group("cp"),
+        mesh.get_group("tp"),
+    )
 
 
 def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -130,9 +135,7 @@ class _AllReduceSum(torch.autograd.Function):
         return out, None
 
 
-def reduce_counts(
-    counts: StepCounts, mesh: Mesh, device: torch.device | str = "cpu"
-) -> StepCounts:
+def reduce_counts(counts: StepCounts, mesh: Mesh, device: torch.device | str = "cpu") -> StepCounts:
     """The step's counts summed over the data-parallel shards (call once per step with the sum
     of this shard's micro-batch counts); ``device``: where the collective runs (a CUDA device
     under NCCL)."""
@@ -237,9 +240,11 @@ def ownership(plan: LossPlan, mesh: Mesh) -> Ownership:
         return in_window & (np.arange(len(first_rows)) % tp == tp_rank)
 
     return Ownership(
-        mine(plan.ce_rows), [mine(t.chunk_first_row) for t in plan.terms],
-        leader=mesh.cp_rank == 0 and tp_rank == 0, reduce=mesh.reduce_all,
-    )  # fmt: skip
+        mine(plan.ce_rows),
+        [mine(t.chunk_first_row) for t in plan.terms],
+        leader=mesh.cp_rank == 0 and tp_rank == 0,
+        reduce=mesh.reduce_all,
+    )
 
 
 def sharded_loss(
@@ -255,10 +260,17 @@ def sharded_loss(
             f"shard holds. Use kd: csd, or train data-parallel only."
         )
     plain = ShardedLogProbs(logits, mesh, plan.width, tau=1.0, vocab_size=plan.vocab)
-    tempered = plain if config.tau == 1 else ShardedLogProbs(
-        logits, mesh, plan.width, config.tau, vocab_size=plan.vocab
+    tempered = (
+        plain
+        if config.tau == 1
+        else ShardedLogProbs(logits, mesh, plan.width, config.tau, vocab_size=plan.vocab)
     )
     return loss_from_logprobs(
-        plain, tempered, plan, config, counts, device=logits.device,
+        plain,
+        tempered,
+        plan,
+        config,
+        counts,
+        device=logits.device,
         ownership=ownership(plan, mesh),
-    )  # fmt: skip
+    )

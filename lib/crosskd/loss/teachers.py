@@ -92,6 +92,11 @@ def mix_signals(signals: list[TeacherSignal], weights: list[float]) -> TeacherSi
         return torch.logsumexp(stacked + log_w.view(shape), dim=0)
 
     return TeacherSignal(
-        None, mix([s.log_probs for s in signals]), mix([s.realized for s in signals]),
-        mix([s.realized_t1 for s in signals]), first.tau, first.vocab_size, 0,
-    )  # fmt: skip
+        None,
+        mix([s.log_probs for s in signals]),
+        mix([s.realized for s in signals]),
+        mix([s.realized_t1 for s in signals]),
+        first.tau,
+        first.vocab_size,
+        0,
+    )

@@ -62,8 +62,9 @@ def token_positions(
         ConfigError: a valid chunk has ranges of different lengths (the teacher does not
             tokenize like the student, so it needs tables).
     """
-    row, student, teacher = (to_numpy(x).astype(np.int64) for x in
-                             (chunks.row, chunks.student, chunks.teacher))  # fmt: skip
+    row, student, teacher = (
+        to_numpy(x).astype(np.int64) for x in (chunks.row, chunks.student, chunks.teacher)
+    )
     student, teacher = student.reshape(-1, 2), teacher.reshape(-1, 2)
     flags = to_numpy(chunks.flags).astype(np.uint8)
     valid = to_numpy(chunks.valid).astype(bool)
@@ -97,11 +98,16 @@ def token_positions(
         return torch.from_numpy(np.asarray(to_numpy(x))[owner])
 
     return ChunkBatch(
-        torch.from_numpy(b), torch.from_numpy(ranges),
-        torch.from_numpy(np.stack([q, q + 1], axis=1)), taken(chunks.shape),
-        taken(chunks.region), torch.from_numpy((out_flags & need) == need),
-        torch.from_numpy(out_flags), taken(chunks.sample), same_tokenizer=True,
-    )  # fmt: skip
+        torch.from_numpy(b),
+        torch.from_numpy(ranges),
+        torch.from_numpy(np.stack([q, q + 1], axis=1)),
+        taken(chunks.shape),
+        taken(chunks.region),
+        torch.from_numpy((out_flags & need) == need),
+        torch.from_numpy(out_flags),
+        taken(chunks.sample),
+        same_tokenizer=True,
+    )
 
 
 def build_token_events(
@@ -138,16 +144,16 @@ def build_token_events(
         c = int(np.flatnonzero(~single)[0])
         raise ConfigError(
             f"a same-tokenizer teacher (no tables) was given a chunk of student tokens "
-            f"{student_ids[b[c], s0[c]:s1[c]].tolist()} vs teacher tokens "
-            f"{teacher_ids[b[c], t0[c]:t1[c]].tolist()} (packed row {b[c]}) where one position "
+            f"{student_ids[b[c], s0[c] : s1[c]].tolist()} vs teacher tokens "
+            f"{teacher_ids[b[c], t0[c] : t1[c]].tolist()} (packed row {b[c]}) where one position "
             f"was expected; turn chunks into positions first (crosskd.loss.tokens."
             f"token_positions), or, if the teacher does not tokenize like the student, build "
             f"tables for it (teachers[*].student_to_teacher / teacher_to_student)."
         )
     keep_cand = (s0 > 0) & (t0 > 0)
-    keep_cand[keep_cand] = student_ids[b[keep_cand], s0[keep_cand]] == teacher_ids[
-        b[keep_cand], t0[keep_cand]
-    ]
+    keep_cand[keep_cand] = (
+        student_ids[b[keep_cand], s0[keep_cand]] == teacher_ids[b[keep_cand], t0[keep_cand]]
+    )
     cand, b, s0, t0 = cand[keep_cand], b[keep_cand], s0[keep_cand], t0[keep_cand]
     q = t0 - 1
     realized_id = teacher_ids[b, t0]
@@ -176,7 +182,15 @@ def build_token_events(
     local = np.cumsum(counted) - 1
     n_events = len(owner)
     return Events(
-        local[owner], lps[keep], np.arange(n_events), b[owner] * width + s0[owner] - 1,
-        ids[keep], np.ones(len(chunk_index)), chunk_index, status,
-        np.full(len(chunk_index), SHAPE_TOKEN, dtype=np.uint8), top1[counted], in_topk[counted],
-    )  # fmt: skip
+        local[owner],
+        lps[keep],
+        np.arange(n_events),
+        b[owner] * width + s0[owner] - 1,
+        ids[keep],
+        np.ones(len(chunk_index)),
+        chunk_index,
+        status,
+        np.full(len(chunk_index), SHAPE_TOKEN, dtype=np.uint8),
+        top1[counted],
+        in_topk[counted],
+    )

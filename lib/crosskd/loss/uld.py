@@ -76,8 +76,11 @@ class UldTerm:
         return len(self.student_rows)
 
 
-def paired_positions(chunks: ChunkBatch, loss_mask: np.ndarray, keep: np.ndarray | None = None,
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:  # fmt: skip
+def paired_positions(
+    chunks: ChunkBatch,
+    loss_mask: np.ndarray,
+    keep: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
     """The paper's pairing over one teacher's chunks (module docstring): per sample, the
     ``i``-th predicted KD position of the student with the ``i``-th of the teacher.
     ``loss_mask`` bool ``[B, L_s]``: the student's CE targets; ``keep`` bool ``[C]``: chunks
@@ -100,8 +103,9 @@ def paired_positions(chunks: ChunkBatch, loss_mask: np.ndarray, keep: np.ndarray
         picked = order[sample[order] == value]
         s_pos = np.concatenate([np.arange(s_range[c, 0], s_range[c, 1]) for c in picked])
         s_pos = s_pos[loss_mask[row[picked[0]], s_pos]]
-        t_pos = np.concatenate([np.arange(t_range[c, 0] + skip_first[c], t_range[c, 1])
-                                for c in picked])  # fmt: skip
+        t_pos = np.concatenate(
+            [np.arange(t_range[c, 0] + skip_first[c], t_range[c, 1]) for c in picked]
+        )
         n = min(len(s_pos), len(t_pos))
         unpaired[0] += len(s_pos) - n
         unpaired[1] += len(t_pos) - n
@@ -109,8 +113,12 @@ def paired_positions(chunks: ChunkBatch, loss_mask: np.ndarray, keep: np.ndarray
         students.append(s_pos[:n].astype(np.int64))
         teachers.append(t_pos[:n].astype(np.int64))
     empty = np.zeros(0, dtype=np.int64)
-    return (np.concatenate(rows) if rows else empty, np.concatenate(students) if rows else empty,
-            np.concatenate(teachers) if rows else empty, *unpaired)  # fmt: skip
+    return (
+        np.concatenate(rows) if rows else empty,
+        np.concatenate(students) if rows else empty,
+        np.concatenate(teachers) if rows else empty,
+        *unpaired,
+    )
 
 
 def teacher_sorted_probs(signal: TeacherSignal, rows: np.ndarray, positions: np.ndarray) -> Tensor:
@@ -147,8 +155,9 @@ def uld_sum(flat_logits: Tensor, term: UldTerm, tau: float, block_rows: int = 10
     the backward pass (so only one block's ``block_rows x V_S`` probabilities are held)."""
     rows = to_device(term.student_rows, flat_logits.device)
     teachers = to_device(term.teacher_probs, flat_logits.device)
-    total = flat_logits.new_zeros((), dtype=torch.float64 if flat_logits.dtype == torch.float64
-                                  else torch.float32)  # fmt: skip
+    total = flat_logits.new_zeros(
+        (), dtype=torch.float64 if flat_logits.dtype == torch.float64 else torch.float32
+    )
     for start in range(0, len(rows), block_rows):
         block = rows[start : start + block_rows]
         teacher = teachers[start : start + block_rows]

@@ -154,8 +154,12 @@ def render_query(expr: str, variables: Mapping[str, str], rate_interval: str = "
     Prometheus durations and default to ``rate_interval``; ``variables`` may set them too (e.g.
     ``{"__range": "6h"}``). Raises :class:`ValueError` for a variable neither gives.
     """
-    values = {"__rate_interval": rate_interval, "__interval": rate_interval,
-              "__range": rate_interval, **variables}  # fmt: skip
+    values = {
+        "__rate_interval": rate_interval,
+        "__interval": rate_interval,
+        "__range": rate_interval,
+        **variables,
+    }
 
     def substitute(match: re.Match[str]) -> str:
         name = next(group for group in match.groups() if group)
@@ -345,102 +349,218 @@ def _training() -> dash.Dashboard:
     )
 
     board = board.with_row(dash.Row("Losses").id(next(ids)))
-    board = board.with_panel(_timeseries(
-        next(ids), "Loss",
-        "Total loss of the last optimizer step (reduced over ranks: every rank reports it).",
-        "none",
-        [_target("A", f"{by_job} ({_m('crosskd_train_loss')})", "{{job}}")],
-    )).with_panel(_timeseries(
-        next(ids), "Student cross-entropy",
-        "Student cross-entropy of the last step, nats/token, per rank.",
-        "none",
-        [_target("A", _m("crosskd_train_ce_loss"), "{{job}} rank {{rank}}")],
-    )).with_panel(_timeseries(
-        next(ids), "KD loss per teacher and rank",
-        "Each teacher's CSD knowledge-distillation term of the last step, before kd_scale.",
-        "none",
-        [_target("A", _m("crosskd_train_kd_loss"), "{{job}} {{teacher}} rank {{rank}}")],
-    )).with_panel(_timeseries(
-        next(ids), "kd_scale",
-        "kd_scale of the last micro-batch, per rank (unitless).",
-        "none",
-        [_target("A", _m("crosskd_train_kd_scale"), "{{job}} rank {{rank}}")],
-    ))  # fmt: skip
+    board = (
+        board.with_panel(
+            _timeseries(
+                next(ids),
+                "Loss",
+                "Total loss of the last optimizer step "
+                "(reduced over ranks: every rank reports it).",
+                "none",
+                [_target("A", f"{by_job} ({_m('crosskd_train_loss')})", "{{job}}")],
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "Student cross-entropy",
+                "Student cross-entropy of the last step, nats/token, per rank.",
+                "none",
+                [_target("A", _m("crosskd_train_ce_loss"), "{{job}} rank {{rank}}")],
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "KD loss per teacher and rank",
+                "Each teacher's CSD knowledge-distillation term of the last step, before kd_scale.",
+                "none",
+                [_target("A", _m("crosskd_train_kd_loss"), "{{job}} {{teacher}} rank {{rank}}")],
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "kd_scale",
+                "kd_scale of the last micro-batch, per rank (unitless).",
+                "none",
+                [_target("A", _m("crosskd_train_kd_scale"), "{{job}} rank {{rank}}")],
+            )
+        )
+    )
 
     board = board.with_row(dash.Row("Optimizer").id(next(ids)))
-    board = board.with_panel(_timeseries(
-        next(ids), "Learning rate", "Learning rate of the last step.", "none",
-        [_target("A", f"{by_job} ({_m('crosskd_train_learning_rate')})", "{{job}}")],
-    )).with_panel(_timeseries(
-        next(ids), "Gradient norm",
-        "L2 norm of the gradient before clipping, last step (largest over ranks).", "none",
-        [_target("A", f"{by_job} ({_m('crosskd_train_grad_norm')})", "{{job}}")],
-        minimum=0,
-    ))  # fmt: skip
+    board = board.with_panel(
+        _timeseries(
+            next(ids),
+            "Learning rate",
+            "Learning rate of the last step.",
+            "none",
+            [_target("A", f"{by_job} ({_m('crosskd_train_learning_rate')})", "{{job}}")],
+        )
+    ).with_panel(
+        _timeseries(
+            next(ids),
+            "Gradient norm",
+            "L2 norm of the gradient before clipping, last step (largest over ranks).",
+            "none",
+            [_target("A", f"{by_job} ({_m('crosskd_train_grad_norm')})", "{{job}}")],
+            minimum=0,
+        )
+    )
 
     step_buckets = f"sum by (job, le) (rate({_m('crosskd_train_step_seconds_bucket')}{rate}))"
     chunks = f"rate({_m('crosskd_train_chunks_total')}{rate})"
     board = board.with_row(dash.Row("Throughput").id(next(ids)))
-    board = board.with_panel(_timeseries(
-        next(ids), "Tokens/s",
-        "Student cross-entropy tokens trained on per second (rank 0 counts the run's total).",
-        "none",
-        [_target("A", f"sum by (job) (rate({_m('crosskd_train_tokens_total')}{rate}))",
-                 "{{job}}")],
-        width=8, minimum=0,
-    )).with_panel(_timeseries(
-        next(ids), "Step time p50 / p95",
-        "Wall seconds per optimizer step, quantiles over the rate interval and all ranks.",
-        "s",
-        [_target("A", f"histogram_quantile(0.5, {step_buckets})", "{{job}} p50"),
-         _target("B", f"histogram_quantile(0.95, {step_buckets})", "{{job}} p95")],
-        width=8, minimum=0,
-    )).with_panel(_timeseries(
-        next(ids), "KD chunk shapes per teacher",
-        "Fraction of the KD chunks counted in the rate interval by shape, per teacher (each "
-        "teacher's shapes add up to 100%).",
-        "percentunit",
-        [_target("A", f"sum by (job, teacher, shape) ({chunks}) / on (job, teacher) "
-                      f"group_left () sum by (job, teacher) ({chunks})",
-                 "{{job}} {{teacher}} {{shape}}")],
-        width=8, ratio=True,
-    ))  # fmt: skip
+    board = (
+        board.with_panel(
+            _timeseries(
+                next(ids),
+                "Tokens/s",
+                "Student cross-entropy tokens trained on per second "
+                "(rank 0 counts the run's total).",
+                "none",
+                [
+                    _target(
+                        "A",
+                        f"sum by (job) (rate({_m('crosskd_train_tokens_total')}{rate}))",
+                        "{{job}}",
+                    )
+                ],
+                width=8,
+                minimum=0,
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "Step time p50 / p95",
+                "Wall seconds per optimizer step, quantiles over the rate interval and all ranks.",
+                "s",
+                [
+                    _target("A", f"histogram_quantile(0.5, {step_buckets})", "{{job}} p50"),
+                    _target("B", f"histogram_quantile(0.95, {step_buckets})", "{{job}} p95"),
+                ],
+                width=8,
+                minimum=0,
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "KD chunk shapes per teacher",
+                "Fraction of the KD chunks counted in the rate interval by shape, per teacher "
+                "(each "
+                "teacher's shapes add up to 100%).",
+                "percentunit",
+                [
+                    _target(
+                        "A",
+                        f"sum by (job, teacher, shape) ({chunks}) / on (job, teacher) "
+                        f"group_left () sum by (job, teacher) ({chunks})",
+                        "{{job}} {{teacher}} {{shape}}",
+                    )
+                ],
+                width=8,
+                ratio=True,
+            )
+        )
+    )
 
     checkpoint = "crosskd_train_checkpoint_seconds"
     board = board.with_row(dash.Row("Progress and checkpoints").id(next(ids)))
-    board = board.with_panel(_stat(
-        next(ids), "Progress",
-        "Optimizer steps done in the run over its planned steps.", "percentunit",
-        [_target("A", f"{by_job} ({_m('crosskd_train_step')}) / {by_job} "
-                      f"({_m('crosskd_train_planned_steps')})", "{{job}}")],
-    )).with_panel(_stat(
-        next(ids), "Steps done", "Optimizer steps done in the run (survives resume).", "none",
-        [_target("A", f"{by_job} ({_m('crosskd_train_step')})", "{{job}}")],
-    )).with_panel(_stat(
-        next(ids), "Restarts in range",
-        "How often a rank started training in the dashboard's time range (the largest count "
-        "over ranks): changes of the processes' start time.", "none",
-        [_target("A", f"{by_job} (changes(max by (job, rank) "
-                      f"({_m('crosskd_train_start_time_seconds')})[$__range:]))", "{{job}}",
-                 instant=True)],
-        graph=False,
-    )).with_panel(_stat(
-        next(ids), "Last checkpoint step", "Step of the last complete checkpoint.", "none",
-        [_target("A", f"{by_job} ({_m('crosskd_train_last_checkpoint_step')})", "{{job}}")],
-    )).with_panel(_timeseries(
-        next(ids), "Held-out bits per byte",
-        "Student bits per byte on held-out data at the last evaluation.", "none",
-        [_target("A", f"{by_job} ({_m('crosskd_train_heldout_bits_per_byte')})", "{{job}}")],
-    )).with_panel(_timeseries(
-        next(ids), "Checkpoint duration",
-        "Wall seconds to write one checkpoint since the process started: the mean (slowest "
-        "rank) and the p95 over all ranks.", "s",
-        [_target("A", f"{by_job} ({_m(checkpoint + '_sum')} / ({_m(checkpoint + '_count')} "
-                      "> 0))", "{{job}} mean"),
-         _target("B", f"histogram_quantile(0.95, sum by (job, le) "
-                      f"({_m(checkpoint + '_bucket')}))", "{{job}} p95")],
-        minimum=0,
-    ))  # fmt: skip
+    board = (
+        board.with_panel(
+            _stat(
+                next(ids),
+                "Progress",
+                "Optimizer steps done in the run over its planned steps.",
+                "percentunit",
+                [
+                    _target(
+                        "A",
+                        f"{by_job} ({_m('crosskd_train_step')}) / {by_job} "
+                        f"({_m('crosskd_train_planned_steps')})",
+                        "{{job}}",
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            _stat(
+                next(ids),
+                "Steps done",
+                "Optimizer steps done in the run (survives resume).",
+                "none",
+                [_target("A", f"{by_job} ({_m('crosskd_train_step')})", "{{job}}")],
+            )
+        )
+        .with_panel(
+            _stat(
+                next(ids),
+                "Restarts in range",
+                "How often a rank started training in the dashboard's time range "
+                "(the largest count "
+                "over ranks): changes of the processes' start time.",
+                "none",
+                [
+                    _target(
+                        "A",
+                        f"{by_job} (changes(max by (job, rank) "
+                        f"({_m('crosskd_train_start_time_seconds')})[$__range:]))",
+                        "{{job}}",
+                        instant=True,
+                    )
+                ],
+                graph=False,
+            )
+        )
+        .with_panel(
+            _stat(
+                next(ids),
+                "Last checkpoint step",
+                "Step of the last complete checkpoint.",
+                "none",
+                [_target("A", f"{by_job} ({_m('crosskd_train_last_checkpoint_step')})", "{{job}}")],
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "Held-out bits per byte",
+                "Student bits per byte on held-out data at the last evaluation.",
+                "none",
+                [
+                    _target(
+                        "A", f"{by_job} ({_m('crosskd_train_heldout_bits_per_byte')})", "{{job}}"
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "Checkpoint duration",
+                "Wall seconds to write one checkpoint since the process started: the mean (slowest "
+                "rank) and the p95 over all ranks.",
+                "s",
+                [
+                    _target(
+                        "A",
+                        f"{by_job} ({_m(checkpoint + '_sum')} / ({_m(checkpoint + '_count')} > 0))",
+                        "{{job}} mean",
+                    ),
+                    _target(
+                        "B",
+                        f"histogram_quantile(0.95, sum by (job, le) "
+                        f"({_m(checkpoint + '_bucket')}))",
+                        "{{job}} p95",
+                    ),
+                ],
+                minimum=0,
+            )
+        )
+    )
 
     pods = (
         "on (namespace, pod) group_left () max by (namespace, pod) "
@@ -449,22 +569,49 @@ def _training() -> dash.Dashboard:
     )
     gpu = 'namespace="$namespace"'
     board = board.with_row(dash.Row("GPUs (dcgm-exporter)").id(next(ids)))
-    board = board.with_panel(_timeseries(
-        next(ids), "GPU utilisation",
-        "DCGM_FI_DEV_GPU_UTIL of the job's pods' GPUs, percent.", "percent",
-        [_target("A", f"{_m('DCGM_FI_DEV_GPU_UTIL', gpu)} * {pods}", "{{pod}} GPU {{gpu}}")],
-        width=8, minimum=0,
-    )).with_panel(_timeseries(
-        next(ids), "GPU memory used",
-        "DCGM_FI_DEV_FB_USED (framebuffer memory used) of the job's pods' GPUs, MiB.", "mbytes",
-        [_target("A", f"{_m('DCGM_FI_DEV_FB_USED', gpu)} * {pods}", "{{pod}} GPU {{gpu}}")],
-        width=8, minimum=0,
-    )).with_panel(_timeseries(
-        next(ids), "GPU power",
-        "DCGM_FI_DEV_POWER_USAGE of the job's pods' GPUs, watts.", "watt",
-        [_target("A", f"{_m('DCGM_FI_DEV_POWER_USAGE', gpu)} * {pods}", "{{pod}} GPU {{gpu}}")],
-        width=8, minimum=0,
-    ))  # fmt: skip
+    board = (
+        board.with_panel(
+            _timeseries(
+                next(ids),
+                "GPU utilisation",
+                "DCGM_FI_DEV_GPU_UTIL of the job's pods' GPUs, percent.",
+                "percent",
+                [
+                    _target(
+                        "A", f"{_m('DCGM_FI_DEV_GPU_UTIL', gpu)} * {pods}", "{{pod}} GPU {{gpu}}"
+                    )
+                ],
+                width=8,
+                minimum=0,
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "GPU memory used",
+                "DCGM_FI_DEV_FB_USED (framebuffer memory used) of the job's pods' GPUs, MiB.",
+                "mbytes",
+                [_target("A", f"{_m('DCGM_FI_DEV_FB_USED', gpu)} * {pods}", "{{pod}} GPU {{gpu}}")],
+                width=8,
+                minimum=0,
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "GPU power",
+                "DCGM_FI_DEV_POWER_USAGE of the job's pods' GPUs, watts.",
+                "watt",
+                [
+                    _target(
+                        "A", f"{_m('DCGM_FI_DEV_POWER_USAGE', gpu)} * {pods}", "{{pod}} GPU {{gpu}}"
+                    )
+                ],
+                width=8,
+                minimum=0,
+            )
+        )
+    )
     return board
 
 
@@ -482,37 +629,92 @@ def _scoring() -> dash.Dashboard:
     )
     tokens = f"{per} (rate({_m('crosskd_scoring_tokens_total')}{rate}))"
     board = board.with_row(dash.Row("Throughput").id(next(ids)))
-    board = board.with_panel(_timeseries(
-        next(ids), "Teacher tokens/s", "Teacher tokens scored per second.", "none",
-        [_target("A", tokens, "{{job}} {{teacher}}")], minimum=0,
-    )).with_panel(_timeseries(
-        next(ids), "Samples/s", "Samples scored per second.", "none",
-        [_target("A", f"{per} (rate({_m('crosskd_scoring_samples_total')}{rate}))",
-                 "{{job}} {{teacher}}")],
-        minimum=0,
-    ))  # fmt: skip
+    board = board.with_panel(
+        _timeseries(
+            next(ids),
+            "Teacher tokens/s",
+            "Teacher tokens scored per second.",
+            "none",
+            [_target("A", tokens, "{{job}} {{teacher}}")],
+            minimum=0,
+        )
+    ).with_panel(
+        _timeseries(
+            next(ids),
+            "Samples/s",
+            "Samples scored per second.",
+            "none",
+            [
+                _target(
+                    "A",
+                    f"{per} (rate({_m('crosskd_scoring_samples_total')}{rate}))",
+                    "{{job}} {{teacher}}",
+                )
+            ],
+            minimum=0,
+        )
+    )
 
     shard = "crosskd_scoring_shard_seconds"
     board = board.with_row(dash.Row("Progress and cache").id(next(ids)))
-    board = board.with_panel(_stat(
-        next(ids), "Progress",
-        "Shards complete over the shards of the pods' ranges.", "percentunit",
-        [_target("A", f"{per} ({_m('crosskd_scoring_shards_done')}) / {per} "
-                      f"({_m('crosskd_scoring_shards')})", "{{job}} {{teacher}}")],
-        width=8,
-    )).with_panel(_timeseries(
-        next(ids), "Cache bytes per token",
-        "Cache bytes written per teacher token scored, over the rate interval.", "bytes",
-        [_target("A", f"{per} (rate({_m('crosskd_scoring_bytes_written_total')}{rate})) / "
-                      f"{tokens}", "{{job}} {{teacher}}")],
-        width=8, minimum=0,
-    )).with_panel(_timeseries(
-        next(ids), "Seconds per shard",
-        "Wall seconds per shard scored since the pods started: the mean and the p95.", "s",
-        [_target("A", f"{per} ({_m(shard + '_sum')}) / ({per} ({_m(shard + '_count')}) > 0)",
-                 "{{job}} {{teacher}} mean"),
-         _target("B", f"histogram_quantile(0.95, sum by (job, teacher, le) "
-                      f"({_m(shard + '_bucket')}))", "{{job}} {{teacher}} p95")],
-        width=8, minimum=0,
-    ))  # fmt: skip
+    board = (
+        board.with_panel(
+            _stat(
+                next(ids),
+                "Progress",
+                "Shards complete over the shards of the pods' ranges.",
+                "percentunit",
+                [
+                    _target(
+                        "A",
+                        f"{per} ({_m('crosskd_scoring_shards_done')}) / {per} "
+                        f"({_m('crosskd_scoring_shards')})",
+                        "{{job}} {{teacher}}",
+                    )
+                ],
+                width=8,
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "Cache bytes per token",
+                "Cache bytes written per teacher token scored, over the rate interval.",
+                "bytes",
+                [
+                    _target(
+                        "A",
+                        f"{per} (rate({_m('crosskd_scoring_bytes_written_total')}{rate})) / "
+                        f"{tokens}",
+                        "{{job}} {{teacher}}",
+                    )
+                ],
+                width=8,
+                minimum=0,
+            )
+        )
+        .with_panel(
+            _timeseries(
+                next(ids),
+                "Seconds per shard",
+                "Wall seconds per shard scored since the pods started: the mean and the p95.",
+                "s",
+                [
+                    _target(
+                        "A",
+                        f"{per} ({_m(shard + '_sum')}) / ({per} ({_m(shard + '_count')}) > 0)",
+                        "{{job}} {{teacher}} mean",
+                    ),
+                    _target(
+                        "B",
+                        f"histogram_quantile(0.95, sum by (job, teacher, le) "
+                        f"({_m(shard + '_bucket')}))",
+                        "{{job}} {{teacher}} p95",
+                    ),
+                ],
+                width=8,
+                minimum=0,
+            )
+        )
+    )
     return board

@@ -33,8 +33,9 @@ class MetricsExporter(MetricsServer):
     are counted by one rank only (``count_totals``): summing them over ranks gives the run's
     totals. ``teachers``: the teachers' names (the ``teacher`` label of the KD terms)."""
 
-    def __init__(self, rank: int, teachers: list[str], *, planned_steps: int,
-                 count_totals: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, rank: int, teachers: list[str], *, planned_steps: int, count_totals: bool = True
+    ) -> None:
         super().__init__(CollectorRegistry())
         self.count_totals = count_totals
         self._rank = str(rank)
@@ -47,47 +48,72 @@ class MetricsExporter(MetricsServer):
             return Counter(name, text, ["rank"], registry=registry).labels(rank=self._rank)
 
         self.loss = gauge("crosskd_train_loss", "Total loss of the last optimizer step")
-        self.ce = gauge("crosskd_train_ce_loss", "Student cross-entropy of the last step, "
-                                                 "nats per token")  # fmt: skip
-        self._kd = Gauge("crosskd_train_kd_loss", "Each teacher's CSD KD term of the last step "
-                         "(before kd_scale)", ["rank", "teacher"], registry=registry)  # fmt: skip
+        self.ce = gauge(
+            "crosskd_train_ce_loss", "Student cross-entropy of the last step, nats per token"
+        )
+        self._kd = Gauge(
+            "crosskd_train_kd_loss",
+            "Each teacher's CSD KD term of the last step (before kd_scale)",
+            ["rank", "teacher"],
+            registry=registry,
+        )
         self.kd = {name: self._kd.labels(rank=self._rank, teacher=name) for name in teachers}
         self.kd_scale = gauge("crosskd_train_kd_scale", "kd_scale of the last micro-batch")
         self.lr = gauge("crosskd_train_learning_rate", "Learning rate of the last step")
-        self.grad_norm = gauge("crosskd_train_grad_norm",
-                               "L2 norm of the gradient before clipping, last step")  # fmt: skip
+        self.grad_norm = gauge(
+            "crosskd_train_grad_norm", "L2 norm of the gradient before clipping, last step"
+        )
         self.step = gauge("crosskd_train_step", "Optimizer steps done in the run")
         self.planned = gauge("crosskd_train_planned_steps", "The run's configured steps")
         self.planned.set(planned_steps)
         self.steps = counter("crosskd_train_steps", "Optimizer steps done by this process")
         # Exported from the first evaluation on (a run without held-out data has no series,
         # rather than a misleading 0).
-        self.heldout = Gauge("crosskd_train_heldout_bits_per_byte", "Student bits per byte on "
-                             "the held-out data, last evaluation", ["rank"], registry=registry)
-        self.checkpoint = gauge("crosskd_train_last_checkpoint_step",
-                                "Step of the last complete checkpoint")  # fmt: skip
+        self.heldout = Gauge(
+            "crosskd_train_heldout_bits_per_byte",
+            "Student bits per byte on the held-out data, last evaluation",
+            ["rank"],
+            registry=registry,
+        )
+        self.checkpoint = gauge(
+            "crosskd_train_last_checkpoint_step", "Step of the last complete checkpoint"
+        )
         self.checkpoint_seconds = Histogram(
-            "crosskd_train_checkpoint_seconds", "Wall seconds to write one checkpoint", ["rank"],
-            buckets=CHECKPOINT_BUCKETS, registry=registry,
-        ).labels(rank=self._rank)  # fmt: skip
-        self.nonfinite = counter("crosskd_train_nonfinite_stops",
-                                 "Runs stopped by a NaN or infinite loss term")  # fmt: skip
-        self.resumed = gauge("crosskd_train_resumed_step",
-                             "The step this process resumed from (0: a fresh start)")
-        self.started = gauge("crosskd_train_start_time_seconds",
-                             "Unix time this process started training")  # fmt: skip
-        self.tokens = counter("crosskd_train_tokens",
-                              "Student CE tokens trained on (counted by rank 0 only)")
-        self._chunks = Counter("crosskd_train_chunks", "KD chunks counted, by teacher and shape "
-                               "(counted by rank 0 only)", ["rank", "teacher", "shape"],
-                               registry=registry)  # fmt: skip
-        self.input_wait = counter("crosskd_train_input_wait_seconds",
-                                  "Wall seconds the steps waited for their inputs (data read, "
-                                  "collated, planned)")  # fmt: skip
+            "crosskd_train_checkpoint_seconds",
+            "Wall seconds to write one checkpoint",
+            ["rank"],
+            buckets=CHECKPOINT_BUCKETS,
+            registry=registry,
+        ).labels(rank=self._rank)
+        self.nonfinite = counter(
+            "crosskd_train_nonfinite_stops", "Runs stopped by a NaN or infinite loss term"
+        )
+        self.resumed = gauge(
+            "crosskd_train_resumed_step", "The step this process resumed from (0: a fresh start)"
+        )
+        self.started = gauge(
+            "crosskd_train_start_time_seconds", "Unix time this process started training"
+        )
+        self.tokens = counter(
+            "crosskd_train_tokens", "Student CE tokens trained on (counted by rank 0 only)"
+        )
+        self._chunks = Counter(
+            "crosskd_train_chunks",
+            "KD chunks counted, by teacher and shape (counted by rank 0 only)",
+            ["rank", "teacher", "shape"],
+            registry=registry,
+        )
+        self.input_wait = counter(
+            "crosskd_train_input_wait_seconds",
+            "Wall seconds the steps waited for their inputs (data read, collated, planned)",
+        )
         self.seconds = Histogram(
-            "crosskd_train_step_seconds", "Wall seconds per optimizer step", ["rank"],
-            buckets=STEP_BUCKETS, registry=registry,
-        ).labels(rank=self._rank)  # fmt: skip
+            "crosskd_train_step_seconds",
+            "Wall seconds per optimizer step",
+            ["rank"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        ).labels(rank=self._rank)
 
     def start(self, resumed_step: int) -> None:
         """Mark the start of training in this process, resumed from ``resumed_step``."""
@@ -124,8 +150,11 @@ class MetricsExporter(MetricsServer):
         """A non-finite ``term`` (``loss``, ``ce``, ``kd`` or ``grad_norm``) stopped the run:
         the term's gauges (the loss gauge too for a loss term) show the value and
         ``crosskd_train_nonfinite_stops_total`` counts the stop."""
-        gauges = {"ce": [self.loss, self.ce], "kd": [self.loss, *self.kd.values()],
-                  "grad_norm": [self.grad_norm]}.get(term, [self.loss])  # fmt: skip
+        gauges = {
+            "ce": [self.loss, self.ce],
+            "kd": [self.loss, *self.kd.values()],
+            "grad_norm": [self.grad_norm],
+        }.get(term, [self.loss])
         for gauge in gauges:
             gauge.set(value)
         self.nonfinite.inc()
@@ -188,5 +217,9 @@ def read_jsonl_log(uri: str) -> list[dict]:
     fs, path = fsspec.core.url_to_fs(uri)
     files = [path] if fs.exists(path) else []
     files += sorted(fs.glob(f"{path}.parts/part-*.jsonl"))
-    return [json.loads(line) for file in files for line in fs.cat_file(file).decode().splitlines()
-            if line]  # fmt: skip
+    return [
+        json.loads(line)
+        for file in files
+        for line in fs.cat_file(file).decode().splitlines()
+        if line
+    ]

@@ -35,8 +35,10 @@ def loss_curves_png(runs: dict[str, list[dict]]) -> bytes:
     lines = []
     for name, history in runs.items():
         steps = [h.get("step", i + 1) for i, h in enumerate(history)]
-        lines += [(0, steps, [h["ce"] for h in history], f"{name}: CE"),
-                  (1, steps, [h["kd"] for h in history], f"{name}: KD")]  # fmt: skip
+        lines += [
+            (0, steps, [h["ce"] for h in history], f"{name}: CE"),
+            (1, steps, [h["kd"] for h in history], f"{name}: KD"),
+        ]
     return _two_plots(("student CE (nats/token)", "CSD KD term"), lines)
 
 
@@ -52,8 +54,11 @@ def speed(history: list[dict]) -> dict[str, float]:
     def rank(q: float) -> float:
         return seconds[max(0, math.ceil(q * len(seconds)) - 1)]
 
-    return {"tokens_per_s": sum(float(h.get("tokens", 0)) for h in timed) / sum(seconds),
-            "step_seconds_p50": rank(0.5), "step_seconds_p95": rank(0.95)}  # fmt: skip
+    return {
+        "tokens_per_s": sum(float(h.get("tokens", 0)) for h in timed) / sum(seconds),
+        "step_seconds_p50": rank(0.5),
+        "step_seconds_p95": rank(0.95),
+    }
 
 
 def speed_png(runs: dict[str, list[dict]]) -> bytes:
@@ -62,8 +67,10 @@ def speed_png(runs: dict[str, list[dict]]) -> bytes:
     for name, history in runs.items():
         timed = [h for h in history if h.get("seconds")]
         steps = [h.get("step", i + 1) for i, h in enumerate(timed)]
-        lines += [(0, steps, [h.get("tokens", 0) / h["seconds"] for h in timed], name),
-                  (1, steps, [h["seconds"] for h in timed], name)]  # fmt: skip
+        lines += [
+            (0, steps, [h.get("tokens", 0) / h["seconds"] for h in timed], name),
+            (1, steps, [h["seconds"] for h in timed], name),
+        ]
     return _two_plots(("student tokens per second", "seconds per optimizer step"), lines)
 
 
@@ -93,14 +100,16 @@ def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
     """The report page: bits-per-byte table, the loss curves inline, each run's tokens/s and
     step time (a table and a plot), the configuration."""
     header, table = bits_per_byte_rows(metrics)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
-                   for row in table)  # fmt: skip
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in table
+    )
     heads = "".join(f"<th>{html.escape(cell)}</th>" for cell in header)
     comparison = "".join(f"<p>{html.escape(line)}</p>" for line in kd_against_ce(metrics))
     speeds = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{s['tokens_per_s']:.1f}</td>"
         f"<td>{s['step_seconds_p50']:.3f}</td><td>{s['step_seconds_p95']:.3f}</td></tr>"
-        for name, s in ((n, speed(h)) for n, h in metrics["runs"].items()) if s
+        for name, s in ((n, speed(h)) for n, h in metrics["runs"].items())
+        if s
     )
     image = base64.b64encode(png).decode("ascii")
     speed_image = base64.b64encode(speed_plot).decode("ascii")
@@ -126,10 +135,13 @@ def bits_per_byte_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
     out-of-domain value when ``metrics`` has ``ood_bits_per_byte``), values to 4 decimals."""
     ood = metrics.get("ood_bits_per_byte")
     if not ood:
-        return ["model", "bits/byte"], [[name, f"{value:.4f}"]
-                                        for name, value in metrics["bits_per_byte"].items()]
-    rows = [[name, f"{value:.4f}", f"{ood[name]:.4f}" if name in ood else "n/a"]
-            for name, value in metrics["bits_per_byte"].items()]  # fmt: skip
+        return ["model", "bits/byte"], [
+            [name, f"{value:.4f}"] for name, value in metrics["bits_per_byte"].items()
+        ]
+    rows = [
+        [name, f"{value:.4f}", f"{ood[name]:.4f}" if name in ood else "n/a"]
+        for name, value in metrics["bits_per_byte"].items()
+    ]
     return ["model", "in-domain bits/byte", "out-of-domain bits/byte"], rows
 
 
@@ -142,12 +154,16 @@ def kd_against_ce(metrics: dict) -> list[str]:
         bpb = metrics.get(key) or {}
         if not {"student_kd", "student_ce"} <= set(bpb):
             continue
-        line = (f"{where.capitalize()}: the distilled student is at {bpb['student_kd']:.4f} "
-                f"bits per byte, {bpb['student_kd'] - bpb['student_ce']:+.4f} against the CE-only "
-                f"student ({bpb['student_ce']:.4f})")  # fmt: skip
+        line = (
+            f"{where.capitalize()}: the distilled student is at {bpb['student_kd']:.4f} "
+            f"bits per byte, {bpb['student_kd'] - bpb['student_ce']:+.4f} against the CE-only "
+            f"student ({bpb['student_ce']:.4f})"
+        )
         if "student_init" in bpb:
-            line += (f"; the untrained student is at {bpb['student_init']:.4f} (the CE-only "
-                     f"student {bpb['student_ce'] - bpb['student_init']:+.4f} from it)")
+            line += (
+                f"; the untrained student is at {bpb['student_init']:.4f} (the CE-only "
+                f"student {bpb['student_ce'] - bpb['student_init']:+.4f} from it)"
+            )
         lines.append(line + ".")
     return lines
 
@@ -156,14 +172,23 @@ def report_markdown(metrics: dict) -> str:
     """The bits-per-byte table, the distilled student against the CE-only one, and each run's
     last step as Markdown."""
     header, table = bits_per_byte_rows(metrics)
-    lines = ["# crosskd distillation report", "", "Held-out bits per byte (lower is better):",
-             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    lines = [
+        "# crosskd distillation report",
+        "",
+        "Held-out bits per byte (lower is better):",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in table]
     if comparison := kd_against_ce(metrics):
         lines += ["", *comparison]
     for name, history in metrics["runs"].items():
         if history:
             last = history[-1]
-            lines += ["", f"Run `{name}`: {len(history)} steps, last CE {last['ce']:.4f}, "
-                          f"KD {last['kd']:.4f}."]  # fmt: skip
+            lines += [
+                "",
+                f"Run `{name}`: {len(history)} steps, last CE {last['ce']:.4f}, "
+                f"KD {last['kd']:.4f}.",
+            ]
     return "\n".join(lines) + "\n"

@@ -72,8 +72,11 @@ class MetricsServer:
                 while self._scrapes.count == seen and time.monotonic() < deadline:
                     self._scrapes.changed.wait(deadline - time.monotonic())
                 if self._scrapes.count == seen:
-                    log.warning("/metrics on port %s: no final scrape within %.0f s",
-                                self.port, final_scrape_s)  # fmt: skip
+                    log.warning(
+                        "/metrics on port %s: no final scrape within %.0f s",
+                        self.port,
+                        final_scrape_s,
+                    )
         self._server.shutdown()
         self._server.server_close()
         self._server = None

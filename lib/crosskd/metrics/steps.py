@@ -44,13 +44,17 @@ class ScoringMetrics(MetricsServer):
         self.samples = counter("crosskd_scoring_samples", "Samples scored")
         self.tokens = counter("crosskd_scoring_tokens", "Teacher tokens scored")
         self.bytes = counter("crosskd_scoring_bytes_written", "Cache bytes written")
-        self.shards_done = gauge("crosskd_scoring_shards_done",
-                                 "Shards of this pod's range that are complete")  # fmt: skip
+        self.shards_done = gauge(
+            "crosskd_scoring_shards_done", "Shards of this pod's range that are complete"
+        )
         self.shards = gauge("crosskd_scoring_shards", "Shards in this pod's range")
         self.shard_seconds = Histogram(
-            "crosskd_scoring_shard_seconds", "Wall seconds per shard scored", ["teacher"],
-            buckets=SHARD_BUCKETS, registry=self.registry,
-        ).labels(**labels)  # fmt: skip
+            "crosskd_scoring_shard_seconds",
+            "Wall seconds per shard scored",
+            ["teacher"],
+            buckets=SHARD_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
 
 
 class PrepareMetrics(MetricsServer):
@@ -58,10 +62,15 @@ class PrepareMetrics(MetricsServer):
 
     def __init__(self) -> None:
         super().__init__(CollectorRegistry())
-        self._rows = Counter("crosskd_prepare_rows", "Rows read and prepared", ["split"],
-                             registry=self.registry)  # fmt: skip
-        self._clipped = Counter("crosskd_prepare_clipped_rows", "Rows clipped to fit, by reason",
-                                ["split", "reason"], registry=self.registry)  # fmt: skip
+        self._rows = Counter(
+            "crosskd_prepare_rows", "Rows read and prepared", ["split"], registry=self.registry
+        )
+        self._clipped = Counter(
+            "crosskd_prepare_clipped_rows",
+            "Rows clipped to fit, by reason",
+            ["split", "reason"],
+            registry=self.registry,
+        )
 
     def row(self, split: str, clip_reason: str | None) -> None:
         """Count one prepared row of ``split``, clipped for ``clip_reason`` (None: whole)."""
@@ -71,16 +80,19 @@ class PrepareMetrics(MetricsServer):
 
 
 @contextlib.contextmanager
-def served(server: MetricsServer, port: int | None, what: str,
-           final_scrape_s: float = 30.0) -> Iterator[MetricsServer]:  # fmt: skip
+def served(
+    server: MetricsServer, port: int | None, what: str, final_scrape_s: float = 30.0
+) -> Iterator[MetricsServer]:
     """Serve ``server`` on ``port`` (0: a free one; None: not served) for the body of the
     ``with``, then close it (:meth:`MetricsServer.close`). ``what`` names the step in logs."""
     if port is not None:
         try:
             chosen = server.serve(port)
         except OSError as exc:
-            raise CrosskdError(f"{what}: metrics_port {port}: cannot serve /metrics ({exc}); "
-                               f"choose a free port (0: any) or -1 for none.") from exc
+            raise CrosskdError(
+                f"{what}: metrics_port {port}: cannot serve /metrics ({exc}); "
+                f"choose a free port (0: any) or -1 for none."
+            ) from exc
         log.info("%s serves /metrics on port %d", what, chosen)
     try:
         yield server

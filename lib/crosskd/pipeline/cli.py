@@ -41,14 +41,23 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     local = actions.add_parser("run-local", help="run the whole pipeline here under kfp.local")
     local.add_argument("--preset", help="a shipped run preset: tiny, demo, chat-demo")
     local.add_argument("--config", help="YAML file with run keys (crosskd distill's)")
-    local.add_argument("--local-root", help="kfp.local's own files (default: "
-                       "<output>/kfp-local for a local output)")  # fmt: skip
+    local.add_argument(
+        "--local-root",
+        help="kfp.local's own files (default: <output>/kfp-local for a local output)",
+    )
     local.add_argument("--no-cache", action="store_true", help="run every step again")
-    local.add_argument("--log", help="the steps' whole output goes here; the terminal gets a "
-                       "line per step (default: <local root>/logs/<time>.log); - : all of it "
-                       "on the terminal")  # fmt: skip
-    local.add_argument("overrides", nargs="*", metavar="key=value",
-                       help="any run key, e.g. output=demo-out steps=50")  # fmt: skip
+    local.add_argument(
+        "--log",
+        help="the steps' whole output goes here; the terminal gets a "
+        "line per step (default: <local root>/logs/<time>.log); - : all of it "
+        "on the terminal",
+    )
+    local.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="any run key, e.g. output=demo-out steps=50",
+    )
     sub = actions.add_parser("submit", help="submit the compiled pipeline to a KFP server")
     sub.add_argument("--host", required=True, help="the KFP API URL (http[s]://...)")
     sub.add_argument("--namespace", help="the Kubeflow profile namespace (multi-user KFP)")
@@ -56,13 +65,18 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--run-name", help="the run's display name")
     sub.add_argument("--package", help="compiled YAML (default: pipelines/distill.yaml)")
     sub.add_argument("--wait", action="store_true", help="wait; exit 1 unless it succeeds")
-    sub.add_argument("--no-cache", action="store_true",
-                     help="run every step again (KFP's cache off for this run)")  # fmt: skip
+    sub.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="run every step again (KFP's cache off for this run)",
+    )
     sub.add_argument("--timeout", type=float, metavar="SECONDS", help="with --wait: give up")
     sub.add_argument(
-        "arguments", nargs="*", metavar="param=value",
+        "arguments",
+        nargs="*",
+        metavar="param=value",
         help="pipeline parameters, e.g. steps=2000 'teachers=[s3://b/qwen3]'",
-    )  # fmt: skip
+    )
 
 
 def run_pipeline_command(args: argparse.Namespace) -> int:
@@ -94,8 +108,9 @@ def _compile(args: argparse.Namespace) -> int:
     if args.params:
         parameters = yaml.safe_load(Path(args.params).read_text(encoding="utf-8")) or {}
         if not isinstance(parameters, dict):
-            raise ConfigError(f"--params {args.params}: expected a mapping of pipeline "
-                              f"parameters to values.")  # fmt: skip
+            raise ConfigError(
+                f"--params {args.params}: expected a mapping of pipeline parameters to values."
+            )
     output = args.output or str(source_root() / COMPILED_FILE)
     compile_pipeline(output, image=args.image, parameters=parameters)
     sys.stdout.write(f"compiled {output}\n")
@@ -120,8 +135,10 @@ def _run_local(args: argparse.Namespace) -> int:
         sys.stdout.write(f"log: {log}\n")
         with steps_to_log(log):
             result = run_local(arguments, local_root=local_root, cache=not args.no_cache)
-    lines = [f"report: {result['report']}",
-             *bits_per_byte_table(result["bits_per_byte"], result.get("ood_bits_per_byte"))]
+    lines = [
+        f"report: {result['report']}",
+        *bits_per_byte_table(result["bits_per_byte"], result.get("ood_bits_per_byte")),
+    ]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
@@ -137,14 +154,23 @@ def _submit(args: argparse.Namespace) -> int:
             raise ConfigError(f"argument {item!r}: write it as param=value.")
         arguments[key] = value
     package = args.package or str(source_root() / COMPILED_FILE)
-    run = submit_pipeline(package, host=args.host, arguments=arguments, namespace=args.namespace,
-                          experiment=args.experiment, run_name=args.run_name, wait=args.wait,
-                          timeout_s=args.timeout,
-                          enable_caching=False if args.no_cache else None)  # fmt: skip
+    run = submit_pipeline(
+        package,
+        host=args.host,
+        arguments=arguments,
+        namespace=args.namespace,
+        experiment=args.experiment,
+        run_name=args.run_name,
+        wait=args.wait,
+        timeout_s=args.timeout,
+        enable_caching=False if args.no_cache else None,
+    )
     state = f" {run.state}" if run.state else ""
     sys.stdout.write(f"run {run.run_id}{state}: {run.url}\n")
     if run_failed(run):
-        sys.stderr.write(f"crosskd: error: run {run.run_id} ended {run.state}"
-                         f"{f': {run.error}' if run.error else ''}\n")  # fmt: skip
+        sys.stderr.write(
+            f"crosskd: error: run {run.run_id} ended {run.state}"
+            f"{f': {run.error}' if run.error else ''}\n"
+        )
         return 1
     return 0

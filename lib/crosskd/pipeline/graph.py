@@ -29,9 +29,12 @@ class _Block:
     edges: list[list[tuple[int, int]]] = field(default_factory=list)
 
     def moved(self, dx: int, dy: int) -> _Block:
-        return _Block(self.w, self.h, [(k, n, t, x + dx, y + dy, w, h)
-                                       for k, n, t, x, y, w, h in self.shapes],
-                      [[(x + dx, y + dy) for x, y in edge] for edge in self.edges])  # fmt: skip
+        return _Block(
+            self.w,
+            self.h,
+            [(k, n, t, x + dx, y + dy, w, h) for k, n, t, x, y, w, h in self.shapes],
+            [[(x + dx, y + dy) for x, y in edge] for edge in self.edges],
+        )
 
 
 def pipeline_svg(package: str) -> str:
@@ -60,18 +63,25 @@ def pipeline_svg(package: str) -> str:
     ]
     for kind, name, label, x, y, w, h in body.shapes:
         if kind == "loop":
-            out.append(f'<g data-loop="{escape(name)}"><rect x="{x}" y="{y}" width="{w}" '
-                       f'height="{h}" rx="6" fill="#f6f6f0" stroke="#8a8a8a" '
-                       f'stroke-dasharray="5 3"/><text x="{x + FRAME}" y="{y + 17}" '
-                       f'fill="#444">{escape(label)}</text></g>')  # fmt: skip
-    out += [f'<path d="{_path(edge)}" fill="none" stroke="#555" stroke-width="1.2" '
-            f'marker-end="url(#arrow)"/>' for edge in body.edges]  # fmt: skip
+            out.append(
+                f'<g data-loop="{escape(name)}"><rect x="{x}" y="{y}" width="{w}" '
+                f'height="{h}" rx="6" fill="#f6f6f0" stroke="#8a8a8a" '
+                f'stroke-dasharray="5 3"/><text x="{x + FRAME}" y="{y + 17}" '
+                f'fill="#444">{escape(label)}</text></g>'
+            )
+    out += [
+        f'<path d="{_path(edge)}" fill="none" stroke="#555" stroke-width="1.2" '
+        f'marker-end="url(#arrow)"/>'
+        for edge in body.edges
+    ]
     for kind, name, label, x, y, w, h in body.shapes:
         if kind == "task":
-            out.append(f'<g data-task="{escape(name)}"><rect x="{x}" y="{y}" width="{w}" '
-                       f'height="{h}" rx="4" fill="#e8f0fa" stroke="#3a6ea5"/><text '
-                       f'x="{x + w // 2}" y="{y + h // 2 + 4}" text-anchor="middle">'
-                       f"{escape(label)}</text></g>")  # fmt: skip
+            out.append(
+                f'<g data-task="{escape(name)}"><rect x="{x}" y="{y}" width="{w}" '
+                f'height="{h}" rx="4" fill="#e8f0fa" stroke="#3a6ea5"/><text '
+                f'x="{x + w // 2}" y="{y + h // 2 + 4}" text-anchor="middle">'
+                f"{escape(label)}</text></g>"
+            )
     return "\n".join([*out, "</svg>"]) + "\n"
 
 
@@ -80,8 +90,9 @@ def _layout_dag(tasks: dict[str, Any], components: dict[str, Any]) -> _Block:
     they depend on (then by name) and placed as near it as their widths allow; a source's edges
     that skip a layer share a lane item (a narrow slot) in it."""
     blocks = {name: _layout_task(name, task, components) for name, task in tasks.items()}
-    deps = {n: sorted(d for d in t.get("dependentTasks") or [] if d in tasks)
-            for n, t in tasks.items()}  # fmt: skip
+    deps = {
+        n: sorted(d for d in t.get("dependentTasks") or [] if d in tasks) for n, t in tasks.items()
+    }
     layer: dict[str, int] = {}
 
     def depth(name: str) -> int:
@@ -104,8 +115,10 @@ def _layout_dag(tasks: dict[str, Any], components: dict[str, Any]) -> _Block:
     for row in range(max(layer.values(), default=-1) + 1):
         items: list[Any] = [n for n in tasks if layer[n] == row]
         items += [(s, row) for s in sorted(reach) if layer[s] < row < reach[s]]
-        preds = {i: [above(i[0], row)] if isinstance(i, tuple) else [above(d, row) for d in deps[i]]
-                 for i in items}  # fmt: skip
+        preds = {
+            i: [above(i[0], row)] if isinstance(i, tuple) else [above(d, row) for d in deps[i]]
+            for i in items
+        }
         want = {i: sum(x[p] for p in preds[i]) // len(preds[i]) if preds[i] else 0 for i in items}
         items.sort(key=lambda i: (want[i], isinstance(i, tuple), str(i)))
         size = {i: LANE if isinstance(i, tuple) else blocks[i].w for i in items}
@@ -168,10 +181,14 @@ def _loop_label(name: str, task: dict[str, Any]) -> str:
         key = items.get("inputParameter") or items.get("inputArtifact") or "?"
         inputs = task.get("inputs") or {}
         source = {**(inputs.get("parameters") or {}), **(inputs.get("artifacts") or {})}.get(key)
-        producer = (source or {}).get("taskOutputParameter") or (source or {}).get(
-            "taskOutputArtifact") or {}  # fmt: skip
-        what = "item of " + str(producer.get("producerTask") or (source or {}).get(
-            "componentInputParameter") or key).removeprefix("pipelinechannel--")  # fmt: skip
+        producer = (
+            (source or {}).get("taskOutputParameter")
+            or (source or {}).get("taskOutputArtifact")
+            or {}
+        )
+        what = "item of " + str(
+            producer.get("producerTask") or (source or {}).get("componentInputParameter") or key
+        ).removeprefix("pipelinechannel--")
     limit = (task.get("iteratorPolicy") or {}).get("parallelismLimit")
     return f"{title}: for each {what}" + (f", {limit} at a time" if limit else "")
 

@@ -26,8 +26,18 @@ log = logging.getLogger(__name__)
 
 PIPELINE_FILE = "pipelines/distill.py"
 COMPILED_FILE = "pipelines/distill.yaml"
-TOP_LEVEL = ("teachers", "student", "train_data", "heldout_data", "ood_data", "k", "tau",
-             "steps", "compare_ce_only", "score_pods")  # fmt: skip
+TOP_LEVEL = (
+    "teachers",
+    "student",
+    "train_data",
+    "heldout_data",
+    "ood_data",
+    "k",
+    "tau",
+    "steps",
+    "compare_ce_only",
+    "score_pods",
+)
 """RunConfig keys that are pipeline parameters of their own; the rest go into ``options``."""
 LOCAL_JOB = {"cpu": "1", "memory": "2Gi", "grace_seconds": 30, "env": {"OMP_NUM_THREADS": "1"}}
 """The local executor's PyTorchJob settings (one CPU process, no GPU)."""
@@ -63,8 +73,9 @@ def load_pipeline(image: str | None = None) -> Callable[..., Any]:
     return importlib.import_module("pipelines.distill").distill
 
 
-def compile_pipeline(output: str, *, image: str | None = None,
-                     parameters: dict[str, Any] | None = None) -> str:  # fmt: skip
+def compile_pipeline(
+    output: str, *, image: str | None = None, parameters: dict[str, Any] | None = None
+) -> str:
     """Compile the pipeline into ``output`` (YAML), with ``parameters`` as the defaults of those
     pipeline parameters; returns ``output``."""
     from kfp import compiler
@@ -91,8 +102,9 @@ def canonical_header(compiled: str) -> str:
     body = "".join(lines[first:])
     spec = next(yaml.safe_load_all(body))
     ordered = _sorted_keys(spec)
-    header = extract_comments_from_pipeline_spec(ordered, ordered["pipelineInfo"].get(
-        "description"))  # fmt: skip
+    header = extract_comments_from_pipeline_spec(
+        ordered, ordered["pipelineInfo"].get("description")
+    )
     return header + body
 
 
@@ -116,15 +128,24 @@ def preset_arguments(config: RunConfig) -> dict[str, Any]:
     output = values.pop("output")
     arguments = {key: values.pop(key) for key in TOP_LEVEL}
     return {
-        "output_root": output, **arguments, "options": values, "executor": "local",
-        "image": "crosskd:local", "gpus_per_node": 0, "nodes": 1, "score_gpus": 0,
-        "score_tolerations": [], "job": dict(LOCAL_JOB), "metrics_port": 0,
+        "output_root": output,
+        **arguments,
+        "options": values,
+        "executor": "local",
+        "image": "crosskd:local",
+        "gpus_per_node": 0,
+        "nodes": 1,
+        "score_gpus": 0,
+        "score_tolerations": [],
+        "job": dict(LOCAL_JOB),
+        "metrics_port": 0,
         "s3_secret": "crosskd-s3" if os.environ.get("AWS_ACCESS_KEY_ID") else "",
-    }  # fmt: skip
+    }
 
 
-def run_local(arguments: dict[str, Any], *, local_root: str | None = None,
-              cache: bool = True) -> dict[str, Any]:  # fmt: skip
+def run_local(
+    arguments: dict[str, Any], *, local_root: str | None = None, cache: bool = True
+) -> dict[str, Any]:
     """Run the pipeline with ``arguments`` under ``kfp.local`` (``SubprocessRunner`` in this
     Python, no new virtual environment); KFP's own records (artifact files, its cache) go under
     ``local_root`` (default: ``<output_root>/kfp-local`` for a local output root), the workspace
@@ -143,8 +164,13 @@ def run_local(arguments: dict[str, Any], *, local_root: str | None = None,
     Path(local_root).mkdir(parents=True, exist_ok=True)
     workspace = tempfile.mkdtemp(prefix="crosskd-kfp-workspace-")
     errors = Path(tempfile.mkdtemp(prefix="crosskd-step-errors-"))
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=local_root,
-               workspace_root=workspace, enable_caching=cache, raise_on_error=True)  # fmt: skip
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=local_root,
+        workspace_root=workspace,
+        enable_caching=cache,
+        raise_on_error=True,
+    )
     with warnings.catch_warnings():
         # kfp.local ignores resources and Kubernetes settings, and warns about each.
         warnings.simplefilter("ignore")
@@ -171,8 +197,10 @@ def local_root_of(output_root: str) -> str:
     from crosskd.steps.locations import is_local
 
     if not is_local(output_root):
-        raise ConfigError(f"output_root {output_root} is not a local folder; give "
-                          f"--local-root DIR for kfp.local's own files.")  # fmt: skip
+        raise ConfigError(
+            f"output_root {output_root} is not a local folder; give "
+            f"--local-root DIR for kfp.local's own files."
+        )
     return f"{output_root.rstrip('/')}/kfp-local"
 
 

@@ -170,11 +170,13 @@ def submit_pipeline(
             enable_caching=enable_caching,
         )
     run = SubmittedRun(
-        run_id=result.run_id, url=f"{host}/#/runs/details/{result.run_id}",
+        run_id=result.run_id,
+        url=f"{host}/#/runs/details/{result.run_id}",
         experiment_id=exp.experiment_id,
     )
-    logger.info("submitted run %s of %s in experiment %r: %s", run.run_id, path.name,
-                experiment, run.url)
+    logger.info(
+        "submitted run %s of %s in experiment %r: %s", run.run_id, path.name, experiment, run.url
+    )
     if not wait:
         return run
     final = _wait(client, host, run, timeout_s=timeout_s, poll_s=poll_s)
@@ -182,8 +184,13 @@ def submit_pipeline(
     error = getattr(final, "error", None)
     run.error = (getattr(error, "message", None) or None) if error is not None else None
     log = logger.info if run.state == "SUCCEEDED" else logger.error
-    log("run %s ended %s%s: %s", run.run_id, run.state,
-        f" ({run.error})" if run.error else "", run.url)
+    log(
+        "run %s ended %s%s: %s",
+        run.run_id,
+        run.state,
+        f" ({run.error})" if run.error else "",
+        run.url,
+    )
     return run
 
 
@@ -250,7 +257,8 @@ def convert_arguments(
         kind = str(parameters[name].get("parameterType", ""))
         values[name] = _convert(name, kind, value, package)
     missing = [
-        name for name in known
+        name
+        for name in known
         if name not in values
         and "defaultValue" not in parameters[name]
         and not parameters[name].get("isOptional", False)
@@ -306,8 +314,11 @@ def _convert(name: str, kind: str, value: object, package: str) -> object:
 def _check_package(package: str) -> Path:
     path = Path(package)
     if not path.is_file() or not os.access(path, os.R_OK):
-        what = "does not exist" if not path.exists() else (
-            "is not a file" if not path.is_file() else "is not readable")
+        what = (
+            "does not exist"
+            if not path.exists()
+            else ("is not a file" if not path.is_file() else "is not readable")
+        )
         raise ConfigError(
             f"pipeline package {path} {what}; give the path of a compiled pipeline YAML file "
             "(kfp.compiler.Compiler().compile(pipeline, 'pipeline.yaml'))"
@@ -338,15 +349,18 @@ def _credentials(token_env: str) -> dict[str, Any]:
     if token:
         logger.debug("authenticating to KFP with the bearer token in $%s", token_env)
         return {"existing_token": token}
-    token_file = (os.environ.get(kfp_client.KF_PIPELINES_SA_TOKEN_ENV)
-                  or kfp_client.KF_PIPELINES_SA_TOKEN_PATH)
+    token_file = (
+        os.environ.get(kfp_client.KF_PIPELINES_SA_TOKEN_ENV)
+        or kfp_client.KF_PIPELINES_SA_TOKEN_PATH
+    )
     if os.path.isfile(token_file):
         logger.debug("authenticating to KFP with the service-account token file %s", token_file)
         # path=None: kfp resolves $KF_PIPELINES_SA_TOKEN_PATH or the default, as checked here,
         # and re-reads the file before every request.
         return {"credentials": kfp_client.ServiceAccountTokenVolumeCredentials(path=None)}
-    logger.debug("no $%s and no token file %s: contacting KFP without credentials",
-                 token_env, token_file)
+    logger.debug(
+        "no $%s and no token file %s: contacting KFP without credentials", token_env, token_file
+    )
     return {}
 
 
@@ -360,8 +374,9 @@ def _client(host: str, *, namespace: str | None, token_env: str) -> kfp.Client:
         # which retries 5 times 5 s apart on an HTTP error.
         kwargs["namespace"] = namespace
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="This client only works with Kubeflow",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message="This client only works with Kubeflow", category=FutureWarning
+        )
         with _calls(host, "health check"):
             return kfp.Client(**kwargs)
 
@@ -404,23 +419,29 @@ def _http_message(host: str, step: str, e: Any, url: str | None) -> str:
     status = getattr(e, "status", None)
     reason = getattr(e, "reason", None) or ""
     if not status:  # kfp_server_api raises status 0 for TLS errors
-        return (f"KFP at {host}: {step} failed ({_one_line(reason) or 'TLS error'}); check the "
-                f"host URL and its certificate{_still(url)}")
+        return (
+            f"KFP at {host}: {step} failed ({_one_line(reason) or 'TLS error'}); check the "
+            f"host URL and its certificate{_still(url)}"
+        )
     detail = _server_message(getattr(e, "body", None))
     if detail == _one_line(reason):
         detail = ""
     hints = {
         401: "check the bearer token (its environment variable, KFP_TOKEN by default, or the "
-             "service-account token file)",
+        "service-account token file)",
         403: "check the token and that its identity may use the namespace (a Kubeflow "
-             "profile contributor)",
+        "profile contributor)",
         404: "check the host URL (the KFP API, e.g. https://kubeflow.example.com/pipeline)",
     }
     hint = hints.get(status) or (
-        "the server failed; retry later or read the ml-pipeline logs" if status >= 500
-        else "the server refused the request")
-    return (f"KFP at {host}: {status} {_one_line(reason)} on {step}"
-            f"{f' ({detail})' if detail else ''}; {hint}{_still(url)}")
+        "the server failed; retry later or read the ml-pipeline logs"
+        if status >= 500
+        else "the server refused the request"
+    )
+    return (
+        f"KFP at {host}: {status} {_one_line(reason)} on {step}"
+        f"{f' ({detail})' if detail else ''}; {hint}{_still(url)}"
+    )
 
 
 def _server_message(body: Any) -> str:
@@ -434,8 +455,11 @@ def _server_message(body: Any) -> str:
     except ValueError:
         text = body if not body.lstrip().startswith("<") else ""  # an HTML error page
     else:
-        text = str(parsed.get("message") or parsed.get("error") or "") if isinstance(
-            parsed, dict) else ""
+        text = (
+            str(parsed.get("message") or parsed.get("error") or "")
+            if isinstance(parsed, dict)
+            else ""
+        )
     return _one_line(text)[:200]
 
 
@@ -453,8 +477,9 @@ def _still(url: str | None) -> str:
     return f"; the run was submitted and keeps going: {url}" if url else ""
 
 
-def _wait(client: kfp.Client, host: str, run: SubmittedRun, *, timeout_s: float | None,
-          poll_s: float) -> Any:
+def _wait(
+    client: kfp.Client, host: str, run: SubmittedRun, *, timeout_s: float | None, poll_s: float
+) -> Any:
     """Poll ``run`` every ``poll_s`` s until it reaches a final state or ``timeout_s`` s pass."""
     import kfp_server_api
     import urllib3
@@ -470,7 +495,8 @@ def _wait(client: kfp.Client, host: str, run: SubmittedRun, *, timeout_s: float 
             cause = e.__context__
             transient = isinstance(cause, urllib3.exceptions.HTTPError) or (
                 isinstance(cause, kfp_server_api.ApiException)
-                and (cause.status == 429 or (cause.status or 0) >= 500))
+                and (cause.status == 429 or (cause.status or 0) >= 500)
+            )
             errors += 1
             if not transient or errors > _MAX_POLL_ERRORS:
                 raise

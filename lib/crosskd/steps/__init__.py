@@ -28,9 +28,24 @@ from crosskd.steps.tables import build_tables, plan_tables, validate_tables
 from crosskd.steps.train import plan_training, train
 
 __all__ = [
-    "RunConfig", "build_tables", "content_uri", "evaluate_models", "evaluate_run",
+    "RunConfig",
+    "build_tables",
+    "content_uri",
+    "evaluate_models",
+    "evaluate_run",
     "load_run_config",
-    "merge_caches", "models_to_evaluate", "plan_scoring", "plan_tables", "plan_training",
-    "prepare_data", "preset_values", "report", "run_config_from_parameters", "run_folder",
-    "score_teacher", "train", "validate_inputs", "validate_tables",
-]  # fmt: skip
+    "merge_caches",
+    "models_to_evaluate",
+    "plan_scoring",
+    "plan_tables",
+    "plan_training",
+    "prepare_data",
+    "preset_values",
+    "report",
+    "run_config_from_parameters",
+    "run_folder",
+    "score_teacher",
+    "train",
+    "validate_inputs",
+    "validate_tables",
+]

@@ -126,32 +126,57 @@ class RunConfig:
                     f"the built tables). Remove loss.{key}."
                 )
         loss_from_mapping(self.loss)  # every other loss key is checked now, not after scoring
-        if not isinstance(self.teachers, list) or not self.teachers or not all(
-            isinstance(t, str) and t for t in self.teachers
-        ):  # fmt: skip
-            raise ConfigError(f"teachers is {self.teachers!r}; give a list of one or more "
-                              f"teacher model references (or init).")  # fmt: skip
-        require_positive_ints(self, ("corpus_bytes", "ood_bytes", "heldout_every", "max_length",
-                                     "shard_rows", "k", "score_pods", "steps", "micro_batch_rows",
-                                     "grad_accum", "token_budget"))  # fmt: skip
+        if (
+            not isinstance(self.teachers, list)
+            or not self.teachers
+            or not all(isinstance(t, str) and t for t in self.teachers)
+        ):
+            raise ConfigError(
+                f"teachers is {self.teachers!r}; give a list of one or more "
+                f"teacher model references (or init)."
+            )
+        require_positive_ints(
+            self,
+            (
+                "corpus_bytes",
+                "ood_bytes",
+                "heldout_every",
+                "max_length",
+                "shard_rows",
+                "k",
+                "score_pods",
+                "steps",
+                "micro_batch_rows",
+                "grad_accum",
+                "token_budget",
+            ),
+        )
         fraction = self.heldout_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not (
-            0 < fraction < 1
-        ):  # fmt: skip
-            raise ConfigError(f"heldout_fraction is {fraction!r}; it must be a number between 0 "
-                              f"and 1 (exclusive).")  # fmt: skip
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not (0 < fraction < 1)
+        ):
+            raise ConfigError(
+                f"heldout_fraction is {fraction!r}; it must be a number between 0 "
+                f"and 1 (exclusive)."
+            )
         for key in ("compare_ce_only", "pack"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} is {getattr(self, key)!r}; write true or false.")
         for key in ("teacher_shape", "student_shape"):
             check_shape(key, getattr(self, key))
 
-
     def scoring(self) -> dict[str, Any]:
         """What changes a teacher cache: ``k``, ``tau``, ``encoding``, ``token_budget``,
         ``device``."""
-        return {"k": self.k, "tau": self.tau, "encoding": self.encoding,
-                "token_budget": self.token_budget, "device": self.device}  # fmt: skip
+        return {
+            "k": self.k,
+            "tau": self.tau,
+            "encoding": self.encoding,
+            "token_budget": self.token_budget,
+            "device": self.device,
+        }
 
     def preparing(self) -> dict[str, Any]:
         """What changes prepared data besides the inputs: ``max_length``, ``shard_rows``,
@@ -166,12 +191,16 @@ def run_config_from_parameters(parameters: dict[str, Any], options: dict[str, An
     known = set(RunConfig.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ConfigError(f"options: unknown key(s) {', '.join(unknown)}; known keys: "
-                          f"{', '.join(sorted(known - set(parameters)))}.")  # fmt: skip
+        raise ConfigError(
+            f"options: unknown key(s) {', '.join(unknown)}; known keys: "
+            f"{', '.join(sorted(known - set(parameters)))}."
+        )
     twice = sorted(set(options) & set(parameters))
     if twice:
-        raise ConfigError(f"options sets {', '.join(twice)}, which the pipeline takes as "
-                          f"parameter(s) of their own; set them there.")  # fmt: skip
+        raise ConfigError(
+            f"options sets {', '.join(twice)}, which the pipeline takes as "
+            f"parameter(s) of their own; set them there."
+        )
     return load_config(RunConfig, None, [], flags={**options, **parameters})
 
 
@@ -197,7 +226,9 @@ def load_run_config(path: str | None, preset: str | None, overrides: list[str]) 
         known = set(RunConfig.__dataclass_fields__)
         unknown = sorted(set(loaded) - known)
         if unknown:
-            raise ConfigError(f"config {source}: unknown key(s) {', '.join(unknown)}; known keys: "
-                              f"{', '.join(sorted(known))}.")  # fmt: skip
+            raise ConfigError(
+                f"config {source}: unknown key(s) {', '.join(unknown)}; known keys: "
+                f"{', '.join(sorted(known))}."
+            )
         values.update(loaded)
     return load_config(RunConfig, None, overrides, flags=values)

@@ -38,8 +38,9 @@ def model_tokenizer(ref: str) -> str:
     return str(model_folder(ref, role="model"))
 
 
-def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
-                    executor: str = "inprocess") -> dict[str, Any]:  # fmt: skip
+def validate_inputs(
+    config: RunConfig, job: dict[str, Any] | None = None, executor: str = "inprocess"
+) -> dict[str, Any]:
     """Check ``config``, the training ``executor`` (:data:`crosskd.steps.config.EXECUTORS`)
     and, for a job, its PyTorchJob settings ``job`` (JobConfig keys), and resolve its
     references; returns the run's plan: ``{"root", "student", "student_fingerprint",
@@ -56,11 +57,16 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
     if train_data == STDLIB:
         train_data, heldout_data = _stdlib_corpus(config, root)
     ood_data = _licence_text(config, root) if config.ood_data == LICENCES else config.ood_data
-    for key, uri in (("train_data", train_data), ("heldout_data", heldout_data),
-                     ("ood_data", ood_data)):  # fmt: skip
+    for key, uri in (
+        ("train_data", train_data),
+        ("heldout_data", heldout_data),
+        ("ood_data", ood_data),
+    ):
         if uri and not _data_exists(uri):
-            raise ConfigError(f"{key} {uri}: no such file, folder or glob; check the URI (and "
-                              f"the S3 credentials in the environment).")  # fmt: skip
+            raise ConfigError(
+                f"{key} {uri}: no such file, folder or glob; check the URI (and "
+                f"the S3 credentials in the environment)."
+            )
     docs: list[str] | None = None
 
     def tokenizer_ref(ref: str) -> str:
@@ -70,8 +76,11 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
         if docs is None:
             docs = _texts(train_data)
         size = _tiny_size(ref)
-        uri = content_uri(root, "inputs/tokenizers", {"vocab": size, "docs": len(docs),
-                                                      "data": _text_digest(docs)})  # fmt: skip
+        uri = content_uri(
+            root,
+            "inputs/tokenizers",
+            {"vocab": size, "docs": len(docs), "data": _text_digest(docs)},
+        )
         from crosskd.zoo import train_tiny_bpe
 
         return materialize(uri, lambda folder: train_tiny_bpe(docs, size, folder))
@@ -82,32 +91,50 @@ def validate_inputs(config: RunConfig, job: dict[str, Any] | None = None,
             return ref
         tok_ref = tokenizer_ref(tokenizer)
         fingerprint = load_tokenizer(tok_ref).fingerprint
-        uri = content_uri(root, "inputs/models", {"tokenizer": fingerprint, "shape": shape,
-                                                  "seed": seed})  # fmt: skip
+        uri = content_uri(
+            root, "inputs/models", {"tokenizer": fingerprint, "shape": shape, "seed": seed}
+        )
         from crosskd.zoo.models import init_llama
 
         return materialize(uri, lambda folder: init_llama(folder, tok_ref, shape, seed) and None)
 
-    student = model_ref(config.student, config.student_tokenizer, config.student_shape,
-                        config.seed, "student")  # fmt: skip
+    student = model_ref(
+        config.student, config.student_tokenizer, config.student_shape, config.seed, "student"
+    )
     student_fp = load_tokenizer(model_tokenizer(student)).fingerprint
     if config.pack and config.student != INIT:
         _check_student_packs(student)
     teachers = []
     for i, ref in enumerate(config.teachers):
-        resolved = model_ref(ref, config.teacher_tokenizer, config.teacher_shape,
-                             config.seed + 1 + i, f"teacher {i}")  # fmt: skip
+        resolved = model_ref(
+            ref, config.teacher_tokenizer, config.teacher_shape, config.seed + 1 + i, f"teacher {i}"
+        )
         fingerprint = load_tokenizer(model_tokenizer(resolved)).fingerprint
-        teachers.append({"index": i, "ref": resolved, "fingerprint": fingerprint,
-                         "same_tokenizer": fingerprint == student_fp})  # fmt: skip
+        teachers.append(
+            {
+                "index": i,
+                "ref": resolved,
+                "fingerprint": fingerprint,
+                "same_tokenizer": fingerprint == student_fp,
+            }
+        )
     plan = {
-        "root": root, "student": student, "student_fingerprint": student_fp,
-        "teachers": teachers, "train_data": train_data, "heldout_data": heldout_data,
+        "root": root,
+        "student": student,
+        "student_fingerprint": student_fp,
+        "teachers": teachers,
+        "train_data": train_data,
+        "heldout_data": heldout_data,
         "heldout_fraction": None if heldout_data else float(config.heldout_fraction),
         "ood_data": ood_data or None,
-    }  # fmt: skip
-    log.info("inputs: student %s, %d teacher(s) (%s), data %s", student, len(teachers),
-             ", ".join(t["ref"] for t in teachers), train_data)  # fmt: skip
+    }
+    log.info(
+        "inputs: student %s, %d teacher(s) (%s), data %s",
+        student,
+        len(teachers),
+        ", ".join(t["ref"] for t in teachers),
+        train_data,
+    )
     return plan
 
 
@@ -137,8 +164,11 @@ def _check_student_packs(student: str) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layer_windows(config)
-    refuse_state_mixers(model, f"the samples of the packed rows of student {student}",
-                        "set pack: false (one sample per row)")
+    refuse_state_mixers(
+        model,
+        f"the samples of the packed rows of student {student}",
+        "set pack: false (one sample per row)",
+    )
 
 
 def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
@@ -149,13 +179,30 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
     from crosskd.train import TrainConfig
 
     n = len(config.teachers)
-    PrepareConfig(data="-", student_tokenizer="-", teacher_tokenizers=["-"] * n, output="-",
-                  max_length=config.max_length, teacher_max_length=2 * config.max_length,
-                  shard_rows=config.shard_rows, pack=config.pack)  # fmt: skip
-    ScoreConfig(data="-", teacher="-", output="-", k=config.k, tau=config.tau,
-                encoding=config.encoding, token_budget=config.token_budget).check()  # fmt: skip
-    train = TrainConfig(**train_values(config, student="-", data="-", output="-",
-                                       caches=["-"] * n, tables=[None] * n, kd=True))  # fmt: skip
+    PrepareConfig(
+        data="-",
+        student_tokenizer="-",
+        teacher_tokenizers=["-"] * n,
+        output="-",
+        max_length=config.max_length,
+        teacher_max_length=2 * config.max_length,
+        shard_rows=config.shard_rows,
+        pack=config.pack,
+    )
+    ScoreConfig(
+        data="-",
+        teacher="-",
+        output="-",
+        k=config.k,
+        tau=config.tau,
+        encoding=config.encoding,
+        token_budget=config.token_budget,
+    ).check()
+    train = TrainConfig(
+        **train_values(
+            config, student="-", data="-", output="-", caches=["-"] * n, tables=[None] * n, kd=True
+        )
+    )
     if job is not None:
         from crosskd.k8s.job import job_layout, load_job_config
 
@@ -164,31 +211,50 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
         try:
             train.parallel.resolved(1)
         except ConfigError as exc:
-            raise ConfigError(f"{exc} In-process training is one process; use the local or "
-                              f"cluster executor for a parallel layout.") from exc  # fmt: skip
+            raise ConfigError(
+                f"{exc} In-process training is one process; use the local or "
+                f"cluster executor for a parallel layout."
+            ) from exc
 
 
 def train_values(
-    config: RunConfig, *, student: str, data: str, output: str, caches: list[str],
-    tables: list[dict | None], kd: bool,
-) -> dict[str, Any]:  # fmt: skip
+    config: RunConfig,
+    *,
+    student: str,
+    data: str,
+    output: str,
+    caches: list[str],
+    tables: list[dict | None],
+    kd: bool,
+) -> dict[str, Any]:
     """The ``crosskd train`` keys of one training run of ``config`` (``kd`` False: CE only)."""
     loss = dict(config.loss)
     if not kd:
         loss.update(kd_weight=0.0, dynamic_kd_scale=False)
     loss["tau"] = config.tau
     loss["teachers"] = [
-        {"k": config.k, "student_to_teacher": (t or {}).get("s2t"),
-         "teacher_to_student": (t or {}).get("t2s")}
+        {
+            "k": config.k,
+            "student_to_teacher": (t or {}).get("s2t"),
+            "teacher_to_student": (t or {}).get("t2s"),
+        }
         for t in tables
-    ]  # fmt: skip
+    ]
     return {
-        "student": student, "data": data, "output": output, "teachers": list(caches),
-        "loss": loss, "steps": config.steps, "micro_batch_rows": config.micro_batch_rows,
-        "grad_accum": config.grad_accum, "lr": config.lr, "warmup_steps": config.warmup_steps,
-        "seed": config.seed, "parallel": dict(config.parallel),
+        "student": student,
+        "data": data,
+        "output": output,
+        "teachers": list(caches),
+        "loss": loss,
+        "steps": config.steps,
+        "micro_batch_rows": config.micro_batch_rows,
+        "grad_accum": config.grad_accum,
+        "lr": config.lr,
+        "warmup_steps": config.warmup_steps,
+        "seed": config.seed,
+        "parallel": dict(config.parallel),
         "activation_checkpointing": config.activation_checkpointing,
-    }  # fmt: skip
+    }
 
 
 def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:
@@ -202,19 +268,31 @@ def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:
 
     def build(folder: Path) -> None:
         documents = benchmark_corpus(config.corpus_bytes, document_bytes=document_bytes)
-        splits = {"train": [d for i, d in enumerate(documents) if i % config.heldout_every],
-                  "heldout": [d for i, d in enumerate(documents)
-                              if not i % config.heldout_every]}  # fmt: skip
+        splits = {
+            "train": [d for i, d in enumerate(documents) if i % config.heldout_every],
+            "heldout": [d for i, d in enumerate(documents) if not i % config.heldout_every],
+        }
         for name, docs in splits.items():
-            (folder / f"{name}.jsonl").write_text("".join(
-                json.dumps({"id": f"{name}-{i}", "text": d}) + "\n" for i, d in enumerate(docs)
-            ))  # fmt: skip
-        log.info("corpus: %d training and %d held-out documents", len(splits["train"]),
-                 len(splits["heldout"]))  # fmt: skip
+            (folder / f"{name}.jsonl").write_text(
+                "".join(
+                    json.dumps({"id": f"{name}-{i}", "text": d}) + "\n" for i, d in enumerate(docs)
+                )
+            )
+        log.info(
+            "corpus: %d training and %d held-out documents",
+            len(splits["train"]),
+            len(splits["heldout"]),
+        )
 
-    uri = content_uri(root, "inputs/corpus", {"bytes": config.corpus_bytes,
-                                              "every": config.heldout_every,
-                                              "document_bytes": document_bytes})  # fmt: skip
+    uri = content_uri(
+        root,
+        "inputs/corpus",
+        {
+            "bytes": config.corpus_bytes,
+            "every": config.heldout_every,
+            "document_bytes": document_bytes,
+        },
+    )
     materialize(uri, build)
     return f"{uri}/train.jsonl", f"{uri}/heldout.jsonl"
 
@@ -230,9 +308,11 @@ def _licence_text(config: RunConfig, root: str) -> str:
     uri = content_uri(root, "inputs/licences", {"text": _text_digest(documents)})
 
     def build(folder: Path) -> None:
-        (folder / "ood.jsonl").write_text("".join(
-            json.dumps({"id": f"ood-{i}", "text": d}) + "\n" for i, d in enumerate(documents)
-        ))  # fmt: skip
+        (folder / "ood.jsonl").write_text(
+            "".join(
+                json.dumps({"id": f"ood-{i}", "text": d}) + "\n" for i, d in enumerate(documents)
+            )
+        )
 
     materialize(uri, build)
     return f"{uri}/ood.jsonl"

@@ -26,8 +26,9 @@ COMPLETE = ".complete"
 def content_uri(root: str, kind: str, key: Mapping[str, Any]) -> str:
     """``<root>/<kind>/<20 hex of sha256(key as sorted JSON)>``: the same key (input
     fingerprints and the options that change the output) gives the same URI on every run."""
-    blob = json.dumps({"key": key, "format": __version__.split(".")[0]}, sort_keys=True,
-                      default=str)  # fmt: skip
+    blob = json.dumps(
+        {"key": key, "format": __version__.split(".")[0]}, sort_keys=True, default=str
+    )
     return f"{root.rstrip('/')}/{kind}/{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
 
@@ -82,8 +83,10 @@ def data_fingerprint(uri: str) -> str:
     else:
         files = sorted(fs.glob(path))
     if not files:
-        raise ConfigError(f"data {uri}: no such file, folder or glob; check the URI (and the "
-                          f"S3 credentials in the environment).")  # fmt: skip
+        raise ConfigError(
+            f"data {uri}: no such file, folder or glob; check the URI (and the "
+            f"S3 credentials in the environment)."
+        )
     digest = hashlib.sha256()
     for name in files:
         file_hash = hashlib.sha256()

@@ -22,9 +22,16 @@ OOD = "ood"
 """The split of the out-of-domain held-out rows (``plan["ood_data"]``), when a run has them."""
 
 
-def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 4096,
-                 pack: bool = True, progress: bool = True, metrics_port: int | None = None,
-                 final_scrape_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
+def prepare_data(
+    plan: dict[str, Any],
+    *,
+    max_length: int,
+    shard_rows: int = 4096,
+    pack: bool = True,
+    progress: bool = True,
+    metrics_port: int | None = None,
+    final_scrape_s: float = 30.0,
+) -> dict[str, Any]:
     """Prepare ``plan["train_data"]`` and the held-out rows (``plan["heldout_data"]``, else the
     ``plan["heldout_fraction"]`` of the training rows whose id hashes below it) and the
     out-of-domain rows ``plan["ood_data"]`` when given, for the plan's student and teachers
@@ -44,16 +51,21 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
     student = model_tokenizer(plan["student"])
     teachers = [model_tokenizer(t["ref"]) for t in plan["teachers"]]
     sources = {"train": plan["train_data"], "heldout": plan["heldout_data"] or None}
-    options = {"tokenizers": [load_tokenizer(t).fingerprint for t in [student, *teachers]],
-               "max_length": max_length, "shard_rows": shard_rows,
-               **({} if pack else {"pack": False})}  # fmt: skip
-    key = {"data": {k: data_fingerprint(v) for k, v in sources.items() if v},
-           "heldout_fraction": plan.get("heldout_fraction"), **options}  # fmt: skip
+    options = {
+        "tokenizers": [load_tokenizer(t).fingerprint for t in [student, *teachers]],
+        "max_length": max_length,
+        "shard_rows": shard_rows,
+        **({} if pack else {"pack": False}),
+    }
+    key = {
+        "data": {k: data_fingerprint(v) for k, v in sources.items() if v},
+        "heldout_fraction": plan.get("heldout_fraction"),
+        **options,
+    }
     uri = content_uri(plan["root"], "prepared", key)
     targets = {split: f"{uri}/{split}" for split in SPLITS}
     if sources["heldout"] is None:
-        sources |= _split(sources["train"], float(plan.get("heldout_fraction", 0.1)),
-                          f"{uri}/rows")  # fmt: skip
+        sources |= _split(sources["train"], float(plan.get("heldout_fraction", 0.1)), f"{uri}/rows")
     if plan.get("ood_data"):
         sources[OOD] = plan["ood_data"]
         ood_key = {"data": {OOD: data_fingerprint(plan["ood_data"])}, **options}
@@ -66,11 +78,20 @@ def prepare_data(plan: dict[str, Any], *, max_length: int, shard_rows: int = 409
                 log.info("prepared %s data exist at %s", split, target)
                 manifest = json.loads(fs.cat_file(f"{path}/manifest.json"))
             else:
-                manifest = prepare(PrepareConfig(
-                    data=sources[split], student_tokenizer=student, teacher_tokenizers=teachers,
-                    output=target, max_length=max_length, teacher_max_length=2 * max_length,
-                    shard_rows=shard_rows, pack=pack,
-                ), progress=progress, on_row=functools.partial(metrics.row, split))  # fmt: skip
+                manifest = prepare(
+                    PrepareConfig(
+                        data=sources[split],
+                        student_tokenizer=student,
+                        teacher_tokenizers=teachers,
+                        output=target,
+                        max_length=max_length,
+                        teacher_max_length=2 * max_length,
+                        shard_rows=shard_rows,
+                        pack=pack,
+                    ),
+                    progress=progress,
+                    on_row=functools.partial(metrics.row, split),
+                )
             result[split] = target
             result["rows"][split] = manifest["rows"]
             result["data_fingerprint"][split] = manifest["data_fingerprint"]
@@ -97,12 +118,15 @@ def _split(data: str, fraction: float, folder: str) -> dict[str, str]:
         row = {"id": record.sample_id}
         row |= {"text": record.text} if record.text is not None else {"messages": record.messages}
         lines["heldout" if held_out(record.sample_id, fraction) else "train"].append(
-            json.dumps(row, ensure_ascii=False) + "\n")  # fmt: skip
+            json.dumps(row, ensure_ascii=False) + "\n"
+        )
     for split, rows in lines.items():
         if not rows:
-            raise DataError(f"data {data}: heldout_fraction {fraction} leaves no {split} rows "
-                            f"of {sum(map(len, lines.values()))}; give heldout_data or another "
-                            f"fraction.")  # fmt: skip
+            raise DataError(
+                f"data {data}: heldout_fraction {fraction} leaves no {split} rows "
+                f"of {sum(map(len, lines.values()))}; give heldout_data or another "
+                f"fraction."
+            )
     fs, path = fsspec.core.url_to_fs(folder)
     fs.makedirs(path, exist_ok=True)
     for split, rows in lines.items():

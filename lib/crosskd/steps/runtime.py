@@ -19,8 +19,9 @@ def start_step(name: str) -> logging.Logger:
     """Log at INFO to stderr (timestamped, as ``crosskd`` does), quiet per-load progress bars,
     and make an uncaught error end with one line naming the step and the error (also written to
     the folder ``$CROSSKD_STEP_ERRORS`` when set); returns the logger ``crosskd.step.<name>``."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     default_hook = sys.excepthook
 

@@ -15,8 +15,9 @@ from crosskd.steps.locations import content_uri
 log = logging.getLogger(__name__)
 
 
-def plan_scoring(plan: dict[str, Any], prepared: dict[str, Any], scoring: dict[str, Any],
-                 pods: int) -> list[dict[str, Any]]:  # fmt: skip
+def plan_scoring(
+    plan: dict[str, Any], prepared: dict[str, Any], scoring: dict[str, Any], pods: int
+) -> list[dict[str, Any]]:
     """One scoring job per teacher and shard range: the prepared training shards split into
     ``min(pods, shards)`` contiguous ranges of near-equal size. Each job is self-contained (what
     :func:`score_teacher` needs): ``{"teacher", "start", "stop"`` (exclusive)``, "data", "root",
@@ -24,13 +25,31 @@ def plan_scoring(plan: dict[str, Any], prepared: dict[str, Any], scoring: dict[s
     shards, pods = int(prepared["train_shards"]), int(pods)
     parts = max(1, min(pods, shards))
     bounds = [round(i * shards / parts) for i in range(parts + 1)]
-    return [{"teacher": t, "start": bounds[i], "stop": bounds[i + 1], "data": prepared["train"],
-             "root": plan["root"], "scoring": dict(scoring)}
-            for t in plan["teachers"] for i in range(parts)]  # fmt: skip
+    return [
+        {
+            "teacher": t,
+            "start": bounds[i],
+            "stop": bounds[i + 1],
+            "data": prepared["train"],
+            "root": plan["root"],
+            "scoring": dict(scoring),
+        }
+        for t in plan["teachers"]
+        for i in range(parts)
+    ]
 
 
-def cache_uri(root: str, data: str, teacher: dict[str, Any], *, k: int, tau: float,
-              encoding: str, token_budget: int, device: str | None) -> str:  # fmt: skip
+def cache_uri(
+    root: str,
+    data: str,
+    teacher: dict[str, Any],
+    *,
+    k: int,
+    tau: float,
+    encoding: str,
+    token_budget: int,
+    device: str | None,
+) -> str:
     """The content-addressed cache of one teacher: keyed by the prepared data's fingerprint,
     the teacher's weights fingerprint, K, tau, the encoding, the token budget and the device
     type and dtype (which change the stored numbers)."""
@@ -42,15 +61,26 @@ def cache_uri(root: str, data: str, teacher: dict[str, Any], *, k: int, tau: flo
     resolved = torch.device(device) if device else default_device()
     key = {
         "data": load_prepared(data).manifest["data_fingerprint"],
-        "teacher": fingerprint(model_folder(teacher["ref"])), "index": int(teacher["index"]),
-        "k": int(k), "tau": float(tau), "encoding": encoding, "token_budget": int(token_budget),
-        "device": resolved.type, "dtype": str(default_dtype(resolved)),
-    }  # fmt: skip
+        "teacher": fingerprint(model_folder(teacher["ref"])),
+        "index": int(teacher["index"]),
+        "k": int(k),
+        "tau": float(tau),
+        "encoding": encoding,
+        "token_budget": int(token_budget),
+        "device": resolved.type,
+        "dtype": str(default_dtype(resolved)),
+    }
     return content_uri(root, "cache", key)
 
 
-def score_teacher(job: dict[str, Any], *, progress: bool = True, metrics_port: int | None = None,
-                  final_scrape_s: float = 30.0, processes: int = 1) -> dict[str, Any]:  # fmt: skip
+def score_teacher(
+    job: dict[str, Any],
+    *,
+    progress: bool = True,
+    metrics_port: int | None = None,
+    final_scrape_s: float = 30.0,
+    processes: int = 1,
+) -> dict[str, Any]:
     """Score the shard range of ``job`` (:func:`plan_scoring`) with the job's teacher into its
     cache (:func:`cache_uri`); returns ``{"index", "cache", "start", "stop", "samples"}``. A
     range scored before returns at once; an interrupted one resumes. ``metrics_port``: serve
@@ -65,11 +95,28 @@ def score_teacher(job: dict[str, Any], *, progress: bool = True, metrics_port: i
     k, tau = int(options["k"]), float(options["tau"])
     encoding, budget = options.get("encoding", "lossless"), int(options.get("token_budget", 4096))
     device = options.get("device")
-    uri = cache_uri(job["root"], job["data"], teacher, k=k, tau=tau, encoding=encoding,
-                    token_budget=budget, device=device)  # fmt: skip
-    config = ScoreConfig(data=job["data"], teacher=teacher["ref"], output=uri,
-                         teacher_index=int(teacher["index"]), k=k, tau=tau, encoding=encoding,
-                         token_budget=budget, device=device, processes=processes)  # fmt: skip
+    uri = cache_uri(
+        job["root"],
+        job["data"],
+        teacher,
+        k=k,
+        tau=tau,
+        encoding=encoding,
+        token_budget=budget,
+        device=device,
+    )
+    config = ScoreConfig(
+        data=job["data"],
+        teacher=teacher["ref"],
+        output=uri,
+        teacher_index=int(teacher["index"]),
+        k=k,
+        tau=tau,
+        encoding=encoding,
+        token_budget=budget,
+        device=device,
+        processes=processes,
+    )
     metrics = ScoringMetrics(f"teacher{int(teacher['index'])}")
     start, stop = int(job["start"]), int(job["stop"])
     with served(metrics, metrics_port, "score_teacher", final_scrape_s):
@@ -81,8 +128,13 @@ def score_teacher(job: dict[str, Any], *, progress: bool = True, metrics_port: i
             metrics.shards_done.set(stop - start)
         else:
             part = score_shards(config, start, stop, progress=progress, metrics=metrics)
-    return {"index": int(teacher["index"]), "cache": uri, "start": part["start"],
-            "stop": part["stop"], "samples": part["samples"]}  # fmt: skip
+    return {
+        "index": int(teacher["index"]),
+        "cache": uri,
+        "start": part["start"],
+        "stop": part["stop"],
+        "samples": part["samples"],
+    }
 
 
 def merge_caches(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,9 +153,20 @@ def merge_caches(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         manifest = merge_cache(caches[index])
         fs, path = fsspec.core.url_to_fs(caches[index])
         digest = hashlib.sha256(fs.cat_file(f"{path}/{MANIFEST}")).hexdigest()
-        merged.append({"index": index, "cache": caches[index], "manifest_sha256": digest,
-                       "tokens": manifest["tokens"],
-                       "bits_per_byte": manifest["bits_per_byte"]})  # fmt: skip
-        log.info("teacher %d cache %s: %d tokens, %s bits per byte", index, caches[index],
-                 manifest["tokens"], json.dumps(manifest["bits_per_byte"]))  # fmt: skip
+        merged.append(
+            {
+                "index": index,
+                "cache": caches[index],
+                "manifest_sha256": digest,
+                "tokens": manifest["tokens"],
+                "bits_per_byte": manifest["bits_per_byte"],
+            }
+        )
+        log.info(
+            "teacher %d cache %s: %d tokens, %s bits per byte",
+            index,
+            caches[index],
+            manifest["tokens"],
+            json.dumps(manifest["bits_per_byte"]),
+        )
     return merged

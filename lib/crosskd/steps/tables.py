@@ -22,8 +22,9 @@ TABLE_FORMAT = 1
 def plan_tables(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """One self-contained item per teacher for :func:`build_tables` and
     :func:`validate_tables`: ``{"root", "student", "teacher"}``."""
-    return [{"root": plan["root"], "student": plan["student"], "teacher": t}
-            for t in plan["teachers"]]  # fmt: skip
+    return [
+        {"root": plan["root"], "student": plan["student"], "teacher": t} for t in plan["teachers"]
+    ]
 
 
 def build_tables(item: dict[str, Any], *, progress: bool = True) -> dict[str, Any]:
@@ -38,13 +39,20 @@ def build_tables(item: dict[str, Any], *, progress: bool = True) -> dict[str, An
     index = int(teacher["index"])
     if teacher["same_tokenizer"]:
         log.info("teacher %d has the student's tokenizer: no tables", index)
-        return {"index": index, "same_tokenizer": True, "s2t": None, "t2s": None,
-                "sha256": {}, "uri": None}  # fmt: skip
+        return {
+            "index": index,
+            "same_tokenizer": True,
+            "s2t": None,
+            "t2s": None,
+            "sha256": {},
+            "uri": None,
+        }
     s = load_tokenizer(model_tokenizer(student))
     t_folder = model_tokenizer(teacher["ref"])
     t = load_tokenizer(t_folder)  # vocab_size: the model's, from its config.json
-    uri = content_uri(root, "tables", {"student": s.fingerprint, "teacher": t.fingerprint,
-                                       "format": TABLE_FORMAT})  # fmt: skip
+    uri = content_uri(
+        root, "tables", {"student": s.fingerprint, "teacher": t.fingerprint, "format": TABLE_FORMAT}
+    )
     paths = {"s2t": f"{uri}/s2t.safetensors", "t2s": f"{uri}/t2s.safetensors"}
     fs, _ = fsspec.core.url_to_fs(uri)
     if all(fs.exists(fsspec.core.url_to_fs(p)[1]) for p in paths.values()):
@@ -55,8 +63,10 @@ def build_tables(item: dict[str, Any], *, progress: bool = True) -> dict[str, An
         save_table(build_table(s, t, progress=progress), paths["s2t"])
         save_table(build_table(t, s, progress=progress), paths["t2s"])
         log.info("built the tables of teacher %d into %s", index, uri)
-    digests = {k: hashlib.sha256(fs.cat_file(fsspec.core.url_to_fs(p)[1])).hexdigest()
-               for k, p in paths.items()}  # fmt: skip
+    digests = {
+        k: hashlib.sha256(fs.cat_file(fsspec.core.url_to_fs(p)[1])).hexdigest()
+        for k, p in paths.items()
+    }
     return {"index": index, "same_tokenizer": False, **paths, "sha256": digests, "uri": uri}
 
 
@@ -80,9 +90,11 @@ def validate_tables(item: dict[str, Any], tables: dict[str, Any]) -> dict:
     bad = [r for r in reports if not r.ok]
     if bad:
         first = "; ".join(f"{r.direction}: {', '.join(map(str, r.violations[:3]))}" for r in bad)
-        raise TableError(f"the tables of teacher {index} ({teacher['ref']}) at {tables['uri']} "
-                         f"do not validate: {first}; rebuild them with this crosskd (delete "
-                         f"the folder).")  # fmt: skip
+        raise TableError(
+            f"the tables of teacher {index} ({teacher['ref']}) at {tables['uri']} "
+            f"do not validate: {first}; rebuild them with this crosskd (delete "
+            f"the folder)."
+        )
     common = len(TablePair(s2t, t2s).common)
     log.info("tables of teacher %d validate: %d common tokens", index, common)
     return {"index": index, "ok": True, "common_tokens": common, "violations": 0}

@@ -21,9 +21,14 @@ log = logging.getLogger(__name__)
 TRAIN_FILE = "train.yaml"
 
 
-def plan_training(config: RunConfig, plan: dict[str, Any], prepared: dict[str, Any],
-                  tables: list[dict[str, Any]], caches: list[dict[str, Any]],
-                  run_dir: str) -> list[dict[str, Any]]:  # fmt: skip
+def plan_training(
+    config: RunConfig,
+    plan: dict[str, Any],
+    prepared: dict[str, Any],
+    tables: list[dict[str, Any]],
+    caches: list[dict[str, Any]],
+    run_dir: str,
+) -> list[dict[str, Any]]:
     """One item per training run (:func:`crosskd.steps.inputs.variants`): ``{"variant",
     "train": crosskd train keys}`` with the output ``<run_dir>/<variant>``; ``tables`` and
     ``caches`` (any order) are matched to teachers by their ``index``."""
@@ -38,18 +43,28 @@ def plan_training(config: RunConfig, plan: dict[str, Any], prepared: dict[str, A
     items = []
     for variant in variants(config):
         values = train_values(
-            config, student=plan["student"], data=prepared["train"],
-            output=f"{run_dir.rstrip('/')}/{variant}", caches=[cache_of[i] for i in range(n)],
+            config,
+            student=plan["student"],
+            data=prepared["train"],
+            output=f"{run_dir.rstrip('/')}/{variant}",
+            caches=[cache_of[i] for i in range(n)],
             tables=[None if by_index[i]["same_tokenizer"] else by_index[i] for i in range(n)],
             kd=variant == "kd",
-        )  # fmt: skip
+        )
         items.append({"variant": variant, "train": values})
     return items
 
 
-def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, Any] | None = None,
-          run_id: str | None = None, workdir: str | None = None, wait_timeout: float | None = None,
-          progress: bool = True) -> dict[str, Any]:  # fmt: skip
+def train(
+    item: dict[str, Any],
+    *,
+    executor: str = "inprocess",
+    job: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    workdir: str | None = None,
+    wait_timeout: float | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Run the training item of :func:`plan_training` with ``executor``
     (:data:`crosskd.steps.config.EXECUTORS`); ``job`` (JobConfig keys) and ``run_id`` (the job's
     name derives from it, so a retried launcher reattaches) for ``local`` and ``cluster``;
@@ -74,11 +89,17 @@ def train(item: dict[str, Any], *, executor: str = "inprocess", job: dict[str, A
     elif executor == "inprocess":
         _train_here(config, progress)
     else:
-        _train_as_job(config_uri, executor, job or {}, run_id, workdir, wait_timeout,
-                      values.get("parallel"))  # fmt: skip
+        _train_as_job(
+            config_uri, executor, job or {}, run_id, workdir, wait_timeout, values.get("parallel")
+        )
     history = run_history(output)
-    return {"variant": item["variant"], "output": output, "model": f"{output}/final",
-            "steps": config.steps, "last": history[-1] if history else {}}
+    return {
+        "variant": item["variant"],
+        "output": output,
+        "model": f"{output}/final",
+        "steps": config.steps,
+        "last": history[-1] if history else {},
+    }
 
 
 def job_run_id(task_name: str, variant: str, pipeline_job_id: str) -> str:
@@ -104,8 +125,9 @@ def run_history(output: str) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def job_documents(config_uri: str, job: dict[str, Any], run_id: str,
-                  parallel: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def job_documents(
+    config_uri: str, job: dict[str, Any], run_id: str, parallel: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """The PyTorchJob of one training run: the JobConfig keys ``job`` with ``run_id`` and the
     train config read from ``config_uri`` (whose ``parallel`` layout must fit the job's
     workers). A job that asks for GPUs (``gpus_per_node``) but whose rendered pods request none
@@ -117,12 +139,17 @@ def job_documents(config_uri: str, job: dict[str, Any], run_id: str,
     manifest = job_manifest(config)
     if config.gpus_per_node:
         specs = manifest["spec"]["pytorchReplicaSpecs"].values()
-        limits = [c.get("resources", {}).get("limits", {}).get(config.gpu_resource)
-                  for s in specs for c in s["template"]["spec"]["containers"]]  # fmt: skip
+        limits = [
+            c.get("resources", {}).get("limits", {}).get(config.gpu_resource)
+            for s in specs
+            for c in s["template"]["spec"]["containers"]
+        ]
         if any(limit != str(config.gpus_per_node) for limit in limits):
-            raise ConfigError(f"gpus_per_node is {config.gpus_per_node} but the rendered job "
-                              f"requests {limits} {config.gpu_resource}; fix the job "
-                              f"config.")  # fmt: skip
+            raise ConfigError(
+                f"gpus_per_node is {config.gpus_per_node} but the rendered job "
+                f"requests {limits} {config.gpu_resource}; fix the job "
+                f"config."
+            )
     return [manifest]
 
 
@@ -138,9 +165,15 @@ def _train_here(config: Any, progress: bool) -> None:
         trainer.close()
 
 
-def _train_as_job(config_uri: str, executor: str, job: dict[str, Any], run_id: str | None,
-                  workdir: str | None, wait_timeout: float | None,
-                  parallel: dict[str, Any] | None) -> None:  # fmt: skip
+def _train_as_job(
+    config_uri: str,
+    executor: str,
+    job: dict[str, Any],
+    run_id: str | None,
+    workdir: str | None,
+    wait_timeout: float | None,
+    parallel: dict[str, Any] | None,
+) -> None:
     if not run_id:
         raise ConfigError("a training job needs a run id (its name derives from it).")
     if executor == "local":  # several local jobs may run at once: any free metrics port
@@ -158,7 +191,7 @@ def _train_as_job(config_uri: str, executor: str, job: dict[str, Any], run_id: s
         from crosskd.k8s.launcher import submit
 
         namespace = job.get("namespace") or current_namespace()
-        result = submit(documents[0], namespace=namespace,
-                        wait_timeout=wait_timeout or math.inf)  # fmt: skip
-    log.info("PyTorchJob %s/%s succeeded in %.0f s", result.namespace, result.name,
-             result.elapsed_s)  # fmt: skip
+        result = submit(documents[0], namespace=namespace, wait_timeout=wait_timeout or math.inf)
+    log.info(
+        "PyTorchJob %s/%s succeeded in %.0f s", result.namespace, result.name, result.elapsed_s
+    )

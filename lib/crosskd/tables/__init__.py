@@ -9,7 +9,17 @@ from crosskd.tables.lookups import TablePair, chain_indices, common_tokens, load
 from crosskd.tables.validate import ValidationReport, validate_pair, validate_table
 
 __all__ = [
-    "Flag", "SubTokenTable", "TableMeta", "TablePair", "ValidationReport", "build_table",
-    "chain_indices", "common_tokens", "load_table", "load_table_pair", "save_table",
-    "validate_pair", "validate_table",
-]  # fmt: skip
+    "Flag",
+    "SubTokenTable",
+    "TableMeta",
+    "TablePair",
+    "ValidationReport",
+    "build_table",
+    "chain_indices",
+    "common_tokens",
+    "load_table",
+    "load_table_pair",
+    "save_table",
+    "validate_pair",
+    "validate_table",
+]

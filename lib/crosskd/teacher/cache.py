@@ -63,8 +63,14 @@ class TeacherCache:
         return float(self.manifest["tau"])
 
     def _file(self, index: int) -> ArtifactFile:
-        return ArtifactFile(self.uri, self.manifest["shards"][index]["path"], "teacher cache",
-                            CacheError, REBUILD, self.node_cache)  # fmt: skip
+        return ArtifactFile(
+            self.uri,
+            self.manifest["shards"][index]["path"],
+            "teacher cache",
+            CacheError,
+            REBUILD,
+            self.node_cache,
+        )
 
     def shard(self, index: int) -> list[tuple[str, SampleSignal]]:
         """The samples of shard ``index`` in order, after checking its sha256 (read whole)."""
@@ -103,15 +109,23 @@ class TeacherCache:
             )
         return opened.signal(row)
 
-    def batch(self, where: list[tuple[int, int]], sample_ids: list[list[str]],
-              width: int) -> TeacherSignal:  # fmt: skip
+    def batch(
+        self, where: list[tuple[int, int]], sample_ids: list[list[str]], width: int
+    ) -> TeacherSignal:
         """The signal of a collated batch: per packed row its prepared shard and the row of its
         first sample there (its samples follow one another), ``sample_ids`` per packed row
         (``Batch.sample_ids``), ``width`` the teacher's padded row length."""
-        rows = [[self.signal_at(shard, first + i, s) for i, s in enumerate(ids)]
-                for (shard, first), ids in zip(where, sample_ids, strict=True)]  # fmt: skip
-        return batch_signal(rows, width, k=self.k, tau=self.tau,
-                            vocab_size=int(self.manifest["teacher"]["vocab_size"]))  # fmt: skip
+        rows = [
+            [self.signal_at(shard, first + i, s) for i, s in enumerate(ids)]
+            for (shard, first), ids in zip(where, sample_ids, strict=True)
+        ]
+        return batch_signal(
+            rows,
+            width,
+            k=self.k,
+            tau=self.tau,
+            vocab_size=int(self.manifest["teacher"]["vocab_size"]),
+        )
 
 
 def open_cache(
@@ -126,9 +140,13 @@ def open_cache(
     """Open the cache at ``uri``, refusing one that does not match the given values (None: not
     checked)."""
     manifest = read_manifest(
-        uri, what="teacher cache", kind=KIND, versions=FORMAT_VERSIONS, error=CacheError,
+        uri,
+        what="teacher cache",
+        kind=KIND,
+        versions=FORMAT_VERSIONS,
+        error=CacheError,
         rebuild="`crosskd score` (it resumes)",
-    )  # fmt: skip
+    )
     recorded = {
         "teacher fingerprint": manifest["teacher"]["fingerprint"],
         "tokenizer fingerprint": manifest["tokenizer"]["fingerprint"],
@@ -137,9 +155,12 @@ def open_cache(
         "tau": manifest["tau"],
     }
     wanted = {
-        "teacher fingerprint": teacher_fingerprint, "tokenizer fingerprint": tokenizer_fingerprint,
-        "data fingerprint": data_fingerprint, "k": k, "tau": None if tau is None else float(tau),
-    }  # fmt: skip
+        "teacher fingerprint": teacher_fingerprint,
+        "tokenizer fingerprint": tokenizer_fingerprint,
+        "data fingerprint": data_fingerprint,
+        "k": k,
+        "tau": None if tau is None else float(tau),
+    }
     for name, want in wanted.items():
         if want is not None and recorded[name] != want:
             raise SignalError(

@@ -93,9 +93,12 @@ def load_teacher(
     device = torch.device(device) if device is not None else default_device()
     dtype = teacher_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, use_safetensors=True, local_files_only=True,
+        str(folder),
+        dtype=dtype,
+        use_safetensors=True,
+        local_files_only=True,
         trust_remote_code=trust_remote_code,
-    )  # fmt: skip
+    )
     model.to(device).eval()
     vocab = int(model.get_output_embeddings().weight.shape[0])
     return LoadedTeacher(ref, folder, model, fingerprint(folder), vocab, device, dtype)
@@ -157,11 +160,14 @@ def _fetch(uri: str, cache_dir: Path, role: str) -> Path:
         raise TeacherError(f"{role} {uri!r} is not a folder; check the URI and credentials.")
     wanted = TOKENIZER_FILES | {"generation_config.json"}
     entries = [
-        e for e in fs.ls(path, detail=True)
+        e
+        for e in fs.ls(path, detail=True)
         if e.get("type") == "file"
-        and (Path(e["name"]).name in wanted
-             or e["name"].endswith((".safetensors", ".safetensors.index.json")))
-    ]  # fmt: skip
+        and (
+            Path(e["name"]).name in wanted
+            or e["name"].endswith((".safetensors", ".safetensors.index.json"))
+        )
+    ]
     if "config.json" not in {Path(e["name"]).name for e in entries}:
         raise TeacherError(f"{role} folder {uri!r} has no config.json.")
     names = [Path(e["name"]).name for e in entries]

@@ -115,8 +115,12 @@ class ScoreConfig:
 
     def fingerprint(self) -> str:
         """sha256 of what decides the stored values (k, tau, encoding, teacher index)."""
-        keys = {"k": self.k, "tau": float(self.tau), "encoding": self.encoding,
-                "teacher_index": self.teacher_index}  # fmt: skip
+        keys = {
+            "k": self.k,
+            "tau": float(self.tau),
+            "encoding": self.encoding,
+            "teacher_index": self.teacher_index,
+        }
         return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()
 
 
@@ -194,8 +198,13 @@ def budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def score_shards(
-    config: ScoreConfig, start: int = 0, stop: int | None = None, *, progress: bool = True,
-    metrics: ScoringMetrics | None = None, teacher: LoadedTeacher | None = None,
+    config: ScoreConfig,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    progress: bool = True,
+    metrics: ScoringMetrics | None = None,
+    teacher: LoadedTeacher | None = None,
 ) -> dict:
     """Score the prepared shards ``start .. stop - 1`` (``stop`` None: to the last) into the
     cache at ``config.output`` and record them in ``parts/START-STOP.json`` (written last);
@@ -224,23 +233,38 @@ def score_shards(
             f"teachers {', '.join(n for n in models if n != 'student')}."
         )
     if teacher is None:
-        teacher = load_teacher(config.teacher, device=config.device, dtype=config.dtype,
-                               trust_remote_code=config.trust_remote_code)  # fmt: skip
+        teacher = load_teacher(
+            config.teacher,
+            device=config.device,
+            dtype=config.dtype,
+            trust_remote_code=config.trust_remote_code,
+        )
     tokenizer = _check_tokenizer(teacher, models[name], config)
-    begin_cache(config, prepared.manifest["data_fingerprint"], teacher.fingerprint,
-                teacher.device, teacher.dtype)  # fmt: skip
+    begin_cache(
+        config,
+        prepared.manifest["data_fingerprint"],
+        teacher.fingerprint,
+        teacher.device,
+        teacher.dtype,
+    )
     part_path = f"{root}/{PARTS}/{start:05d}-{stop:05d}.json"
     metrics.shards.set(stop - start)
     if fs.exists(part_path):
         metrics.shards_done.set(stop - start)
-        log.info("shards %d..%d of %s are scored already (%s)", start, stop - 1, config.output,
-                 part_path)  # fmt: skip
+        log.info(
+            "shards %d..%d of %s are scored already (%s)", start, stop - 1, config.output, part_path
+        )
         return json.loads(fs.cat_file(part_path))
     bytes_of = tokenizer.bytes.lengths
     shards, n_samples = [], 0
     whole = (start, stop) == (0, total)
-    bar = tqdm(total=models[name]["tokens"] if whole else None, desc=f"score {name}", unit="tok",
-               unit_scale=True, disable=not progress)  # fmt: skip
+    bar = tqdm(
+        total=models[name]["tokens"] if whole else None,
+        desc=f"score {name}",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+    )
     for i in range(start, stop):
         shard = prepared.manifest["shards"][i]
         path = f"{root}/{shard['path']}"
@@ -263,41 +287,64 @@ def score_shards(
             metrics.bytes.inc(len(payload))
             metrics.shard_seconds.observe(time.perf_counter() - started)
         n_samples += len(sample_ids)
-        shards.append({
-            "path": shard["path"], "samples": len(samples), "tokens": sum(len(x) for x in ids),
-            "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
-            "nll_bits": -sum(float(sig.realized_t1.astype(np.float64).sum())
-                             for sig in signals) / math.log(2),
-            "predicted_bytes": sum(int(bytes_of[seq[1:]].sum()) for seq in ids),
-            **footer_record(payload),
-        })  # fmt: skip
+        shards.append(
+            {
+                "path": shard["path"],
+                "samples": len(samples),
+                "tokens": sum(len(x) for x in ids),
+                "sha256": hashlib.sha256(payload).hexdigest(),
+                "bytes": len(payload),
+                "nll_bits": -sum(float(sig.realized_t1.astype(np.float64).sum()) for sig in signals)
+                / math.log(2),
+                "predicted_bytes": sum(int(bytes_of[seq[1:]].sum()) for seq in ids),
+                **footer_record(payload),
+            }
+        )
         bar.update(shards[-1]["tokens"])
         metrics.shards_done.inc()
     bar.close()
     part = {
-        "start": start, "stop": stop, "total": total,
-        "teacher": {"name": config.teacher, "fingerprint": teacher.fingerprint,
-                    "vocab_size": teacher.vocab_size},
+        "start": start,
+        "stop": stop,
+        "total": total,
+        "teacher": {
+            "name": config.teacher,
+            "fingerprint": teacher.fingerprint,
+            "vocab_size": teacher.vocab_size,
+        },
         "tokenizer": {"name": models[name]["tokenizer"], "fingerprint": tokenizer.fingerprint},
-        "data": {"uri": config.data, "fingerprint": prepared.manifest["data_fingerprint"],
-                 "teacher": name},
+        "data": {
+            "uri": config.data,
+            "fingerprint": prepared.manifest["data_fingerprint"],
+            "teacher": name,
+        },
         "config": asdict(config) | {"fingerprint": config.fingerprint()},
-        "shards": shards, "samples": n_samples,
-    }  # fmt: skip
+        "shards": shards,
+        "samples": n_samples,
+    }
     fs.makedirs(f"{root}/{PARTS}", exist_ok=True)
     fs.pipe_file(part_path, json.dumps(part).encode("utf-8"))
-    log.info("scored shards %d..%d (%d samples) into %s", start, stop - 1, n_samples,
-             config.output)  # fmt: skip
+    log.info("scored shards %d..%d (%d samples) into %s", start, stop - 1, n_samples, config.output)
     return part
 
 
-def begin_cache(config: ScoreConfig, data_fingerprint: str, teacher_fingerprint: str,
-                device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+def begin_cache(
+    config: ScoreConfig,
+    data_fingerprint: str,
+    teacher_fingerprint: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
     """Write the cache's ``run.json`` (or check it against a resumed run's): everything that
     changes the stored numbers, so a rerun must match to resume."""
-    run = {"config_fingerprint": config.fingerprint(), "data_fingerprint": data_fingerprint,
-           "teacher_fingerprint": teacher_fingerprint, "device_type": device.type,
-           "dtype": str(dtype), "token_budget": config.token_budget}  # fmt: skip
+    run = {
+        "config_fingerprint": config.fingerprint(),
+        "data_fingerprint": data_fingerprint,
+        "teacher_fingerprint": teacher_fingerprint,
+        "device_type": device.type,
+        "dtype": str(dtype),
+        "token_budget": config.token_budget,
+    }
     fs, root = fsspec.core.url_to_fs(config.output)
     start_run(fs, f"{root}/{RUN}", config.output, run, what="a cache", activity="scoring")
 
@@ -312,8 +359,10 @@ def merge_cache(output: str) -> dict:
         return json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
     paths = sorted(fs.glob(f"{root}/{PARTS}/*.json"))
     if not paths:
-        raise CrosskdError(f"teacher cache {output}: no scored shard ranges under {PARTS}/; run "
-                           f"`crosskd score` (or the score step) first.")  # fmt: skip
+        raise CrosskdError(
+            f"teacher cache {output}: no scored shard ranges under {PARTS}/; run "
+            f"`crosskd score` (or the score step) first."
+        )
     parts = sorted((json.loads(fs.cat_file(p)) for p in paths), key=lambda p: p["start"])
     total = parts[0]["total"]
     by_index: dict[int, dict] = {}
@@ -325,9 +374,11 @@ def merge_cache(output: str) -> dict:
                     f"delete the cache and score it again."
                 )
         if part["total"] != total:
-            raise CrosskdError(f"teacher cache {output}: shard ranges were scored from data of "
-                               f"{part['total']} and {total} shards; delete the cache and score "
-                               f"it again.")  # fmt: skip
+            raise CrosskdError(
+                f"teacher cache {output}: shard ranges were scored from data of "
+                f"{part['total']} and {total} shards; delete the cache and score "
+                f"it again."
+            )
         for index, entry in enumerate(part["shards"], start=part["start"]):
             seen = by_index.setdefault(index, entry)
             if seen["sha256"] != entry["sha256"]:
@@ -337,8 +388,10 @@ def merge_cache(output: str) -> dict:
                 )
     missing = [i for i in range(total) if i not in by_index]
     if missing:
-        raise CrosskdError(f"teacher cache {output}: shards {_ranges(missing)} are not scored "
-                           f"yet; score them, then merge.")  # fmt: skip
+        raise CrosskdError(
+            f"teacher cache {output}: shards {_ranges(missing)} are not scored "
+            f"yet; score them, then merge."
+        )
     shards = [by_index[i] for i in range(total)]
     first = parts[0]
     tokens = sum(s["tokens"] for s in shards)
@@ -346,22 +399,32 @@ def merge_cache(output: str) -> dict:
     predicted_bytes = sum(s["predicted_bytes"] for s in shards)
     config = first["config"]
     manifest = {
-        "kind": KIND, "format_version": FORMAT_VERSION, "created_by": f"crosskd {__version__}",
-        "teacher": first["teacher"], "tokenizer": first["tokenizer"], "data": first["data"],
-        "config": config, "k": config["k"], "tau": float(config["tau"]),
+        "kind": KIND,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"crosskd {__version__}",
+        "teacher": first["teacher"],
+        "tokenizer": first["tokenizer"],
+        "data": first["data"],
+        "config": config,
+        "k": config["k"],
+        "tau": float(config["tau"]),
         "encoding": config["encoding"],
-        "value_dtype": "float32" if config["encoding"] == "lossless"
-        else "uint8 steps of 1/16 nat",
+        "value_dtype": "float32" if config["encoding"] == "lossless" else "uint8 steps of 1/16 nat",
         "bits_per_byte": nll_bits / predicted_bytes if predicted_bytes else None,
         "tokens": tokens,
         "bytes_per_token": sum(s["bytes"] for s in shards) / max(tokens, 1),
-        "shards": [{k: v for k, v in s.items() if k not in ("nll_bits", "predicted_bytes")}
-                   for s in shards],
+        "shards": [
+            {k: v for k, v in s.items() if k not in ("nll_bits", "predicted_bytes")} for s in shards
+        ],
         "samples": sum(s["samples"] for s in shards),
-    }  # fmt: skip
+    }
     fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=1).encode("utf-8"))
-    log.info("merged %d shard range(s) into %s (%.1f bytes/token)", len(parts), output,
-             manifest["bytes_per_token"])  # fmt: skip
+    log.info(
+        "merged %d shard range(s) into %s (%.1f bytes/token)",
+        len(parts),
+        output,
+        manifest["bytes_per_token"],
+    )
     return manifest
 
 

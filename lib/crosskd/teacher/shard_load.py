@@ -72,11 +72,13 @@ def empty_model(folder: Path, dtype: torch.dtype, *, trust_remote_code: bool) ->
     compute them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(folder), local_files_only=True,
-                                        trust_remote_code=trust_remote_code)  # fmt: skip
+    config = AutoConfig.from_pretrained(
+        str(folder), local_files_only=True, trust_remote_code=trust_remote_code
+    )
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)  # fmt: skip
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     return model.eval()
 
 
@@ -122,8 +124,10 @@ def _checkpoint_names(model: nn.Module, files: dict[str, Path]) -> dict[str, str
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    return {name: next((n for n in names[id(param)] if n in files), None)
-            for name, param in model.named_parameters()}  # fmt: skip
+    return {
+        name: next((n for n in names[id(param)] if n in files), None)
+        for name, param in model.named_parameters()
+    }
 
 
 def missing_names(model: nn.Module, folder: Path) -> list[str]:
@@ -148,10 +152,20 @@ def _plan(student: ParallelStudent, files: dict[str, Path], folder: Path) -> lis
     parts = []
     for name, param in model.named_parameters():
         offset = student.placement(name, param).offset
-        parts.append(_Part(files[keys[name]], keys[name], local_part(param),
-                           offset[0] if offset else 0, tuple(param.shape)))  # fmt: skip
-    parts += [_Part(files[name], name, buffer, 0, tuple(buffer.shape))
-              for name, buffer in _persistent_buffers(model) if name in files]  # fmt: skip
+        parts.append(
+            _Part(
+                files[keys[name]],
+                keys[name],
+                local_part(param),
+                offset[0] if offset else 0,
+                tuple(param.shape),
+            )
+        )
+    parts += [
+        _Part(files[name], name, buffer, 0, tuple(buffer.shape))
+        for name, buffer in _persistent_buffers(model)
+        if name in files
+    ]
     return sorted(parts, key=lambda part: (str(part.file), part.key))
 
 
@@ -172,8 +186,13 @@ def load_shards(student: ParallelStudent, folder: Path, *, progress: bool = Fals
         buffer.copy_(buffers[name])
     plan = _plan(student, files, folder)
     by_file = [(path, list(parts)) for path, parts in groupby(plan, key=lambda p: p.file)]
-    log.info("rank %d: loading its rows of %d tensors from %d file(s) of %s", rank, len(plan),
-             len(by_file), folder)  # fmt: skip
+    log.info(
+        "rank %d: loading its rows of %d tensors from %d file(s) of %s",
+        rank,
+        len(plan),
+        len(by_file),
+        folder,
+    )
     done = read = 0
     bar = tqdm(total=len(plan), desc="load teacher shards", unit="tensor", disable=not progress)
     for number, (path, parts) in enumerate(by_file, start=1):
@@ -191,9 +210,22 @@ def load_shards(student: ParallelStudent, folder: Path, *, progress: bool = Fals
                 read += rows.numel() * rows.element_size()
                 done += 1
                 bar.update()
-        log.info("rank %d: file %d/%d (%s) read, %d/%d tensors, %.1f MiB, %.1f s", rank, number,
-                 len(by_file), path.name, done, len(plan), read / 2**20,
-                 time.perf_counter() - started)  # fmt: skip
+        log.info(
+            "rank %d: file %d/%d (%s) read, %d/%d tensors, %.1f MiB, %.1f s",
+            rank,
+            number,
+            len(by_file),
+            path.name,
+            done,
+            len(plan),
+            read / 2**20,
+            time.perf_counter() - started,
+        )
     bar.close()
-    log.info("rank %d: loaded its rows of %d tensors (%.1f MiB read) in %.1f s", rank, done,
-             read / 2**20, time.perf_counter() - started)  # fmt: skip
+    log.info(
+        "rank %d: loaded its rows of %d tensors (%.1f MiB read) in %.1f s",
+        rank,
+        done,
+        read / 2**20,
+        time.perf_counter() - started,
+    )

@@ -56,7 +56,11 @@ log = logging.getLogger(__name__)
 
 
 def load_sharded_teacher(
-    config: Any, device: torch.device, folder: Path, teacher_fingerprint: str, *,
+    config: Any,
+    device: torch.device,
+    folder: Path,
+    teacher_fingerprint: str,
+    *,
     progress: bool = False,
 ) -> LoadedTeacher:
     """The teacher of ``config`` (a :class:`~crosskd.teacher.scoring.ScoreConfig`), from its
@@ -74,16 +78,28 @@ def load_sharded_teacher(
     model = empty_model(folder, dtype, trust_remote_code=config.trust_remote_code)
     missing = missing_names(model, folder)
     if missing:
-        log.warning("teacher %s: its checkpoint names %d of the model's parameters otherwise "
-                    "(%s, ...), as transformers converts them while loading; the processes "
-                    "load it whole with from_pretrained, one at a time", folder, len(missing),
-                    missing[0])  # fmt: skip
+        log.warning(
+            "teacher %s: its checkpoint names %d of the model's parameters otherwise "
+            "(%s, ...), as transformers converts them while loading; the processes "
+            "load it whole with from_pretrained, one at a time",
+            folder,
+            len(missing),
+            missing[0],
+        )
         model = _whole_in_turns(config, folder, dtype, mesh)
     else:
         load_shards(parallelize(model, mesh), folder, progress=progress)
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    return LoadedTeacher(config.teacher, folder, model, teacher_fingerprint, vocab, device,
-                         dtype, Lockstep(model, device))  # fmt: skip
+    return LoadedTeacher(
+        config.teacher,
+        folder,
+        model,
+        teacher_fingerprint,
+        vocab,
+        device,
+        dtype,
+        Lockstep(model, device),
+    )
 
 
 def _whole_in_turns(config: Any, folder: Path, dtype: torch.dtype, mesh) -> torch.nn.Module:
@@ -102,9 +118,13 @@ def _whole_in_turns(config: Any, folder: Path, dtype: torch.dtype, mesh) -> torc
         if turn == rank:
             started = time.perf_counter()
             model, info = AutoModelForCausalLM.from_pretrained(
-                str(folder), dtype=dtype, use_safetensors=True, local_files_only=True,
-                trust_remote_code=config.trust_remote_code, output_loading_info=True,
-            )  # fmt: skip
+                str(folder),
+                dtype=dtype,
+                use_safetensors=True,
+                local_files_only=True,
+                trust_remote_code=config.trust_remote_code,
+                output_loading_info=True,
+            )
             if info["missing_keys"]:
                 failure = TeacherError(
                     f"teacher {folder}: its checkpoint holds no tensor for "
@@ -115,8 +135,11 @@ def _whole_in_turns(config: Any, folder: Path, dtype: torch.dtype, mesh) -> torc
             else:
                 parallelize(model, mesh)
                 model.eval()
-                log.info("rank %d: loaded the whole teacher and kept its shard in %.1f s", rank,
-                         time.perf_counter() - started)  # fmt: skip
+                log.info(
+                    "rank %d: loaded the whole teacher and kept its shard in %.1f s",
+                    rank,
+                    time.perf_counter() - started,
+                )
         dist.barrier()
     if failure is not None:
         raise failure
@@ -134,20 +157,33 @@ def _worker(
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(seconds=config.collective_timeout_s))  # fmt: skip
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=config.collective_timeout_s),
+    )
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        teacher = load_sharded_teacher(config, device, folder, teacher_fingerprint,
-                                       progress=progress and rank == 0)  # fmt: skip
+        teacher = load_sharded_teacher(
+            config, device, folder, teacher_fingerprint, progress=progress and rank == 0
+        )
         bounds = [start + round(i * (stop - start) / world) for i in range(world + 1)]
         part = None
         if bounds[rank] < bounds[rank + 1]:
-            part = score_shards(config, bounds[rank], bounds[rank + 1],
-                                progress=progress and rank == 0, teacher=teacher)  # fmt: skip
+            part = score_shards(
+                config,
+                bounds[rank],
+                bounds[rank + 1],
+                progress=progress and rank == 0,
+                teacher=teacher,
+            )
         joined = teacher.lockstep.finish()
-        log.info("rank %d scored shards %d..%d and joined %d forward passes of the others",
-                 rank, bounds[rank], bounds[rank + 1] - 1, joined)  # fmt: skip
+        log.info(
+            "rank %d scored shards %d..%d and joined %d forward passes of the others",
+            rank,
+            bounds[rank],
+            bounds[rank + 1] - 1,
+            joined,
+        )
         return part
     finally:
         dist.destroy_process_group()
@@ -195,12 +231,27 @@ def score_on_processes(
     # The weights hashed once, here, and run.json written first: the workers only read it.
     folder = model_folder(config.teacher, role="teacher")
     teacher_fingerprint = fingerprint(folder)
-    begin_cache(config, prepared.manifest["data_fingerprint"], teacher_fingerprint, device,
-                teacher_dtype(config.dtype, device))  # fmt: skip
-    launch = LaunchConfig(nproc_per_node=config.processes, max_restarts=0, start_method="spawn",
-                          monitor_interval=0.5, **rendezvous({}))  # fmt: skip
-    results = elastic_launch(launch, _worker)(config, start, stop, progress, folder,
-                                              teacher_fingerprint)  # fmt: skip
+    begin_cache(
+        config,
+        prepared.manifest["data_fingerprint"],
+        teacher_fingerprint,
+        device,
+        teacher_dtype(config.dtype, device),
+    )
+    launch = LaunchConfig(
+        nproc_per_node=config.processes,
+        max_restarts=0,
+        start_method="spawn",
+        monitor_interval=0.5,
+        **rendezvous({}),
+    )
+    results = elastic_launch(launch, _worker)(
+        config, start, stop, progress, folder, teacher_fingerprint
+    )
     parts = [results[rank] for rank in sorted(results) if results[rank] is not None]
-    return {"start": start, "stop": stop, "samples": sum(p["samples"] for p in parts),
-            "parts": parts}  # fmt: skip
+    return {
+        "start": start,
+        "stop": stop,
+        "samples": sum(p["samples"] for p in parts),
+        "parts": parts,
+    }

@@ -64,10 +64,14 @@ def signal_samples(signal: TeacherSignal, lengths: list[int]) -> list[SampleSign
     realized = signal.realized.float().cpu().numpy()
     realized_t1 = signal.realized_t1.float().cpu().numpy()
     return [
-        SampleSignal(ids[b, :n].copy(), values[b, :n].copy(), realized[b, : n - 1].copy(),
-                     realized_t1[b, : n - 1].copy())
+        SampleSignal(
+            ids[b, :n].copy(),
+            values[b, :n].copy(),
+            realized[b, : n - 1].copy(),
+            realized_t1[b, : n - 1].copy(),
+        )
         for b, n in enumerate(lengths)
-    ]  # fmt: skip
+    ]
 
 
 def encode(sample_ids: list[str], samples: list[SampleSignal], encoding: str) -> bytes:
@@ -84,17 +88,26 @@ def encode(sample_ids: list[str], samples: list[SampleSignal], encoding: str) ->
         values = [_planes(s.log_probs.astype("<f4")) for s in samples]
     else:
         values = [_quantise(s.log_probs) for s in samples]
-    table = pa.table({
-        "sample_id": pa.array(sample_ids, pa.string()),
-        "length": pa.array([s.length for s in samples], pa.int32()),
-        "ids": pa.array(ids, pa.binary()),
-        "values": pa.array(values, pa.binary()),
-        "realized": pa.array([_planes(s.realized.astype("<f4")) for s in samples], pa.binary()),
-        "realized_t1": pa.array([_planes(s.realized_t1.astype("<f4")) for s in samples],
-                                pa.binary()),
-    })  # fmt: skip
-    return write_parquet(table, compression="zstd", compression_level=9, use_dictionary=False,
-                         row_group_size=ROW_GROUP_SAMPLES, write_statistics=False)  # fmt: skip
+    table = pa.table(
+        {
+            "sample_id": pa.array(sample_ids, pa.string()),
+            "length": pa.array([s.length for s in samples], pa.int32()),
+            "ids": pa.array(ids, pa.binary()),
+            "values": pa.array(values, pa.binary()),
+            "realized": pa.array([_planes(s.realized.astype("<f4")) for s in samples], pa.binary()),
+            "realized_t1": pa.array(
+                [_planes(s.realized_t1.astype("<f4")) for s in samples], pa.binary()
+            ),
+        }
+    )
+    return write_parquet(
+        table,
+        compression="zstd",
+        compression_level=9,
+        use_dictionary=False,
+        row_group_size=ROW_GROUP_SAMPLES,
+        write_statistics=False,
+    )
 
 
 def decode(payload: bytes, encoding: str, k: int) -> list[tuple[str, SampleSignal]]:
@@ -128,8 +141,9 @@ class CacheShard:
             values = _unplanes(raw["values"], "<f4").reshape(n, k)
         else:
             values = _dequantise(raw["values"], n, k)
-        return SampleSignal(ids, values, _unplanes(raw["realized"], "<f4"),
-                            _unplanes(raw["realized_t1"], "<f4"))  # fmt: skip
+        return SampleSignal(
+            ids, values, _unplanes(raw["realized"], "<f4"), _unplanes(raw["realized_t1"], "<f4")
+        )
 
 
 def _planes(values: np.ndarray) -> bytes:
@@ -191,6 +205,11 @@ def batch_signal(
         used = sum(s.length for s in samples)
         ids[b, used:] = np.arange(k)
     return TeacherSignal(
-        torch.from_numpy(ids), torch.from_numpy(values), torch.from_numpy(realized),
-        torch.from_numpy(realized_t1), float(tau), vocab_size, k,
-    )  # fmt: skip
+        torch.from_numpy(ids),
+        torch.from_numpy(values),
+        torch.from_numpy(realized),
+        torch.from_numpy(realized_t1),
+        float(tau),
+        vocab_size,
+        k,
+    )

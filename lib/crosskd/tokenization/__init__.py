@@ -55,15 +55,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "KIND_NONE", "KIND_NORMAL", "KIND_SPECIAL", "ROLES", "SUPPORTED", "ByteVocab",
-    "LoadedTokenizer", "check_supported", "default_cache_dir", "fingerprint", "fingerprint_fields",
-    "fingerprint_payload", "load_tokenizer",
-]  # fmt: skip
+    "KIND_NONE",
+    "KIND_NORMAL",
+    "KIND_SPECIAL",
+    "ROLES",
+    "SUPPORTED",
+    "ByteVocab",
+    "LoadedTokenizer",
+    "check_supported",
+    "default_cache_dir",
+    "fingerprint",
+    "fingerprint_fields",
+    "fingerprint_payload",
+    "load_tokenizer",
+]
 
 SUPPORTED = (
     "Hugging Face fast tokenizers with a BPE model, a ByteLevel pre-tokenizer and decoder, and "
     "no normalizer or NFC (GPT-2, Llama-3, Qwen2/3, DeepSeek, SmolLM, Mistral-Nemo style)"
 )
+
 
 @dataclass(frozen=True, eq=False)
 class LoadedTokenizer:

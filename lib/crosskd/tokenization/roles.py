@@ -20,44 +20,57 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ROLES = (
-    "bos", "eos", "eot", "eom", "pad", "unk", "turn_start", "header_end",
-    "system", "user", "assistant", "think_open", "think_close",
-)  # fmt: skip
+    "bos",
+    "eos",
+    "eot",
+    "eom",
+    "pad",
+    "unk",
+    "turn_start",
+    "header_end",
+    "system",
+    "user",
+    "assistant",
+    "think_open",
+    "think_close",
+)
 
-KNOWN_MARKERS: Mapping[str, str] = MappingProxyType({
-    # Llama-3
-    "<|begin_of_text|>": "bos",
-    "<|end_of_text|>": "eos",
-    "<|eot_id|>": "eot",
-    "<|eom_id|>": "eom",
-    "<|start_header_id|>": "turn_start",
-    "<|end_header_id|>": "header_end",
-    "<|finetune_right_pad_id|>": "pad",
-    # ChatML (Qwen, SmolLM) and GPT-2
-    "<|im_start|>": "turn_start",
-    "<|im_end|>": "eot",
-    "<|endoftext|>": "eos",
-    # reasoning markers (Qwen3, DeepSeek-R1)
-    "<think>": "think_open",
-    "</think>": "think_close",
-    # DeepSeek-V3: its end-of-sentence token closes every assistant turn in its template.
-    "<｜begin▁of▁sentence｜>": "bos",
-    "<｜end▁of▁sentence｜>": "eot",
-    "<｜▁pad▁｜>": "pad",
-    "<｜User｜>": "user",
-    "<｜Assistant｜>": "assistant",
-    # Phi-3 style role markers
-    "<|system|>": "system",
-    "<|user|>": "user",
-    "<|assistant|>": "assistant",
-    "<|end|>": "eot",
-    # SentencePiece-era names kept by many BPE tokenizers (Mistral-Nemo tekken)
-    "<s>": "bos",
-    "</s>": "eos",
-    "<unk>": "unk",
-    "<pad>": "pad",
-    "<|pad|>": "pad",
-})
+KNOWN_MARKERS: Mapping[str, str] = MappingProxyType(
+    {
+        # Llama-3
+        "<|begin_of_text|>": "bos",
+        "<|end_of_text|>": "eos",
+        "<|eot_id|>": "eot",
+        "<|eom_id|>": "eom",
+        "<|start_header_id|>": "turn_start",
+        "<|end_header_id|>": "header_end",
+        "<|finetune_right_pad_id|>": "pad",
+        # ChatML (Qwen, SmolLM) and GPT-2
+        "<|im_start|>": "turn_start",
+        "<|im_end|>": "eot",
+        "<|endoftext|>": "eos",
+        # reasoning markers (Qwen3, DeepSeek-R1)
+        "<think>": "think_open",
+        "</think>": "think_close",
+        # DeepSeek-V3: its end-of-sentence token closes every assistant turn in its template.
+        "<｜begin▁of▁sentence｜>": "bos",
+        "<｜end▁of▁sentence｜>": "eot",
+        "<｜▁pad▁｜>": "pad",
+        "<｜User｜>": "user",
+        "<｜Assistant｜>": "assistant",
+        # Phi-3 style role markers
+        "<|system|>": "system",
+        "<|user|>": "user",
+        "<|assistant|>": "assistant",
+        "<|end|>": "eot",
+        # SentencePiece-era names kept by many BPE tokenizers (Mistral-Nemo tekken)
+        "<s>": "bos",
+        "</s>": "eos",
+        "<unk>": "unk",
+        "<pad>": "pad",
+        "<|pad|>": "pad",
+    }
+)
 
 
 def assign_roles(

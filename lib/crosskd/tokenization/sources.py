@@ -79,10 +79,17 @@ def _hub_folder(repo_id: str) -> Path:
     return Path(found).parent
 
 
-TOKENIZER_FILES = frozenset({
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "config.json",
-})  # fmt: skip
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "config.json",
+    }
+)
 """The files copied from a remote folder (model weights next to them are not)."""
 
 _VERSION_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "md5Hash")
@@ -120,9 +127,7 @@ def _fetch_uri(uri: str, cache_dir: Path) -> Path:
     return target if is_dir else target / "tokenizer.json"
 
 
-def copy_to_cache(
-    fs: Any, uri: str, entries: list[dict], names: list[str], parent: Path
-) -> Path:
+def copy_to_cache(fs: Any, uri: str, entries: list[dict], names: list[str], parent: Path) -> Path:
     """Copy the files ``entries`` (``fs.ls(detail=True)`` / ``fs.info`` records) of ``uri`` into
     a folder under ``parent``, under ``names``, once: the folder is keyed by the URI and each
     file's name, size and version stamp (ETag, mtime...), so a changed remote file is copied

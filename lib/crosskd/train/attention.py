@@ -76,8 +76,9 @@ def layer_windows(config) -> dict[str, int | None]:
     types = getattr(config, "layer_types", None)
     if not types:
         return {EVERY_LAYER: window}
-    unknown = sorted({t for t in types if t.endswith("attention")}
-                     - set(ATTENTION_LAYERS) - set(STATE_LAYERS))
+    unknown = sorted(
+        {t for t in types if t.endswith("attention")} - set(ATTENTION_LAYERS) - set(STATE_LAYERS)
+    )
     if unknown:
         raise ConfigError(
             f"{config.model_type} has layers of type {', '.join(unknown)}, whose attention "
@@ -85,8 +86,11 @@ def layer_windows(config) -> dict[str, int | None]:
             f"(exact: {', '.join(ATTENTION_LAYERS)}); train it on data prepared with "
             f"pack=false (one sample per row) and parallel.cp=1."
         )
-    return {t: window if t == "sliding_attention" else None
-            for t in dict.fromkeys(types) if t in ATTENTION_LAYERS}  # fmt: skip
+    return {
+        t: window if t == "sliding_attention" else None
+        for t in dict.fromkeys(types)
+        if t in ATTENTION_LAYERS
+    }
 
 
 def state_mixers(model: nn.Module) -> list[str]:
@@ -95,10 +99,18 @@ def state_mixers(model: nn.Module) -> list[str]:
     ``mamba``, ``hybrid``, ...) and its causal convolutions (the ``nn.Conv1d`` over positions of
     short-convolution, Mamba and gated-delta-net mixers); empty for attention-only models."""
     types = getattr(model.config, "layer_types", None) or []
-    found = [f"layer type {t!r}" for t in dict.fromkeys(types) if t in STATE_LAYERS
-             or not t.endswith("attention")]  # fmt: skip
-    mixers = sorted({type(m).__name__ for m in model.modules()
-                     if any(isinstance(c, nn.Conv1d) for c in m.children())})  # fmt: skip
+    found = [
+        f"layer type {t!r}"
+        for t in dict.fromkeys(types)
+        if t in STATE_LAYERS or not t.endswith("attention")
+    ]
+    mixers = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if any(isinstance(c, nn.Conv1d) for c in m.children())
+        }
+    )
     if mixers:
         found.append(f"causal convolutions in {', '.join(mixers)}")
     return found
@@ -116,8 +128,7 @@ def refuse_state_mixers(model: nn.Module, why: str, way_out: str) -> None:
         )
 
 
-def _allowed(segment_ids: torch.Tensor, start: int, stop: int,
-             window: int | None) -> torch.Tensor:  # fmt: skip
+def _allowed(segment_ids: torch.Tensor, start: int, stop: int, window: int | None) -> torch.Tensor:
     """Bool ``[B, stop - start, L]``: query ``q`` of ``[start, stop)`` may see key ``k``."""
     width = segment_ids.shape[1]
     query = torch.arange(start, stop, device=segment_ids.device)[:, None]
@@ -153,16 +164,26 @@ def varlen_bounds(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
     cuts = np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
     cu = torch.from_numpy(cuts)
     longest = int(np.diff(cuts).max(initial=0))
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
-            "max_length_q": longest, "max_length_k": longest}  # fmt: skip
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 def packed_inputs(
-    implementation: str, input_ids: torch.Tensor, segment_ids: torch.Tensor,
-    position_ids: torch.Tensor, dtype: torch.dtype, window: tuple[int, int] | None = None,
-    windows: Mapping[str, int | None] | None = None, device: torch.device | str | None = None,
-    *, packed: bool = True,
-) -> dict[str, object]:  # fmt: skip
+    implementation: str,
+    input_ids: torch.Tensor,
+    segment_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    dtype: torch.dtype,
+    window: tuple[int, int] | None = None,
+    windows: Mapping[str, int | None] | None = None,
+    device: torch.device | str | None = None,
+    *,
+    packed: bool = True,
+) -> dict[str, object]:
     """The keyword arguments of the forward pass of a packed batch for the attention
     ``implementation``: ``input_ids``, ``attention_mask``, ``position_ids`` (and the varlen
     bounds under flash attention). ``input_ids``, ``segment_ids`` (sample index within the row,
@@ -177,17 +198,23 @@ def packed_inputs(
     model, state-carrying mixers included)."""
     device = input_ids.device if device is None else device
     if not packed and window is None:
-        return {"input_ids": to_device(input_ids, device),
-                "attention_mask": to_device((segment_ids >= 0).long(), device)}  # fmt: skip
+        return {
+            "input_ids": to_device(input_ids, device),
+            "attention_mask": to_device((segment_ids >= 0).long(), device),
+        }
     if implementation in FLASH:
         if window is not None:
-            raise ConfigError(f"attn_implementation {implementation!r} runs a micro-batch as "
-                              f"one row; windows of positions need eager or sdpa attention.")
+            raise ConfigError(
+                f"attn_implementation {implementation!r} runs a micro-batch as "
+                f"one row; windows of positions need eager or sdpa attention."
+            )
         bounds = varlen_bounds(position_ids.cpu())
         for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
             bounds[key] = to_device(bounds[key], device)
-        flat = {"input_ids": to_device(input_ids.reshape(1, -1), device),
-                "position_ids": to_device(position_ids.reshape(1, -1), device)}  # fmt: skip
+        flat = {
+            "input_ids": to_device(input_ids.reshape(1, -1), device),
+            "position_ids": to_device(position_ids.reshape(1, -1), device),
+        }
         return flat | {"attention_mask": None} | bounds
     windows = {EVERY_LAYER: None} if windows is None else windows
     segment_ids = to_device(segment_ids, device)
@@ -200,5 +227,8 @@ def packed_inputs(
         mask: torch.Tensor | dict[str, torch.Tensor] = next(iter(masks.values()))
     else:
         mask = {kind: masks[size] for kind, size in windows.items()}
-    return {"input_ids": to_device(input_ids[:, start:stop], device), "attention_mask": mask,
-            "position_ids": to_device(position_ids[:, start:stop], device)}  # fmt: skip
+    return {
+        "input_ids": to_device(input_ids[:, start:stop], device),
+        "attention_mask": mask,
+        "position_ids": to_device(position_ids[:, start:stop], device),
+    }

@@ -107,8 +107,12 @@ def write_parts(
                 continue
             shape, offset, part = list(placement.shape), list(placement.offset), local_part(value)
         tensors[key] = part.detach().to("cpu", copy=True).contiguous()
-        where[key] = {"shape": shape, "dtype": str(part.dtype).removeprefix("torch."),
-                      "offset": offset, "size": list(part.shape)}  # fmt: skip
+        where[key] = {
+            "shape": shape,
+            "dtype": str(part.dtype).removeprefix("torch."),
+            "offset": offset,
+            "size": list(part.shape),
+        }
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
@@ -117,9 +121,14 @@ def write_parts(
 
 
 def publish_checkpoint(
-    uri: str, step: int, student: ParallelStudent, optimizer: torch.optim.Optimizer, extra: dict,
-    *, keep: int = 0,
-) -> str:  # fmt: skip
+    uri: str,
+    step: int,
+    student: ParallelStudent,
+    optimizer: torch.optim.Optimizer,
+    extra: dict,
+    *,
+    keep: int = 0,
+) -> str:
     """Rank 0, once every rank's :func:`write_parts` is done: merge the where-files into
     ``index.json``, write ``state.json``, rename the folder, point ``latest.json`` at it, then
     keep the newest ``keep`` checkpoints (0: all); returns the folder's URI."""
@@ -130,17 +139,25 @@ def publish_checkpoint(
     for rank in range(world):
         file = f"{_rank_name(rank)}.safetensors"
         for key, part in json.loads(fs.cat_file(f"{tmp}/{_rank_name(rank)}.json")).items():
-            entry = tensors.setdefault(key, {"shape": part["shape"], "dtype": part["dtype"],
-                                             "parts": []})  # fmt: skip
+            entry = tensors.setdefault(
+                key, {"shape": part["shape"], "dtype": part["dtype"], "parts": []}
+            )
             entry["parts"].append({"file": file, "offset": part["offset"], "size": part["size"]})
-    index = {"format": FORMAT, "ranks": world, "layout": student.mesh.layout.to_json(),
-             "tensors": tensors}  # fmt: skip
+    index = {
+        "format": FORMAT,
+        "ranks": world,
+        "layout": student.mesh.layout.to_json(),
+        "tensors": tensors,
+    }
     fs.pipe_file(f"{tmp}/{INDEX}", json.dumps(index, indent=1).encode())
-    groups = [{k: v for k, v in g.items() if k != "params"}
-              for g in optimizer.state_dict()["param_groups"]]  # fmt: skip
-    fs.pipe_file(f"{tmp}/{STATE}", json.dumps(
-        {"step": step, "param_groups": groups, **extra}, indent=1
-    ).encode())  # fmt: skip
+    groups = [
+        {k: v for k, v in g.items() if k != "params"}
+        for g in optimizer.state_dict()["param_groups"]
+    ]
+    fs.pipe_file(
+        f"{tmp}/{STATE}",
+        json.dumps({"step": step, "param_groups": groups, **extra}, indent=1).encode(),
+    )
     name = checkpoint_name(step)
     final = f"{root}/{name}"
     if fs.exists(final):  # the same step saved again (a rerun): replace it, never nest into it
@@ -154,9 +171,14 @@ def publish_checkpoint(
 
 
 def save_checkpoint(
-    uri: str, step: int, student: ParallelStudent, optimizer: torch.optim.Optimizer, extra: dict,
-    *, keep: int = 0,
-) -> str:  # fmt: skip
+    uri: str,
+    step: int,
+    student: ParallelStudent,
+    optimizer: torch.optim.Optimizer,
+    extra: dict,
+    *,
+    keep: int = 0,
+) -> str:
     """The three steps of a checkpoint in one process (a one-rank layout)."""
     begin_checkpoint(uri, step)
     write_parts(uri, step, student, optimizer)
@@ -197,8 +219,8 @@ def latest_step(uri: str) -> int | None:
             raise ValueError(f"path is {latest.get('path')!r}, expected {checkpoint_name(step)}")
     except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
         raise CrosskdError(
-            f"{uri}/{LATEST} is damaged ({exc}); write {{\"step\": N, \"path\": "
-            f"\"step-000000N\"}} naming a complete checkpoint folder, or delete it to start over."
+            f'{uri}/{LATEST} is damaged ({exc}); write {{"step": N, "path": '
+            f'"step-000000N"}} naming a complete checkpoint folder, or delete it to start over.'
         ) from exc
     return step
 
@@ -231,10 +253,16 @@ def load_checkpoint(
         index = json.loads(fs.cat_file(f"{folder}/{INDEX}"))
         with _Parts(fs, folder) as parts:
             _restore(student, optimizer, index["tensors"], parts, where)
-            rng = parts.tensor(f"{_rank_name(student.mesh.rank)}.safetensors", "rng.torch") \
-                if student.mesh.rank < index["ranks"] else None
-            cuda = parts.tensor(f"{_rank_name(student.mesh.rank)}.safetensors", "rng.cuda") \
-                if rng is not None and torch.cuda.is_available() else None
+            rng = (
+                parts.tensor(f"{_rank_name(student.mesh.rank)}.safetensors", "rng.torch")
+                if student.mesh.rank < index["ranks"]
+                else None
+            )
+            cuda = (
+                parts.tensor(f"{_rank_name(student.mesh.rank)}.safetensors", "rng.cuda")
+                if rng is not None and torch.cuda.is_available()
+                else None
+            )
     except CrosskdError:
         raise
     except Exception as exc:  # safetensors raises its own error type for damaged files
@@ -243,8 +271,12 @@ def load_checkpoint(
             f"{LATEST} at an earlier one, or start a new run."
         ) from exc
     try:
-        optimizer.load_state_dict({"state": optimizer.state_dict()["state"],
-                                   "param_groups": _groups(optimizer, state["param_groups"])})
+        optimizer.load_state_dict(
+            {
+                "state": optimizer.state_dict()["state"],
+                "param_groups": _groups(optimizer, state["param_groups"]),
+            }
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise CrosskdError(
             f"checkpoint {where}: its optimizer state does not fit this model's "
@@ -266,9 +298,18 @@ def _groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> list[dict]:
     return [{**g, "params": c["params"]} for g, c in zip(saved, current, strict=True)]
 
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 """safetensors' dtype names."""
 
 
@@ -348,15 +389,17 @@ class _Parts:
         return self.file(name).region(key, box)
 
 
-def _fill(target: torch.Tensor, offset: tuple[int, ...], entry: dict, parts: _Parts, key: str,
-          where: str) -> None:  # fmt: skip
+def _fill(
+    target: torch.Tensor, offset: tuple[int, ...], entry: dict, parts: _Parts, key: str, where: str
+) -> None:
     """Copy into ``target`` (this rank's part, at ``offset`` of the whole tensor) every
     overlapping region of the saved parts of ``key``."""
     covered = 0
     for part in entry["parts"]:
         box_src, box_dst = [], []
-        for lo_t, n_t, lo_p, n_p in zip(offset, target.shape, part["offset"], part["size"],
-                                        strict=True):  # fmt: skip
+        for lo_t, n_t, lo_p, n_p in zip(
+            offset, target.shape, part["offset"], part["size"], strict=True
+        ):
             lo, hi = max(lo_t, lo_p), min(lo_t + n_t, lo_p + n_p)
             if lo >= hi:
                 break
@@ -374,8 +417,13 @@ def _fill(target: torch.Tensor, offset: tuple[int, ...], entry: dict, parts: _Pa
         )
 
 
-def _restore(student: ParallelStudent, optimizer: torch.optim.Optimizer, index: dict,
-             parts: _Parts, where: str) -> None:  # fmt: skip
+def _restore(
+    student: ParallelStudent,
+    optimizer: torch.optim.Optimizer,
+    index: dict,
+    parts: _Parts,
+    where: str,
+) -> None:
     """Every parameter and AdamW state tensor of this rank from the checkpoint's parts."""
     names = sorted(k for k in index if k.startswith("model."))
     here = {f"model.{name}" for name, _ in student.named_parameters()}
@@ -394,10 +442,16 @@ def _restore(student: ParallelStudent, optimizer: torch.optim.Optimizer, index: 
                     f"{index[f'model.{name}']['shape']} there but {list(placement.shape)} "
                     f"here; resume with the student the run started from."
                 )
-            _fill(local_part(param.data), placement.offset, index[f"model.{name}"], parts,
-                  f"model.{name}", where)  # fmt: skip
+            _fill(
+                local_part(param.data),
+                placement.offset,
+                index[f"model.{name}"],
+                parts,
+                f"model.{name}",
+                where,
+            )
             prefix = f"optim.{name}."
-            saved = sorted(k[len(prefix):] for k in index if k.startswith(prefix))
+            saved = sorted(k[len(prefix) :] for k in index if k.startswith(prefix))
             if not saved:
                 continue
             state = optimizer.state[param]

@@ -137,7 +137,7 @@ class TrainConfig:
                 _str(key, getattr(self, key))
         if not isinstance(self.teachers, list) or not all(
             isinstance(t, str) and t for t in self.teachers
-        ):  # fmt: skip
+        ):
             raise ConfigError(
                 f"teachers is {self.teachers!r}; it must be a list of teacher cache URIs or "
                 f"online:REF strings."
@@ -145,12 +145,16 @@ class TrainConfig:
         if not isinstance(self.loss, LossConfig):
             raise ConfigError(f"loss is {self.loss!r}; it must be a mapping of loss keys.")
         if not isinstance(self.parallel, ParallelLayout):
-            raise ConfigError(f"parallel is {self.parallel!r}; it must be a mapping of "
-                              f"dp_replicate, dp_shard, tp, cp.")  # fmt: skip
+            raise ConfigError(
+                f"parallel is {self.parallel!r}; it must be a mapping of "
+                f"dp_replicate, dp_shard, tp, cp."
+            )
         self.parallel.check()
         if not isinstance(self.activation_checkpointing, bool):
-            raise ConfigError(f"activation_checkpointing is {self.activation_checkpointing!r}; "
-                              f"it must be true or false.")  # fmt: skip
+            raise ConfigError(
+                f"activation_checkpointing is {self.activation_checkpointing!r}; "
+                f"it must be true or false."
+            )
         if (self.parallel.tp > 1 or self.parallel.cp > 1) and self.loss.kd != "csd":
             raise ConfigError(
                 f"parallel.tp / parallel.cp split the logits, which loss.kd {self.loss.kd!r} "
@@ -163,8 +167,7 @@ class TrainConfig:
         for key in ("global_batch_rows", "grad_accum"):
             if getattr(self, key) is not None:
                 _int(key, getattr(self, key), 1)
-        for key in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "seed",
-                    "max_restarts"):
+        for key in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "seed", "max_restarts"):
             _int(key, getattr(self, key), 0)
         if self.seed >= 2**63:
             raise ConfigError(f"seed is {self.seed}; it must be < 2**63.")
@@ -178,9 +181,12 @@ class TrainConfig:
                 raise ConfigError(f"metrics_port is {self.metrics_port}; it must be <= 65535.")
         for key in ("lr", "weight_decay", "clip_norm", "min_lr_ratio", "metrics_final_scrape_s"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-                value
-            ) or value < 0:  # fmt: skip
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise ConfigError(f"{key} is {value!r}; it must be a finite number >= 0.")
         if self.lr <= 0:
             raise ConfigError(f"lr is {self.lr!r}; it must be > 0.")

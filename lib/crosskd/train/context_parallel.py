@@ -61,17 +61,24 @@ class _GatherPositions(torch.autograd.Function):
 
 
 def context_parallel_attention(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
     **kwargs,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+) -> tuple[Tensor, Tensor | None]:
     """Attention of this window's ``query`` ``[B, H, L / cp, D]`` to the whole row: ``key`` and
     ``value`` ``[B, H_kv, L / cp, D]`` gathered over ``module.context_group``, then
     ``module.context_attention`` (the model's own implementation); ``attention_mask``: the
     window's rows of the packed mask ``[B, 1, L / cp, L]``."""
     key = _GatherPositions.apply(key, module.context_group)
     value = _GatherPositions.apply(value, module.context_group)
-    if attention_mask is None or attention_mask.dim() != 4 or (
-            attention_mask.shape[-1] != key.shape[2]):  # fmt: skip
+    if (
+        attention_mask is None
+        or attention_mask.dim() != 4
+        or (attention_mask.shape[-1] != key.shape[2])
+    ):
         shape = None if attention_mask is None else tuple(attention_mask.shape)
         raise ValueError(
             f"context-parallel attention got the mask {shape}; it needs the window's rows of "
@@ -95,8 +102,11 @@ def enable_context_parallel(
     from crosskd.train.attention import refuse_state_mixers
 
     name = type(model).__name__
-    rope = getattr(model.config, "rope_parameters", None) or getattr(
-        model.config, "rope_scaling", None) or {}  # fmt: skip
+    rope = (
+        getattr(model.config, "rope_parameters", None)
+        or getattr(model.config, "rope_scaling", None)
+        or {}
+    )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in POSITION_DEPENDENT_ROPE:
         raise ConfigError(
@@ -104,8 +114,11 @@ def enable_context_parallel(
             f"longest position of a forward pass, so windows of a row would rotate differently; "
             f"train it with parallel.cp=1."
         )
-    refuse_state_mixers(model, "the windows of parallel.cp (each would start from an empty "
-                        "state)", "train it with parallel.cp=1")
+    refuse_state_mixers(
+        model,
+        "the windows of parallel.cp (each would start from an empty state)",
+        "train it with parallel.cp=1",
+    )
     base = model.config._attn_implementation
     if base not in ("sdpa", "eager"):
         raise ConfigError(
@@ -122,8 +135,11 @@ def enable_context_parallel(
                 f"parallel.cp=1."
             )
         for module in attention:
-            function = sdpa_attention_forward if base == "sdpa" else getattr(
-                sys.modules[type(module).__module__], "eager_attention_forward", None)  # fmt: skip
+            function = (
+                sdpa_attention_forward
+                if base == "sdpa"
+                else getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            )
             if function is None:
                 raise ConfigError(
                     f"{type(module).__name__}'s module has no eager_attention_forward to run "

@@ -50,7 +50,7 @@ def save_gathered(
     size = 0
     names = [(n, p) for n, p in student.named_parameters()] + [
         (n, b) for n, b in model.named_buffers() if n in persistent
-    ]  # fmt: skip
+    ]
     failure: Exception | None = None
     for name, tensor in names:
         whole = gather_parameter(student, name, tensor)
@@ -93,6 +93,6 @@ def _name_files(folder: Path, files: list[dict[str, int]]) -> None:
         (folder / f"part-{number:05d}.safetensors").rename(folder / name)
         weight_map |= dict.fromkeys(sizes, name)
     total = sum(sum(sizes.values()) for sizes in files)
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1
-    ))  # fmt: skip
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )

@@ -91,9 +91,14 @@ def rendezvous(env: dict[str, str]) -> dict:
     ``rdzv_configs``, ``min_nodes``, ``max_nodes``, ``run_id``."""
     if env.get("PET_RDZV_BACKEND") and env.get("PET_RDZV_ENDPOINT"):
         low, _, high = env.get("PET_NNODES", "1").partition(":")
-        return {"rdzv_backend": env["PET_RDZV_BACKEND"], "rdzv_endpoint": env["PET_RDZV_ENDPOINT"],
-                "rdzv_configs": {}, "min_nodes": int(low), "max_nodes": int(high or low),
-                "run_id": env.get("PET_RDZV_ID", "crosskd")}  # fmt: skip
+        return {
+            "rdzv_backend": env["PET_RDZV_BACKEND"],
+            "rdzv_endpoint": env["PET_RDZV_ENDPOINT"],
+            "rdzv_configs": {},
+            "min_nodes": int(low),
+            "max_nodes": int(high or low),
+            "run_id": env.get("PET_RDZV_ID", "crosskd"),
+        }
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         nodes = int(env.get("PET_NNODES", "1"))
         if "PET_NODE_RANK" not in env and nodes > 1:
@@ -101,16 +106,25 @@ def rendezvous(env: dict[str, str]) -> dict:
                 f"PET_NNODES is {nodes} but PET_NODE_RANK is not set; the Training Operator sets "
                 "it for every replica (a Master and Workers), so run the pod under a PyTorchJob."
             )
-        return {"rdzv_backend": "static",
-                "rdzv_endpoint": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
-                "rdzv_configs": {"rank": int(env.get("PET_NODE_RANK", "0"))},
-                "min_nodes": nodes, "max_nodes": nodes, "run_id": "crosskd"}  # fmt: skip
+        return {
+            "rdzv_backend": "static",
+            "rdzv_endpoint": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+            "rdzv_configs": {"rank": int(env.get("PET_NODE_RANK", "0"))},
+            "min_nodes": nodes,
+            "max_nodes": nodes,
+            "run_id": "crosskd",
+        }
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return {"rdzv_backend": "static", "rdzv_endpoint": f"127.0.0.1:{port}",
-            "rdzv_configs": {"rank": 0}, "min_nodes": 1, "max_nodes": 1,
-            "run_id": uuid.uuid4().hex}  # fmt: skip
+    return {
+        "rdzv_backend": "static",
+        "rdzv_endpoint": f"127.0.0.1:{port}",
+        "rdzv_configs": {"rank": 0},
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "run_id": uuid.uuid4().hex,
+    }
 
 
 def shutdown_timeout(env: dict[str, str]) -> int:
@@ -146,9 +160,13 @@ def launch(config: TrainConfig, worker_args: list[str], nproc_per_node: int) -> 
 
     env = dict(os.environ)
     launch_config = LaunchConfig(
-        nproc_per_node=nproc_per_node, max_restarts=0, monitor_interval=0.5,
-        shutdown_timeout=shutdown_timeout(env), start_method="spawn", **rendezvous(env),
-    )  # fmt: skip
+        nproc_per_node=nproc_per_node,
+        max_restarts=0,
+        monitor_interval=0.5,
+        shutdown_timeout=shutdown_timeout(env),
+        start_method="spawn",
+        **rendezvous(env),
+    )
     node_rank = int(env.get("PET_NODE_RANK", "0"))
     try:
         elastic_launch(launch_config, sys.executable)("-m", "crosskd.cli", "train", *worker_args)
@@ -163,7 +181,11 @@ def launch(config: TrainConfig, worker_args: list[str], nproc_per_node: int) -> 
     if code == EXIT_RETRYABLE:
         count = record_failure(config, node_rank)
         if count > config.max_restarts:
-            log.error("%d retryable failures in a row without a new checkpoint (max_restarts "
-                      "%d): giving up", count, config.max_restarts)  # fmt: skip
+            log.error(
+                "%d retryable failures in a row without a new checkpoint (max_restarts "
+                "%d): giving up",
+                count,
+                config.max_restarts,
+            )
             return EXIT_RESTART_BUDGET
     return code

@@ -31,8 +31,9 @@ class Prefetcher(Generic[T]):
         self._stop = threading.Event()
         self._thread = None
         if depth > 0:
-            self._thread = threading.Thread(target=self._run, args=(produce, list(steps)),
-                                            name="crosskd-input", daemon=True)  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._run, args=(produce, list(steps)), name="crosskd-input", daemon=True
+            )
             self._thread.start()
 
     def _run(self, produce: Callable[[int], T], steps: list[int]) -> None:

@@ -56,8 +56,9 @@ def build_train_mesh(layout: ParallelLayout, device: torch.device) -> TrainMesh:
         return TrainMesh(resolved, 0, device, None, None)
     world = dist.get_world_size()
     resolved = layout.resolved(world)
-    mesh = init_device_mesh(device.type, tuple(getattr(resolved, d) for d in DIMS),
-                            mesh_dim_names=DIMS)  # fmt: skip
+    mesh = init_device_mesh(
+        device.type, tuple(getattr(resolved, d) for d in DIMS), mesh_dim_names=DIMS
+    )
     loss = None
     if resolved.model_parallel > 1:
         loss = build_mesh(ParallelConfig(resolved.dp, resolved.cp, resolved.tp), device.type)

@@ -82,8 +82,9 @@ class ShardOrder:
         if epoch not in self._epochs:
             shards = np.random.default_rng([self.seed, epoch]).permutation(len(self.sizes))
             sizes = self.sizes[shards]
-            ends = np.cumsum([sizes[i : i + self.window].sum()
-                              for i in range(0, len(shards), self.window)])  # fmt: skip
+            ends = np.cumsum(
+                [sizes[i : i + self.window].sum() for i in range(0, len(shards), self.window)]
+            )
             self._epochs = {epoch: (shards, ends)}  # one epoch at a time
         return self._epochs[epoch]
 
@@ -97,8 +98,7 @@ class ShardOrder:
             rows = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in group])
             if len(self._windows) >= 4:
                 self._windows.pop(next(iter(self._windows)))
-            self._windows[key] = np.random.default_rng([self.seed, epoch, window]).permutation(
-                rows)  # fmt: skip
+            self._windows[key] = np.random.default_rng([self.seed, epoch, window]).permutation(rows)
         return self._windows[key]
 
     def step_rows(self, step: int, per_step: int) -> list[int]:

@@ -27,6 +27,7 @@ broadcast: equal in exact arithmetic, but GPU kernels that add in a varying orde
 the copies drift apart). Where a tensor is, globally, is described by :class:`Placement` (for
 the gradient norm and the checkpoints).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,8 +79,13 @@ class VocabParallelEmbedding(nn.Module):
     other ranks look up zeros, and the sum over the ``tp`` group is the whole embedding
     (``padding_idx``: the padding row's local index, when this slice holds it)."""
 
-    def __init__(self, weight: nn.Parameter, start: int, group: dist.ProcessGroup,
-                 padding_idx: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        start: int,
+        group: dist.ProcessGroup,
+        padding_idx: int | None = None,
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.start = start
@@ -100,8 +106,9 @@ class VocabParallelHead(nn.Module):
     states -> ``[B, L, rows]`` logits; the gradient of the hidden states is summed over
     ``group`` (the ``tp`` ranks)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, start: int,
-                 group: dist.ProcessGroup) -> None:  # fmt: skip
+    def __init__(
+        self, weight: nn.Parameter, bias: nn.Parameter | None, start: int, group: dist.ProcessGroup
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.bias = bias
@@ -204,15 +211,24 @@ class ParallelStudent:
         the one checkpoints write, broadcast); in buckets of about ``bucket_bytes`` (module
         docstring). Nothing to do without ``cp`` or ``tp``."""
         layout = self.mesh.layout
-        grads = {name: local_part(param.grad) for name, param in self.named_parameters()
-                 if param.grad is not None}  # fmt: skip
+        grads = {
+            name: local_part(param.grad)
+            for name, param in self.named_parameters()
+            if param.grad is not None
+        }
         if layout.cp > 1:
-            _in_buckets(list(grads.values()), bucket_bytes,
-                        lambda flat: dist.all_reduce(flat, group=self.mesh.group("cp")))
+            _in_buckets(
+                list(grads.values()),
+                bucket_bytes,
+                lambda flat: dist.all_reduce(flat, group=self.mesh.group("cp")),
+            )
         if layout.tp > 1:
             whole = [grad for name, grad in grads.items() if name not in self.sliced]
-            _in_buckets(whole, bucket_bytes, lambda flat: dist.broadcast(
-                flat, group=self.mesh.group("tp"), group_src=0))
+            _in_buckets(
+                whole,
+                bucket_bytes,
+                lambda flat: dist.broadcast(flat, group=self.mesh.group("tp"), group_src=0),
+            )
 
     def clip_gradients(self, max_norm: float) -> float:
         """Scale the gradients so that their global L2 norm is at most ``max_norm`` (as
@@ -312,7 +328,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(
-    model: nn.Module, mesh: TrainMesh, *, activation_checkpointing: bool = False,
+    model: nn.Module,
+    mesh: TrainMesh,
+    *,
+    activation_checkpointing: bool = False,
     compute_dtype: torch.dtype | None = None,
 ) -> ParallelStudent:
     """Spread ``model`` (every rank holding the same weights; on ``mesh.device``, or on the
@@ -338,17 +357,20 @@ def parallelize(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         fsdp_mesh = mesh.mesh["dp_replicate", "dp_shard"]
-        policy = MixedPrecisionPolicy(
-            param_dtype=compute_dtype, reduce_dtype=torch.float32
-        ) if compute_dtype is not None else MixedPrecisionPolicy()  # fmt: skip
+        policy = (
+            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            if compute_dtype is not None
+            else MixedPrecisionPolicy()
+        )
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
         fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
     elif layout.dp_replicate > 1:
         wrapped = nn.parallel.DistributedDataParallel(
-            model, process_group=mesh.dp_group(),
+            model,
+            process_group=mesh.dp_group(),
             device_ids=[mesh.device] if mesh.device.type == "cuda" else None,
-        )  # fmt: skip
+        )
     return ParallelStudent(model, wrapped, mesh, frozenset(sliced), vocab)
 
 
@@ -424,6 +446,10 @@ def state_bytes(student: ParallelStudent, optimizer: torch.optim.Optimizer) -> d
     return {
         "parameters": sum(size(p) for p in params),
         "gradients": sum(size(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(size(v) for p in params for v in optimizer.state.get(p, {}).values()
-                         if isinstance(v, Tensor)),
-    }  # fmt: skip
+        "optimizer": sum(
+            size(v)
+            for p in params
+            for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, Tensor)
+        ),
+    }

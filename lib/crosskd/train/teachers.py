@@ -110,9 +110,12 @@ def load_teachers(
             sources.append(TeacherSource(None, teacher, entry.k, config.loss.tau))
             continue
         cache = open_cache(
-            ref, tokenizer_fingerprint=entries[i]["fingerprint"],
-            data_fingerprint=data.manifest["data_fingerprint"], k=entry.k, tau=config.loss.tau,
-        )  # fmt: skip
+            ref,
+            tokenizer_fingerprint=entries[i]["fingerprint"],
+            data_fingerprint=data.manifest["data_fingerprint"],
+            k=entry.k,
+            tau=config.loss.tau,
+        )
         sources.append(TeacherSource(cache, None, entry.k, config.loss.tau))
     return TrainingTeachers(pairs, sources, [t.bytes.lengths for t in tokenizers])
 

@@ -99,10 +99,14 @@ def input_failure(step: int, reasons: list[tuple[int, str, bool]]) -> Exception:
     :class:`InputError` when any input is bad, else :class:`InputFailed`."""
     named = "; ".join(f"rank {rank}: {reason}" for rank, reason, _ in reasons)
     if any(bad for *_, bad in reasons):
-        return InputError(f"step {step + 1}: the inputs of {len(reasons)} rank(s) are bad, so "
-                          f"every rank stopped ({named})")  # fmt: skip
-    return InputFailed(f"step {step + 1}: {len(reasons)} rank(s) could not read their inputs, "
-                       f"so every rank stopped ({named})")  # fmt: skip
+        return InputError(
+            f"step {step + 1}: the inputs of {len(reasons)} rank(s) are bad, so "
+            f"every rank stopped ({named})"
+        )
+    return InputFailed(
+        f"step {step + 1}: {len(reasons)} rank(s) could not read their inputs, "
+        f"so every rank stopped ({named})"
+    )
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -133,10 +137,16 @@ def finished_model(config: TrainConfig) -> dict | None:
     if info.get("step") != config.steps:
         return None
     recorded = info.get("data_order") or {}
-    now = {"seed": config.seed, "global_batch_rows": config.global_batch_rows,
-           "data_fingerprint": load_prepared(config.data).manifest["data_fingerprint"]}
-    differ = [f"{key} {recorded.get(key)!r} there, {value!r} now" for key, value in now.items()
-              if value is not None and recorded.get(key) != value]  # fmt: skip
+    now = {
+        "seed": config.seed,
+        "global_batch_rows": config.global_batch_rows,
+        "data_fingerprint": load_prepared(config.data).manifest["data_fingerprint"],
+    }
+    differ = [
+        f"{key} {recorded.get(key)!r} there, {value!r} now"
+        for key, value in now.items()
+        if value is not None and recorded.get(key) != value
+    ]
     if differ:
         raise ConfigError(
             f"{config.output} holds a finished run with another data order ({'; '.join(differ)});"
@@ -174,8 +184,9 @@ class Trainer:
         optimizer, resume point, held-out data, metrics."""
         self._distributed()
         cfg = self.config
-        self.student_tok = load_tokenizer(cfg.student_tokenizer if cfg.student == INIT
-                                          else cfg.student)  # fmt: skip
+        self.student_tok = load_tokenizer(
+            cfg.student_tokenizer if cfg.student == INIT else cfg.student
+        )
         fingerprints = {"student": self.student_tok.fingerprint}
         self.data = load_prepared(cfg.data, fingerprints=fingerprints)
         # Two windows of shards: a step that spans a window boundary reads both.
@@ -206,8 +217,9 @@ class Trainer:
             self.eval_targets = prepared_targets(heldout, "student", self.student_tok)
         self.log = JsonlLog(f"{cfg.output}/metrics-rank{self.rank}.jsonl")
         names = term_names(cfg.loss, len(self.teachers.sources))
-        self.exporter = MetricsExporter(self.rank, names, planned_steps=cfg.steps,
-                                        count_totals=self.rank == 0)  # fmt: skip
+        self.exporter = MetricsExporter(
+            self.rank, names, planned_steps=cfg.steps, count_totals=self.rank == 0
+        )
         self.exporter.start(self.start)
         if cfg.metrics_port is not None:
             port = self._together("serve its metrics", self._serve_metrics)
@@ -217,8 +229,10 @@ class Trainer:
         cfg = self.config
         port = cfg.metrics_port + self.local_rank if cfg.metrics_port else 0
         if port > 65535:
-            raise ConfigError(f"metrics_port {cfg.metrics_port} + LOCAL_RANK {self.local_rank} "
-                              f"is past 65535; choose a lower metrics_port.")  # fmt: skip
+            raise ConfigError(
+                f"metrics_port {cfg.metrics_port} + LOCAL_RANK {self.local_rank} "
+                f"is past 65535; choose a lower metrics_port."
+            )
         try:
             return self.exporter.serve(port, host=cfg.metrics_host)
         except OSError as exc:
@@ -235,13 +249,16 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                    timeout=timedelta(seconds=self.config.collective_timeout_s))
+            dist.init_process_group(
+                "nccl" if self.device.type == "cuda" else "gloo",
+                timeout=timedelta(seconds=self.config.collective_timeout_s),
+            )
         self.rank, self.world = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         )
-        self.mesh = self._together("build the parallel layout",
-                                   lambda: build_train_mesh(self.config.parallel, self.device))
+        self.mesh = self._together(
+            "build the parallel layout", lambda: build_train_mesh(self.config.parallel, self.device)
+        )
         self.layout = self.mesh.layout
 
     def _student(self) -> None:
@@ -252,16 +269,26 @@ class Trainer:
         cfg = self.config
         torch.manual_seed(cfg.seed)
         if cfg.student == INIT:
-            self.model = new_llama(self.student_tok, cfg.student_shape, cfg.seed,
-                                   attn_implementation=cfg.attn_implementation)  # fmt: skip
+            self.model = new_llama(
+                self.student_tok,
+                cfg.student_shape,
+                cfg.seed,
+                attn_implementation=cfg.attn_implementation,
+            )
         else:
             folder = model_folder(cfg.student, role="student")
-            extra = {"attn_implementation": cfg.attn_implementation} if (
-                cfg.attn_implementation) else {}  # fmt: skip
+            extra = (
+                {"attn_implementation": cfg.attn_implementation}
+                if (cfg.attn_implementation)
+                else {}
+            )
             self.model = AutoModelForCausalLM.from_pretrained(
-                str(folder), dtype=torch.float32, use_safetensors=True, local_files_only=True,
+                str(folder),
+                dtype=torch.float32,
+                use_safetensors=True,
+                local_files_only=True,
                 **extra,
-            )  # fmt: skip
+            )
         if self.layout.dp_shard == 1:  # FSDP2 moves its shards to the device a layer at a time
             self.model.to(self.device)
         self.model.train()
@@ -272,12 +299,21 @@ class Trainer:
         if self.packed or self.layout.cp > 1:
             self.windows = layer_windows(self.model.config)
         if self.packed:
-            refuse_state_mixers(self.model, f"the samples of the packed rows of {cfg.data}",
-                                "prepare the data with pack=false (one sample per row)")
+            refuse_state_mixers(
+                self.model,
+                f"the samples of the packed rows of {cfg.data}",
+                "prepare the data with pack=false (one sample per row)",
+            )
         self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else None
-        self.student = self._together("spread the student over the ranks", lambda: parallelize(
-            self.model, self.mesh, activation_checkpointing=cfg.activation_checkpointing,
-            compute_dtype=self.compute_dtype))
+        self.student = self._together(
+            "spread the student over the ranks",
+            lambda: parallelize(
+                self.model,
+                self.mesh,
+                activation_checkpointing=cfg.activation_checkpointing,
+                compute_dtype=self.compute_dtype,
+            ),
+        )
         self.wrapped = self.student.wrapped
         self.vocab = self.student.vocab
         self.optimizer = torch.optim.AdamW(
@@ -293,8 +329,10 @@ class Trainer:
         code = self._broadcast(-1 if step is None else step)
         if code == -1:
             return 0
-        state = self._together(f"load checkpoint step {code} of {uri}",
-                               lambda: load_checkpoint(uri, code, self.student, self.optimizer))
+        state = self._together(
+            f"load checkpoint step {code} of {uri}",
+            lambda: load_checkpoint(uri, code, self.student, self.optimizer),
+        )
         for group in self.optimizer.param_groups:  # moments from the checkpoint, settings not
             group["weight_decay"] = cfg.weight_decay
         recorded = state.get("data_order") or {}
@@ -309,8 +347,13 @@ class Trainer:
 
     def _data_order(self) -> DataOrder:
         cfg = self.config
-        return DataOrder(self.global_batch, self.data.manifest["data_fingerprint"],
-                         self.shard_order.rows, cfg.seed, cfg.window_shards)  # fmt: skip
+        return DataOrder(
+            self.global_batch,
+            self.data.manifest["data_fingerprint"],
+            self.shard_order.rows,
+            cfg.seed,
+            cfg.window_shards,
+        )
 
     def _on_rank0(self, what: str, work):
         """``work()`` on rank 0 only (its result there, None elsewhere); if it raises, every
@@ -364,13 +407,22 @@ class Trainer:
         packed, where = self.read_rows(rows)
         batch = collate(packed, n_teachers=len(sources), student_multiple=self.layout.cp)
         teachers = [
-            TeacherBatch(batch.models[f"teacher{i}"].input_ids, batch.chunks[i],
-                         source.signal(batch, i, where))
+            TeacherBatch(
+                batch.models[f"teacher{i}"].input_ids,
+                batch.chunks[i],
+                source.signal(batch, i, where),
+            )
             for i, source in enumerate(sources)
-        ]  # fmt: skip
-        plan = plan_loss(self.config.loss, batch.models["student"].input_ids, batch.loss_mask,
-                         teachers, self.teachers.pairs, student_vocab=self.vocab,
-                         teacher_bytes=self.teachers.token_bytes)  # fmt: skip
+        ]
+        plan = plan_loss(
+            self.config.loss,
+            batch.models["student"].input_ids,
+            batch.loss_mask,
+            teachers,
+            self.teachers.pairs,
+            student_vocab=self.vocab,
+            teacher_bytes=self.teachers.token_bytes,
+        )
         return batch, plan
 
     def _reduce(self, values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -382,8 +434,9 @@ class Trainer:
         dist.all_reduce(out, group=group)
         return out.to(values.device)
 
-    def _counts(self, step: int, plans: list[LossPlan],
-                failure: Exception | None = None) -> StepCounts:  # fmt: skip
+    def _counts(
+        self, step: int, plans: list[LossPlan], failure: Exception | None = None
+    ) -> StepCounts:
         """The step's counts (this data-parallel shard's micro-batches, summed over the shards;
         the ``cp x tp`` ranks of a shard planned the same rows), agreed with the ranks' inputs
         being there: one all-reduce over every rank of ``[ranks without inputs, tokens, chunks
@@ -395,10 +448,12 @@ class Trainer:
         counts = StepCounts(0, (0,) * n_terms)
         for plan in plans:
             counts = counts + plan.counts
-        vector = torch.tensor([int(failure is not None), counts.tokens, *counts.chunks],
-                              dtype=torch.int64)  # fmt: skip
-        failed, tokens, *chunks = (self._reduce(vector) // torch.tensor(
-            [1] + [self.layout.model_parallel] * (1 + n_terms))).tolist()  # fmt: skip
+        vector = torch.tensor(
+            [int(failure is not None), counts.tokens, *counts.chunks], dtype=torch.int64
+        )
+        failed, tokens, *chunks = (
+            self._reduce(vector) // torch.tensor([1] + [self.layout.model_parallel] * (1 + n_terms))
+        ).tolist()
         if failed:
             raise input_failure(step, self._reasons(failure))
         return StepCounts(tokens, tuple(chunks))
@@ -406,8 +461,15 @@ class Trainer:
     def _reasons(self, failure: Exception | None) -> list[tuple[int, str, bool]]:
         """Every rank's ``(rank, reason, bad input)`` of not having its inputs (gathered only
         when one has not)."""
-        mine = None if failure is None else (self.rank, " ".join(str(failure).split()) or type(
-            failure).__name__, isinstance(failure, CrosskdError))  # fmt: skip
+        mine = (
+            None
+            if failure is None
+            else (
+                self.rank,
+                " ".join(str(failure).split()) or type(failure).__name__,
+                isinstance(failure, CrosskdError),
+            )
+        )
         if self.world == 1:
             return [mine]
         everyone = [None] * self.world
@@ -417,8 +479,9 @@ class Trainer:
     def step_micro_batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches (packed-row indices) of optimizer step ``step``."""
         rows = self.shard_order.step_rows(step, self.global_batch)
-        return rank_micro_batches(rows, self.mesh.dp_rank, self.layout.dp,
-                                  self.config.micro_batch_rows)  # fmt: skip
+        return rank_micro_batches(
+            rows, self.mesh.dp_rank, self.layout.dp, self.config.micro_batch_rows
+        )
 
     def step_inputs(self, step: int) -> list[tuple[Batch, LossPlan]]:
         """This rank's micro-batches of step ``step``, read, collated and planned (what the
@@ -426,9 +489,11 @@ class Trainer:
         return [self._plan(micro) for micro in self.step_micro_batches(step)]
 
     def train_step(
-        self, step: int, inputs: list[tuple[Batch, LossPlan]] | None = None,
+        self,
+        step: int,
+        inputs: list[tuple[Batch, LossPlan]] | None = None,
         failure: Exception | None = None,
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """One optimizer step (on ``inputs`` from :meth:`step_inputs`, read here when None);
         returns its metrics. ``failure``: why this rank has no inputs for the step; every rank
         then raises the same error (:meth:`_counts`)."""
@@ -460,12 +525,19 @@ class Trainer:
         self.optimizer.step()
         if step == self.start:
             self.state_bytes = state_bytes(self.student, self.optimizer)
-            log.info("rank %d holds %s MiB of parameters, gradients and optimizer state", self.rank,
-                     " + ".join(f"{v / 2**20:.1f}" for v in self.state_bytes.values()))  # fmt: skip
+            log.info(
+                "rank %d holds %s MiB of parameters, gradients and optimizer state",
+                self.rank,
+                " + ".join(f"{v / 2**20:.1f}" for v in self.state_bytes.values()),
+            )
         self.optimizer.zero_grad(set_to_none=True)
-        return {**totals, "kd_scale": scale, "lr": lr_at(step, cfg),
-                "grad_norm": float(grad_norm), "tokens": float(counts.tokens),
-                } | summarize(sums)  # fmt: skip
+        return {
+            **totals,
+            "kd_scale": scale,
+            "lr": lr_at(step, cfg),
+            "grad_norm": float(grad_norm),
+            "tokens": float(counts.tokens),
+        } | summarize(sums)
 
     def _read_reported(
         self, step: int, reported: list[tuple[torch.Tensor, ReportLayout]]
@@ -498,8 +570,9 @@ class Trainer:
         slice of the vocabulary or of the positions)."""
         if self.mesh.loss is not None:
             return sharded_loss(logits, plan, self.config.loss, counts, self.mesh.loss)
-        return compute_loss(logits, plan, self.config.loss, counts,
-                            reduce=self._reduce if self.world > 1 else None)  # fmt: skip
+        return compute_loss(
+            logits, plan, self.config.loss, counts, reduce=self._reduce if self.world > 1 else None
+        )
 
     def _forward(self, student) -> torch.Tensor:
         """Logits ``[B, L / cp, V / tp]`` of the student's side of a batch: the call every
@@ -510,12 +583,19 @@ class Trainer:
             width = student.input_ids.shape[1] // self.layout.cp
             window = (self.mesh.coordinate("cp") * width, (self.mesh.coordinate("cp") + 1) * width)
         inputs = packed_inputs(
-            self.attention, student.input_ids, student.segment_ids, student.position_ids,
-            next(self.model.parameters()).dtype, window, self.windows, self.device,
+            self.attention,
+            student.input_ids,
+            student.segment_ids,
+            student.position_ids,
+            next(self.model.parameters()).dtype,
+            window,
+            self.windows,
+            self.device,
             packed=self.packed,
-        )  # fmt: skip
-        with torch.autocast(self.device.type, dtype=self.compute_dtype,
-                            enabled=self.compute_dtype is not None):  # fmt: skip
+        )
+        with torch.autocast(
+            self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None
+        ):
             logits = self.wrapped(use_cache=False, **inputs).logits
         return logits.reshape(student.input_ids.shape[0], -1, logits.shape[-1])
 
@@ -528,10 +608,16 @@ class Trainer:
         budget = self.config.micro_batch_rows * int(self.data.manifest["models"][0]["capacity"])
         # Under FSDP2 every forward pass is a collective: the ranks run theirs in lockstep.
         lockstep = Lockstep(self.model, self.device) if self.layout.dp_shard > 1 else None
-        bits, n_bytes = nll_bits_and_bytes(self.model, shares, self.student_tok.bytes.lengths,
-                                           device=self.device, token_budget=budget,
-                                           targets=targets, lockstep=lockstep,
-                                           compute_dtype=self.compute_dtype)  # fmt: skip
+        bits, n_bytes = nll_bits_and_bytes(
+            self.model,
+            shares,
+            self.student_tok.bytes.lengths,
+            device=self.device,
+            token_budget=budget,
+            targets=targets,
+            lockstep=lockstep,
+            compute_dtype=self.compute_dtype,
+        )
         total = self._reduce(torch.tensor([bits, float(n_bytes)], dtype=torch.float64))
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
@@ -547,8 +633,13 @@ class Trainer:
         history = []
         last = cfg.steps if stop_after is None else min(cfg.steps, self.start + stop_after)
         eval_every = cfg.checkpoint_every if cfg.eval_every is None else cfg.eval_every
-        bar = tqdm(total=cfg.steps, initial=self.start, desc="train", unit="step",
-                   disable=not self.progress or self.rank != 0)  # fmt: skip
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.start,
+            desc="train",
+            unit="step",
+            disable=not self.progress or self.rank != 0,
+        )
         inputs = Prefetcher(self.step_inputs, range(self.start, last), cfg.prefetch_steps)
         with _sigterm_flag() as stop, contextlib.closing(inputs):
             for step in range(self.start, last):
@@ -563,7 +654,7 @@ class Trainer:
                 done = self.done = step + 1
                 if self.eval_sequences is not None and (
                     done == cfg.steps or (eval_every and done % eval_every == 0)
-                ):  # fmt: skip
+                ):
                     metrics["heldout_bits_per_byte"] = self.heldout_bits_per_byte()
                 self.exporter.record(done, metrics, seconds)
                 if self.rank == 0:
@@ -572,20 +663,28 @@ class Trainer:
                 if "heldout_bits_per_byte" in metrics:
                     self.last_heldout = (done, metrics["heldout_bits_per_byte"])
                     self._keep_best(*self.last_heldout)
-                saved = done == cfg.steps or (cfg.checkpoint_every
-                                              and done % cfg.checkpoint_every == 0)  # fmt: skip
+                saved = done == cfg.steps or (
+                    cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+                )
                 if saved:
                     self._checkpoint(done)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-                log.info("step %d/%d loss %.4f ce %.4f kd %.4f", done, cfg.steps,
-                         metrics["loss"], metrics["ce"], metrics["kd"])  # fmt: skip
+                log.info(
+                    "step %d/%d loss %.4f ce %.4f kd %.4f",
+                    done,
+                    cfg.steps,
+                    metrics["loss"],
+                    metrics["ce"],
+                    metrics["kd"],
+                )
                 if not self._all_ok(not stop.is_set()):
                     if not saved:
                         self._checkpoint(done)
                     bar.close()
-                    raise Stopped(f"stopped by SIGTERM after step {done} (checkpointed); run "
-                                  f"again to resume.")  # fmt: skip
+                    raise Stopped(
+                        f"stopped by SIGTERM after step {done} (checkpointed); run again to resume."
+                    )
         bar.close()
         return history
 
@@ -600,11 +699,17 @@ class Trainer:
         what = f"write checkpoint step {step} to {uri}"
         self._on_rank0(what, lambda: begin_checkpoint(uri, step))
         self._together(what, lambda: write_parts(uri, step, self.student, self.optimizer))
-        self._on_rank0(what, lambda: publish_checkpoint(
-            uri, step, self.student, self.optimizer,
-            {"seed": self.config.seed, "data_order": self.order.to_json(), "best": self.best},
-            keep=self.config.keep_checkpoints,
-        ))  # fmt: skip
+        self._on_rank0(
+            what,
+            lambda: publish_checkpoint(
+                uri,
+                step,
+                self.student,
+                self.optimizer,
+                {"seed": self.config.seed, "data_order": self.order.to_json(), "best": self.best},
+                keep=self.config.keep_checkpoints,
+            ),
+        )
         self.exporter.checkpoint_seconds.observe(time.perf_counter() - started)
         self.exporter.checkpoint.set(step)
         if self.rank == 0:
@@ -627,13 +732,20 @@ class Trainer:
         """Write the student to ``path`` as a model folder: gathered by every rank into a local
         folder of rank 0, every file copied into ``path.tmp``, then renamed,
         ``crosskd-model.json`` last (rank 0; the others wait)."""
-        info = {"step": step, "heldout_bits_per_byte": heldout, "best": self.best,
-                "data_order": self.order.to_json()}  # fmt: skip
+        info = {
+            "step": step,
+            "heldout_bits_per_byte": heldout,
+            "best": self.best,
+            "data_order": self.order.to_json(),
+        }
         with tempfile.TemporaryDirectory() as local:
-            self._together(f"gather the model for {path}", lambda: save_gathered(
-                self.student, Path(local) if self.rank == 0 else None))  # fmt: skip
-            self._on_rank0(f"write the model folder {path}",
-                           lambda: self._write_model(path, Path(local), info))  # fmt: skip
+            self._together(
+                f"gather the model for {path}",
+                lambda: save_gathered(self.student, Path(local) if self.rank == 0 else None),
+            )
+            self._on_rank0(
+                f"write the model folder {path}", lambda: self._write_model(path, Path(local), info)
+            )
 
     def _write_model(self, path: str, local: Path, info: dict) -> None:
         fs, root = fsspec.core.url_to_fs(path)

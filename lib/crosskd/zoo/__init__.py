@@ -52,9 +52,17 @@ from crosskd.zoo.files import (
 )
 
 __all__ = [
-    "INSTALL_HINT", "LLAMA3_PATTERN", "QWEN2_PATTERN", "ZOO_FORMAT_VERSION", "ZOO_NAMES",
-    "ZooBuildError", "ZooSourceMissingError", "bpe_ranks", "train_tiny_bpe", "zoo_tokenizer_dir",
-]  # fmt: skip
+    "INSTALL_HINT",
+    "LLAMA3_PATTERN",
+    "QWEN2_PATTERN",
+    "ZOO_FORMAT_VERSION",
+    "ZOO_NAMES",
+    "ZooBuildError",
+    "ZooSourceMissingError",
+    "bpe_ranks",
+    "train_tiny_bpe",
+    "zoo_tokenizer_dir",
+]
 
 logger = logging.getLogger(__name__)
 

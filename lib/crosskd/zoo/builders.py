@@ -59,17 +59,39 @@ DEEPSEEK_V3_TEMPLATE = (
 # Qwen added tokens from id 151643 on, in id order: (content, special).
 QWEN_FIRST_ADDED_ID = 151643
 _QWEN2_ADDED: tuple[tuple[str, bool], ...] = (
-    *((f"<|{name}|>", True) for name in (
-        "endoftext", "im_start", "im_end", "object_ref_start", "object_ref_end", "box_start",
-        "box_end", "quad_start", "quad_end", "vision_start", "vision_end", "vision_pad",
-        "image_pad", "video_pad",
-    )),
+    *(
+        (f"<|{name}|>", True)
+        for name in (
+            "endoftext",
+            "im_start",
+            "im_end",
+            "object_ref_start",
+            "object_ref_end",
+            "box_start",
+            "box_end",
+            "quad_start",
+            "quad_end",
+            "vision_start",
+            "vision_end",
+            "vision_pad",
+            "image_pad",
+            "video_pad",
+        )
+    ),
     ("<tool_call>", False),
     ("</tool_call>", False),
-    *((f"<|{name}|>", False) for name in (
-        "fim_prefix", "fim_middle", "fim_suffix", "fim_pad", "repo_name", "file_sep",
-    )),
-)  # fmt: skip
+    *(
+        (f"<|{name}|>", False)
+        for name in (
+            "fim_prefix",
+            "fim_middle",
+            "fim_suffix",
+            "fim_pad",
+            "repo_name",
+            "file_sep",
+        )
+    ),
+)
 _QWEN3_ADDED: tuple[tuple[str, bool], ...] = (
     *_QWEN2_ADDED,
     *((token, False) for token in ("<tool_response>", "</tool_response>", "<think>", "</think>")),
@@ -286,5 +308,3 @@ BUILDERS: Mapping[str, Callable[[Path], None]] = MappingProxyType(
         "smollm2": _build_smollm2,
     }
 )
-
-

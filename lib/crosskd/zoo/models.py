@@ -33,8 +33,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODEL_FORMAT_VERSION = 1
-SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "initializer_range")  # fmt: skip
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "initializer_range",
+)
 """Keys of a random-init Llama's shape (``initializer_range``: the weights' init std; a larger
 one makes sharper next-token distributions, for stand-in teachers in tests)."""
 ZOO_MODELS = ("smollm2",)
@@ -46,17 +52,24 @@ def check_shape(key: str, shape: object) -> None:
     :data:`SHAPE_KEYS`, or a value that is not a positive integer (``initializer_range``: a
     positive number)."""
     if not isinstance(shape, dict):
-        raise ConfigError(f"{key} is {shape!r}; it must be a mapping such as "
-                          f"{{hidden_size: 256, num_hidden_layers: 4}}.")  # fmt: skip
+        raise ConfigError(
+            f"{key} is {shape!r}; it must be a mapping such as "
+            f"{{hidden_size: 256, num_hidden_layers: 4}}."
+        )
     unknown = sorted(set(shape) - set(SHAPE_KEYS))
     if unknown:
-        raise ConfigError(f"{key} has unknown key(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(SHAPE_KEYS)}.")  # fmt: skip
+        raise ConfigError(
+            f"{key} has unknown key(s) {', '.join(unknown)}; known: {', '.join(SHAPE_KEYS)}."
+        )
     for name, value in shape.items():
         number = int | float if name == "initializer_range" else int
         if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
-            raise ConfigError(f"{key}.{name} is {value!r}; it must be a positive "
-                              f"{'integer' if number is int else 'number'}.")  # fmt: skip
+            raise ConfigError(
+                f"{key}.{name} is {value!r}; it must be a positive "
+                f"{'integer' if number is int else 'number'}."
+            )
+
+
 GGUF_HINT = "pip install 'crosskd[gguf]'"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -117,12 +130,22 @@ def new_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     check_shape("model shape", shape)
-    values = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2} | shape  # fmt: skip
+    values = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    } | shape
     config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, **values,
-    )  # fmt: skip
+        vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **values,
+    )
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
