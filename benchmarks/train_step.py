@@ -29,9 +29,9 @@ printed too.
 The CE-only trainer: a ``TrainConfig`` cannot name no teacher (``LossConfig`` refuses an empty
 ``teachers`` and ``crosskd prepare`` needs a teacher, while ``TrainConfig`` wants one
 ``teachers`` entry per prepared teacher), and the pipeline's own CE-only run (``kd_weight: 0``
-with the teacher's cache, :func:`crosskd.steps.inputs.train_values`) still computes the KD term
-(times 0), so it is no baseline. So the CE trainer is built from that config (same data, cache
-and tables; ``kd_weight`` 0) and then, after ``setup()``, given no teachers: its
+with the teacher's cache, :meth:`crosskd.steps.config.RunConfig.train_values`) still computes
+the KD term (times 0), so it is no baseline. So the CE trainer is built from that config (same
+data, cache and tables; ``kd_weight`` 0) and then, after ``setup()``, given no teachers: its
 ``trainer.teachers`` is an empty :class:`crosskd.train.teachers.TrainingTeachers` and its
 ``config.loss`` a ``LossConfig`` whose ``teachers`` list is emptied after it is built. Its
 ``step_inputs`` then read and collate the student side only and plan the CE targets only, and

@@ -116,10 +116,12 @@ def distill(
         "corpus_bytes": 20000,
         "heldout_every": 5,
         "max_length": 64,
-        "micro_batch_rows": 4,
-        "lr": 0.003,
-        "warmup_steps": 2,
-        "loss": {"dynamic_kd_scale": True},
+        "train": {
+            "micro_batch_rows": 4,
+            "lr": 0.003,
+            "warmup_steps": 2,
+            "loss": {"dynamic_kd_scale": True},
+        },
         "token_budget": 1024,
     },
     score_pods: int = 1,
@@ -134,7 +136,8 @@ def distill(
     s3_secret: str = "crosskd-s3",
     metrics_port: int = 9400,
 ) -> dict:
-    """One distillation run. ``options``: any other RunConfig key (``docs/config.md``);
+    """One distillation run. ``steps``: the RunConfig's ``train.steps``; ``options``: any other
+    RunConfig key (``docs/config.md``; its ``train`` mapping any other training key);
     ``job``: any other JobConfig key of the training PyTorchJob (tolerations, node selector,
     ...; its pods get ``s3_secret`` unless ``job`` names another); ``executor``: ``cluster`` (a
     PyTorchJob), ``local`` (the local executor, this machine) or ``inprocess``; ``score_gpus``

@@ -63,7 +63,7 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
         "tiny",
         [
             f"output={tmp_path / 'root'}",
-            "steps=3",
+            "train.steps=3",
             "ood_data=machine:licences",
             "ood_bytes=2000",
             "score_pods=2",

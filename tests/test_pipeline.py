@@ -162,7 +162,7 @@ def tiny_run(s3, tmp_path_factory):
         "tiny",
         [
             "output=s3://crosskd-test/pipeline",
-            "steps=4",
+            "train.steps=4",
             "shard_rows=2",
             "score_pods=2",
             "ood_data=machine:licences",
@@ -354,7 +354,7 @@ def test_preset_arguments_for_a_local_run(monkeypatch):
     """A preset as pipeline arguments: the local executor, no GPU anywhere, every run key that is
     not a parameter of its own in ``options``, and the S3 Secret only when this machine has S3
     credentials (the local executor reads a Secret's keys from the environment)."""
-    config = load_run_config(None, "demo", ["output=out", "steps=7"])
+    config = load_run_config(None, "demo", ["output=out", "train.steps=7"])
     monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
     arguments = preset_arguments(config)
     assert arguments["s3_secret"] == ""
@@ -366,6 +366,15 @@ def test_preset_arguments_for_a_local_run(monkeypatch):
     assert arguments["output_root"] == "out" and arguments["steps"] == 7
     assert arguments["metrics_port"] == 0  # a free port: 9400 may be taken on this machine
     assert arguments["teachers"] == ["zoo:smollm2"] and "steps" not in arguments["options"]
+    # train.steps is the pipeline's own ``steps``; the other training keys stay in options.
+    assert arguments["options"]["train"] == {
+        "micro_batch_rows": 4,
+        "lr": 0.003,
+        "warmup_steps": 10,
+        "loss": {"dynamic_kd_scale": True, "divergence": "forward_kl"},
+    }
+    unset = load_run_config(None, None, ["output=out"])
+    assert preset_arguments(unset)["steps"] == 100  # TrainConfig's default, not the pipeline's
     assert arguments["options"]["student_tokenizer"] == "zoo:llama3"
     assert "device" not in arguments["options"]  # None is left out: KFP carries no nulls
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")

@@ -139,19 +139,67 @@ def test_merging_refuses_ranges_of_another_teacher(tmp_path):
     "options, message",
     [
         ({"stepz": 3}, r"options: unknown key\(s\) stepz"),
-        ({"steps": 3}, r"options sets steps, which the pipeline takes as parameter"),
+        ({"train": {"steps": 3}}, r"options sets train\.steps, which the pipeline takes as "),
+        ({"steps": 3}, r"options: unknown key\(s\) steps; known keys: .*, train, "),
+        ({"train": {"stepz": 3}}, r"train: unknown key\(s\) stepz; known keys: "),
+        ({"train": {"seed": 3}}, r"train: unknown key\(s\) seed; .*\(the run sets student, "),
+        ({"train": {"lr": "fast"}}, r"train: lr is 'fast'"),
+        ({"train": {"loss": {"tau": 2.0}}}, r"train\.loss\.tau is set; the run sets it"),
         ({"max_length": 0}, r"max_length is 0; it must be an integer >= 1"),
-        ({"loss": {"kd_weight": -1}}, r"loss\.kd_weight"),
+        ({"train": {"loss": {"kd_weight": -1}}}, r"train: loss\.kd_weight"),
         ({"student_shape": {"layers": 4}}, r"student_shape has unknown key\(s\) layers; known: "),
         ({"teacher_shape": [64]}, r"teacher_shape is \[64\]; it must be a mapping"),
         ({"student_shape": {"hidden_size": 0}}, r"student_shape.hidden_size is 0; it must be a "),
-        ({"loss": {"kd": "uldx"}}, r"kd is 'uldx'; choose one of csd, uld"),
+        ({"train": {"loss": {"kd": "uldx"}}}, r"kd is 'uldx'; choose one of csd, uld"),
         ({"pack": "no"}, r"pack is 'no'; write true or false"),
     ],
 )
 def test_pipeline_options_are_refused_by_name(options, message):
     with pytest.raises(ConfigError, match=message):
-        steps.run_config_from_parameters({"output": "o", "steps": 2}, options)
+        steps.run_config_from_parameters({"output": "o", "train": {"steps": 2}}, options)
+
+
+def test_run_config_nests_the_training_keys(tmp_path):
+    """``train`` holds TrainConfig keys: ``train.KEY=VALUE`` overrides merge into it at any depth,
+    a key left out takes TrainConfig's default, and what the run sets (student, data, output,
+    teachers, seed, the loss's tau and teacher entries) comes from the run."""
+    preset = steps.load_run_config(None, "tiny", ["output=o", "train.loss.kd_weight=0.5"])
+    assert preset.train == {
+        "steps": 12,
+        "micro_batch_rows": 4,
+        "lr": 0.003,
+        "warmup_steps": 2,
+        "loss": {"dynamic_kd_scale": True, "kd_weight": 0.5},
+    }
+    file = tmp_path / "run.yaml"
+    file.write_text("train: {steps: 5}\nseed: 3\ntau: 2.0\n")
+    config = steps.load_run_config(str(file), "tiny", ["output=o"])
+    assert config.train["steps"] == 5 and config.train["lr"] == 0.003  # merged, not replaced
+    values = config.train_values(
+        student="s",
+        data="d",
+        output="out",
+        caches=["c"],
+        tables=[{"s2t": "a", "t2s": "b"}],
+        kd=False,
+    )
+    assert values["seed"] == 3 and values["steps"] == 5 and "grad_accum" not in values
+    assert values["loss"] == {
+        "dynamic_kd_scale": False,
+        "kd_weight": 0.0,
+        "tau": 2.0,
+        "teachers": [{"k": 16, "student_to_teacher": "a", "teacher_to_student": "b"}],
+    }
+    assert (values["student"], values["data"], values["output"], values["teachers"]) == (
+        "s",
+        "d",
+        "out",
+        ["c"],
+    )
+    with pytest.raises(ConfigError, match=r"train is \[3\]; give a mapping of TrainConfig keys"):
+        steps.RunConfig(output="o", train=[3])
+    with pytest.raises(CrosskdError, match=r"override 'train.steps.x=1'"):
+        steps.load_run_config(None, "tiny", ["output=o", "train=3", "train.steps.x=1"])
 
 
 def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
@@ -168,7 +216,7 @@ def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
     with pytest.raises(ConfigError, match="gpus_per_node is -1"):
         steps.validate_inputs(config, job={"image": "i", "gpus_per_node": -1}, executor="local")
     # The training layout must fit the job's workers (or the one in-process worker).
-    sharded = replace(config, parallel={"dp_shard": 4})
+    sharded = replace(config, train={"parallel": {"dp_shard": 4}})
     with pytest.raises(
         ConfigError,
         match=r"parallel \{'dp_shard': 4\} does not fit this job's "
@@ -306,7 +354,7 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
         ood_data=str(ood),
         max_length=48,
         k=8,
-        steps=2,
+        train={"steps": 2},
         compare_ce_only=False,
         token_budget=512,
     )
@@ -379,7 +427,7 @@ def test_chat_distillation_end_to_end(train_inputs, tmp_path):
         heldout_fraction=0.25,
         max_length=256,
         k=8,
-        steps=2,
+        train={"steps": 2},
         token_budget=2048,
         device="cpu",
     )

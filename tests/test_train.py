@@ -519,7 +519,7 @@ def test_distill_tiny_preset_end_to_end(tmp_path, capsys):
     from crosskd.cli import main
 
     out = tmp_path / "distill"
-    assert main(["distill", "--preset", "tiny", f"output={out}", "steps=6"]) == 0
+    assert main(["distill", "--preset", "tiny", f"output={out}", "train.steps=6"]) == 0
     printed = capsys.readouterr().out
     assert f"report: {out}/report/index.html" in printed
     metrics = json.loads((out / "report" / "metrics.json").read_text())
@@ -616,9 +616,11 @@ def test_a_checkpoint_for_another_optimizer_or_without_param_groups_is_refused(t
 def test_distill_refuses_loss_keys_it_sets(tmp_path, capsys):
     from crosskd.cli import main
 
-    code = main(["distill", "--preset", "tiny", f"output={tmp_path}", "loss={tau: 2.0}"])
+    code = main(["distill", "--preset", "tiny", f"output={tmp_path}", "train.loss.tau=2.0"])
     assert code == 2
-    assert "loss.tau is set; the run sets it from the top-level keys" in capsys.readouterr().err
+    assert (
+        "train.loss.tau is set; the run sets it from the top-level keys" in capsys.readouterr().err
+    )
 
 
 def test_online_teacher_trains_like_the_cache(setup, tmp_path):

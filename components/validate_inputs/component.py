@@ -53,7 +53,7 @@ def validate_inputs(
         "ood_data": ood_data,
         "k": k,
         "tau": tau,
-        "steps": steps,
+        "train": {"steps": steps},
         "compare_ce_only": compare_ce_only,
         "score_pods": score_pods,
     }

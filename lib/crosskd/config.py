@@ -2,8 +2,9 @@
 
 ``load_config(PrepareConfig, "prepare.yaml", ["max_length=4096", "pack=false"])``: the file's
 mapping first, then each override (its value parsed as YAML, so ``4096`` is an int, ``false`` a
-bool and ``[a, b]`` a list). A dotted key sets one key of a mapping-valued field
-(``loss.kd_weight=0.5``). Unknown top-level keys are refused with the list of known ones.
+bool and ``[a, b]`` a list). A dotted key sets one key of a mapping-valued field, at any depth
+(``loss.kd_weight=0.5``, ``train.loss.kd_weight=0.5``), keeping its other keys. Unknown
+top-level keys are refused with the list of known ones.
 """
 
 from __future__ import annotations
@@ -54,14 +55,11 @@ def load_config(
         key, sep, raw = item.partition("=")
         if not sep:
             raise CrosskdError(f"override {item!r}: write it as key=value.")
-        top, dot, sub = key.strip().partition(".")
+        top, *path = key.strip().split(".")
         value = yaml.safe_load(raw)
-        if dot:
+        if path:
             _checked({top: None}, known, f"override {item!r}")
-            inner = values.get(top, {})
-            if not isinstance(inner, dict):
-                raise CrosskdError(f"override {item!r}: {top} is not a mapping.")
-            value = {**inner, sub: value}
+            value = merged(values.get(top, {}), _nest(path, value), where=f"override {item!r}")
         values.update(_checked({top: value}, known, f"override {item!r}"))
     missing = [
         f.name
@@ -83,6 +81,30 @@ def load_config(
                 f"{f.name}=[a, b] (or a YAML list)."
             )
     return cls(**values)
+
+
+def merged(base: Any, update: Mapping[str, Any], where: str = "config") -> dict[str, Any]:
+    """``base`` (a mapping, or None for none) updated by ``update`` key by key: where both hold
+    a mapping under a key, the two are merged the same way, so ``{"train": {"steps": 5}}`` over
+    ``{"train": {"lr": 0.1}}`` keeps ``lr``. A non-mapping ``base`` is a
+    :class:`CrosskdError` naming ``where``."""
+    if base is None:
+        base = {}
+    if not isinstance(base, Mapping):
+        raise CrosskdError(f"{where}: {base!r} is not a mapping, so it has no keys to set.")
+    result = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
+            value = merged(result[key], value, where)
+        result[key] = value
+    return result
+
+
+def _nest(path: Sequence[str], value: Any) -> dict[str, Any]:
+    """``{"a": {"b": value}}`` for the dotted key path ``["a", "b"]``."""
+    for key in reversed(path[1:]):
+        value = {key: value}
+    return {path[0]: value}
 
 
 def _checked(values: Mapping[str, Any], known: set[str], where: str) -> dict[str, Any]:

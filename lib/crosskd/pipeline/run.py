@@ -21,6 +21,7 @@ from typing import Any
 
 from crosskd.errors import ConfigError
 from crosskd.steps.config import RunConfig
+from crosskd.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,11 @@ TOP_LEVEL = (
     "ood_data",
     "k",
     "tau",
-    "steps",
     "compare_ce_only",
     "score_pods",
 )
-"""RunConfig keys that are pipeline parameters of their own; the rest go into ``options``."""
+"""RunConfig keys that are pipeline parameters of their own (so is ``train.steps``: ``steps``);
+the rest go into ``options``."""
 LOCAL_JOB = {"cpu": "1", "memory": "2Gi", "grace_seconds": 30, "env": {"OMP_NUM_THREADS": "1"}}
 """The local executor's PyTorchJob settings (one CPU process, no GPU)."""
 
@@ -127,6 +128,9 @@ def preset_arguments(config: RunConfig) -> dict[str, Any]:
     values = {k: v for k, v in asdict(config).items() if v is not None}
     output = values.pop("output")
     arguments = {key: values.pop(key) for key in TOP_LEVEL}
+    train = dict(values.pop("train"))
+    arguments["steps"] = train.pop("steps", TrainConfig.steps)
+    values["train"] = train
     return {
         "output_root": output,
         **arguments,

@@ -3,16 +3,16 @@ the pipeline's parameters set. Presets ship with the package (``tiny``, ``demo``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from crosskd.config import load_config, require_positive_ints
+from crosskd.config import load_config, merged, require_positive_ints
 from crosskd.errors import ConfigError
-from crosskd.train.config import loss_from_mapping
+from crosskd.train.config import TrainConfig
 from crosskd.zoo.models import check_shape
 
 PRESETS = ("tiny", "demo", "chat-demo")
@@ -24,6 +24,9 @@ INIT = "init"
 """A model reference meaning a random-init Llama (of the ``*_shape`` for the ``*_tokenizer``)."""
 STDLIB = ""
 """``train_data`` unset: text from this machine's Python standard library (``corpus_bytes``)."""
+RUN_SETS = ("student", "data", "output", "teachers", "seed", "student_tokenizer", "student_shape")
+"""The :class:`crosskd.train.TrainConfig` keys the run sets itself (``RunConfig.train`` refuses
+them): the resolved student, its prepared data, run folder and teacher caches, and ``seed``."""
 LICENCES = "machine:licences"
 """``ood_data`` reference: ``ood_bytes`` of this machine's licence texts
 (:func:`crosskd.alignment.corpus.licence_documents`)."""
@@ -91,26 +94,19 @@ class RunConfig:
     """Teacher cache encoding: ``lossless`` or ``lossy``."""
     score_pods: int = 1
     """Scoring of each teacher is split over this many shard ranges (pods in the pipeline)."""
-    steps: int = 100
-    """Optimizer steps of each training run."""
-    micro_batch_rows: int = 4
-    """Packed rows per micro-batch per process."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    parallel: dict = field(default_factory=dict)
-    """The training layout (``crosskd train``'s ``parallel:`` keys: ``dp_replicate``,
-    ``dp_shard``, ``tp``, ``cp``); it must fit the training job's ``nodes * gpus_per_node``
-    workers (one process in process). Empty: data parallelism over every worker."""
-    activation_checkpointing: bool = False
-    """Recompute each student layer's activations in the backward pass (less memory)."""
-    lr: float = 3e-3
-    """Peak learning rate."""
-    warmup_steps: int = 10
-    """Linear warmup steps."""
     seed: int = 0
-    """Seed of the data order and of random-init models (teacher ``i``: ``seed + 1 + i``)."""
-    loss: dict = field(default_factory=dict)
-    """LossConfig keys (``tau`` and the teacher entries are filled in from the other keys)."""
+    """Seed of the data order and of random-init models (the student: ``seed``; teacher ``i``:
+    ``seed + 1 + i``)."""
+    train: dict = field(default_factory=dict)
+    """Settings of each training run (the KD student and the CE-only one): any
+    :class:`crosskd.train.TrainConfig` key except those the run sets itself (``student``,
+    ``data``, ``output``, ``teachers``, ``seed``, ``student_tokenizer``, ``student_shape``), for
+    example ``steps``, ``lr``, ``micro_batch_rows``, ``grad_accum``, ``parallel`` (it must fit
+    the training job's ``nodes * gpus_per_node`` workers; one process in process) or
+    ``activation_checkpointing``. ``loss`` takes :class:`crosskd.loss.LossConfig` keys except
+    ``tau`` and ``teachers`` (the run sets them from ``tau``, ``k`` and the built tables). A key
+    left out takes TrainConfig's default. Override one with ``train.KEY=VALUE``
+    (``train.loss.kd_weight=0.5``)."""
     compare_ce_only: bool = True
     """Also train the same student with CE only (kd_weight 0) on the same budget."""
     token_budget: int = 2048
@@ -119,13 +115,6 @@ class RunConfig:
     """Device of scoring and evaluation (``cpu``, ``cuda``; default: CUDA when available)."""
 
     def __post_init__(self) -> None:
-        for key in ("tau", "teachers"):
-            if key in self.loss:
-                raise ConfigError(
-                    f"loss.{key} is set; the run sets it from the top-level keys (tau, k and "
-                    f"the built tables). Remove loss.{key}."
-                )
-        loss_from_mapping(self.loss)  # every other loss key is checked now, not after scoring
         if (
             not isinstance(self.teachers, list)
             or not self.teachers
@@ -145,9 +134,6 @@ class RunConfig:
                 "shard_rows",
                 "k",
                 "score_pods",
-                "steps",
-                "micro_batch_rows",
-                "grad_accum",
                 "token_budget",
             ),
         )
@@ -166,6 +152,82 @@ class RunConfig:
                 raise ConfigError(f"{key} is {getattr(self, key)!r}; write true or false.")
         for key in ("teacher_shape", "student_shape"):
             check_shape(key, getattr(self, key))
+        self._check_train()
+
+    def _check_train(self) -> None:
+        """Refuse a ``train`` key the run sets, an unknown one, or a value
+        :class:`crosskd.train.TrainConfig` refuses, naming it under ``train.``."""
+        if not isinstance(self.train, dict):
+            raise ConfigError(
+                f"train is {self.train!r}; give a mapping of TrainConfig keys (steps, lr, ...)."
+            )
+        known = {f.name for f in fields(TrainConfig)} - set(RUN_SETS)
+        unknown = sorted(set(self.train) - known)
+        if unknown:
+            raise ConfigError(
+                f"train: unknown key(s) {', '.join(unknown)}; known keys: "
+                f"{', '.join(sorted(known))} (the run sets {', '.join(RUN_SETS)} itself)."
+            )
+        loss = self.train.get("loss", {})
+        if not isinstance(loss, dict):
+            raise ConfigError(f"train.loss is {loss!r}; give a mapping of LossConfig keys.")
+        for key in ("tau", "teachers"):
+            if key in loss:
+                raise ConfigError(
+                    f"train.loss.{key} is set; the run sets it from the top-level keys (tau, k "
+                    f"and the built tables). Remove train.loss.{key}."
+                )
+        n = len(self.teachers)
+        try:
+            TrainConfig(
+                **self.train_values(
+                    student="-",
+                    data="-",
+                    output="-",
+                    caches=["-"] * n,
+                    tables=[None] * n,
+                    kd=True,
+                )
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"train: {exc}") from exc
+
+    def train_values(
+        self,
+        *,
+        student: str,
+        data: str,
+        output: str,
+        caches: list[str],
+        tables: list[dict | None],
+        kd: bool,
+    ) -> dict[str, Any]:
+        """The ``crosskd train`` keys of one training run: ``train`` with what the run sets
+        (the resolved ``student`` folder, prepared ``data``, run ``output``, teacher ``caches``
+        and ``tables`` (``{"s2t", "t2s"}`` URIs, None for a same-tokenizer teacher), ``seed``,
+        and the loss's ``tau`` and teacher entries); ``kd`` False: the CE-only run
+        (``kd_weight`` 0)."""
+        loss = dict(self.train.get("loss", {}))
+        if not kd:
+            loss.update(kd_weight=0.0, dynamic_kd_scale=False)
+        loss["tau"] = self.tau
+        loss["teachers"] = [
+            {
+                "k": self.k,
+                "student_to_teacher": (t or {}).get("s2t"),
+                "teacher_to_student": (t or {}).get("t2s"),
+            }
+            for t in tables
+        ]
+        return {
+            **self.train,
+            "student": student,
+            "data": data,
+            "output": output,
+            "teachers": list(caches),
+            "seed": self.seed,
+            "loss": loss,
+        }
 
     def scoring(self) -> dict[str, Any]:
         """What changes a teacher cache: ``k``, ``tau``, ``encoding``, ``token_budget``,
@@ -186,22 +248,35 @@ class RunConfig:
 
 def run_config_from_parameters(parameters: dict[str, Any], options: dict[str, Any]) -> RunConfig:
     """The RunConfig of the pipeline's parameters: the keys that are parameters of their own
-    (``parameters``) and every other key (``options``); an unknown key, or one given twice,
+    (``parameters``; the pipeline's ``steps`` comes as ``{"train": {"steps": N}}``) and every
+    other key (``options``), mappings merged key by key; an unknown key, or one given in both,
     is a :class:`ConfigError` naming it."""
     known = set(RunConfig.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
+        own = {key for key, value in parameters.items() if not isinstance(value, dict)}
         raise ConfigError(
             f"options: unknown key(s) {', '.join(unknown)}; known keys: "
-            f"{', '.join(sorted(known - set(parameters)))}."
+            f"{', '.join(sorted(known - own))}."
         )
-    twice = sorted(set(options) & set(parameters))
+    twice = _overlap(options, parameters)
     if twice:
         raise ConfigError(
             f"options sets {', '.join(twice)}, which the pipeline takes as "
             f"parameter(s) of their own; set them there."
         )
-    return load_config(RunConfig, None, [], flags={**options, **parameters})
+    return load_config(RunConfig, None, [], flags=merged(options, parameters))
+
+
+def _overlap(first: dict[str, Any], second: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys both mappings set (a key where both hold a mapping is looked into)."""
+    keys = []
+    for key in sorted(set(first) & set(second)):
+        if isinstance(first[key], dict) and isinstance(second[key], dict):
+            keys += _overlap(first[key], second[key], f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def preset_path(name: str) -> str:
@@ -217,7 +292,9 @@ def preset_values(name: str) -> dict[str, Any]:
 
 
 def load_run_config(path: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
-    """A preset (or none), then the file, then ``key=value`` overrides."""
+    """A preset (or none), then the file, then ``key=value`` overrides; a mapping (``train``,
+    ``train.loss``) is merged key by key, so a file that sets ``train.steps`` keeps the preset's
+    ``train.lr``."""
     values: dict[str, Any] = {}
     for source in (preset_path(preset) if preset else None, path):
         if source is None:
@@ -230,5 +307,5 @@ def load_run_config(path: str | None, preset: str | None, overrides: list[str]) 
                 f"config {source}: unknown key(s) {', '.join(unknown)}; known keys: "
                 f"{', '.join(sorted(known))}."
             )
-        values.update(loaded)
+        values = merged(values, loaded)
     return load_config(RunConfig, None, overrides, flags=values)

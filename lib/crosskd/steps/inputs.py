@@ -199,14 +199,16 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
         token_budget=config.token_budget,
     ).check()
     train = TrainConfig(
-        **train_values(
-            config, student="-", data="-", output="-", caches=["-"] * n, tables=[None] * n, kd=True
+        **config.train_values(
+            student="-", data="-", output="-", caches=["-"] * n, tables=[None] * n, kd=True
         )
     )
     if job is not None:
         from crosskd.k8s.job import job_layout, load_job_config
 
-        job_layout(load_job_config(values={"run_id": "validate", **job}), config.parallel)
+        job_layout(
+            load_job_config(values={"run_id": "validate", **job}), config.train.get("parallel")
+        )
     else:
         try:
             train.parallel.resolved(1)
@@ -215,46 +217,6 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
                 f"{exc} In-process training is one process; use the local or "
                 f"cluster executor for a parallel layout."
             ) from exc
-
-
-def train_values(
-    config: RunConfig,
-    *,
-    student: str,
-    data: str,
-    output: str,
-    caches: list[str],
-    tables: list[dict | None],
-    kd: bool,
-) -> dict[str, Any]:
-    """The ``crosskd train`` keys of one training run of ``config`` (``kd`` False: CE only)."""
-    loss = dict(config.loss)
-    if not kd:
-        loss.update(kd_weight=0.0, dynamic_kd_scale=False)
-    loss["tau"] = config.tau
-    loss["teachers"] = [
-        {
-            "k": config.k,
-            "student_to_teacher": (t or {}).get("s2t"),
-            "teacher_to_student": (t or {}).get("t2s"),
-        }
-        for t in tables
-    ]
-    return {
-        "student": student,
-        "data": data,
-        "output": output,
-        "teachers": list(caches),
-        "loss": loss,
-        "steps": config.steps,
-        "micro_batch_rows": config.micro_batch_rows,
-        "grad_accum": config.grad_accum,
-        "lr": config.lr,
-        "warmup_steps": config.warmup_steps,
-        "seed": config.seed,
-        "parallel": dict(config.parallel),
-        "activation_checkpointing": config.activation_checkpointing,
-    }
 
 
 def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:

@@ -14,7 +14,7 @@ import yaml
 
 from crosskd.errors import ConfigError
 from crosskd.steps.config import EXECUTORS, RunConfig
-from crosskd.steps.inputs import train_values, variants
+from crosskd.steps.inputs import variants
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ def plan_training(
         )
     items = []
     for variant in variants(config):
-        values = train_values(
-            config,
+        values = config.train_values(
             student=plan["student"],
             data=prepared["train"],
             output=f"{run_dir.rstrip('/')}/{variant}",
