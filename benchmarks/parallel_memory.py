@@ -1,5 +1,5 @@
 """What each rank holds of the student's training state under each parallel layout: the bytes
-of parameters, gradients and AdamW state (``crosskd.train.parallelize.state_bytes``) after one
+of parameters, gradients and AdamW state (``crosskd.parallel.parallelize.state_bytes``) after one
 optimizer step, per rank, against one process holding all of it (measured in the same run).
 
     python benchmarks/parallel_memory.py [--hidden-size 512] [--layers 8] [--vocab 128256]
@@ -43,9 +43,9 @@ def _spread(shape: dict, vocab: int, parallel: dict):
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from crosskd.layout import ParallelLayout
-    from crosskd.train.mesh import build_train_mesh
-    from crosskd.train.parallelize import parallelize
+    from crosskd.parallel.layout import ParallelLayout
+    from crosskd.parallel.mesh import build_parallel_mesh
+    from crosskd.parallel.parallelize import parallelize
 
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -54,7 +54,7 @@ def _spread(shape: dict, vocab: int, parallel: dict):
     config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **shape)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
-    return parallelize(model, build_train_mesh(ParallelLayout(**parallel), torch.device("cpu")))
+    return parallelize(model, build_parallel_mesh(ParallelLayout(**parallel), torch.device("cpu")))
 
 
 def _leave() -> None:
@@ -68,7 +68,7 @@ def _rank(shape: dict, vocab: int, parallel: dict) -> dict:
     """One rank: the layout applied, one step, what this rank holds."""
     import torch
 
-    from crosskd.train.parallelize import state_bytes
+    from crosskd.parallel.parallelize import state_bytes
 
     student = _spread(shape, vocab, parallel)
     optimizer = torch.optim.AdamW(student.model.parameters(), lr=1e-4)
@@ -90,7 +90,7 @@ def _step_peak(shape: dict, vocab: int, parallel: dict, length: int) -> dict:
     import torch
     from inputs import rss
 
-    from crosskd.train.attention import packed_inputs
+    from crosskd.parallel.attention import packed_inputs
 
     student = _spread(shape, vocab, parallel)
     mesh = student.mesh
@@ -132,7 +132,7 @@ def run_layout(
         return [work(*args)]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from crosskd.train.launch import rendezvous
+    from crosskd.parallel.rendezvous import rendezvous
 
     launch = LaunchConfig(
         nproc_per_node=processes,

@@ -23,7 +23,7 @@ from crosskd.k8s.job import (
     job_name,
     load_job_config,
 )
-from crosskd.layout import ParallelLayout
+from crosskd.parallel.layout import ParallelLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 

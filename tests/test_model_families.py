@@ -19,16 +19,16 @@ from train_inputs import train_config
 
 from crosskd.data.collate import collate
 from crosskd.errors import ConfigError
-from crosskd.tokenization import load_tokenizer
-from crosskd.train import Trainer
-from crosskd.train.attention import (
+from crosskd.parallel.attention import (
     layer_windows,
     packed_inputs,
     refuse_state_mixers,
     state_mixers,
     varlen_bounds,
 )
-from crosskd.train.context_parallel import enable_context_parallel
+from crosskd.parallel.context import enable_context_parallel
+from crosskd.tokenization import load_tokenizer
+from crosskd.train import Trainer
 
 SMALL = {
     "vocab_size": 64,

@@ -538,11 +538,11 @@ def test_distill_tiny_preset_end_to_end(tmp_path, capsys):
 
 def _one_process(model: torch.nn.Module):
     """``model`` as a one-process student (what checkpoints are written from)."""
-    from crosskd.layout import ParallelLayout
-    from crosskd.train.mesh import build_train_mesh
-    from crosskd.train.parallelize import parallelize
+    from crosskd.parallel.layout import ParallelLayout
+    from crosskd.parallel.mesh import build_parallel_mesh
+    from crosskd.parallel.parallelize import parallelize
 
-    return parallelize(model, build_train_mesh(ParallelLayout(), torch.device("cpu")))
+    return parallelize(model, build_parallel_mesh(ParallelLayout(), torch.device("cpu")))
 
 
 def _saved_linear(folder) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from train_inputs import train_config
 
+from crosskd.parallel.rendezvous import rendezvous, shutdown_timeout
 from crosskd.train.launch import (
     EXIT_INPUT,
     EXIT_NONFINITE,
@@ -23,8 +24,6 @@ from crosskd.train.launch import (
     EXIT_SIGTERM,
     pod_exit_code,
     record_failure,
-    rendezvous,
-    shutdown_timeout,
 )
 
 

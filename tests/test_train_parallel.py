@@ -21,11 +21,11 @@ from train_workers import (
 )
 
 from crosskd.errors import ConfigError
-from crosskd.layout import ParallelLayout
 from crosskd.loss import LossConfig, TeacherLossConfig
+from crosskd.parallel.layout import ParallelLayout
+from crosskd.parallel.mesh import ParallelMesh
+from crosskd.parallel.parallelize import parallelize
 from crosskd.train import TrainConfig, Trainer
-from crosskd.train.mesh import TrainMesh
-from crosskd.train.parallelize import parallelize
 
 KEYS = ("loss", "ce", "kd", "kd_scale", "grad_norm", "tokens")
 
@@ -332,7 +332,7 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
         match=r"vocabulary has 330 entries, which parallel.tp = 4 "
         r"does not divide",
     ):
-        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None))
+        parallelize(model, ParallelMesh(layout, 0, torch.device("cpu"), None, None))
 
     class ScaledEmbedding(torch.nn.Embedding):  # as Gemma's: the lookup times sqrt(hidden)
         def forward(self, ids):
@@ -342,9 +342,9 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     model.set_input_embeddings(scaled)
     plain = r"needs a plain nn.Embedding and nn.Linear head; LlamaForCausalLM has "
     with pytest.raises(ConfigError, match=plain + "ScaledEmbedding and Linear"):
-        parallelize(model, TrainMesh(layout, 0, torch.device("cpu"), None, None))
+        parallelize(model, ParallelMesh(layout, 0, torch.device("cpu"), None, None))
     cp_only = ParallelLayout(cp=2).resolved(2)  # cp runs the model's own embedding and head
-    student = parallelize(model, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
+    student = parallelize(model, ParallelMesh(cp_only, 0, torch.device("cpu"), None, None))
     assert student.sliced == frozenset() and model.get_input_embeddings() is scaled
     dynamic = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     with pytest.raises(
@@ -352,7 +352,7 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
         match=r"LlamaForCausalLM uses 'dynamic' rotary embeddings, "
         r".* train it with parallel.cp=1",
     ):
-        parallelize(dynamic, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
+        parallelize(dynamic, ParallelMesh(cp_only, 0, torch.device("cpu"), None, None))
     flash = tiny_llama()
     flash.config._attn_implementation = "flash_attention_2"  # a micro-batch as one row
     with pytest.raises(
@@ -360,12 +360,12 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
         match=r"it has 'flash_attention_2' .* Set "
         r"attn_implementation to sdpa or eager",
     ):
-        parallelize(flash, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
+        parallelize(flash, ParallelMesh(cp_only, 0, torch.device("cpu"), None, None))
     layerless = tiny_llama()
     layerless._no_split_modules = []  # a model that names no decoder layer class
     layers = r"names no decoder layer class \(_no_split_modules\), so it cannot be split per "
     with pytest.raises(ConfigError, match=layers + r"layer .* parallel.cp=1"):
-        parallelize(layerless, TrainMesh(cp_only, 0, torch.device("cpu"), None, None))
+        parallelize(layerless, ParallelMesh(cp_only, 0, torch.device("cpu"), None, None))
     config = train_config(
         train_inputs, tmp_path / "eval", parallel={"tp": 2}, eval_data=train_inputs["heldout"]
     )

@@ -71,7 +71,7 @@ def test_flash_attention_gets_the_micro_batch_as_one_row_of_packed_samples():
     and the logits reshape back."""
     from transformers import modeling_flash_attention_utils as fa
 
-    from crosskd.train.attention import packed_inputs
+    from crosskd.parallel.attention import packed_inputs
 
     ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]])
     segments = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, -1, -1]])
@@ -88,7 +88,7 @@ def test_a_window_of_positions_gets_its_rows_of_the_whole_mask():
     """Context parallelism: the window [3, 6) of a packed batch is its ids and positions with
     the whole mask's rows of those queries over every key (worked out by hand for row 0);
     flash attention, one flattened row, refuses a window."""
-    from crosskd.train.attention import packed_inputs
+    from crosskd.parallel.attention import packed_inputs
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 4], [1, 2, 3, 4, 0, 0]])
     segments = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, -1, -1]])

@@ -237,13 +237,13 @@ def sync_copies_worker(rank: int, world: int, port: int, layouts: list[dict], ou
         import torch
         import torch.distributed as dist
 
-        from crosskd.layout import ParallelLayout
-        from crosskd.train.mesh import build_train_mesh
-        from crosskd.train.parallelize import local_part, parallelize
+        from crosskd.parallel.layout import ParallelLayout
+        from crosskd.parallel.mesh import build_parallel_mesh
+        from crosskd.parallel.parallelize import local_part, parallelize
 
         seen = {}
         for i, parallel in enumerate(layouts):
-            mesh = build_train_mesh(ParallelLayout.from_mapping(parallel), torch.device("cpu"))
+            mesh = build_parallel_mesh(ParallelLayout.from_mapping(parallel), torch.device("cpu"))
             torch.manual_seed(0)
             model = tiny_llama()
             student = parallelize(model, mesh)
@@ -272,12 +272,12 @@ def gather_failure_worker(rank: int, world: int, port: int, out: Path) -> None:
         import torch
         import torch.distributed as dist
 
-        from crosskd.layout import ParallelLayout
+        from crosskd.parallel.layout import ParallelLayout
+        from crosskd.parallel.mesh import build_parallel_mesh
+        from crosskd.parallel.parallelize import parallelize
         from crosskd.train.export import save_gathered
-        from crosskd.train.mesh import build_train_mesh
-        from crosskd.train.parallelize import parallelize
 
-        mesh = build_train_mesh(ParallelLayout(dp_shard=world), torch.device("cpu"))
+        mesh = build_parallel_mesh(ParallelLayout(dp_shard=world), torch.device("cpu"))
         student = parallelize(tiny_llama(), mesh)
         raised = None
         try:

@@ -28,8 +28,8 @@ import torch
 from crosskd.errors import ConfigError
 
 if TYPE_CHECKING:
+    from crosskd.parallel.parallelize import Lockstep
     from crosskd.tokenization import LoadedTokenizer
-    from crosskd.train.parallelize import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def nll_bits_and_bytes(
     count (their first entry is ignored: the first token has no prediction); None: every token
     after the first. ``lockstep``: for a model sharded over processes, called before every
     forward pass, and its ``finish()`` at the end
-    (:class:`crosskd.train.parallelize.Lockstep`). ``compute_dtype``: every forward pass (the
+    (:class:`crosskd.parallel.parallelize.Lockstep`). ``compute_dtype``: every forward pass (the
     lockstep's one-token passes included) runs under autocast to it, as the training steps do
     (None: the parameters' dtype)."""
     was_training = model.training

@@ -46,7 +46,7 @@ from kubernetes.utils import parse_quantity
 
 from crosskd.config import load_config
 from crosskd.errors import ConfigError, CrosskdError
-from crosskd.layout import ParallelLayout
+from crosskd.parallel.layout import ParallelLayout
 from crosskd.ranges import NODE_CACHE_BYTES_ENV, NODE_CACHE_ENV
 
 CONTAINER = "pytorch"

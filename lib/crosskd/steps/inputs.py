@@ -140,7 +140,7 @@ def validate_inputs(
 
 def _check_student_packs(student: str) -> None:
     """Refuse now, not after preparing and scoring, a pretrained ``student`` that packed rows
-    would train wrongly (:func:`crosskd.train.attention.refuse_state_mixers`): the model of its
+    would train wrongly (:func:`crosskd.parallel.attention.refuse_state_mixers`): the model of its
     ``config.json`` alone is built on the meta device (no weights are read). A model type this
     transformers does not know is left to the training step's own check."""
     import json
@@ -149,8 +149,8 @@ def _check_student_packs(student: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from crosskd.parallel.attention import layer_windows, refuse_state_mixers
     from crosskd.teacher.model import model_folder
-    from crosskd.train.attention import layer_windows, refuse_state_mixers
 
     if "://" in student and not student.startswith("file://"):
         with fsspec.open(f"{student.rstrip('/')}/config.json", "rb") as handle:

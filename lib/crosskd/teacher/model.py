@@ -34,7 +34,7 @@ class LoadedTeacher:
     """A teacher ready to score: ``model`` (eval mode, on ``device`` in ``dtype``), ``name``
     (the reference), ``folder`` (local), ``fingerprint`` and ``vocab_size`` (output rows);
     ``lockstep``: for a teacher sharded over processes, called before every forward pass
-    (:class:`crosskd.train.parallelize.Lockstep`)."""
+    (:class:`crosskd.parallel.parallelize.Lockstep`)."""
 
     name: str
     folder: Path

@@ -6,7 +6,7 @@ weights: every parameter on the meta device (no memory), while buffers (the rota
 ``inv_freq``, ...) are computed by the modules' own constructors, exactly as in an ordinary
 construction (transformers' ``from_pretrained`` recomputes these non-persistent buffers the same
 way, with the same functions; none of them is in a checkpoint). After
-:func:`crosskd.train.parallelize.parallelize` has sharded it (every parameter a DTensor whose
+:func:`crosskd.parallel.parallelize.parallelize` has sharded it (every parameter a DTensor whose
 rank-local part is a run of rows of dimension 0), :func:`load_shards` allocates the local
 parts on the device and fills each from the checkpoint
 (``safe_open(file).get_slice(name)[first:last]``: the memory-mapped file copies out those rows
@@ -37,8 +37,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from crosskd.parallel.parallelize import ParallelStudent, local_part
 from crosskd.teacher.model import TeacherError
-from crosskd.train.parallelize import ParallelStudent, local_part
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ the folder and the fingerprint and hash nothing. Their process group waits
 ``ScoreConfig.collective_timeout_s`` in a collective before it gives up (torch's NCCL default,
 10 minutes, is short for a large teacher). Each worker builds the teacher without its weights
 (parameters on the meta device) and shards it with FSDP2
-(:func:`crosskd.train.parallelize.parallelize` with ``dp_shard`` = ``processes``), then all
+(:func:`crosskd.parallel.parallelize.parallelize` with ``dp_shard`` = ``processes``), then all
 workers at once fill their own parts from the safetensors files, each reading only its rows of
 every weight (:mod:`crosskd.teacher.shard_load`, which logs each rank's progress). So a 70B
 bfloat16 teacher (140 GB) costs each GPU of an 8-GPU pod ~18 GB plus one gathered layer and the
@@ -23,7 +23,7 @@ Each worker scores a contiguous part of the pod's shard range with :func:`score_
 own range record), so every GPU computes at once on its own rows, and each row's logits stay on
 the GPU that computed them: nothing ``[tokens, V]`` is gathered. Because every forward pass is
 a collective, the workers run them in lockstep
-(:class:`~crosskd.train.parallelize.Lockstep`): a worker whose shards are
+(:class:`~crosskd.parallel.parallelize.Lockstep`): a worker whose shards are
 done joins the others' passes with a one-token batch until all are done.
 
 Why this and not a layer-wise ``device_map`` (accelerate): that keeps one GPU busy at a time
@@ -68,12 +68,12 @@ def load_sharded_teacher(
     and loaded by all of them at once, each reading only its rows
     (:func:`crosskd.teacher.shard_load.load_shards`; ``progress``: a bar of it). Its
     fingerprint is ``teacher_fingerprint`` (the parent's hash of ``folder``)."""
-    from crosskd.layout import ParallelLayout
+    from crosskd.parallel.layout import ParallelLayout
+    from crosskd.parallel.mesh import build_parallel_mesh
+    from crosskd.parallel.parallelize import Lockstep, parallelize
     from crosskd.teacher.shard_load import empty_model, load_shards, missing_names
-    from crosskd.train.mesh import build_train_mesh
-    from crosskd.train.parallelize import Lockstep, parallelize
 
-    mesh = build_train_mesh(ParallelLayout(dp_shard=dist.get_world_size()), device)
+    mesh = build_parallel_mesh(ParallelLayout(dp_shard=dist.get_world_size()), device)
     dtype = teacher_dtype(config.dtype, device)
     model = empty_model(folder, dtype, trust_remote_code=config.trust_remote_code)
     missing = missing_names(model, folder)
@@ -110,8 +110,8 @@ def _whole_in_turns(config: Any, folder: Path, dtype: torch.dtype, mesh) -> torc
     other failure of a turn ends that process, and the elastic agent then stops the others."""
     from transformers import AutoModelForCausalLM
 
+    from crosskd.parallel.parallelize import parallelize
     from crosskd.teacher.model import TeacherError
-    from crosskd.train.parallelize import parallelize
 
     rank, model, failure = dist.get_rank(), None, None
     for turn in range(dist.get_world_size()):
@@ -215,8 +215,8 @@ def score_on_processes(
 
     from crosskd.data.collate import load_prepared
     from crosskd.errors import CrosskdError
+    from crosskd.parallel.rendezvous import rendezvous
     from crosskd.teacher.scoring import begin_cache
-    from crosskd.train.launch import rendezvous
 
     config.check()
     prepared = load_prepared(config.data)

@@ -1,9 +1,8 @@
-"""Student training: :class:`TrainConfig`, the :class:`Trainer` (setup, train, save), the
-parallel layout (:class:`ParallelLayout`), the data order, packed attention inputs and
-checkpoints without pickle."""
+"""Student training: :class:`TrainConfig`, the :class:`Trainer` (setup, train, save), the data
+order, checkpoints without pickle, the training pod's entry point and the export of the
+finished model. The parallelism it uses is :mod:`crosskd.parallel`'s."""
 
 from crosskd.errors import NonFiniteLoss, TrainingError
-from crosskd.layout import ParallelLayout
 from crosskd.train.config import TrainConfig
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.trainer import Trainer, finished_model, lr_at
@@ -11,7 +10,6 @@ from crosskd.train.trainer import Trainer, finished_model, lr_at
 __all__ = [
     "DataOrder",
     "NonFiniteLoss",
-    "ParallelLayout",
     "ShardOrder",
     "TrainConfig",
     "Trainer",

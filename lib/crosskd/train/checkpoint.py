@@ -5,7 +5,7 @@ A checkpoint is a folder ``step-NNNNNNN/`` holding, per rank ``r``:
 
 * ``rank-0000r.safetensors``: the parts of the student's parameters (``model.<name>``) and of
   their AdamW state (``optim.<name>.<key>``) that this rank writes (of the ranks that hold the
-  same part, the first: :class:`crosskd.train.parallelize.Placement`), and its torch RNG
+  same part, the first: :class:`crosskd.parallel.parallelize.Placement`), and its torch RNG
   states (``rng.torch``, on GPU ``rng.cuda``);
 * ``rank-0000r.json``: where each of those parts lies in the whole tensor (offset, size);
 
@@ -38,7 +38,7 @@ from safetensors.torch import save
 
 from crosskd.artifacts import move_folder
 from crosskd.errors import CrosskdError
-from crosskd.train.parallelize import ParallelStudent, local_part
+from crosskd.parallel.parallelize import ParallelStudent, local_part
 
 FORMAT = 2
 LATEST = "latest.json"

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crosskd.errors import ConfigError
-from crosskd.layout import ParallelLayout
 from crosskd.loss import LossConfig
+from crosskd.parallel.layout import ParallelLayout
 from crosskd.zoo.models import check_shape
 
 INIT = "init"

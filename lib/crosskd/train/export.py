@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor
 
-from crosskd.train.parallelize import ParallelStudent
+from crosskd.parallel.parallelize import ParallelStudent
 
 MAX_FILE_BYTES = 2 * 1024**3
 """The largest safetensors file of a written model folder (bytes)."""

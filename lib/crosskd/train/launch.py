@@ -35,12 +35,9 @@ not count): each retryable failure other than SIGTERM is recorded in
 new checkpoint starts the count again, so a long run that keeps making progress is never
 stopped by it.
 
-Rendezvous: static, from what the operator injects (``MASTER_ADDR``, ``MASTER_PORT``,
-``PET_NNODES``, ``PET_NODE_RANK``; Master + Workers); c10d when ``PET_RDZV_BACKEND`` and
-``PET_RDZV_ENDPOINT`` are set (the job's elastic policy); on one machine with neither, a static
-rendezvous on a free loopback port. The agent's ``shutdown_timeout`` (how long it waits for the
-workers after forwarding SIGTERM, then SIGKILL) is ``CROSSKD_GRACE_SECONDS`` (the pod's
-``terminationGracePeriodSeconds``) minus a margin.
+The rendezvous (static from the operator's environment, c10d under an elastic policy) and the
+agent's shutdown timeout (``CROSSKD_GRACE_SECONDS`` minus a margin) come from
+:mod:`crosskd.parallel.rendezvous`.
 """
 
 from __future__ import annotations
@@ -49,13 +46,12 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
-import uuid
 
 import fsspec
 
-from crosskd.errors import ConfigError, CrosskdError, NonFiniteLoss, Stopped
+from crosskd.errors import CrosskdError, NonFiniteLoss, Stopped
+from crosskd.parallel.rendezvous import rendezvous, shutdown_timeout
 from crosskd.train.checkpoint import latest_step
 from crosskd.train.config import TrainConfig
 
@@ -68,9 +64,6 @@ EXIT_RESTART_BUDGET = 4
 EXIT_SIGTERM = Stopped.exit_code
 EXIT_RETRYABLE = 200
 PERMANENT = (EXIT_INPUT, EXIT_NONFINITE, EXIT_RESTART_BUDGET)
-GRACE_ENV = "CROSSKD_GRACE_SECONDS"
-GRACE_MARGIN_S = 5
-"""Seconds of the grace period kept for the agent itself after the workers stop."""
 
 
 def pod_exit_code(worker_codes: list[int]) -> int:
@@ -83,54 +76,6 @@ def pod_exit_code(worker_codes: list[int]) -> int:
     if worker_codes and all(c in (EXIT_SIGTERM, -signal.SIGTERM) for c in worker_codes):
         return EXIT_SIGTERM
     return EXIT_RETRYABLE
-
-
-def rendezvous(env: dict[str, str]) -> dict:
-    """The rendezvous keyword arguments of :class:`LaunchConfig` from the environment the
-    Training Operator injects (module docstring): ``rdzv_backend``, ``rdzv_endpoint``,
-    ``rdzv_configs``, ``min_nodes``, ``max_nodes``, ``run_id``."""
-    if env.get("PET_RDZV_BACKEND") and env.get("PET_RDZV_ENDPOINT"):
-        low, _, high = env.get("PET_NNODES", "1").partition(":")
-        return {
-            "rdzv_backend": env["PET_RDZV_BACKEND"],
-            "rdzv_endpoint": env["PET_RDZV_ENDPOINT"],
-            "rdzv_configs": {},
-            "min_nodes": int(low),
-            "max_nodes": int(high or low),
-            "run_id": env.get("PET_RDZV_ID", "crosskd"),
-        }
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        nodes = int(env.get("PET_NNODES", "1"))
-        if "PET_NODE_RANK" not in env and nodes > 1:
-            raise ConfigError(
-                f"PET_NNODES is {nodes} but PET_NODE_RANK is not set; the Training Operator sets "
-                "it for every replica (a Master and Workers), so run the pod under a PyTorchJob."
-            )
-        return {
-            "rdzv_backend": "static",
-            "rdzv_endpoint": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
-            "rdzv_configs": {"rank": int(env.get("PET_NODE_RANK", "0"))},
-            "min_nodes": nodes,
-            "max_nodes": nodes,
-            "run_id": "crosskd",
-        }
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return {
-        "rdzv_backend": "static",
-        "rdzv_endpoint": f"127.0.0.1:{port}",
-        "rdzv_configs": {"rank": 0},
-        "min_nodes": 1,
-        "max_nodes": 1,
-        "run_id": uuid.uuid4().hex,
-    }
-
-
-def shutdown_timeout(env: dict[str, str]) -> int:
-    """Seconds the agent waits for its workers after forwarding SIGTERM (then SIGKILL)."""
-    grace = int(env.get(GRACE_ENV, "30"))
-    return max(grace - GRACE_MARGIN_S, 1)
 
 
 def record_failure(config: TrainConfig, node_rank: int) -> int:

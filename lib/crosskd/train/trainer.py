@@ -3,8 +3,8 @@
 It runs the same way in one process, under ``torchrun`` on a laptop (gloo) and in a PyTorchJob
 pod (NCCL): the process group comes from the environment when ``WORLD_SIZE`` > 1, the device
 from ``LOCAL_RANK``, and the student is spread over the ranks by ``parallel``
-(:mod:`crosskd.layout`: DDP, FSDP2, a vocabulary-parallel head, position windows) in one
-place (:func:`crosskd.train.parallelize.parallelize`). The ``dp`` data-parallel shards each read
+(:mod:`crosskd.parallel.layout`: DDP, FSDP2, a vocabulary-parallel head, position windows) in one
+place (:func:`crosskd.parallel.parallelize.parallelize`). The ``dp`` data-parallel shards each read
 their slice of every step's rows; the ``cp x tp`` ranks of a shard read the same rows and feed
 their slice of the logits to the sharded loss (:mod:`crosskd.loss.parallel`).
 
@@ -16,7 +16,7 @@ online), the plans' counts are summed over the micro-batches and all-reduced ove
 then every micro-batch's forward and backward run with those step totals (so the summed
 gradients are the step's mean), gradients are clipped, AdamW steps, and the warmup + cosine
 schedule moves on. Packed rows get the attention inputs their attention implementation needs
-(:mod:`crosskd.train.attention`). bf16 autocast on GPU, float32 on CPU (``compute_dtype``; the
+(:mod:`crosskd.parallel.attention`). bf16 autocast on GPU, float32 on CPU (``compute_dtype``; the
 held-out evaluation runs under the same). A NaN or infinite loss
 (or gradient norm) stops the run with an error naming the step and the term, before the
 optimizer step, keeping the last good checkpoint.
@@ -69,9 +69,11 @@ from crosskd.loss.metrics import add_sums, summarize
 from crosskd.loss.objective import ReportLayout, term_names
 from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
+from crosskd.parallel.attention import layer_windows, packed_inputs, refuse_state_mixers
+from crosskd.parallel.mesh import build_parallel_mesh
+from crosskd.parallel.parallelize import Lockstep, parallelize, state_bytes
 from crosskd.teacher.model import model_folder
 from crosskd.tokenization import load_tokenizer
-from crosskd.train.attention import layer_windows, packed_inputs, refuse_state_mixers
 from crosskd.train.checkpoint import (
     begin_checkpoint,
     latest_step,
@@ -82,9 +84,7 @@ from crosskd.train.checkpoint import (
 from crosskd.train.config import INIT, TrainConfig
 from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
-from crosskd.train.mesh import build_train_mesh
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
-from crosskd.train.parallelize import Lockstep, parallelize, state_bytes
 from crosskd.train.teachers import load_teachers
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,8 @@ class Trainer:
             (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         )
         self.mesh = self._together(
-            "build the parallel layout", lambda: build_train_mesh(self.config.parallel, self.device)
+            "build the parallel layout",
+            lambda: build_parallel_mesh(self.config.parallel, self.device),
         )
         self.layout = self.mesh.layout
 
@@ -579,7 +580,7 @@ class Trainer:
         training step makes (packed rows, the attention inputs of the model's implementation,
         no cache)."""
         window = None
-        if self.layout.cp > 1:  # this rank's window of positions (crosskd.train.context_parallel)
+        if self.layout.cp > 1:  # this rank's window of positions (crosskd.parallel.context)
             width = student.input_ids.shape[1] // self.layout.cp
             window = (self.mesh.coordinate("cp") * width, (self.mesh.coordinate("cp") + 1) * width)
         inputs = packed_inputs(

@@ -42,7 +42,7 @@ are never read.
 
 Under context parallelism (``window``) the inputs are a window of positions ``[start, stop)``
 of each row and the mask holds that window's rows over the whole row, ``[B, 1, stop - start,
-L]`` (:mod:`crosskd.train.context_parallel`).
+L]`` (:mod:`crosskd.parallel.context`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""This process's place in a :class:`~crosskd.layout.ParallelLayout`: the device mesh and the
-process groups the student (:mod:`crosskd.train.parallelize`) and the sharded loss
-(:mod:`crosskd.loss.parallel`) use."""
+"""This process's place in a :class:`~crosskd.parallel.layout.ParallelLayout`: the device mesh
+and the process groups that :func:`~crosskd.parallel.parallelize.parallelize` spreads a model
+over (the trainer's student; the sharded teacher, ``dp_shard`` = its processes) and that the
+sharded loss (:mod:`crosskd.loss.parallel`) uses."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from crosskd.layout import DIMS, ParallelLayout
 from crosskd.loss.parallel import Mesh, ParallelConfig, build_mesh
+from crosskd.parallel.layout import DIMS, ParallelLayout
 
 
 @dataclass(frozen=True)
-class TrainMesh:
+class ParallelMesh:
     """This process's place in a resolved :class:`ParallelLayout`."""
 
     layout: ParallelLayout
@@ -48,12 +49,12 @@ class TrainMesh:
         return self.loss.dp_group
 
 
-def build_train_mesh(layout: ParallelLayout, device: torch.device) -> TrainMesh:
+def build_parallel_mesh(layout: ParallelLayout, device: torch.device) -> ParallelMesh:
     """The mesh of ``layout`` over the initialised default process group (or one process);
     every rank must call it (it creates process groups)."""
     if not dist.is_initialized():
         resolved = layout.resolved(1)
-        return TrainMesh(resolved, 0, device, None, None)
+        return ParallelMesh(resolved, 0, device, None, None)
     world = dist.get_world_size()
     resolved = layout.resolved(world)
     mesh = init_device_mesh(
@@ -62,4 +63,4 @@ def build_train_mesh(layout: ParallelLayout, device: torch.device) -> TrainMesh:
     loss = None
     if resolved.model_parallel > 1:
         loss = build_mesh(ParallelConfig(resolved.dp, resolved.cp, resolved.tp), device.type)
-    return TrainMesh(resolved, dist.get_rank(), device, mesh, loss)
+    return ParallelMesh(resolved, dist.get_rank(), device, mesh, loss)

@@ -1,5 +1,5 @@
 """The parallel pieces applied to a plain Hugging Face causal LM, in one place
-(:func:`parallelize`), for a :class:`~crosskd.layout.ParallelLayout`.
+(:func:`parallelize`), for a :class:`~crosskd.parallel.layout.ParallelLayout`.
 
 1. ``tp`` > 1: the input embedding and the output head become vocabulary-parallel
    (:class:`VocabParallelEmbedding`, :class:`VocabParallelHead`: rank ``t`` keeps rows
@@ -10,7 +10,7 @@
    No rank ever holds ``rows x V`` logits.
 2. ``cp`` > 1: each ``cp`` rank runs the model on its window of ``L / cp`` positions of every
    row, attention gathering the row's keys and values
-   (:mod:`crosskd.train.context_parallel`); its weights' gradients are its window's share.
+   (:mod:`crosskd.parallel.context`); its weights' gradients are its window's share.
 3. Activation checkpointing of every decoder layer (optional; transformers' own).
 4. ``dp_shard`` > 1: FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) on every decoder layer
    and the root over the ``(dp_replicate, dp_shard)`` mesh (HSDP when ``dp_replicate`` > 1),
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from crosskd.errors import ConfigError
-from crosskd.train.context_parallel import enable_context_parallel
-from crosskd.train.mesh import TrainMesh
+from crosskd.parallel.context import enable_context_parallel
+from crosskd.parallel.mesh import ParallelMesh
 
 
 class _ReduceForward(torch.autograd.Function):
@@ -141,13 +141,13 @@ def local_part(tensor: Tensor) -> Tensor:
 
 @dataclass
 class ParallelStudent:
-    """A student spread over a :class:`TrainMesh` by :func:`parallelize`."""
+    """A student spread over a :class:`ParallelMesh` by :func:`parallelize`."""
 
     model: nn.Module
     """The student (FSDP2-sharded parameters are DTensors, vocabulary slices plain tensors)."""
     wrapped: nn.Module
     """What the forward pass is called on (the DDP wrapper, else ``model``)."""
-    mesh: TrainMesh
+    mesh: ParallelMesh
     sliced: frozenset[str]
     """Names of the parameters split over ``tp`` on dimension 0 (the vocabulary)."""
     vocab: int | None
@@ -329,7 +329,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def parallelize(
     model: nn.Module,
-    mesh: TrainMesh,
+    mesh: ParallelMesh,
     *,
     activation_checkpointing: bool = False,
     compute_dtype: torch.dtype | None = None,
@@ -374,7 +374,7 @@ def parallelize(
     return ParallelStudent(model, wrapped, mesh, frozenset(sliced), vocab)
 
 
-def _vocab_parallel(model: nn.Module, mesh: TrainMesh, vocab: int | None) -> set[str]:
+def _vocab_parallel(model: nn.Module, mesh: ParallelMesh, vocab: int | None) -> set[str]:
     """Replace the embedding and head by their ``tp`` vocabulary slices; returns the sliced
     parameters' names."""
     tp = mesh.layout.tp

@@ -1,5 +1,5 @@
 """The parallel layout of a training run (``parallel:``): how the student is spread over the
-processes. Read by the trainer (:mod:`crosskd.train.mesh`) and by the job renderer, without
+processes. Read by the trainer (:mod:`crosskd.parallel.mesh`) and by the job renderer, without
 torch.
 
 The ranks form one :class:`~torch.distributed.device_mesh.DeviceMesh` of shape
@@ -15,7 +15,7 @@ node):
   loss (:mod:`crosskd.loss.parallel`).
 * ``cp`` ranks of a shard each run the model and the loss on a window of ``L / cp`` positions
   of every row, attention gathering the row's keys and values
-  (:mod:`crosskd.train.context_parallel`).
+  (:mod:`crosskd.parallel.context`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ParallelLayout:
     cp: int = 1
     """Windows of positions over which each row is split (context parallelism: each ``cp`` rank
     runs the model on its window, attention gathering the row's keys and values; the rows are
-    padded to a multiple of it; :mod:`crosskd.train.context_parallel`)."""
+    padded to a multiple of it; :mod:`crosskd.parallel.context`)."""
 
     @classmethod
     def from_mapping(cls, values: Any) -> ParallelLayout:

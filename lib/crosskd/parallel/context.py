@@ -7,19 +7,19 @@ states need nothing from the other windows; attention needs every earlier key an
 row. Each attention layer therefore all-gathers its keys and values (after the rotary
 embedding, which each rank applied at its own positions) over the ``cp`` group and attends its
 window's queries to the whole row through the packed-row mask's rows of the window
-(:func:`crosskd.train.attention.packed_inputs` with ``window``). In the backward pass the
+(:func:`crosskd.parallel.attention.packed_inputs` with ``window``). In the backward pass the
 gradient of the gathered keys and values is summed over the ranks and each keeps its window's
 part. This is the all-gather form of context parallelism (as in Llama 3's training): exact, and
 the same on gloo and NCCL; each rank holds a row's keys and values for one layer at a time.
 The gradients of the weights are then partial on each ``cp`` rank (its window's share), and
-:meth:`crosskd.train.parallelize.ParallelStudent.sync_copies` sums them over the ``cp`` ranks.
+:meth:`crosskd.parallel.parallelize.ParallelStudent.sync_copies` sums them over the ``cp`` ranks.
 
 The attention is hooked in through transformers' attention registry (the ``crosskd_cp``
 implementation), so it applies to any model that dispatches attention through it (Llama, Qwen,
 Mistral, Gemma, ...); over the gathered keys it computes with the model's own implementation
 (``sdpa``, or the model's ``eager_attention_forward``) and each layer's own mask (a sliding
 window's band included). Refused: models with mixers that carry state along the positions (a
-window would start from an empty state: :func:`crosskd.train.attention.refuse_state_mixers`),
+window would start from an empty state: :func:`crosskd.parallel.attention.refuse_state_mixers`),
 rotary embeddings whose frequencies depend on the longest position a forward pass sees
 (``dynamic``, ``longrope``: each window would rotate with other frequencies), and a call
 without the window's 4D mask (transformers would then make one for the window's own keys only).
@@ -83,7 +83,7 @@ def context_parallel_attention(
         raise ValueError(
             f"context-parallel attention got the mask {shape}; it needs the window's rows of "
             f"the whole row's mask, [B, 1, L / cp, {key.shape[2]}] "
-            f"(crosskd.train.attention.packed_inputs with window)."
+            f"(crosskd.parallel.attention.packed_inputs with window)."
         )
     return module.context_attention(module, query, key, value, attention_mask, **kwargs)
 
@@ -99,7 +99,7 @@ def enable_context_parallel(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from crosskd.errors import ConfigError
-    from crosskd.train.attention import refuse_state_mixers
+    from crosskd.parallel.attention import refuse_state_mixers
 
     name = type(model).__name__
     rope = (
