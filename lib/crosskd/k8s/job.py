@@ -207,6 +207,14 @@ class JobConfig:
 
     def check(self) -> None:
         """Refuse bad values naming the key."""
+        self._check_names()
+        self._check_numbers()
+        self._check_quantities()
+        self._check_strings()
+        self._check_tolerations()
+
+    def _check_names(self) -> None:
+        """Refuse a bad ``run_id``, ``image`` or ``name``, or a value outside its choices."""
         if (
             not isinstance(self.run_id, str)
             or not self.run_id
@@ -233,6 +241,9 @@ class JobConfig:
                 f"name is {self.name!r}; it must be a DNS-1035 label of at most {MAX_NAME} "
                 f"characters (lowercase letters, digits, '-', starting with a letter), or unset."
             )
+
+    def _check_numbers(self) -> None:
+        """Refuse bad counts, ports, seconds and switches."""
         for key in ("nodes", "cpu_procs_per_node"):
             _int(key, getattr(self, key), 1)
         for key in ("gpus_per_node", "nccl_trace_buffer_size", "backoff_limit"):
@@ -263,6 +274,9 @@ class JobConfig:
         for key in ("elastic", "gang_scheduling", "ipc_lock"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} is {getattr(self, key)!r}; it must be true or false.")
+
+    def _check_quantities(self) -> None:
+        """Refuse sizes that are not Kubernetes quantities (numbers become strings)."""
         for key in ("cpu", "memory", "memory_limit", "shm_size", "cache_size", "node_cache_size"):
             value = getattr(self, key)
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -274,6 +288,9 @@ class JobConfig:
                 raise ConfigError(
                     f"{key} is {value!r}; it must be a Kubernetes quantity such as 4, 500m, 16Gi."
                 )
+
+    def _check_strings(self) -> None:
+        """Refuse bad strings, maps and lists, and credentials given as plain ``env``."""
         for key in ("gpu_resource", "train_config_map"):
             _str(key, getattr(self, key))
         if self.train_config_uri is not None:
@@ -313,6 +330,9 @@ class JobConfig:
                 f"env sets {', '.join(secret_env)}; give credentials through s3_secret (a "
                 f"Secret) and the endpoint/region as s3_endpoint_url / s3_region."
             )
+
+    def _check_tolerations(self) -> None:
+        """Refuse tolerations Kubernetes would not take."""
         if not isinstance(self.tolerations, list):
             raise ConfigError(f"tolerations is {self.tolerations!r}; it must be a list.")
         for i, tol in enumerate(self.tolerations):
@@ -468,6 +488,47 @@ def train_command(config: JobConfig) -> list[str]:
 
 
 def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplateSpec:
+    """Every replica's pod: the ``pytorch`` container, its volumes, scheduling and security."""
+    tolerations = [
+        k8s.V1Toleration(
+            key=t.get("key"),
+            operator=t.get("operator"),
+            value=t.get("value"),
+            effect=t.get("effect"),
+            toleration_seconds=t.get("tolerationSeconds"),
+        )
+        for t in config.tolerations
+    ]
+    return k8s.V1PodTemplateSpec(
+        metadata=k8s.V1ObjectMeta(
+            labels=dict(labels), annotations={"sidecar.istio.io/inject": "false"}
+        ),
+        spec=k8s.V1PodSpec(
+            containers=[_container(config)],
+            volumes=_volumes(config),
+            termination_grace_period_seconds=config.grace_seconds,
+            node_selector=dict(config.node_selector) or None,
+            tolerations=tolerations or None,
+            priority_class_name=config.priority_class,
+            service_account_name=config.service_account,
+            automount_service_account_token=False,
+            image_pull_secrets=[
+                k8s.V1LocalObjectReference(name=n) for n in config.image_pull_secrets
+            ]
+            or None,
+            security_context=k8s.V1PodSecurityContext(
+                run_as_non_root=True,
+                run_as_user=USER_ID,
+                run_as_group=USER_ID,
+                fs_group=USER_ID,
+                seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
+            ),
+        ),
+    )
+
+
+def _container(config: JobConfig) -> k8s.V1Container:
+    """The ``pytorch`` container: the train command, its ports, resources and mounts."""
     limits = {"memory": config.memory_limit or config.memory}
     if config.gpus_per_node:
         limits[config.gpu_resource] = str(config.gpus_per_node)
@@ -481,7 +542,7 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
         k8s.V1ContainerPort(name=f"metrics-{i}", container_port=config.metrics_port + i)
         for i in range(config.procs_per_node)
     ]
-    container = k8s.V1Container(
+    return k8s.V1Container(
         name=CONTAINER,
         image=config.image,
         image_pull_policy=config.image_pull_policy,
@@ -506,7 +567,12 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
             ),
         ),
     )
-    volumes = [
+
+
+def _volumes(config: JobConfig) -> list[k8s.V1Volume]:
+    """The pod's volumes: ``/dev/shm`` in memory, the train config's ConfigMap (unless it comes
+    from ``train_config_uri``), and the emptyDirs of home, cache and node cache."""
+    return [
         k8s.V1Volume(
             name="dshm",
             empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=config.shm_size),
@@ -533,42 +599,6 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
             empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=config.node_cache_size),
         ),
     ]
-    tolerations = [
-        k8s.V1Toleration(
-            key=t.get("key"),
-            operator=t.get("operator"),
-            value=t.get("value"),
-            effect=t.get("effect"),
-            toleration_seconds=t.get("tolerationSeconds"),
-        )
-        for t in config.tolerations
-    ]
-    return k8s.V1PodTemplateSpec(
-        metadata=k8s.V1ObjectMeta(
-            labels=dict(labels), annotations={"sidecar.istio.io/inject": "false"}
-        ),
-        spec=k8s.V1PodSpec(
-            containers=[container],
-            volumes=volumes,
-            termination_grace_period_seconds=config.grace_seconds,
-            node_selector=dict(config.node_selector) or None,
-            tolerations=tolerations or None,
-            priority_class_name=config.priority_class,
-            service_account_name=config.service_account,
-            automount_service_account_token=False,
-            image_pull_secrets=[
-                k8s.V1LocalObjectReference(name=n) for n in config.image_pull_secrets
-            ]
-            or None,
-            security_context=k8s.V1PodSecurityContext(
-                run_as_non_root=True,
-                run_as_user=USER_ID,
-                run_as_group=USER_ID,
-                fs_group=USER_ID,
-                seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-            ),
-        ),
-    )
 
 
 def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
