@@ -29,15 +29,16 @@ from k8s_fake import FakeKubernetesApi
 from kubernetes.client import Configuration
 
 from crosskd.errors import ConfigError, CrosskdError
-from crosskd.k8s import launcher
-from crosskd.k8s.launcher import (
+from crosskd.k8s.launcher import submit
+from crosskd.k8s.logs import MAX_LINE_BYTES
+from crosskd.k8s.result import (
+    FINAL_MODEL_URI_ANNOTATION,
     JobCancelled,
     JobDisappeared,
     JobFailed,
     JobResult,
     JobTimeout,
     LauncherError,
-    submit,
 )
 
 NS = "team-a"
@@ -66,7 +67,7 @@ def manifest(name: str = "crosskd-run-1") -> dict:
         "metadata": {
             "name": name,
             "labels": {"app.kubernetes.io/name": "crosskd"},
-            "annotations": {launcher.FINAL_MODEL_URI_ANNOTATION: "s3://bucket/run-1/final"},
+            "annotations": {FINAL_MODEL_URI_ANNOTATION: "s3://bucket/run-1/final"},
         },
         "spec": {
             "nprocPerNode": "1",
@@ -121,6 +122,7 @@ def test_create_then_succeeded(fake: FakeKubernetesApi, tmp_path: Path) -> None:
     assert result.succeeded and result.condition == "Succeeded"
     assert result.reason == "PyTorchJobSucceeded"
     assert (result.name, result.namespace, result.reattached) == ("crosskd-run-1", NS, False)
+    assert not result.timed_out and result.exit_codes == {}  # exit codes: local jobs only
     assert result.final_model_uri == "s3://bucket/run-1/final"
     assert fake.count("POST", fake.job_path(NS)) == 1 and fake.created_total == 1
     assert fake.count("DELETE") == 0  # cleanup is left to ttlSecondsAfterFinished
@@ -207,6 +209,7 @@ def test_timeout_raises_and_leaves_the_job(fake: FakeKubernetesApi) -> None:
     elapsed = time.monotonic() - started
     assert 0.6 <= elapsed < 3.0
     assert "wait_timeout=0.6" in str(info.value) and "Running" in str(info.value)
+    assert info.value.result.timed_out and not info.value.result.succeeded
     assert (NS, name) in fake.jobs and fake.count("DELETE") == 0
 
 
@@ -300,7 +303,7 @@ def test_logs_in_order_across_restarts_and_a_broken_stream(fake: FakeKubernetesA
         **FAST,
     )
     assert result.succeeded
-    long = launcher._MAX_LINE_BYTES
+    long = MAX_LINE_BYTES
     assert lines == [
         "a1",
         "a2",
@@ -388,7 +391,8 @@ CHILD = r"""
 import json, logging, sys
 from kubernetes.client import Configuration
 from kubeflow.training import TrainingClient
-from crosskd.k8s.launcher import LauncherError, submit
+from crosskd.k8s.launcher import submit
+from crosskd.k8s.result import LauncherError
 url, ns, job, delete = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1"
 logging.basicConfig(level=logging.INFO)
 client = TrainingClient(client_configuration=Configuration(host=url), namespace=ns)

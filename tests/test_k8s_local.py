@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from crosskd.k8s.job import JobConfig, job_manifest
-from crosskd.k8s.local import _replicas, pod_processes, run_local
+from crosskd.k8s.job import JobConfig, job_manifest, job_name
+from crosskd.k8s.local import _replicas, pod_processes, run_local, run_local_job
+from crosskd.k8s.result import FINAL_MODEL_URI_ANNOTATION, JobTimeout
 
 STEPS = 30
 
@@ -131,6 +132,8 @@ def test_a_two_replica_job_trains_like_one_process(train_inputs, reference, tmp_
     seconds = time.perf_counter() - started
     assert result.succeeded, (result, (tmp_path / "work/master-0/log.txt").read_text()[-3000:])
     assert result.exit_codes == {"master-0": [0], "worker-0": [0]}
+    assert (result.name, result.namespace) == (job_name("local-test"), "local")
+    assert not result.timed_out and 0 < result.elapsed_s <= seconds
     _assert_curve(tmp_path / "run", reference)
     print(f"2-replica local job: {seconds:.1f} s")  # shown with -s; recorded in the docs
 
@@ -242,3 +245,29 @@ def test_a_config_error_fails_the_job_once_without_restarts(train_inputs, tmp_pa
     assert f"{first} exited 2 (permanent under ExitCode)" in result.message
     log = (tmp_path / "work" / first / "log.txt").read_text()
     assert "steps is 0; it must be an integer >= 1" in log
+
+
+def _shell_job(command: list[str]) -> list[dict]:
+    """A rendered one-node job whose container runs ``command`` instead of ``crosskd train``
+    (its train config on object storage: no ConfigMap to mount), naming its final model."""
+    job = job_manifest(
+        JobConfig(run_id="local-shell", image="crosskd:test", train_config_uri="s3://b/t.yaml")
+    )
+    job["metadata"]["annotations"] = {FINAL_MODEL_URI_ANNOTATION: "s3://b/final"}
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] = (
+        command
+    )
+    return [job]
+
+
+def test_the_local_mode_answers_as_the_launcher_does(tmp_path):
+    result = run_local_job(_shell_job(["true"]), tmp_path / "done")
+    assert result.succeeded and (result.condition, result.reason) == ("Succeeded", None)
+    assert (result.name, result.namespace) == (job_name("local-shell"), "local")
+    assert result.final_model_uri == "s3://b/final"
+    assert result.exit_codes == {"master-0": [0]}
+    assert result.message == "the Master exited 0; exit codes {'master-0': [0]}"
+    with pytest.raises(JobTimeout, match=r"not finished after 0\.5 s") as info:
+        run_local_job(_shell_job(["sleep", "60"]), tmp_path / "slow", wait_timeout=0.5)
+    assert info.value.result.timed_out and info.value.result.condition == "Failed"
+    assert not info.value.result.succeeded and info.value.result.final_model_uri is None

@@ -29,9 +29,10 @@ What it does, replica by replica (Master first, then Workers, ``replicas`` of ea
   bounds the recreations of the whole job (crosskd's own restart budget in the pod is the
   first bound, :mod:`crosskd.train.launch`).
 
-:func:`run_local_job` is the launcher's ``local`` mode: the same job and result as
-:func:`crosskd.k8s.launcher.submit` (a :class:`~crosskd.k8s.launcher.JobResult`, or
-:class:`~crosskd.k8s.launcher.JobFailed` / :class:`~crosskd.k8s.launcher.JobTimeout`), run here.
+:func:`run_local` answers with the :class:`~crosskd.k8s.result.JobResult` the cluster launcher
+gives (namespace ``local``, each replica's exit codes); :func:`run_local_job` is the launcher's
+``local`` mode: the same job and result as :func:`crosskd.k8s.launcher.submit` (or
+:class:`~crosskd.k8s.result.JobFailed` / :class:`~crosskd.k8s.result.JobTimeout`), run here.
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from crosskd.errors import ConfigError
-from crosskd.k8s.launcher import JobFailed, JobResult, JobTimeout
+from crosskd.k8s.job import TRAIN_CONFIG_KEY
+from crosskd.k8s.result import FINAL_MODEL_URI_ANNOTATION, JobFailed, JobResult, JobTimeout
 
 log = logging.getLogger(__name__)
 
@@ -127,23 +129,6 @@ def pod_processes(log_path: str | Path) -> list[int]:
     return pids
 
 
-@dataclass
-class LocalJobResult:
-    """``condition`` (``Succeeded`` / ``Failed``), a ``message``, per replica name its exit
-    codes in order (one per run of the replica), and whether the job was stopped by its
-    timeout."""
-
-    condition: str
-    message: str
-    exit_codes: dict[str, list[int]]
-    timed_out: bool = False
-
-    @property
-    def succeeded(self) -> bool:
-        """Whether the job ended Succeeded."""
-        return self.condition == "Succeeded"
-
-
 def load_documents(path: str) -> list[dict]:
     """Every YAML document of a rendered job file (``crosskd job render`` or ``kubectl
     kustomize`` output); an unreadable file or one that is not YAML is a :class:`ConfigError`."""
@@ -163,8 +148,6 @@ def train_config_map(job: Mapping[str, Any], path: str) -> dict:
     """The ConfigMap the job mounts as its train config (the ``configMap`` volume of the
     Master's, else the first Worker's, pod), holding the file at ``path`` under the mount's key
     (``train.yaml``): what ``kubectl create configmap NAME --from-file=train.yaml=PATH`` makes."""
-    from crosskd.k8s.job import TRAIN_CONFIG_KEY
-
     specs = job["spec"]["pytorchReplicaSpecs"]
     template = specs.get("Master", specs.get("Worker"))["template"]
     names = [
@@ -196,31 +179,17 @@ def run_local_job(
 ) -> JobResult:
     """The launcher's ``local`` mode: run the job of ``documents`` with :func:`run_local` and
     answer as :func:`crosskd.k8s.launcher.submit` does: the :class:`JobResult` of a job that
-    succeeded (``final_model_uri`` from the job's ``crosskd/final-model-uri`` annotation).
+    succeeded, its message followed by the replicas' exit codes.
 
     Raises:
         JobFailed: The job ended Failed (a permanent exit code, too many recreations).
         JobTimeout: ``wait_timeout`` seconds passed (the replicas are stopped).
     """
-    from crosskd.k8s.launcher import FINAL_MODEL_URI_ANNOTATION
-
-    job = _only(documents, "PyTorchJob")
-    name = job["metadata"]["name"]
-    started = time.monotonic()
     outcome = run_local(documents, workdir, max_recreations=max_recreations, timeout=wait_timeout)
-    annotations = job["metadata"].get("annotations") or {}
-    result = JobResult(
-        name=name,
-        namespace="local",
-        condition=outcome.condition,
-        reason=None,
-        message=f"{outcome.message}; exit codes {outcome.exit_codes}",
-        succeeded=outcome.succeeded,
-        final_model_uri=annotations.get(FINAL_MODEL_URI_ANNOTATION) if outcome.succeeded else None,
-        elapsed_s=time.monotonic() - started,
-    )
+    result = replace(outcome, message=f"{outcome.message}; exit codes {outcome.exit_codes}")
     if outcome.succeeded:
         return result
+    name = outcome.name
     where = Path(workdir) / "master-0" / "log.txt"
     if outcome.timed_out:
         raise JobTimeout(
@@ -238,64 +207,91 @@ def run_local(
     max_recreations: int = 10,
     timeout: float | None = None,
     settle: float = 30.0,
-) -> LocalJobResult:
+) -> JobResult:
     """Run the PyTorchJob of ``documents`` (with its ConfigMaps) under ``workdir`` (one folder
     per replica: ``log.txt``, mounted ConfigMaps and emptyDirs) until the job's result is known
     (module docstring); ``timeout`` seconds (None: no limit) stops and fails it. Once the Master
     has succeeded the other replicas get ``settle`` seconds to exit by themselves (their codes
-    are recorded) before what is left is stopped."""
+    are recorded) before what is left is stopped.
+
+    Returns:
+        The job's :class:`JobResult`: namespace ``local``, condition ``Succeeded`` or ``Failed``,
+        each replica's ``exit_codes``, ``timed_out`` when ``timeout`` stopped it, and
+        ``final_model_uri`` from the job's ``crosskd/final-model-uri`` annotation when it
+        succeeded.
+    """
+    started = time.monotonic()
     job = _only(documents, "PyTorchJob")
     config_maps = {d["metadata"]["name"]: d for d in documents if d.get("kind") == "ConfigMap"}
     replicas = _replicas(job, config_maps, Path(workdir))
-    policy = {r.kind: _restart_policy(job, r.kind) for r in replicas}
     for replica in replicas:
         replica.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    recreations = 0
     try:
-        while True:
-            for replica in replicas:
-                code = None if replica.process is None else replica.process.poll()
-                if code is None:
-                    continue
-                replica.exit_codes.append(code)
-                replica.process = None
-                replica.kill_all()  # the container ends with its main process
-                if code == 0:
-                    if replica.kind == "Master":
-                        _wait(replicas, settle)
-                        return _result("Succeeded", "the Master exited 0", replicas)
-                    continue
-                if not _retryable(policy[replica.kind], code):
-                    return _result(
-                        "Failed",
-                        f"{replica.name} exited {code} (permanent under {policy[replica.kind]})",
-                        replicas,
-                    )
-                recreations += 1
-                if recreations > max_recreations:
-                    return _result("Failed", f"more than {max_recreations} recreations", replicas)
-                log.info("%s exited %d: recreating it", replica.name, code)
-                replica.recreated += 1
-                replica.start()
-            if deadline is not None and time.monotonic() > deadline:
-                result = _result("Failed", f"not finished after {timeout} s", replicas)
-                result.timed_out = True
-                return result
-            time.sleep(0.2)
+        condition, message, timed_out = _supervise(job, replicas, max_recreations, timeout, settle)
+        log.info("job %s: %s", condition, message)
     finally:
         _stop(replicas)
+    succeeded = condition == "Succeeded"
+    annotations = job["metadata"].get("annotations") or {}
+    return JobResult(
+        name=job["metadata"]["name"],
+        namespace="local",
+        condition=condition,
+        reason=None,
+        message=message,
+        succeeded=succeeded,
+        final_model_uri=annotations.get(FINAL_MODEL_URI_ANNOTATION) if succeeded else None,
+        elapsed_s=time.monotonic() - started,
+        exit_codes={r.name: list(r.exit_codes) for r in replicas},
+        timed_out=timed_out,
+    )
+
+
+def _supervise(
+    job: dict,
+    replicas: list[Replica],
+    max_recreations: int,
+    timeout: float | None,
+    settle: float,
+) -> tuple[str, str, bool]:
+    """Watch the started ``replicas`` by the operator's rules (module docstring), recreating
+    those that exit retryably, until the job's condition is known; returns ``(condition,
+    message, timed_out)``."""
+    policy = {r.kind: _restart_policy(job, r.kind) for r in replicas}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    recreations = 0
+    while True:
+        for replica in replicas:
+            code = None if replica.process is None else replica.process.poll()
+            if code is None:
+                continue
+            replica.exit_codes.append(code)
+            replica.process = None
+            replica.kill_all()  # the container ends with its main process
+            if code == 0:
+                if replica.kind == "Master":
+                    _wait(replicas, settle)
+                    return "Succeeded", "the Master exited 0", False
+                continue
+            if not _retryable(policy[replica.kind], code):
+                permanent = f"permanent under {policy[replica.kind]}"
+                return "Failed", f"{replica.name} exited {code} ({permanent})", False
+            recreations += 1
+            if recreations > max_recreations:
+                return "Failed", f"more than {max_recreations} recreations", False
+            log.info("%s exited %d: recreating it", replica.name, code)
+            replica.recreated += 1
+            replica.start()
+        if deadline is not None and time.monotonic() > deadline:
+            return "Failed", f"not finished after {timeout} s", True
+        time.sleep(0.2)
 
 
 def _retryable(policy: str, code: int) -> bool:
+    """Whether a replica that exited ``code`` is recreated under the restart ``policy``."""
     if policy == "ExitCode":
         return code >= 128 or code < 0  # negative: killed by a signal (a pod would see 128+n)
     return policy in ("OnFailure", "Always")
-
-
-def _result(condition: str, message: str, replicas: list[Replica]) -> LocalJobResult:
-    log.info("job %s: %s", condition, message)
-    return LocalJobResult(condition, message, {r.name: list(r.exit_codes) for r in replicas})
 
 
 def _wait(replicas: list[Replica], seconds: float) -> None:
