@@ -36,9 +36,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import yaml
 
-from crosskd.errors import ConfigError
+from crosskd.errors import ConfigError, CrosskdError
 
 log = logging.getLogger("crosskd")
 
@@ -203,6 +204,8 @@ def json_patch(old: Any, new: Any, path: str = "") -> list[dict[str, Any]]:
 
 def generated_files(root: Path) -> dict[Path, str]:
     """Every generated file of the kustomize tree at ``root`` with its content."""
+    # lazy: kubernetes and kubeflow take about 1 s to import, and `crosskd` builds this
+    # module's parser for every command
     from crosskd.k8s.job import job_manifest, load_job_config
 
     base_config = root / JOB_FILE
@@ -222,6 +225,8 @@ def generated_files(root: Path) -> dict[Path, str]:
 
 
 def _render(args: argparse.Namespace) -> int:
+    # lazy: kubernetes and kubeflow take about 1 s to import, and `crosskd` builds this
+    # module's parser for every command
     from crosskd.k8s.job import job_layout, job_manifest, load_job_config
 
     config = load_job_config(args.config, args.overrides)
@@ -239,8 +244,6 @@ def _render(args: argparse.Namespace) -> int:
 def train_layout(path: str) -> dict[str, Any]:
     """The ``parallel:`` mapping of the train config at ``path`` (any fsspec URI; empty when it
     sets none)."""
-    import fsspec
-
     with fsspec.open(path, "r", encoding="utf-8") as fh:
         values = yaml.safe_load(fh) or {}
     if not isinstance(values, dict):
@@ -249,8 +252,11 @@ def train_layout(path: str) -> dict[str, Any]:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    # lazy: kubernetes and kubeflow take about 1 s to import, and `crosskd` builds this
+    # module's parser for every command
     from crosskd.k8s.job import job_layout, job_manifest, load_job_config
     from crosskd.k8s.launcher import submit
+    from crosskd.k8s.local import run_local_job, train_config_map
 
     config = load_job_config(args.config, args.overrides)
     manifest = job_manifest(config)
@@ -258,8 +264,6 @@ def _submit(args: argparse.Namespace) -> int:
         if not args.train_config:
             raise ConfigError("--local needs --train-config FILE (the ConfigMap's train.yaml).")
         job_layout(config, train_layout(args.train_config))
-        from crosskd.k8s.local import run_local_job, train_config_map
-
         if args.manifest:
             Path(args.manifest).write_text(manifest_yaml(manifest), encoding="utf-8")
         wait = None if args.wait_timeout == float("inf") else args.wait_timeout
@@ -289,6 +293,8 @@ def _submit(args: argparse.Namespace) -> int:
 def current_namespace() -> str:
     """The namespace of the kube-config's current context, else the pod's own (in a cluster),
     else ``default``."""
+    # lazy: kubernetes takes about 1 s to import, and `crosskd` builds this module's parser
+    # for every command
     from kubernetes import config as kube_config
 
     try:
@@ -303,6 +309,8 @@ def current_namespace() -> str:
 
 
 def _run_local(args: argparse.Namespace) -> int:
+    # lazy: crosskd.k8s.local imports the job builder (kubernetes and kubeflow, about 1 s),
+    # and `crosskd` builds this module's parser for every command
     from crosskd.k8s.local import load_documents, run_local_job, train_config_map
 
     documents = [d for path in args.files for d in load_documents(path)]
@@ -349,8 +357,6 @@ def _escape(key: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m crosskd.k8s.cli render|manifests ...`` (the same as ``crosskd job ...``)."""
-    from crosskd.errors import CrosskdError
-
     parser = argparse.ArgumentParser(prog="crosskd job")
     add_job_commands(parser.add_subparsers(dest="command", required=True))
     try:
