@@ -1,7 +1,8 @@
-"""The library's modules import one another without a circle: the import graph of
-``lib/crosskd`` (every ``import`` / ``from ... import`` of a ``crosskd`` module, at module level
-or inside a function, read with ``ast``) is acyclic. A circle hidden by a function-level import
-still couples its modules both ways; this test finds it by name."""
+"""The library's modules import one another without a circle and only downwards: the import
+graph of ``lib/crosskd`` (every ``import`` / ``from ... import`` of a ``crosskd`` module, at
+module level or inside a function, read with ``ast``) is acyclic, and no module imports a module
+of a higher layer of :data:`LAYERS`. A circle or an upward import hidden by a function-level
+import still couples its modules both ways; this test finds it by name."""
 
 from __future__ import annotations
 
@@ -9,6 +10,31 @@ import ast
 from pathlib import Path
 
 LIB = Path(__file__).resolve().parents[1] / "lib"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("crosskd", "crosskd.errors", "crosskd.ragged", "crosskd.transfer"),
+    ("crosskd.config", "crosskd.ranges", "crosskd.artifacts"),
+    ("crosskd.zoo",),  # the zoo's tokenizers and files
+    ("crosskd.tokenization",),
+    ("crosskd.zoo.models",),  # the zoo's models, with their tokenizers
+    ("crosskd.tables",),
+    ("crosskd.alignment",),
+    ("crosskd.data",),
+    ("crosskd.teacher.signal",),  # what a teacher gives the loss
+    ("crosskd.loss",),
+    ("crosskd.metrics",),  # the training metrics name the loss's terms
+    ("crosskd.parallel",),  # the mesh carries the sharded loss's groups
+    ("crosskd.teacher",),
+    ("crosskd.evaluate", "crosskd.generate"),
+    ("crosskd.train",),  # the trainer evaluates on held-out data
+    ("crosskd.k8s",),
+    ("crosskd.steps",),  # the training step renders and submits a job
+    ("crosskd.distill", "crosskd.pipeline"),
+    ("crosskd.cli",),
+)
+"""The library's layers, lowest first. A module belongs to the layer of the longest entry that is
+its name or a package above it (``crosskd`` itself only to the first); it may import modules of
+its own layer and of lower ones."""
 
 
 def _modules() -> dict[str, Path]:
@@ -83,6 +109,27 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module`` (module docstring of :data:`LAYERS`)."""
+    found, length = 0, 0
+    for index, layer in enumerate(LAYERS):
+        for entry in layer:
+            placed = module == entry or (entry != "crosskd" and module.startswith(f"{entry}."))
+            if placed and len(entry) > length:
+                found, length = index, len(entry)
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every ``(module, imported)`` where ``imported`` is of a higher layer, sorted."""
+    return sorted(
+        (module, other)
+        for module, others in graph.items()
+        for other in others
+        if layer_of(other) > layer_of(module)
+    )
+
+
 def test_circles_are_found():
     """The finder itself: a made-up graph with one circle of three and a separate edge."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
@@ -100,3 +147,37 @@ def test_the_library_imports_without_circles():
     assert "crosskd.train.trainer" not in graph["crosskd.train.launch"]
     assert "crosskd.teacher.sharded" in graph["crosskd.steps.score"]  # inside a function
     assert circles(graph) == []
+
+
+def test_every_module_has_a_layer():
+    """A new package or top-level module is placed in :data:`LAYERS` on purpose, not left to
+    ``crosskd``'s layer; each entry names a module that exists."""
+    modules = set(import_graph())
+    assert sorted(m for m in modules if layer_of(m) == 0 and m not in LAYERS[0]) == []
+    assert sorted(e for layer in LAYERS for e in layer if e not in modules) == []
+
+
+def test_upward_imports_are_found():
+    """The check itself: an import of a higher layer is reported, the same layer and lower
+    ones are not."""
+    graph = {
+        "crosskd.loss.csd": {"crosskd.teacher.scoring", "crosskd.teacher.signal"},
+        "crosskd.teacher.model": {"crosskd.zoo.models", "crosskd.teacher.signal"},
+        "crosskd.train.trainer": {"crosskd.evaluate"},
+        "crosskd.evaluate": {"crosskd.train.trainer"},
+    }
+    assert upward_imports(graph) == [
+        ("crosskd.evaluate", "crosskd.train.trainer"),
+        ("crosskd.loss.csd", "crosskd.teacher.scoring"),
+    ]
+
+
+def test_the_library_imports_only_downwards():
+    """No module imports a module of a higher layer, at module level or inside a function.
+    (Before: twelve, the sharded teacher and evaluate importing the trainer's parallelism and
+    its rendezvous, and the loss importing the teacher signal through the ``crosskd.teacher``
+    package.)"""
+    graph = import_graph()
+    assert "crosskd.parallel.parallelize" in graph["crosskd.teacher.sharded"]
+    assert "crosskd.teacher.signal" in graph["crosskd.loss.csd"]
+    assert upward_imports(graph) == []

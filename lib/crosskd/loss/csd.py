@@ -22,7 +22,7 @@ from crosskd.loss.divergence import divergence, with_rest
 from crosskd.loss.events import CsdOptions, Events, build_events, to_numpy
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs, segment_sum
 from crosskd.tables import TablePair
-from crosskd.teacher import TeacherSignal
+from crosskd.teacher.signal import TeacherSignal
 from crosskd.transfer import to_device
 
 

@@ -43,7 +43,7 @@ from torch import Tensor
 from crosskd.data.collate import ChunkBatch
 from crosskd.ragged import offsets_from_lengths
 from crosskd.tables import TablePair
-from crosskd.teacher import TeacherSignal
+from crosskd.teacher.signal import TeacherSignal
 
 SHAPE_1_1, SHAPE_1_N, SHAPE_N_1, SHAPE_N_M, SHAPE_SPECIAL = range(5)
 SHAPE_NAMES = ("1:1", "1:n", "n:1", "n:m", "special")

@@ -46,7 +46,7 @@ from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
 from crosskd.tables import TablePair
-from crosskd.teacher import TeacherSignal
+from crosskd.teacher.signal import TeacherSignal
 from crosskd.transfer import to_device
 
 KD_FLOOR = 1e-8

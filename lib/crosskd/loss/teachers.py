@@ -23,7 +23,7 @@ from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_KD, FLAG_PREDICTION
 from crosskd.errors import ConfigError
 from crosskd.loss.events import SHAPE_SPECIAL, to_numpy
-from crosskd.teacher import TeacherSignal
+from crosskd.teacher.signal import TeacherSignal
 
 
 def predicted_bits(

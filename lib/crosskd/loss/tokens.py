@@ -38,7 +38,7 @@ from crosskd.loss.events import (
     Events,
     to_numpy,
 )
-from crosskd.teacher import TeacherSignal
+from crosskd.teacher.signal import TeacherSignal
 
 SHAPE_TOKEN = 5
 """The metrics' shape code of a same-tokenizer position."""

@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_KD, FLAG_PREDICTION
 from crosskd.loss.events import to_numpy
-from crosskd.teacher import TeacherSignal
+from crosskd.teacher.signal import TeacherSignal
 from crosskd.transfer import to_device
 
 ULD_STATS = ("uld_pairs", "uld_unpaired_student", "uld_unpaired_teacher", "uld_sum_l1")
