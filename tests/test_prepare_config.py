@@ -115,7 +115,7 @@ def test_cli_prints_one_line_and_returns_2(tmp_path, capsys, extra, message):
         "rows.jsonl",
         "--student-tokenizer",
         "zoo:no-such-student",
-        "--teacher-tokenizer",
+        "--teacher-tokenizers",
         "zoo:no-such-teacher",
         "--output",
         str(tmp_path / "out"),

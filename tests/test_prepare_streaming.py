@@ -231,7 +231,7 @@ def test_a_killed_process_resumes_to_the_same_bytes(tmp_path, zoo_cache):
         str(out),
         "--student-tokenizer",
         "zoo:llama3",
-        "--teacher-tokenizer",
+        "--teacher-tokenizers",
         "zoo:qwen3",
         "--max-length",
         "48",

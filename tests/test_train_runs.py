@@ -532,9 +532,9 @@ def test_crosskd_evaluate_writes_json_and_refuses_a_foreign_model(train_inputs, 
             "evaluate",
             "--data",
             train_inputs["heldout"],
-            "--model",
+            "--models",
             f"student={train_inputs['student']}",
-            "--model",
+            "--models",
             train_inputs["teacher"],
             "--output",
             str(out),
@@ -548,6 +548,6 @@ def test_crosskd_evaluate_writes_json_and_refuses_a_foreign_model(train_inputs, 
     assert "held-out bits per byte" in printed and "(teacher0 tokens)" in printed
     other = tiny_model(tmp_path / "other", ["zzz yyy xxx"] * 20, 300, seed=5)
     capsys.readouterr()
-    assert main(["evaluate", "--data", train_inputs["heldout"], "--model", str(other)]) == 2
+    assert main(["evaluate", "--data", train_inputs["heldout"], "--models", str(other)]) == 2
     err = capsys.readouterr().err
     assert "is none of the tokenizers" in err and err.count("\n") == 1

@@ -4,7 +4,9 @@
 ``crosskd inspect pair``, ``crosskd score``, ``crosskd train``, ``crosskd evaluate``,
 ``crosskd distill``,
 ``crosskd generate`` (a conversation set sampled from an instruct model), ``crosskd dashboards``
-(the Grafana dashboards as JSON). Bad input (a config, data or artifact
+(the Grafana dashboards as JSON). The options of the commands that build a config are its
+fields (:func:`crosskd.config.add_config_options`: ``--max-length N`` for ``max_length``), over
+the ``--config`` file and under ``key=value`` overrides. Bad input (a config, data or artifact
 error, a training run stopped by a non-finite loss) exits with status 2 and one line on stderr
 that says what is wrong and what to do; a table that fails validation exits 1.
 """
@@ -19,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from crosskd.config import CommandParser, config_flags, flag_overrides, load_config
 from crosskd.errors import CrosskdError, Stopped
 
 if TYPE_CHECKING:
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``crosskd``."""
     parser = argparse.ArgumentParser(prog="crosskd", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     tables = commands.add_parser("tables", help="sub-token tables").add_subparsers(
         dest="action", required=True
@@ -86,60 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--json", action="store_true", help="print the report as JSON")
 
     prep = commands.add_parser(
-        "prepare", help="clip, align and lockstep-pack data into Parquet shards + manifest"
+        "prepare",
+        help="clip, align and lockstep-pack data into Parquet shards + manifest",
+        config="crosskd.data.prepare:PrepareConfig",
     )
     prep.add_argument("--config", help="YAML file with PrepareConfig keys")
-    prep.add_argument("--data", help="JSONL/Parquet/datasets folder, local or any fsspec URI")
-    prep.add_argument("--student-tokenizer")
-    prep.add_argument(
-        "--teacher-tokenizer",
-        action="append",
-        dest="teacher_tokenizers",
-        help="repeat once per teacher",
-    )
-    prep.add_argument("--output", help="output folder or URI")
-    prep.add_argument("--max-length", type=int, help="student capacity in tokens")
-    prep.add_argument("--teacher-max-length", type=int, help="teacher capacity in tokens")
-    prep.add_argument(
-        "--no-pack",
-        dest="pack",
-        action="store_false",
-        default=None,
-        help="one sample per row instead of lockstep packing",
-    )
-    prep.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any PrepareConfig field, e.g. drop_first_chunk=true",
-    )
     merge = commands.add_parser(
         "prepare-merge", help="write the manifest of prepared data from its splits' shards"
     )
     merge.add_argument("output", help="the prepare output folder or URI")
 
     sc = commands.add_parser(
-        "score", help="write the teacher's top-K signal of prepared data to a cache (local/S3)"
+        "score",
+        help="write the teacher's top-K signal of prepared data to a cache (local/S3)",
+        config="crosskd.teacher.scoring:ScoreConfig",
     )
     sc.add_argument("--config", help="YAML file with ScoreConfig keys")
-    sc.add_argument("--data", help="prepared data (crosskd prepare output), any fsspec URI")
-    sc.add_argument("--teacher", help="HF folder, zoo:NAME, fsspec URI or cached hub id")
-    sc.add_argument("--output", help="cache folder or URI")
-    sc.add_argument("--teacher-index", type=int, help="which teacher of the data (0, 1, ...)")
-    sc.add_argument("--k", type=int, help="top-K size")
-    sc.add_argument("--tau", type=float, help="temperature")
-    sc.add_argument("--encoding", choices=["lossless", "lossy"])
-    sc.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any ScoreConfig field, e.g. token_budget=8192",
-    )
 
     tr = commands.add_parser(
         "train",
         help="train the student (one process, or every process under torchrun); a "
         "restarted run resumes from its last checkpoint",
+        config="crosskd.train.config:TrainConfig",
     )
     tr.add_argument("--config", help="YAML file with TrainConfig keys")
     tr.add_argument(
@@ -151,63 +122,29 @@ def build_parser() -> argparse.ArgumentParser:
         "entry point; exit codes in docs/kubernetes.md); default: train in this "
         "process",
     )
-    tr.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any TrainConfig field, e.g. steps=500 loss.kd_weight=0.5",
-    )
 
     ev = commands.add_parser(
-        "evaluate", help="held-out bits per byte of models and teachers on prepared data"
+        "evaluate",
+        help="held-out bits per byte of models and teachers on prepared data",
+        config="crosskd.evaluate:EvaluateConfig",
     )
     ev.add_argument("--config", help="YAML file with EvaluateConfig keys")
-    ev.add_argument("--data", help="prepared data (crosskd prepare output), any fsspec URI")
-    ev.add_argument(
-        "--model",
-        action="append",
-        dest="models",
-        metavar="[NAME=]REF",
-        help="a model or teacher (HF folder, URI, zoo:NAME); repeat",
-    )
-    ev.add_argument("--output", help="write the JSON result here (local path or URI)")
-    ev.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any EvaluateConfig field, e.g. token_budget=8192",
-    )
 
     dist = commands.add_parser(
-        "distill", help="the whole run: tables, prepare, score, train, evaluate, report"
+        "distill",
+        help="the whole run: tables, prepare, score, train, evaluate, report",
+        config="crosskd.steps.config:RunConfig",
     )
-    dist.add_argument("--config", help="YAML file with DistillConfig keys")
+    dist.add_argument("--config", help="YAML file with RunConfig keys")
     dist.add_argument("--preset", help="a shipped preset to start from: tiny, demo, chat-demo")
-    dist.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any DistillConfig field, e.g. output=runs/demo steps=50",
-    )
 
     gen = commands.add_parser(
         "generate",
         help="a conversation set: an instruct model's sampled answers to prompts "
         "(JSONL; a rerun resumes)",
+        config="crosskd.generate:GenerateConfig",
     )
     gen.add_argument("--config", help="YAML file with GenerateConfig keys")
-    gen.add_argument("--model", help="the instruct model (HF folder, zoo:NAME, URI)")
-    gen.add_argument(
-        "--prompts", help="rows with a prompt (or text) column, or machine:docstrings (the default)"
-    )
-    gen.add_argument("--output", help="the JSONL file to write (local)")
-    gen.add_argument("--conversations", type=int, help="how many prompts to answer")
-    gen.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any GenerateConfig field, e.g. temperature=0.8 seed=1",
-    )
 
     dashboards = commands.add_parser(
         "dashboards", help="write the Grafana dashboards (training, teacher scoring) as JSON"
@@ -310,19 +247,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from crosskd.config import load_config
     from crosskd.data.prepare import PrepareConfig, prepare
 
-    flags = (
-        "data",
-        "student_tokenizer",
-        "teacher_tokenizers",
-        "output",
-        "max_length",
-        "teacher_max_length",
-        "pack",
-    )
-    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+    given = config_flags(args, PrepareConfig)
     config = load_config(PrepareConfig, args.config, args.overrides, flags=given)
     manifest = prepare(config)
     if manifest is None:
@@ -355,12 +282,10 @@ def _prepared_summary(manifest: dict, output: str) -> int:
 
 
 def _score(args: argparse.Namespace) -> int:
-    from crosskd.config import load_config
     from crosskd.teacher.scoring import ScoreConfig
     from crosskd.teacher.sharded import score
 
-    flags = ("data", "teacher", "output", "teacher_index", "k", "tau", "encoding")
-    given = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+    given = config_flags(args, ScoreConfig)
     config = load_config(ScoreConfig, args.config, args.overrides, flags=given)
     manifest = score(config)
     bpb = manifest["bits_per_byte"]
@@ -374,10 +299,10 @@ def _score(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from crosskd.config import load_config
     from crosskd.train import TrainConfig, Trainer, finished_model
 
-    config = load_config(TrainConfig, args.config, args.overrides)
+    given = config_flags(args, TrainConfig)
+    config = load_config(TrainConfig, args.config, args.overrides, flags=given)
     done = finished_model(config)
     if done is not None:
         _write(f"{config.output} is complete (final/ holds step {done['step']}); nothing to do")
@@ -387,7 +312,11 @@ def _train(args: argparse.Namespace) -> int:
 
         if args.nproc_per_node < 1:
             raise CrosskdError(f"--nproc-per-node is {args.nproc_per_node}; it must be >= 1.")
-        worker_args = [*(["--config", args.config] if args.config else []), *args.overrides]
+        worker_args = [
+            *(["--config", args.config] if args.config else []),
+            *flag_overrides(given),  # the options as overrides, before the command line's own
+            *args.overrides,
+        ]
         return launch(config, worker_args, args.nproc_per_node)
     trainer = Trainer(config)
     try:
@@ -407,12 +336,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from crosskd.config import load_config
     from crosskd.evaluate import EvaluateConfig, evaluate
 
-    given = {
-        k: getattr(args, k) for k in ("data", "models", "output") if getattr(args, k) is not None
-    }
+    given = config_flags(args, EvaluateConfig)
     config = load_config(EvaluateConfig, args.config, args.overrides, flags=given)
     result = evaluate(config)
     lines = [f"held-out bits per byte on {config.data}:"]
@@ -426,10 +352,12 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from crosskd.distill import distill, load_distill_config
+    from crosskd.distill import DistillConfig, distill, load_distill_config
     from crosskd.steps.evaluate import bits_per_byte_table
 
-    config = load_distill_config(args.config, args.preset, args.overrides)
+    # the loader takes a preset, a file and overrides: the options go first among the overrides
+    given = flag_overrides(config_flags(args, DistillConfig))
+    config = load_distill_config(args.config, args.preset, [*given, *args.overrides])
     metrics = distill(config)
     lines = [
         f"report: {metrics['report']}",
@@ -440,14 +368,9 @@ def _distill(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from crosskd.config import load_config
     from crosskd.generate import GenerateConfig, generate
 
-    given = {
-        k: getattr(args, k)
-        for k in ("model", "prompts", "output", "conversations")
-        if getattr(args, k) is not None
-    }
+    given = config_flags(args, GenerateConfig)
     config = load_config(GenerateConfig, args.config, args.overrides, flags=given)
     result = generate(config)
     _write(

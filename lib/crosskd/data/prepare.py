@@ -109,7 +109,9 @@ class PrepareConfig:
     output: str
     """Where shards and ``manifest.json`` go (must not already hold a manifest)."""
     text_column: str = "text"
+    """Column holding a row's plain text."""
     messages_column: str = "messages"
+    """Column holding a row's conversation (a list of ``{"role", "content"}``)."""
     id_column: str | None = "id"
     """Column with durable sample ids; rows without one get a content hash."""
     max_length: int = 2048

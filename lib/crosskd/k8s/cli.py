@@ -39,6 +39,7 @@ from typing import Any
 import fsspec
 import yaml
 
+from crosskd.config import CommandParser, config_flags
 from crosskd.errors import ConfigError, CrosskdError
 
 log = logging.getLogger("crosskd")
@@ -52,20 +53,18 @@ PATCH_FILE = "pytorchjob-patch.yaml"
 def add_job_commands(commands: argparse._SubParsersAction) -> None:
     """Add ``crosskd job render|manifests`` to the ``crosskd`` parser's subcommands."""
     job = commands.add_parser("job", help="the training PyTorchJob (Kubernetes)")
-    actions = job.add_subparsers(dest="action", required=True)
-    render = actions.add_parser("render", help="print or write the PyTorchJob YAML of a config")
+    actions = job.add_subparsers(dest="action", required=True, parser_class=CommandParser)
+    render = actions.add_parser(
+        "render",
+        help="print or write the PyTorchJob YAML of a config",
+        config="crosskd.k8s.job:JobConfig",
+    )
     render.add_argument("--config", help="YAML file with JobConfig keys")
     render.add_argument("--output", help="write the YAML here instead of stdout")
     render.add_argument(
         "--train-config",
         metavar="FILE",
         help="the train config the job will run: its parallel layout must fit the job's workers",
-    )
-    render.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any JobConfig field, e.g. nodes=4 gpus_per_node=8",
     )
     gen = actions.add_parser(
         "manifests", help="regenerate manifests/base/pytorchjob.yaml and the overlay patches"
@@ -75,17 +74,14 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
         "--check", action="store_true", help="write nothing; exit 1 if a file is stale"
     )
     sub = actions.add_parser(
-        "submit", help="submit the PyTorchJob of a config (or reattach to it) and wait for it"
+        "submit",
+        help="submit the PyTorchJob of a config (or reattach to it) and wait for it",
+        description="Submit the PyTorchJob of a config (or reattach to it) and wait for it, in "
+        "the job's namespace (--namespace), else the kube-config context's (the pod's own in a "
+        "cluster), else 'default'.",
+        config="crosskd.k8s.job:JobConfig",
     )
     sub.add_argument("--config", help="YAML file with JobConfig keys")
-    sub.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="any JobConfig field, e.g. nodes=4"
-    )
-    sub.add_argument(
-        "--namespace",
-        help="default: the config's namespace, else the kube-config context's (the pod's own "
-        "in a cluster), else 'default'",
-    )
     sub.add_argument(
         "--wait-timeout",
         type=float,
@@ -227,9 +223,9 @@ def generated_files(root: Path) -> dict[Path, str]:
 def _render(args: argparse.Namespace) -> int:
     # lazy: kubernetes and kubeflow take about 1 s to import, and `crosskd` builds this
     # module's parser for every command
-    from crosskd.k8s.job import job_layout, job_manifest, load_job_config
+    from crosskd.k8s.job import JobConfig, job_layout, job_manifest, load_job_config
 
-    config = load_job_config(args.config, args.overrides)
+    config = load_job_config(args.config, args.overrides, values=config_flags(args, JobConfig))
     if args.train_config:
         job_layout(config, train_layout(args.train_config))
     text = manifest_yaml(job_manifest(config))
@@ -254,11 +250,11 @@ def train_layout(path: str) -> dict[str, Any]:
 def _submit(args: argparse.Namespace) -> int:
     # lazy: kubernetes and kubeflow take about 1 s to import, and `crosskd` builds this
     # module's parser for every command
-    from crosskd.k8s.job import job_layout, job_manifest, load_job_config
+    from crosskd.k8s.job import JobConfig, job_layout, job_manifest, load_job_config
     from crosskd.k8s.launcher import submit
     from crosskd.k8s.local import run_local_job, train_config_map
 
-    config = load_job_config(args.config, args.overrides)
+    config = load_job_config(args.config, args.overrides, values=config_flags(args, JobConfig))
     manifest = job_manifest(config)
     if args.local:
         if not args.train_config:

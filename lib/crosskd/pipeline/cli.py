@@ -5,9 +5,11 @@
 * ``compile [--output FILE] [--image IMAGE] [--params FILE]``: the pipeline of
   ``pipelines/distill.py`` as KFP YAML (default ``pipelines/distill.yaml`` of the checkout);
   ``--params`` makes a parameter set (YAML mapping) the compiled defaults.
-* ``run-local (--preset NAME | --config FILE) [key=value ...] [--local-root DIR]
-  [--no-cache]``: the whole DAG on this machine under ``kfp.local``, the training step through
-  the local PyTorchJob executor; prints the held-out bits-per-byte table and the report path.
+* ``run-local (--preset NAME | --config FILE) [--FIELD VALUE ...] [key=value ...]
+  [--local-root DIR] [--no-cache]``: the whole DAG on this machine under ``kfp.local``, the
+  training step through the local PyTorchJob executor; prints the held-out bits-per-byte table
+  and the report path. The options of :class:`crosskd.steps.config.RunConfig`'s fields are
+  ``crosskd distill``'s (:func:`crosskd.config.add_config_options`).
 * ``submit --host URL [--namespace NS] [--experiment NAME] [--run-name NAME] [--package FILE]
   [--no-cache] [--wait [--timeout S]] [param=value ...]``: a run of the compiled package on a
   Kubeflow Pipelines server with the kfp client. The token comes from ``$KFP_TOKEN`` or the
@@ -24,13 +26,14 @@ from pathlib import Path
 
 import yaml
 
+from crosskd.config import CommandParser, config_flags, flag_overrides
 from crosskd.errors import ConfigError
 
 
 def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     """Add ``crosskd pipeline compile|run-local|submit`` to the ``crosskd`` parser."""
     pipeline = commands.add_parser("pipeline", help="the Kubeflow pipeline (compile, run, submit)")
-    actions = pipeline.add_subparsers(dest="action", required=True)
+    actions = pipeline.add_subparsers(dest="action", required=True, parser_class=CommandParser)
     comp = actions.add_parser("compile", help="compile pipelines/distill.py to KFP YAML")
     comp.add_argument("--output", help="default: pipelines/distill.yaml of the checkout")
     comp.add_argument("--image", help="the components' image (default: components/__init__.py)")
@@ -38,7 +41,11 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     graph = actions.add_parser("graph", help="draw the compiled pipeline's graph as SVG")
     graph.add_argument("--package", help="compiled YAML (default: pipelines/distill.yaml)")
     graph.add_argument("--output", help="default: docs/pipeline.svg of the checkout")
-    local = actions.add_parser("run-local", help="run the whole pipeline here under kfp.local")
+    local = actions.add_parser(
+        "run-local",
+        help="run the whole pipeline here under kfp.local",
+        config="crosskd.steps.config:RunConfig",
+    )
     local.add_argument("--preset", help="a shipped run preset: tiny, demo, chat-demo")
     local.add_argument("--config", help="YAML file with run keys (crosskd distill's)")
     local.add_argument(
@@ -51,12 +58,6 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
         help="the steps' whole output goes here; the terminal gets a "
         "line per step (default: <local root>/logs/<time>.log); - : all of it "
         "on the terminal",
-    )
-    local.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="any run key, e.g. output=demo-out steps=50",
     )
     sub = actions.add_parser("submit", help="submit the compiled pipeline to a KFP server")
     sub.add_argument("--host", required=True, help="the KFP API URL (http[s]://...)")
@@ -120,12 +121,14 @@ def _compile(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from crosskd.pipeline.progress import steps_to_log
     from crosskd.pipeline.run import local_root_of, preset_arguments, run_local
-    from crosskd.steps.config import load_run_config
+    from crosskd.steps.config import RunConfig, load_run_config
     from crosskd.steps.evaluate import bits_per_byte_table
 
     if not args.preset and not args.config:
         raise ConfigError("run-local needs --preset NAME or --config FILE (and output=DIR).")
-    config = load_run_config(args.config, args.preset, args.overrides)
+    # the loader takes a preset, a file and overrides: the options go first among the overrides
+    given = flag_overrides(config_flags(args, RunConfig))
+    config = load_run_config(args.config, args.preset, [*given, *args.overrides])
     arguments = preset_arguments(config)
     local_root = args.local_root or local_root_of(arguments["output_root"])
     if args.log == "-":
