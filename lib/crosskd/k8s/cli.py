@@ -51,9 +51,18 @@ PATCH_FILE = "pytorchjob-patch.yaml"
 
 
 def add_job_commands(commands: argparse._SubParsersAction) -> None:
-    """Add ``crosskd job render|manifests`` to the ``crosskd`` parser's subcommands."""
+    """Add ``crosskd job render|manifests|submit|run-local`` to the ``crosskd`` parser's
+    subcommands."""
     job = commands.add_parser("job", help="the training PyTorchJob (Kubernetes)")
     actions = job.add_subparsers(dest="action", required=True, parser_class=CommandParser)
+    _add_render(actions)
+    _add_manifests(actions)
+    _add_submit(actions)
+    _add_run_local(actions)
+
+
+def _add_render(actions: argparse._SubParsersAction) -> None:
+    """``crosskd job render``: its options are JobConfig's fields."""
     render = actions.add_parser(
         "render",
         help="print or write the PyTorchJob YAML of a config",
@@ -66,6 +75,10 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="the train config the job will run: its parallel layout must fit the job's workers",
     )
+
+
+def _add_manifests(actions: argparse._SubParsersAction) -> None:
+    """``crosskd job manifests``."""
     gen = actions.add_parser(
         "manifests", help="regenerate manifests/base/pytorchjob.yaml and the overlay patches"
     )
@@ -73,6 +86,10 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if a file is stale"
     )
+
+
+def _add_submit(actions: argparse._SubParsersAction) -> None:
+    """``crosskd job submit``: JobConfig's fields and the launcher's own options."""
     sub = actions.add_parser(
         "submit",
         help="submit the PyTorchJob of a config (or reattach to it) and wait for it",
@@ -122,6 +139,10 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
         default="crosskd-local-job",
         help="--local: one folder per replica (log.txt, mounted files)",
     )
+
+
+def _add_run_local(actions: argparse._SubParsersAction) -> None:
+    """``crosskd job run-local``."""
     local = actions.add_parser(
         "run-local", help="run rendered PyTorchJob manifests on this machine like the operator"
     )
