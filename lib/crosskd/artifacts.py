@@ -15,6 +15,8 @@ from collections.abc import Collection
 
 import fsspec
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from crosskd.errors import CrosskdError
@@ -147,8 +149,6 @@ class ParquetRows:
     groups; only the groups read are fetched)."""
 
     def __init__(self, source: bytes | RangedParquet, keep_groups: int = 2) -> None:
-        import pyarrow.parquet as pq
-
         self._file = pq.ParquetFile(io.BytesIO(source)) if isinstance(source, bytes) else source
         metadata = self._file.metadata
         sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
@@ -193,8 +193,6 @@ class ParquetRows:
 
     def rows(self, start: int, stop: int):
         """Rows ``start .. stop - 1`` as a ``pyarrow.Table``."""
-        import pyarrow as pa
-
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
         last = int(np.searchsorted(self._starts, max(stop - 1, start), side="right")) - 1
         tables = [self._group(g) for g in range(first, last + 1)]

@@ -25,11 +25,15 @@ import fsspec
 import numpy as np
 import torch
 
+from crosskd.alignment.sample import REGION_ANSWER, REGION_REASONING
+from crosskd.data.collate import load_prepared
 from crosskd.errors import ConfigError
+from crosskd.teacher.model import load_teacher, model_folder
+from crosskd.teacher.scoring import budget_batches
+from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from crosskd.parallel.parallelize import Lockstep
-    from crosskd.tokenization import LoadedTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +81,6 @@ def _nll_bits_and_bytes(
     targets: list[np.ndarray] | None,
     lockstep: Lockstep | None,
 ) -> tuple[float, int]:
-    from crosskd.teacher.scoring import budget_batches
-
     bits, n_bytes = 0.0, 0
     for group in budget_batches([len(s) for s in sequences], token_budget):
         batch = [sequences[i] for i in group]
@@ -154,8 +156,6 @@ def prepared_targets(data, name: str, tok: LoadedTokenizer) -> list[np.ndarray]:
 def _content_tokens(sample: dict, name: str, length: int) -> np.ndarray:
     """A chat sample's tokens of model ``name`` in the content of its assistant turns (see
     :func:`prepared_targets`), bool ``[length]``."""
-    from crosskd.alignment.sample import REGION_ANSWER, REGION_REASONING
-
     loss_mask = np.asarray(sample["student_loss_mask"], dtype=bool)
     teacher, side = ("teacher0", "s") if name == "student" else (name, "t")
     region = np.asarray(sample[f"{teacher}_chunk_region"])
@@ -239,10 +239,6 @@ def evaluate(config: EvaluateConfig) -> dict:
     """Held-out bits per byte of every model of ``config`` on its prepared data; returns (and
     writes to ``config.output``) ``{"data": URI, "data_fingerprint": ..., "models": {name:
     {"ref", "prepared_model", "bits_per_byte", "bits", "bytes", "sequences"}}}``."""
-    from crosskd.data.collate import load_prepared
-    from crosskd.teacher.model import load_teacher, model_folder
-    from crosskd.tokenization import load_tokenizer
-
     data = load_prepared(config.data)
     by_fingerprint = {m["fingerprint"]: m["name"] for m in data.manifest["models"]}
     results = {}

@@ -32,7 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from crosskd.alignment.corpus import docstring_paragraphs
 from crosskd.config import require_positive_ints
+from crosskd.data.records import read_records
 from crosskd.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -127,8 +131,6 @@ def machine_prompts(limit: int) -> list[str]:
     """Up to ``limit`` prompts from this machine's standard-library docstrings: the first
     paragraph of each docstring of 60 to 400 characters (deduplicated, in the corpus's stable
     file order), prompt ``i`` inside ``INSTRUCTIONS[i % len(INSTRUCTIONS)]``."""
-    from crosskd.alignment.corpus import docstring_paragraphs
-
     prompts = []
     for text in docstring_paragraphs(60, 400):
         prompts.append(INSTRUCTIONS[len(prompts) % len(INSTRUCTIONS)].format(text=text))
@@ -142,8 +144,6 @@ def read_prompts(source: str, limit: int) -> list[str]:
     ``prompt`` or ``text`` column)."""
     if source == MACHINE_PROMPTS:
         return machine_prompts(limit)
-    from crosskd.data.records import read_records
-
     prompts = []
     for record in read_records(source, text_column=_prompt_column(source)):
         if record.text is None or not record.text.strip():
@@ -161,8 +161,8 @@ def generate(config: GenerateConfig, *, progress: bool = True) -> dict[str, Any]
     """Answer the prompts of ``config`` into ``config.output`` (module docstring), resuming
     from the complete batches already there; returns ``{"output", "conversations" (rows in the
     file), "generated" (rows this call wrote), "dropped" (empty answers), "unfinished"}``."""
-    from tqdm import tqdm
-
+    # lazy: crosskd.teacher.model imports torch; the crosskd generate parser imports this module for
+    # GenerateConfig (--help too) and needs no torch
     from crosskd.teacher.model import load_teacher
 
     output = Path(config.output.removeprefix("file://"))
@@ -256,8 +256,6 @@ def generate(config: GenerateConfig, *, progress: bool = True) -> dict[str, Any]
 
 def _prompt_column(source: str) -> str:
     """``prompt`` when the first row of ``source`` has one, else ``text``."""
-    from crosskd.data.records import read_records
-
     try:
         next(iter(read_records(source, text_column="prompt")), None)
     except DataError:
@@ -282,6 +280,8 @@ def _batch_seed(seed: int, batch: int) -> int:
 
 def _tokenizer(folder: Path):
     """The model's tokenizer, padding on the left (answers start right after the prompt)."""
+    # lazy: transformers imports torch; the crosskd generate parser imports this module for
+    # GenerateConfig (--help too) and needs neither
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -299,6 +299,8 @@ def _answer(
     loaded, tokenizer, prompts: list[str], config: GenerateConfig, seed: int
 ) -> list[tuple[str, bool]]:
     """Each prompt's sampled answer and whether it ended before ``max_new_tokens``."""
+    # lazy: torch; the crosskd generate parser imports this module for GenerateConfig (--help too)
+    # and needs no torch
     import torch
 
     texts = [

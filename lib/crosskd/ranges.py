@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import fsspec
+import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from crosskd.errors import CrosskdError
@@ -172,7 +173,6 @@ def write_parquet(table, **options) -> bytes:
     with ``options``, its footer recording each row group's sha256 (:data:`DIGESTS`). The
     table is written twice: once to find the groups' bytes, once with their digests (the groups'
     bytes are the same; only the footer differs)."""
-    import pyarrow.parquet as pq
 
     def write(table) -> bytes:
         buffer = io.BytesIO()
@@ -197,8 +197,6 @@ def footer_record(payload: bytes) -> dict:
     """What a manifest entry records of the Parquet file ``payload`` for ranged reads:
     ``{"footer": {"offset", "bytes", "sha256"}}`` (bytes), or ``{}`` for a file whose footer
     holds no row group digests (one written before :func:`write_parquet`: read whole)."""
-    import pyarrow.parquet as pq
-
     metadata = pq.read_metadata(io.BytesIO(payload)).metadata or {}
     if DIGESTS not in metadata:
         return {}
@@ -293,8 +291,6 @@ class RangedParquet:
     like a ``pyarrow.parquet.ParquetFile``: ``metadata``, :meth:`read_row_group`."""
 
     def __init__(self, file: ArtifactFile, footer: dict) -> None:
-        import pyarrow.parquet as pq
-
         self.file = file
         offset, size = int(footer["offset"]), int(footer["bytes"])
         tail = file.fetch(offset, offset + size, footer["sha256"], part="footer")

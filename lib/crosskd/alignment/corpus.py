@@ -38,6 +38,8 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from crosskd.errors import DataError
+
 log = logging.getLogger(__name__)
 
 CATALOGUE_ROOTS = ("/usr/share/locale", "/usr/local/share/locale", "/usr/share/i18n")
@@ -92,8 +94,6 @@ def licence_documents(
     order, symbolic links skipped), in NFC documents of whole lines of at most about
     ``document_bytes`` bytes; stops at the first document that reaches the target. A missing
     or empty ``folder`` is a :class:`crosskd.errors.DataError`."""
-    from crosskd.errors import DataError
-
     files = (
         sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink())
         if folder.is_dir()

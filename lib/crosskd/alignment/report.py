@@ -46,7 +46,7 @@ from crosskd.alignment.core import (
     align_many,
     tokenize,
 )
-from crosskd.tables import TablePair
+from crosskd.tables import TablePair, build_table, common_tokens
 from crosskd.tokenization import KIND_NORMAL, KIND_SPECIAL, LoadedTokenizer
 
 log = logging.getLogger(__name__)
@@ -251,8 +251,6 @@ def _common_pairs(
     student: LoadedTokenizer, teacher: LoadedTokenizer, tables: TablePair | None, progress: bool
 ) -> np.ndarray:
     """One-to-one common tokens, int64 ``[n, 2]`` (student id, teacher id)."""
-    from crosskd.tables import build_table, common_tokens
-
     if tables is not None:
         tables.check_tokenizers(student, teacher)
         return tables.common

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from crosskd.artifacts import read_checked, read_manifest
@@ -49,8 +50,6 @@ class PreparedData:
     def shard_samples(self, index: int) -> list[dict]:
         """The samples of shard ``index`` in order (column name -> value), after checking the
         shard's sha256 against the manifest."""
-        import pyarrow.parquet as pq
-
         payload = read_checked(
             self.uri,
             self.manifest["shards"][index],

@@ -24,6 +24,7 @@ import posixpath
 
 import fsspec
 import numpy as np
+import pyarrow.parquet as pq
 
 from crosskd.artifacts import MANIFEST
 from crosskd.data.records import duplicate_id_message
@@ -161,8 +162,6 @@ def _check_unique_ids(
     repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
     if not repeated.size:
         return
-    import pyarrow.parquet as pq
-
     fs, root = fsspec.core.url_to_fs(output)
     columns: dict[int, dict] = {}
     for at in repeated.tolist():

@@ -41,6 +41,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from crosskd.errors import DataError
 
@@ -187,9 +189,6 @@ def _rows(
     if kind == "jsonl":
         yield from _jsonl_rows(fs, path, source)
         return
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     wanted = [c for c in (columns.text, columns.messages, columns.id) if c is not None]
     with fs.open(path, "rb") as f:
         try:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
+import pyarrow as pa
 
 from crosskd.alignment import SHAPE_1_1, SHAPE_SPECIAL, AlignedSample, Rendered
 from crosskd.ranges import footer_record, write_parquet
@@ -71,8 +72,6 @@ def same_tokenizer_sample(
 
 def schema(n_teachers: int):
     """The Parquet schema of prepared shards (fixed, so shards read together as one dataset)."""
-    import pyarrow as pa
-
     ints, small = pa.list_(pa.int32()), pa.list_(pa.uint8())
     fields = [
         ("sample_id", pa.string()),
@@ -168,8 +167,6 @@ def write_shard(
     (the statistics of no other column: they would only grow the footer every reader fetches).
     Returns ``{"path", "rows", "bins", "sha256", "bytes", "footer"}`` (``footer``:
     :func:`crosskd.ranges.footer_record`)."""
-    import pyarrow as pa
-
     bin_of = np.empty(len(rows), dtype=np.int64)
     for b, members in enumerate(bins):
         bin_of[members] = b

@@ -77,9 +77,12 @@ def speed_png(runs: dict[str, list[dict]]) -> bytes:
 def _two_plots(titles: tuple[str, str], lines: list[tuple[int, list, list, str]]) -> bytes:
     """Two plots side by side over the optimizer step, as PNG bytes; ``lines``: (plot index,
     steps, values, label)."""
+    # lazy: matplotlib (~0.3 s, its Agg backend chosen before pyplot) only to draw a report; every
+    # pipeline step imports crosskd.steps, which imports this module (crosskd.steps.evaluate)
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: pyplot only after the backend is chosen (above)
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))

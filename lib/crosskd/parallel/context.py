@@ -33,6 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from crosskd.errors import ConfigError
+from crosskd.parallel.attention import refuse_state_mixers
+
 IMPLEMENTATION = "crosskd_cp"
 """The name of the context-parallel attention in transformers' attention registry."""
 POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -95,11 +98,10 @@ def enable_context_parallel(
     ends in ``Attention``, transformers' convention) context-parallel over ``group`` (module
     docstring). The model must then be called on a window of positions with the window's rows
     of the packed mask."""
+    # lazy: transformers' attention registry costs ~2 s over torch; every pipeline step imports
+    # crosskd.steps, which imports this module (through the trainer), and only cp > 1 needs it
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from crosskd.errors import ConfigError
-    from crosskd.parallel.attention import refuse_state_mixers
 
     name = type(model).__name__
     rope = (

@@ -354,6 +354,8 @@ def parallelize(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     wrapped = model
     if layout.dp_shard > 1:
+        # lazy: torch.distributed.fsdp costs ~0.5 s; every pipeline step imports crosskd.steps,
+        # which imports this module (through the trainer), and only dp_shard > 1 shards
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         fsdp_mesh = mesh.mesh["dp_replicate", "dp_shard"]
@@ -417,6 +419,8 @@ def gradient_bytes(model: nn.Module) -> int:
     not reduce-scatter (its ``FSDPParam``'s unsharded ``grad`` and
     ``unsharded_accumulated_grad``, private attributes read only to measure). Sizes only: no
     device synchronisation."""
+    # lazy: torch.distributed.fsdp costs ~0.5 s; every pipeline step imports crosskd.steps, which
+    # imports this module (through the trainer), and only a measurement of the gradients needs it
     from torch.distributed.fsdp import FSDPModule
 
     def size(tensor: Tensor | None) -> int:

@@ -9,18 +9,25 @@ PyTorchJob executor)."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from crosskd.errors import ConfigError
+import yaml
+
+from crosskd.errors import ConfigError, CrosskdError
 from crosskd.steps.config import RunConfig
+from crosskd.steps.locations import is_local
+from crosskd.steps.runtime import ERRORS_ENV
 from crosskd.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -61,8 +68,6 @@ def load_pipeline(image: str | None = None) -> Callable[..., Any]:
     ``sys.path``); ``image`` replaces the components' image (``CROSSKD_IMAGE``, and
     ``<image>-cuda`` for the GPU steps): the components are imported afresh, since they read
     it when imported."""
-    import importlib
-
     root = str(source_root())
     if image:
         os.environ["CROSSKD_IMAGE"] = image
@@ -79,6 +84,8 @@ def compile_pipeline(
 ) -> str:
     """Compile the pipeline into ``output`` (YAML), with ``parameters`` as the defaults of those
     pipeline parameters; returns ``output``."""
+    # lazy: kfp is an optional extra (crosskd[kfp]); crosskd pipeline graph and submit import this
+    # module for COMPILED_FILE and source_root
     from kfp import compiler
 
     pipeline = load_pipeline(image)
@@ -95,7 +102,8 @@ def canonical_header(compiled: str) -> str:
     protobuf's ``Struct`` map, which upb hashes with its own per-process seed (not
     ``PYTHONHASHSEED``) whatever order the keys were inserted in: sorted inputs cannot fix it,
     only the header can be written again; the YAML documents below it are already sorted."""
-    import yaml
+    # lazy: kfp is an optional extra (crosskd[kfp]); crosskd pipeline graph and submit import this
+    # module for COMPILED_FILE and source_root
     from kfp.compiler.pipeline_spec_builder import extract_comments_from_pipeline_spec
 
     lines = compiled.splitlines(keepends=True)
@@ -156,12 +164,9 @@ def run_local(
     into a temporary folder kfp deletes. Returns the report step's output (``report``,
     ``bits_per_byte``); a failed step raises :class:`crosskd.errors.CrosskdError` with its
     message."""
-    import warnings
-
+    # lazy: kfp is an optional extra (crosskd[kfp]); crosskd pipeline graph and submit import this
+    # module for COMPILED_FILE and source_root
     from kfp import local
-
-    from crosskd.errors import CrosskdError
-    from crosskd.steps.runtime import ERRORS_ENV
 
     local_root = local_root or local_root_of(str(arguments["output_root"]))
     pipeline = load_pipeline()
@@ -198,8 +203,6 @@ def run_local(
 def local_root_of(output_root: str) -> str:
     """kfp.local's own folder for a run whose outputs go to ``output_root``:
     ``<output_root>/kfp-local``; a :class:`ConfigError` when that is not a local folder."""
-    from crosskd.steps.locations import is_local
-
     if not is_local(output_root):
         raise ConfigError(
             f"output_root {output_root} is not a local folder; give "
@@ -210,6 +213,4 @@ def local_root_of(output_root: str) -> str:
 
 def _plain(text: str) -> str:
     """``text`` without the terminal colour codes kfp.local puts in its messages."""
-    import re
-
     return re.sub(r"\x1b\[[0-9;]*m", "", text)

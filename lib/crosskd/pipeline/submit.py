@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import urllib3
 import yaml
 
 from crosskd.errors import ConfigError, CrosskdError
@@ -343,6 +344,8 @@ def _check_host(host: str) -> str:
 
 def _credentials(token_env: str) -> dict[str, Any]:
     """The authentication keyword arguments of ``kfp.Client`` (never logs the token)."""
+    # lazy: kfp is an optional extra (crosskd[kfp]): this module imports without it
+    # (tests/test_pipeline_submit.py)
     from kfp import client as kfp_client
 
     token = os.environ.get(token_env, "").strip()
@@ -366,6 +369,8 @@ def _credentials(token_env: str) -> dict[str, Any]:
 
 def _client(host: str, *, namespace: str | None, token_env: str) -> kfp.Client:
     """A ``kfp.Client`` for ``host`` (construction may call the health check)."""
+    # lazy: kfp is an optional extra (crosskd[kfp]): this module imports without it
+    # (tests/test_pipeline_submit.py)
     import kfp
 
     kwargs: dict[str, Any] = {"host": host, **_credentials(token_env)}
@@ -387,8 +392,9 @@ def _calls(host: str, step: str, url: str | None = None):
 
     What the client prints (the experiment and run links) is logged instead.
     """
+    # lazy: kfp_server_api comes with kfp, an optional extra (crosskd[kfp]): this module imports
+    # without it
     import kfp_server_api
-    import urllib3
 
     printed = io.StringIO()
     try:
@@ -481,8 +487,9 @@ def _wait(
     client: kfp.Client, host: str, run: SubmittedRun, *, timeout_s: float | None, poll_s: float
 ) -> Any:
     """Poll ``run`` every ``poll_s`` s until it reaches a final state or ``timeout_s`` s pass."""
+    # lazy: kfp_server_api comes with kfp, an optional extra (crosskd[kfp]): this module imports
+    # without it
     import kfp_server_api
-    import urllib3
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     errors = 0

@@ -7,7 +7,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from crosskd.evaluate import EvaluateConfig, evaluate
+from crosskd.metrics.report import report_markdown, write_report
 from crosskd.steps.locations import exists, read_json
+from crosskd.steps.prepare import OOD
+from crosskd.steps.train import run_history
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,6 @@ def evaluate_models(
     to ``output`` (JSON, :func:`crosskd.evaluate.evaluate`); returns ``{"uri",
     "bits_per_byte": {name: value}, "evaluation"}``. An existing result for the same data and
     models is returned at once."""
-    from crosskd.evaluate import EvaluateConfig, evaluate
-
     wanted = [f"{name}={ref}" for name, ref in models.items()]
     if exists(output):
         earlier = read_json(output)
@@ -87,8 +89,6 @@ def evaluate_run(
     when ``prepared`` has them (:func:`crosskd.steps.prepare.prepare_data`), on the
     out-of-domain rows (``<folder>/evaluation_ood.json``); returns ``{"uri", "bits_per_byte",
     "ood_uri", "ood_bits_per_byte"}`` (the last two only with out-of-domain rows)."""
-    from crosskd.steps.prepare import OOD
-
     folder = folder.rstrip("/")
     result = evaluate_models(
         prepared["heldout"],
@@ -144,9 +144,6 @@ def report(
     ``evaluation`` from :func:`evaluate_run`, ``runs`` from :func:`crosskd.steps.train.train`;
     returns ``{"uri", "html", "markdown", "bits_per_byte", "ood_bits_per_byte"}`` (the last
     only with out-of-domain rows)."""
-    from crosskd.metrics.report import report_markdown, write_report
-    from crosskd.steps.train import run_history
-
     order = sorted(runs, key=lambda r: ["kd", "ce"].index(r["variant"]))
     metrics = {
         "bits_per_byte": in_order(evaluation["bits_per_byte"]),

@@ -11,13 +11,28 @@ tokenizers trained on the training rows, ``init`` models (random-init Llamas, se
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from crosskd.errors import ConfigError
+import fsspec
+import torch
+
+from crosskd.alignment.corpus import benchmark_corpus, licence_documents
+from crosskd.data.prepare import PrepareConfig
+from crosskd.data.records import read_records
+from crosskd.errors import ConfigError, CrosskdError
+from crosskd.parallel.attention import layer_windows, refuse_state_mixers
 from crosskd.steps.config import EXECUTORS, INIT, LICENCES, STDLIB, RunConfig
 from crosskd.steps.locations import content_uri, exists, materialize
+from crosskd.teacher.model import model_folder
+from crosskd.teacher.scoring import ScoreConfig
+from crosskd.tokenization import load_tokenizer
+from crosskd.train import TrainConfig
+from crosskd.zoo import train_tiny_bpe
+from crosskd.zoo.models import init_llama
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +48,6 @@ def variants(config: RunConfig) -> list[str]:
 def model_tokenizer(ref: str) -> str:
     """The tokenizer reference of a model reference: its local folder (``zoo:`` models built,
     URIs copied into the cache), which holds the tokenizer files."""
-    from crosskd.teacher.model import model_folder
-
     return str(model_folder(ref, role="model"))
 
 
@@ -47,8 +60,6 @@ def validate_inputs(
     "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}], "train_data",
     "heldout_data", "heldout_fraction", "ood_data"}`` (URIs; ``heldout_fraction`` None when
     ``heldout_data`` is given, ``ood_data`` None without out-of-domain rows)."""
-    from crosskd.tokenization import load_tokenizer
-
     if executor not in EXECUTORS:
         raise ConfigError(f"executor is {executor!r}; choose one of {', '.join(EXECUTORS)}.")
     _check_step_configs(config, job if executor != "inprocess" else None)
@@ -81,8 +92,6 @@ def validate_inputs(
             "inputs/tokenizers",
             {"vocab": size, "docs": len(docs), "data": _text_digest(docs)},
         )
-        from crosskd.zoo import train_tiny_bpe
-
         return materialize(uri, lambda folder: train_tiny_bpe(docs, size, folder))
 
     def model_ref(ref: str, tokenizer: str, shape: dict, seed: int, role: str) -> str:
@@ -94,8 +103,6 @@ def validate_inputs(
         uri = content_uri(
             root, "inputs/models", {"tokenizer": fingerprint, "shape": shape, "seed": seed}
         )
-        from crosskd.zoo.models import init_llama
-
         return materialize(uri, lambda folder: init_llama(folder, tok_ref, shape, seed) and None)
 
     student = model_ref(
@@ -143,14 +150,9 @@ def _check_student_packs(student: str) -> None:
     would train wrongly (:func:`crosskd.parallel.attention.refuse_state_mixers`): the model of its
     ``config.json`` alone is built on the meta device (no weights are read). A model type this
     transformers does not know is left to the training step's own check."""
-    import json
-
-    import fsspec
-    import torch
+    # lazy: transformers costs ~1 s over torch; every pipeline step imports crosskd.steps, which
+    # imports this module, and only a pretrained student's check builds a model
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from crosskd.parallel.attention import layer_windows, refuse_state_mixers
-    from crosskd.teacher.model import model_folder
 
     if "://" in student and not student.startswith("file://"):
         with fsspec.open(f"{student.rstrip('/')}/config.json", "rb") as handle:
@@ -174,10 +176,6 @@ def _check_student_packs(student: str) -> None:
 def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
     """Build every later step's config from ``config`` so a value they would refuse is refused
     now, naming the key."""
-    from crosskd.data.prepare import PrepareConfig
-    from crosskd.teacher.scoring import ScoreConfig
-    from crosskd.train import TrainConfig
-
     n = len(config.teachers)
     PrepareConfig(
         data="-",
@@ -204,6 +202,9 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
         )
     )
     if job is not None:
+        # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline
+        # step imports this module through crosskd.steps, and only rendering or running a PyTorchJob
+        # needs them
         from crosskd.k8s.job import job_layout, load_job_config
 
         job_layout(
@@ -222,10 +223,6 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
 def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:
     """The standard-library corpus as ``train.jsonl`` / ``heldout.jsonl`` (every
     ``heldout_every``-th document held out), in documents of about ``3 * max_length`` bytes."""
-    import json
-
-    from crosskd.alignment.corpus import benchmark_corpus
-
     document_bytes = 3 * config.max_length
 
     def build(folder: Path) -> None:
@@ -262,10 +259,6 @@ def _stdlib_corpus(config: RunConfig, root: str) -> tuple[str, str]:
 def _licence_text(config: RunConfig, root: str) -> str:
     """``ood_bytes`` of this machine's licence texts as ``ood.jsonl``, in documents of about
     ``3 * max_length`` bytes (whole, once prepared); returns its URI."""
-    import json
-
-    from crosskd.alignment.corpus import licence_documents
-
     documents = licence_documents(config.ood_bytes, document_bytes=3 * config.max_length)
     uri = content_uri(root, "inputs/licences", {"text": _text_digest(documents)})
 
@@ -281,16 +274,12 @@ def _licence_text(config: RunConfig, root: str) -> str:
 
 
 def _data_exists(uri: str) -> bool:
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(uri)
     return fs.exists(path) or bool(fs.glob(path))
 
 
 def _texts(uri: str) -> list[str]:
     """The text of every row (chat rows: their messages' content) of the data at ``uri``."""
-    from crosskd.data.records import read_records
-
     texts = []
     for record in read_records(uri):
         if record.text is not None:
@@ -301,8 +290,6 @@ def _texts(uri: str) -> list[str]:
 
 
 def _text_digest(texts: list[str]) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     for text in texts:
         digest.update(text.encode("utf-8") + b"\0")
@@ -321,8 +308,6 @@ def _tiny_size(ref: str) -> int:
 
 def _check_model(ref: str, role: str) -> None:
     """A model reference must name a folder with ``config.json`` and a tokenizer."""
-    from crosskd.errors import CrosskdError
-
     try:
         model_tokenizer(ref)
     except CrosskdError as exc:

@@ -12,8 +12,13 @@ from typing import Any
 
 import fsspec
 
+from crosskd.data.prepare import PrepareConfig, prepare
+from crosskd.data.records import read_records
+from crosskd.errors import DataError
+from crosskd.metrics.steps import PrepareMetrics, served
 from crosskd.steps.inputs import model_tokenizer
 from crosskd.steps.locations import content_uri, data_fingerprint
+from crosskd.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +49,6 @@ def prepare_data(
     ``metrics_port``: serve the rows prepared and clipped
     (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it runs (0: a free port; None:
     not served), ``final_scrape_s`` seconds at most for a last scrape."""
-    from crosskd.data.prepare import PrepareConfig, prepare
-    from crosskd.metrics.steps import PrepareMetrics, served
-    from crosskd.tokenization import load_tokenizer
-
     student = model_tokenizer(plan["student"])
     teachers = [model_tokenizer(t["ref"]) for t in plan["teachers"]]
     sources = {"train": plan["train_data"], "heldout": plan["heldout_data"] or None}
@@ -110,9 +111,6 @@ def held_out(sample_id: str, fraction: float) -> bool:
 def _split(data: str, fraction: float, folder: str) -> dict[str, str]:
     """Write the training rows of ``data`` as ``train.jsonl`` and ``heldout.jsonl`` under
     ``folder`` (ids kept) by :func:`held_out`; returns their URIs."""
-    from crosskd.data.records import read_records
-    from crosskd.errors import DataError
-
     lines: dict[str, list[str]] = {split: [] for split in SPLITS}
     for record in read_records(data):
         row = {"id": record.sample_id}

@@ -10,7 +10,15 @@ import json
 import logging
 from typing import Any
 
+import fsspec
+import torch
+
+from crosskd.data.collate import load_prepared
+from crosskd.metrics.steps import ScoringMetrics, served
 from crosskd.steps.locations import content_uri
+from crosskd.teacher.model import default_device, default_dtype, fingerprint, model_folder
+from crosskd.teacher.scoring import MANIFEST, ScoreConfig, merge_cache, score_shards
+from crosskd.teacher.sharded import score_on_processes
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +61,6 @@ def cache_uri(
     """The content-addressed cache of one teacher: keyed by the prepared data's fingerprint,
     the teacher's weights fingerprint, K, tau, the encoding, the token budget and the device
     type and dtype (which change the stored numbers)."""
-    import torch
-
-    from crosskd.data.collate import load_prepared
-    from crosskd.teacher.model import default_device, default_dtype, fingerprint, model_folder
-
     resolved = torch.device(device) if device else default_device()
     key = {
         "data": load_prepared(data).manifest["data_fingerprint"],
@@ -88,9 +91,6 @@ def score_teacher(
     (0: a free port; None: not served), ``final_scrape_s`` seconds at most for a last scrape.
     ``processes`` > 1: the teacher sharded over that many processes, one per GPU of the pod
     (:mod:`crosskd.teacher.sharded`; the metrics then count the range's shards at its end)."""
-    from crosskd.metrics.steps import ScoringMetrics, served
-    from crosskd.teacher.scoring import ScoreConfig, score_shards
-
     teacher, options = job["teacher"], job["scoring"]
     k, tau = int(options["k"]), float(options["tau"])
     encoding, budget = options.get("encoding", "lossless"), int(options.get("token_budget", 4096))
@@ -121,8 +121,6 @@ def score_teacher(
     start, stop = int(job["start"]), int(job["stop"])
     with served(metrics, metrics_port, "score_teacher", final_scrape_s):
         if processes > 1:
-            from crosskd.teacher.sharded import score_on_processes
-
             metrics.shards.set(stop - start)
             part = score_on_processes(config, start, stop, progress=progress)
             metrics.shards_done.set(stop - start)
@@ -141,10 +139,6 @@ def merge_caches(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Join the scored ranges (outputs of :func:`score_teacher`, any order) into one manifest
     per teacher cache; returns ``[{"index", "cache", "manifest_sha256", "tokens",
     "bits_per_byte"}]`` in teacher order."""
-    import fsspec
-
-    from crosskd.teacher.scoring import MANIFEST, merge_cache
-
     caches = {}
     for part in parts:
         caches.setdefault(int(part["index"]), part["cache"])

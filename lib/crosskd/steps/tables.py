@@ -10,8 +10,11 @@ from typing import Any
 
 import fsspec
 
+from crosskd.errors import TableError
 from crosskd.steps.inputs import model_tokenizer
 from crosskd.steps.locations import content_uri
+from crosskd.tables import TablePair, build_table, load_table, save_table, validate_pair
+from crosskd.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +35,6 @@ def build_tables(item: dict[str, Any], *, progress: bool = True) -> dict[str, An
     plan's ``teachers``) under ``<root>/tables/<key>``: ``s2t.safetensors`` and ``t2s.safetensors``;
     returns ``{"index", "same_tokenizer", "s2t", "t2s", "sha256": {"s2t", "t2s"}, "uri"}``
     (URIs None for a same-tokenizer teacher). Existing complete tables are returned as they are."""
-    from crosskd.tables import build_table, load_table, save_table
-    from crosskd.tokenization import load_tokenizer
-
     student, teacher, root = item["student"], item["teacher"], item["root"]
     index = int(teacher["index"])
     if teacher["same_tokenizer"]:
@@ -74,10 +74,6 @@ def validate_tables(item: dict[str, Any], tables: dict[str, Any]) -> dict:
     """Validate the pair of :func:`build_tables` (of ``item``) against both tokenizers; raises
     :class:`crosskd.tables.TableError` naming the first violations, else returns ``{"index",
     "ok": True, "common_tokens", "violations": 0}``."""
-    from crosskd.errors import TableError
-    from crosskd.tables import TablePair, load_table, validate_pair
-    from crosskd.tokenization import load_tokenizer
-
     student, teacher = item["student"], item["teacher"]
     index = int(teacher["index"])
     if tables["same_tokenizer"]:

@@ -5,7 +5,9 @@ runs a rendered job the way the Training Operator would."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,10 @@ import fsspec
 import yaml
 
 from crosskd.errors import ConfigError
+from crosskd.metrics import read_jsonl_log
 from crosskd.steps.config import EXECUTORS, RunConfig
 from crosskd.steps.inputs import variants
+from crosskd.train import TrainConfig, Trainer, finished_model
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,6 @@ def train(
     (``last``: rank 0's metrics of the last step; the whole curve stays in the run's
     ``metrics-rank0.jsonl``, :func:`run_history`). A finished run returns at once; an
     interrupted one resumes from its checkpoint."""
-    from crosskd.train import TrainConfig, finished_model
-
     if executor not in EXECUTORS:
         raise ConfigError(f"executor is {executor!r}; choose one of {', '.join(EXECUTORS)}.")
     values = item["train"]
@@ -106,8 +108,6 @@ def job_run_id(task_name: str, variant: str, pipeline_job_id: str) -> str:
     from it): ``<task>-<variant>-<pipeline job id>``, the same on every retry of the task so
     that a retried launcher reattaches to its job; past 63 characters (a Kubernetes name's
     limit) its first 50 and the first 12 hex digits of its sha256."""
-    import hashlib
-
     run_id = f"{task_name}-{variant}-{pipeline_job_id}"
     if len(run_id) > 63:
         run_id = f"{run_id[:50]}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
@@ -117,8 +117,6 @@ def job_run_id(task_name: str, variant: str, pipeline_job_id: str) -> str:
 def run_history(output: str) -> list[dict[str, Any]]:
     """The per-step metrics of rank 0 of the run at ``output`` (the last record of each step,
     so an invocation resumed after a crash counts each step once), in step order."""
-    from crosskd.metrics import read_jsonl_log
-
     records = read_jsonl_log(f"{output}/metrics-rank0.jsonl")
     by_step = {r["step"]: r for r in records}
     return [by_step[s] for s in sorted(by_step)]
@@ -131,6 +129,9 @@ def job_documents(
     train config read from ``config_uri`` (whose ``parallel`` layout must fit the job's
     workers). A job that asks for GPUs (``gpus_per_node``) but whose rendered pods request none
     is refused."""
+    # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline step
+    # imports this module through crosskd.steps, and only rendering or running a PyTorchJob needs
+    # them
     from crosskd.k8s.job import job_layout, job_manifest, load_job_config
 
     config = load_job_config(values={**job, "run_id": run_id, "train_config_uri": config_uri})
@@ -153,8 +154,6 @@ def job_documents(
 
 
 def _train_here(config: Any, progress: bool) -> None:
-    from crosskd.train import Trainer
-
     trainer = Trainer(config, progress=progress)
     try:
         trainer.setup()
@@ -179,13 +178,17 @@ def _train_as_job(
         job = {**job, "train_overrides": [*job.get("train_overrides", []), "metrics_port=0"]}
     documents = job_documents(config_uri, job, run_id, parallel)
     if executor == "local":
+        # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline
+        # step imports this module through crosskd.steps, and only rendering or running a PyTorchJob
+        # needs them
         from crosskd.k8s.local import run_local_job
 
         folder = Path(workdir or "crosskd-local-job")
         result = run_local_job(documents, folder, wait_timeout=wait_timeout)
     else:
-        import math
-
+        # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline
+        # step imports this module through crosskd.steps, and only rendering or running a PyTorchJob
+        # needs them
         from crosskd.k8s.cli import current_namespace
         from crosskd.k8s.launcher import submit
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
 
 from crosskd.errors import TableError
 
@@ -140,8 +142,6 @@ class SubTokenTable:
 def save_table(table: SubTokenTable, uri: str) -> SubTokenTable:
     """Write ``table`` to a local path or fsspec URI (temporary name, then rename); returns the
     table with ``source`` set to ``uri``."""
-    from safetensors.numpy import save
-
     payload = save(
         {"offsets": table.offsets, "chains": table.chains, "flags": table.flags},
         metadata=table.meta.to_metadata(),
@@ -168,9 +168,6 @@ def load_table(uri: str) -> SubTokenTable:
     loaded), a truncated or non-safetensors file, missing tensors, wrong dtypes or shapes, and
     non-monotone offsets. Semantic checks against tokenizers are :mod:`crosskd.tables.validate`.
     """
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.exists(path):
         raise TableError(f"table {uri}: no such file; build it with `crosskd tables build`.")

@@ -18,11 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
 import torch
+from huggingface_hub import try_to_load_from_cache
 
 from crosskd.config import default_cache_dir
 from crosskd.errors import CrosskdError
 from crosskd.tokenization.sources import TOKENIZER_FILES, copy_to_cache
+from crosskd.zoo.models import zoo_model_dir
 
 
 class TeacherError(CrosskdError):
@@ -79,6 +82,9 @@ def load_teacher(
 ) -> LoadedTeacher:
     """Load and fingerprint a teacher (see the module docstring); ``role`` names the model in
     errors (``crosskd evaluate`` loads students the same way)."""
+    # lazy: transformers costs ~1 s over torch; every pipeline step imports crosskd.steps, which
+    # imports this module (through the trainer and crosskd.teacher.scoring), and most steps load no
+    # teacher
     from transformers import AutoModelForCausalLM
 
     folder = model_folder(ref, cache_dir=cache_dir, role=role)
@@ -123,8 +129,6 @@ def model_folder(
     """The local folder of a model reference (a teacher's, or a student's: ``role`` names it
     in errors); remote folders are copied into the cache."""
     if ref.startswith("zoo:"):
-        from crosskd.zoo.models import zoo_model_dir
-
         return zoo_model_dir(ref[len("zoo:") :], cache_dir=cache_dir)
     if ref.startswith("file://"):
         ref = ref[len("file://") :]
@@ -135,8 +139,6 @@ def model_folder(
         if not (path / "config.json").is_file():
             raise TeacherError(f"{role} folder {ref!r} has no config.json.")
         return path
-    from huggingface_hub import try_to_load_from_cache
-
     try:
         found = try_to_load_from_cache(ref, "config.json")
     except ValueError:
@@ -153,8 +155,6 @@ def model_folder(
 def _fetch(uri: str, cache_dir: Path, role: str) -> Path:
     """Copy a remote model folder (config, safetensors weights and their index, tokenizer
     files) into the cache."""
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.isdir(path):
         raise TeacherError(f"{role} {uri!r} is not a folder; check the URI and credentials.")

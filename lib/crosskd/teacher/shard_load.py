@@ -70,6 +70,9 @@ def empty_model(folder: Path, dtype: torch.dtype, *, trust_remote_code: bool) ->
     """The causal LM of ``folder``'s ``config.json`` in eval mode: parameters (in ``dtype``) on
     the meta device, tied as the config says; buffers real, on the CPU, as its constructors
     compute them."""
+    # lazy: transformers costs ~1 s over torch; every pipeline step imports crosskd.steps, which
+    # imports this module (crosskd.steps.score through crosskd.teacher.sharded), and only a sharded
+    # teacher needs it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(

@@ -43,14 +43,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from crosskd.data.collate import load_prepared
+from crosskd.errors import CrosskdError
+from crosskd.parallel.layout import ParallelLayout
+from crosskd.parallel.mesh import build_parallel_mesh
+from crosskd.parallel.parallelize import Lockstep, parallelize
+from crosskd.parallel.rendezvous import rendezvous
 from crosskd.teacher.model import (
     LoadedTeacher,
+    TeacherError,
     default_device,
     fingerprint,
     model_folder,
     teacher_dtype,
 )
+from crosskd.teacher.scoring import begin_cache, merge_cache, score_shards
+from crosskd.teacher.shard_load import empty_model, load_shards, missing_names
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +78,6 @@ def load_sharded_teacher(
     and loaded by all of them at once, each reading only its rows
     (:func:`crosskd.teacher.shard_load.load_shards`; ``progress``: a bar of it). Its
     fingerprint is ``teacher_fingerprint`` (the parent's hash of ``folder``)."""
-    from crosskd.parallel.layout import ParallelLayout
-    from crosskd.parallel.mesh import build_parallel_mesh
-    from crosskd.parallel.parallelize import Lockstep, parallelize
-    from crosskd.teacher.shard_load import empty_model, load_shards, missing_names
-
     mesh = build_parallel_mesh(ParallelLayout(dp_shard=dist.get_world_size()), device)
     dtype = teacher_dtype(config.dtype, device)
     model = empty_model(folder, dtype, trust_remote_code=config.trust_remote_code)
@@ -108,10 +113,10 @@ def _whole_in_turns(config: Any, folder: Path, dtype: torch.dtype, mesh) -> torc
     time (one whole copy in host memory at a time). A checkpoint that still lacks tensors of
     the model is refused on every process after the last turn (none left in a barrier); any
     other failure of a turn ends that process, and the elastic agent then stops the others."""
+    # lazy: transformers costs ~1 s over torch; every pipeline step imports crosskd.steps, which
+    # imports this module (crosskd.steps.score), and only a checkpoint that cannot be read row by
+    # row needs it
     from transformers import AutoModelForCausalLM
-
-    from crosskd.parallel.parallelize import parallelize
-    from crosskd.teacher.model import TeacherError
 
     rank, model, failure = dist.get_rank(), None, None
     for turn in range(dist.get_world_size()):
@@ -151,8 +156,6 @@ def _worker(
 ) -> dict | None:
     """One process of :func:`score_on_processes`: its contiguous part of ``start .. stop``,
     with the teacher of ``folder`` that the parent hashed to ``teacher_fingerprint``."""
-    from crosskd.teacher.scoring import score_shards
-
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -195,8 +198,6 @@ def score(config: Any, *, progress: bool = True) -> dict:
     :func:`~crosskd.teacher.scoring.score_shards` over every shard in this process, or
     :func:`score_on_processes` when ``config.processes`` > 1, then
     :func:`~crosskd.teacher.scoring.merge_cache`."""
-    from crosskd.teacher.scoring import merge_cache, score_shards
-
     if config.processes > 1:
         score_on_processes(config, 0, None, progress=progress)
     else:
@@ -211,13 +212,6 @@ def score_on_processes(
     :class:`~crosskd.teacher.scoring.ScoreConfig`) in ``config.processes`` processes sharing
     the teacher; each writes the range record of its part, and the return value sums them:
     ``{"start", "stop", "samples", "parts"}``."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from crosskd.data.collate import load_prepared
-    from crosskd.errors import CrosskdError
-    from crosskd.parallel.rendezvous import rendezvous
-    from crosskd.teacher.scoring import begin_cache
-
     config.check()
     prepared = load_prepared(config.data)
     total = len(prepared.manifest["shards"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from crosskd.artifacts import ParquetRows
@@ -79,8 +80,6 @@ def encode(sample_ids: list[str], samples: list[SampleSignal], encoding: str) ->
     its footer (:func:`crosskd.ranges.write_parquet`; :func:`crosskd.ranges.footer_record` is
     what a manifest entry records for ranged reads) and no column statistics (nothing reads
     them; they would only grow the footer every reader fetches)."""
-    import pyarrow as pa
-
     if encoding not in ENCODINGS:
         raise CrosskdError(f"encoding is {encoding!r}; choose one of {', '.join(ENCODINGS)}.")
     ids = [_planes(_delta(s.ids)) for s in samples]

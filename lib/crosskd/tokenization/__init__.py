@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from crosskd import ragged
@@ -49,7 +50,6 @@ from crosskd.tokenization.roles import ROLES, assign_roles
 from crosskd.tokenization.sources import load_hf
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,6 @@ class LoadedTokenizer:
         """A ``tokenizers.Tokenizer`` around this tokenizer's own BPE model (its merges and
         ``ignore_merges``; dropout off), with no normalizer, pre-tokenizer, added tokens or
         post-processor, so a ByteLevel string is encoded as one word."""
-        from tokenizers import Tokenizer
-
         if self.backend_json["model"].get("dropout") is None:
             return Tokenizer(self.hf.backend_tokenizer.model)
         spec = {"version": "1.0", "model": dict(self.backend_json["model"], dropout=None)}

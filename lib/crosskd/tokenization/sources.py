@@ -14,8 +14,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import fsspec
+from huggingface_hub import try_to_load_from_cache
+
 from crosskd.config import default_cache_dir
 from crosskd.errors import TokenizerError
+from crosskd.zoo import zoo_tokenizer_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,11 +31,12 @@ def load_hf(
     ref: str, *, trust_remote_code: bool, cache_dir: str | os.PathLike | None
 ) -> tuple[PreTrainedTokenizerBase, Path | None]:
     """Returns the transformers tokenizer and the local folder it came from (if any)."""
+    # lazy: transformers costs ~1 s and imports torch; crosskd prepare's parser imports this module
+    # (through crosskd.data.prepare) without torch, and every pipeline step imports it through
+    # crosskd.steps; only loading a tokenizer needs it
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if ref.startswith("zoo:"):
-        from crosskd.zoo import zoo_tokenizer_dir
-
         ref = str(zoo_tokenizer_dir(ref[len("zoo:") :], cache_dir=cache_dir))
     elif "://" in ref and not ref.startswith("file://"):
         ref = str(_fetch_uri(ref, Path(cache_dir) if cache_dir else default_cache_dir()))
@@ -61,8 +66,6 @@ def load_hf(
 
 def _hub_folder(repo_id: str) -> Path:
     """The snapshot folder of a Hugging Face id in the local cache (never downloads)."""
-    from huggingface_hub import try_to_load_from_cache
-
     try:
         found = try_to_load_from_cache(repo_id, "tokenizer.json")
     except ValueError as exc:  # not a valid repo id either
@@ -102,8 +105,6 @@ def _fetch_uri(uri: str, cache_dir: Path) -> Path:
     The copy is keyed by the URI and each file's name, size and version stamp (ETag, mtime...),
     so a changed remote tokenizer is copied again instead of read stale from the cache.
     """
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.exists(path):
         raise TokenizerError(f"tokenizer {uri!r} does not exist; check the URI and credentials.")

@@ -49,6 +49,9 @@ import signal
 import sys
 
 import fsspec
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from crosskd.errors import CrosskdError, NonFiniteLoss, Stopped
 from crosskd.parallel.rendezvous import rendezvous, shutdown_timeout
@@ -99,10 +102,6 @@ def record_failure(config: TrainConfig, node_rank: int) -> int:
 def launch(config: TrainConfig, worker_args: list[str], nproc_per_node: int) -> int:
     """Run ``nproc_per_node`` workers (``python -m crosskd.cli train`` + ``worker_args``) under
     torch's elastic agent; returns the pod's exit code (module docstring)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     env = dict(os.environ)
     launch_config = LaunchConfig(
         nproc_per_node=nproc_per_node,

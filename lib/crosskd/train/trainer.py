@@ -86,6 +86,7 @@ from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.teachers import load_teachers
+from crosskd.zoo.models import new_llama
 
 log = logging.getLogger(__name__)
 
@@ -263,9 +264,10 @@ class Trainer:
         self.layout = self.mesh.layout
 
     def _student(self) -> None:
+        # lazy: transformers costs ~1 s over torch; every pipeline step imports crosskd.steps, which
+        # imports this module (crosskd.steps.config imports crosskd.train), and only a step that
+        # trains needs it
         from transformers import AutoModelForCausalLM
-
-        from crosskd.zoo.models import new_llama
 
         cfg = self.config
         torch.manual_seed(cfg.seed)

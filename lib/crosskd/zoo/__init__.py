@@ -33,6 +33,9 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
+
 from crosskd.config import default_cache_dir
 from crosskd.errors import TokenizerError
 from crosskd.zoo.builders import (
@@ -133,15 +136,13 @@ def train_tiny_bpe(
     enough merges (a warning is logged otherwise) and config.json records the size reached.
     Training is deterministic: the same inputs give a byte-identical tokenizer.json.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if not special_tokens:
         raise ValueError("train_tiny_bpe needs at least one special token (used as eos)")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     minimum = len(alphabet) + len(special_tokens)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size {vocab_size} < 256 byte symbols + specials = {minimum}")
-    tokenizer = Tokenizer(models.BPE())
+    tokenizer = Tokenizer(BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

