@@ -36,7 +36,7 @@ import torch.distributed as dist
 from inputs import csd_plan, measure, real_batch, teacher_logits, zoo_pair
 
 from crosskd.loss import compute_loss
-from crosskd.loss.parallel import ParallelConfig, build_mesh, reduce_counts, sharded_loss
+from crosskd.loss.parallel import ParallelConfig, build_loss_groups, reduce_counts, sharded_loss
 from crosskd.teacher import signal_from_logits
 
 STUDENT, TEACHER, K = "llama3", "qwen3", 128
@@ -58,7 +58,7 @@ def _unsharded(logits, plan, config, repeat, out: Path) -> None:
 def _tp_rank(rank, port, logits, plan, config, repeat, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    mesh = build_mesh(ParallelConfig(tp=2))
+    mesh = build_loss_groups(ParallelConfig(tp=2))
     part = logits.shape[-1] // 2
     local = logits[..., rank * part : (rank + 1) * part].clone().requires_grad_(True)
     counts = reduce_counts(plan.counts, mesh)

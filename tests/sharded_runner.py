@@ -28,7 +28,7 @@ from crosskd.loss import LossConfig, LossPlan
 from crosskd.loss.parallel import (
     ParallelConfig,
     ShardedLogProbs,
-    build_mesh,
+    build_loss_groups,
     reduce_counts,
     sharded_loss,
 )
@@ -110,7 +110,7 @@ def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> N
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        mesh = build_mesh(layout)
+        mesh = build_loss_groups(layout)
         n_b, width, vocab = logits.shape
         rows = n_b // layout.dp
         window, part = width // layout.cp, vocab // layout.tp

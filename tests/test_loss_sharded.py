@@ -14,7 +14,7 @@ from sharded_runner import assemble, run_layout
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss
 from crosskd.loss.metrics import sum_keys
-from crosskd.loss.parallel import Mesh, ParallelConfig, ShardedLogProbs, ownership
+from crosskd.loss.parallel import LossGroups, ParallelConfig, ShardedLogProbs, ownership
 from crosskd.teacher import signal_from_logits
 
 LAYOUTS = {
@@ -203,9 +203,9 @@ def test_layout_sizes_are_checked():
         ParallelConfig(tp=0).check(1)
 
 
-def _mesh(layout: ParallelConfig, cp_rank: int, tp_rank: int) -> Mesh:
+def _mesh(layout: ParallelConfig, cp_rank: int, tp_rank: int) -> LossGroups:
     """A mesh's coordinates without process groups (ownership needs none)."""
-    return Mesh(layout, 0, cp_rank, tp_rank, None, None, None)
+    return LossGroups(layout, 0, cp_rank, tp_rank, None, None, None)
 
 
 @pytest.mark.parametrize("name", ["cp2", "tp2xcp2", "tp2"])

@@ -78,8 +78,12 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class Mesh:
-    """This rank's place in the layout: coordinates and the three process groups."""
+class LossGroups:
+    """This rank's place in the loss's ``(dp, cp, tp)`` layout: its coordinates and the three
+    process groups. Not a mesh of its own: the trainer and the sharded teacher take them from
+    their one device mesh (:class:`crosskd.parallel.mesh.ParallelMesh`, ``dp`` being its
+    ``dp_replicate x dp_shard`` ranks); :func:`build_loss_groups` makes them for the loss
+    alone."""
 
     config: ParallelConfig
     dp_rank: int
@@ -96,13 +100,15 @@ class Mesh:
         return out
 
 
-def build_mesh(config: ParallelConfig, device_type: str = "cpu") -> Mesh:
-    """The mesh of an initialised default process group (``torch.distributed``)."""
+def build_loss_groups(config: ParallelConfig, device_type: str = "cpu") -> LossGroups:
+    """The loss's groups over every rank of the initialised default process group
+    (``torch.distributed``), for the sharded loss used on its own (a ``(dp, cp, tp)`` device
+    mesh of ``config``)."""
     config.check(dist.get_world_size())
     mesh = init_device_mesh(
         device_type, (config.dp, config.cp, config.tp), mesh_dim_names=("dp", "cp", "tp")
     )
-    return Mesh(
+    return LossGroups(
         config,
         mesh.get_local_rank("dp"),
         mesh.get_local_rank("cp"),
@@ -135,7 +141,9 @@ class _AllReduceSum(torch.autograd.Function):
         return out, None
 
 
-def reduce_counts(counts: StepCounts, mesh: Mesh, device: torch.device | str = "cpu") -> StepCounts:
+def reduce_counts(
+    counts: StepCounts, mesh: LossGroups, device: torch.device | str = "cpu"
+) -> StepCounts:
     """The step's counts summed over the data-parallel shards (call once per step with the sum
     of this shard's micro-batch counts); ``device``: where the collective runs (a CUDA device
     under NCCL)."""
@@ -153,7 +161,7 @@ class ShardedLogProbs:
     of them back."""
 
     logits: Tensor
-    mesh: Mesh
+    mesh: LossGroups
     width: int
     tau: float = 1.0
     block_rows: int = 1024
@@ -229,7 +237,7 @@ class ShardedLogProbs:
         return self._exchange(here, local)
 
 
-def ownership(plan: LossPlan, mesh: Mesh) -> Ownership:
+def ownership(plan: LossPlan, mesh: LossGroups) -> Ownership:
     """Which CE targets and chunks this rank evaluates: those whose first prediction row lies
     in its CP window, split round-robin over the TP ranks by index."""
     window = plan.width // mesh.config.cp
@@ -248,7 +256,7 @@ def ownership(plan: LossPlan, mesh: Mesh) -> Ownership:
 
 
 def sharded_loss(
-    logits: Tensor, plan: LossPlan, config: LossConfig, counts: StepCounts, mesh: Mesh
+    logits: Tensor, plan: LossPlan, config: LossConfig, counts: StepCounts, mesh: LossGroups
 ) -> LossOutput:
     """One micro-batch's loss on this rank from its logits ``[B, L / cp, V / tp]`` (the plan
     of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's

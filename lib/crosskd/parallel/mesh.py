@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from crosskd.loss.parallel import Mesh, ParallelConfig, build_mesh
+from crosskd.loss.parallel import LossGroups, ParallelConfig
 from crosskd.parallel.layout import DIMS, ParallelLayout
 
 
@@ -24,8 +24,9 @@ class ParallelMesh:
     device: torch.device
     mesh: DeviceMesh | None
     """The ``(dp_replicate, dp_shard, cp, tp)`` device mesh (None in one process)."""
-    loss: Mesh | None
-    """The loss's ``(dp, cp, tp)`` mesh where ``cp`` or ``tp`` is > 1, else None."""
+    loss: LossGroups | None
+    """The sharded loss's ``(dp, cp, tp)`` groups, taken from ``mesh`` (``dp``: the
+    ``dp_replicate x dp_shard`` ranks flattened), where ``cp`` or ``tp`` is > 1, else None."""
 
     @property
     def dp_rank(self) -> int:
@@ -62,5 +63,16 @@ def build_parallel_mesh(layout: ParallelLayout, device: torch.device) -> Paralle
     )
     loss = None
     if resolved.model_parallel > 1:
-        loss = build_mesh(ParallelConfig(resolved.dp, resolved.cp, resolved.tp), device.type)
+        # ranks are laid out (dp_replicate, dp_shard, cp, tp) row-major, so the flattened data
+        # dimensions are the loss's dp: the loss's groups are this mesh's, none made twice
+        dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        loss = LossGroups(
+            ParallelConfig(resolved.dp, resolved.cp, resolved.tp),
+            dp.get_local_rank(),
+            mesh.get_local_rank("cp"),
+            mesh.get_local_rank("tp"),
+            dp.get_group(),
+            mesh.get_group("cp"),
+            mesh.get_group("tp"),
+        )
     return ParallelMesh(resolved, dist.get_rank(), device, mesh, loss)

@@ -68,7 +68,7 @@ class TrainConfig:
     (0: each step reads its own, inline)."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     """How the student is spread over the processes (a mapping of
-    :class:`crosskd.layout.ParallelLayout` keys: ``dp_replicate``, ``dp_shard``, ``tp``,
+    :class:`crosskd.parallel.layout.ParallelLayout` keys: ``dp_replicate``, ``dp_shard``, ``tp``,
     ``cp``; their product is the number of processes). Default: plain data parallelism (DDP)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
