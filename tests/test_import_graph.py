@@ -252,3 +252,22 @@ def test_function_level_imports_say_why():
         f"{path}:{line}" for path, imports in found.items() for line, why in imports if not why
     ]
     assert unreasoned == []
+
+
+def drawn_layers(markdown: str) -> list[tuple[str, ...]]:
+    """The layers of the drawing in ``docs/architecture.md`` (the code block whose header is
+    ``layer  owns  may import``), highest first: the names in each row's first column (a row
+    starts where that column is not blank; ``errors`` stands for ``crosskd.errors``)."""
+    block = markdown.split("\nlayer ", 1)[1].split("```", 1)[0]
+    rows = block.splitlines()[2:]
+    return [tuple(name.strip() for name in row[:28].split(",")) for row in rows if row[:28].strip()]
+
+
+def test_the_architecture_drawing_shows_these_layers():
+    """``docs/architecture.md`` draws :data:`LAYERS` as they are, highest first."""
+    text = (LIB.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    want = [
+        tuple(name.removeprefix("crosskd.") for name in layer if name != "crosskd")
+        for layer in reversed(LAYERS)
+    ]
+    assert drawn_layers(text) == want
