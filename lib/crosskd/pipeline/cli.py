@@ -28,6 +28,9 @@ import yaml
 
 from crosskd.config import CommandParser, config_flags, flag_overrides
 from crosskd.errors import ConfigError
+from crosskd.pipeline.graph import pipeline_svg
+from crosskd.pipeline.progress import steps_to_log
+from crosskd.pipeline.submit import run_failed, submit_pipeline
 
 
 def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
@@ -92,7 +95,8 @@ def run_pipeline_command(args: argparse.Namespace) -> int:
 
 
 def _graph(args: argparse.Namespace) -> int:
-    from crosskd.pipeline.graph import pipeline_svg
+    # lazy: pipeline.run and steps import torch (through the configs); `crosskd` builds this
+    # parser for every command
     from crosskd.pipeline.run import COMPILED_FILE, source_root
 
     package = args.package or str(source_root() / COMPILED_FILE)
@@ -103,6 +107,8 @@ def _graph(args: argparse.Namespace) -> int:
 
 
 def _compile(args: argparse.Namespace) -> int:
+    # lazy: pipeline.run and steps import torch (through the configs); `crosskd` builds this
+    # parser for every command
     from crosskd.pipeline.run import COMPILED_FILE, compile_pipeline, source_root
 
     parameters = None
@@ -119,7 +125,8 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from crosskd.pipeline.progress import steps_to_log
+    # lazy: pipeline.run and steps import torch (through the configs); `crosskd` builds this
+    # parser for every command
     from crosskd.pipeline.run import local_root_of, preset_arguments, run_local
     from crosskd.steps.config import RunConfig, load_run_config
     from crosskd.steps.evaluate import bits_per_byte_table
@@ -147,8 +154,9 @@ def _run_local(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    # lazy: pipeline.run and steps import torch (through the configs); `crosskd` builds this
+    # parser for every command
     from crosskd.pipeline.run import COMPILED_FILE, source_root
-    from crosskd.pipeline.submit import run_failed, submit_pipeline
 
     arguments = {}
     for item in args.arguments:
