@@ -93,11 +93,13 @@ def main() -> None:
         ood_data="machine:licences",
         ood_bytes=size["ood_bytes"],
         max_length=128,
-        steps=n_steps,
-        micro_batch_rows=4,
-        lr=3e-3,
-        warmup_steps=10,
-        loss={"dynamic_kd_scale": True},
+        train={
+            "steps": n_steps,
+            "micro_batch_rows": 4,
+            "lr": 3e-3,
+            "warmup_steps": 10,
+            "loss": {"dynamic_kd_scale": True},
+        },
         token_budget=2048,
         device="cpu",
     )
@@ -126,7 +128,8 @@ def main() -> None:
         seeded = replace(base, seed=seed)
         seed_plan = steps.validate_inputs(seeded)  # the seed's random-init student
         for arm, (k, loss) in ARMS.items():
-            config = replace(seeded, k=k, loss={**base.loss, **(loss or {})})
+            train = {**base.train, "loss": {**base.train["loss"], **(loss or {})}}
+            config = replace(seeded, k=k, train=train)
             items = steps.plan_training(
                 config,
                 seed_plan,
