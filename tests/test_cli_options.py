@@ -27,6 +27,7 @@ from crosskd.k8s.job import JobConfig
 from crosskd.steps.config import RunConfig
 from crosskd.teacher.scoring import ScoreConfig
 from crosskd.train.config import TrainConfig
+from crosskd.transplant import TransplantConfig
 
 
 @dataclass
@@ -159,6 +160,7 @@ COMMANDS = [
     (["train"], TrainConfig),
     (["evaluate"], EvaluateConfig),
     (["generate"], GenerateConfig),
+    (["transplant"], TransplantConfig),
     (["distill"], RunConfig),
     (["job", "render"], JobConfig),
     (["job", "submit"], JobConfig),

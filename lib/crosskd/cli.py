@@ -3,7 +3,8 @@
 ``crosskd tables build|validate|inspect``, ``crosskd prepare`` (and ``prepare-merge``),
 ``crosskd inspect pair``, ``crosskd score``, ``crosskd train``, ``crosskd evaluate``,
 ``crosskd distill``,
-``crosskd generate`` (a conversation set sampled from an instruct model), ``crosskd dashboards``
+``crosskd generate`` (a conversation set sampled from an instruct model), ``crosskd transplant``
+(a pretrained model moved onto another tokenizer), ``crosskd dashboards``
 (the Grafana dashboards as JSON). The options of the commands that build a config are its
 fields (:func:`crosskd.config.add_config_options`: ``--max-length N`` for ``max_length``), over
 the ``--config`` file and under ``key=value`` overrides. Bad input (a config, data or artifact
@@ -146,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--config", help="YAML file with GenerateConfig keys")
 
+    move = commands.add_parser(
+        "transplant",
+        help="move a pretrained model onto another tokenizer (its new embeddings made from the "
+        "old ones through the sub-token tables), the student of tokenizer transfer",
+        config="crosskd.transplant:TransplantConfig",
+    )
+    move.add_argument("--config", help="YAML file with TransplantConfig keys")
+
     dashboards = commands.add_parser(
         "dashboards", help="write the Grafana dashboards (training, teacher scoring) as JSON"
     )
@@ -209,6 +218,8 @@ def _run(args: argparse.Namespace) -> int:
         return _dashboards(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "transplant":
+        return _transplant(args)
     from crosskd import tables
 
     if args.action == "build":
@@ -378,6 +389,15 @@ def _generate(args: argparse.Namespace) -> int:
         f"({result['generated']} new, {result['dropped']} empty answers dropped, "
         f"{result['unfinished']} cut at max_new_tokens)"
     )
+    return 0
+
+
+def _transplant(args: argparse.Namespace) -> int:
+    from crosskd.transplant import TransplantConfig, transplant
+
+    given = config_flags(args, TransplantConfig)
+    config = load_config(TransplantConfig, args.config, args.overrides, flags=given)
+    _write(transplant(config).line())
     return 0
 
 

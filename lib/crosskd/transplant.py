@@ -1,0 +1,202 @@
+"""Tokenizer transplant: a pretrained causal LM moved onto another tokenizer
+(``crosskd transplant``), the student of tokenizer transfer, which CSD then distils from the
+original model.
+
+Every row ``i`` of the new input embedding (and of an untied output layer) comes from the old
+rows through the sub-token table ``new -> old`` (:func:`crosskd.tables.build.build_table`: the
+chain of old pieces whose bytes are exactly the bytes of new token ``i``):
+
+* ``mean`` (piece mean): the mean of the old rows of the chain. A token the old vocabulary
+  spells identically is a chain of one, so it keeps its old row exactly; a special token takes
+  the old row of the special with its role (end of turn, BOS, ...).
+* A row no chain reaches (a byte the old vocabulary cannot spell, a special whose role the old
+  tokenizer lacks, ids past the new tokenizer's last token) gets the mean of all old rows.
+
+The body is untouched. The result is a normal Hugging Face folder (safetensors weights,
+``config.json`` with the new ``vocab_size`` and special ids, the new tokenizer's files) that
+``AutoModelForCausalLM`` loads; tied embeddings stay tied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from crosskd.errors import ConfigError, CrosskdError
+from crosskd.tables.build import build_table
+from crosskd.tables.format import Flag, SubTokenTable
+from crosskd.teacher.model import model_folder, teacher_dtype
+from crosskd.tokenization import LoadedTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+METHODS = ("mean",)
+"""How a new row is made from the old rows of its chain (module docstring)."""
+
+
+@dataclass
+class TransplantConfig:
+    """One transplant: ``model`` moved onto ``tokenizer``, written to ``output``."""
+
+    model: str
+    """The model to move: a Hugging Face causal-LM folder (safetensors weights and its
+    tokenizer), an fsspec URI of one, ``zoo:NAME`` or a hub id in the local cache."""
+    tokenizer: str
+    """The new tokenizer: a folder, ``tokenizer.json``, ``zoo:NAME``, an fsspec URI or a cached
+    hub id; a byte-level BPE (what crosskd's tables support)."""
+    output: str
+    """The folder to write (local; it must not exist or be empty). Written under a temporary
+    name and renamed when complete, so a failed transplant leaves nothing here."""
+    method: str = "mean"
+    """How new embedding rows are made from the old ones: ``mean`` (the piece mean)."""
+    dtype: str | None = None
+    """Weights dtype of the written model (``float32``, ``bfloat16``, ``float16``); None: the
+    dtype the model was saved in."""
+
+    def __post_init__(self) -> None:
+        for key in ("model", "tokenizer", "output"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{key} is {value!r}; give a model, tokenizer or folder path.")
+        if self.method not in METHODS:
+            raise ConfigError(f"method is {self.method!r}; choose one of {', '.join(METHODS)}.")
+        if self.dtype is not None:
+            teacher_dtype(self.dtype, torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class TransplantReport:
+    """What a transplant did, counted over the new vocabulary's ``[0, V_new)`` rows."""
+
+    output: str
+    """The written model folder."""
+    vocab_size: int
+    """Rows of the new embedding (``V_new``)."""
+    kept: int
+    """Rows copied from one old row: tokens spelled identically, specials mapped by role."""
+    averaged: int
+    """Rows made from a chain of two or more old pieces."""
+    fallback: int
+    """Rows no chain reaches, set to the mean of all old rows."""
+    tied: bool
+    """Whether the output layer shares the input embedding."""
+
+    def line(self) -> str:
+        """One line for a terminal or a log."""
+        return (
+            f"{self.output}: {self.vocab_size} rows, {self.kept} kept from one old row, "
+            f"{self.averaged} piece means, {self.fallback} set to the mean row "
+            f"({'tied' if self.tied else 'untied'} output layer)"
+        )
+
+
+def piece_mean(old: torch.Tensor, table: SubTokenTable) -> torch.Tensor:
+    """New rows ``[V_new, H]`` from the old rows ``old`` ``[V_old, H]``: the mean of the old rows
+    of each new id's chain in ``table`` (``new -> old``), the mean of all old rows where the chain
+    is empty. Sums run in float32 and the result has ``old``'s dtype."""
+    lengths = torch.from_numpy(table.lengths)
+    owners = torch.from_numpy(np.repeat(np.arange(len(table.lengths)), table.lengths))
+    source = old.detach().float()
+    rows = source.mean(dim=0).expand(len(lengths), -1).clone()
+    sums = torch.zeros_like(rows).index_add_(
+        0, owners, source[torch.from_numpy(table.chains.astype(np.int64))]
+    )
+    mapped = lengths > 0
+    rows[mapped] = sums[mapped] / lengths[mapped, None].float()
+    return rows.to(old.dtype)
+
+
+def transplant(config: TransplantConfig) -> TransplantReport:
+    """Move ``config.model`` onto ``config.tokenizer`` (module docstring) and write it to
+    ``config.output``. Raises a :class:`CrosskdError` naming the input (a tokenizer crosskd does
+    not support, a model without input embeddings, an output folder that holds files) before
+    anything is written."""
+    output = Path(config.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ConfigError(
+            f"output {output} exists and is not an empty folder; choose a new folder (a "
+            f"transplant never overwrites)."
+        )
+    new_tok = load_tokenizer(config.tokenizer)
+    folder = model_folder(config.model, role="model")
+    old_tok = load_tokenizer(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder),
+        dtype=teacher_dtype(config.dtype, torch.device("cpu")) if config.dtype else "auto",
+        use_safetensors=True,
+        local_files_only=True,
+    )
+    old_in = _input_embeddings(model, config.model)
+    old_out = model.get_output_embeddings()
+    tied = old_out is None or old_out.weight is old_in.weight
+    table = build_table(new_tok, old_tok, progress=False)
+    new_in = piece_mean(old_in.weight, table)
+    new_out = None if tied else piece_mean(old_out.weight, table)
+    model.resize_token_embeddings(new_tok.vocab_size, mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(new_in)
+        if new_out is not None:
+            model.get_output_embeddings().weight.copy_(new_out)
+    _set_special_ids(model, new_tok)
+    _write(model, new_tok, output)
+    lengths = table.lengths
+    report = TransplantReport(
+        output=str(output),
+        vocab_size=new_tok.vocab_size,
+        kept=int((lengths == 1).sum()),
+        averaged=int((lengths > 1).sum()),
+        fallback=int((lengths == 0).sum()),
+        tied=tied,
+    )
+    unreached = {
+        flag.name.lower(): int((table.flags == flag).sum())
+        for flag in (Flag.UNREPRESENTABLE, Flag.SPECIAL_UNMAPPED)
+    }
+    log.info("transplant: %s; rows no chain reaches: %s", report.line(), unreached)
+    return report
+
+
+def _input_embeddings(model: torch.nn.Module, ref: str) -> torch.nn.Embedding:
+    """The model's input embedding, or a one-line error naming ``ref``."""
+    try:
+        embedding = model.get_input_embeddings()
+    except NotImplementedError:
+        embedding = None
+    if not isinstance(embedding, torch.nn.Embedding):
+        raise CrosskdError(
+            f"model {ref!r} ({type(model).__name__}) has no input embedding table "
+            f"(nn.Embedding) to move; transplant takes a causal LM with token embeddings."
+        )
+    return embedding
+
+
+def _set_special_ids(model: torch.nn.Module, tokenizer: LoadedTokenizer) -> None:
+    """The new tokenizer's BOS, EOS and pad ids in the model's config and generation config."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer.hf, key, None)
+        setattr(model.config, key, value)
+        if model.generation_config is not None:
+            setattr(model.generation_config, key, value)
+
+
+def _write(model: torch.nn.Module, tokenizer: LoadedTokenizer, output: Path) -> None:
+    """The model and the new tokenizer saved under a temporary name beside ``output``, then
+    renamed to it (nothing is left at ``output`` if saving fails)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model.save_pretrained(str(partial), safe_serialization=True)
+        tokenizer.hf.save_pretrained(str(partial))
+        if output.exists():
+            output.rmdir()
+        partial.rename(output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)

@@ -1,0 +1,178 @@
+"""``crosskd transplant``: a model moved onto another tokenizer, its new embedding rows made
+from the old ones through the ``new -> old`` sub-token table (values checked row by row
+against the table), saved as a folder ``AutoModelForCausalLM`` loads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordPiece
+from train_inputs import TEXTS, tiny_model
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from crosskd.cli import main
+from crosskd.errors import ConfigError, CrosskdError
+from crosskd.tables.build import build_table
+from crosskd.tables.format import Flag, SubTokenTable
+from crosskd.tokenization import load_tokenizer
+from crosskd.transplant import TransplantConfig, piece_mean, transplant
+from crosskd.zoo import train_tiny_bpe
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """An old tiny model (330-token BPE, tied) and a new 420-token BPE of the same texts, plus
+    an untied copy of the old model."""
+    root = tmp_path_factory.mktemp("transplant")
+    old = tiny_model(root / "old", TEXTS * 4, 330, seed=3)
+    new = train_tiny_bpe(TEXTS * 4, 420, root / "new")
+    untied = root / "untied"
+    tied = AutoModelForCausalLM.from_pretrained(str(old))
+    config = LlamaConfig(**{**tied.config.to_dict(), "tie_word_embeddings": False})
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(untied), safe_serialization=True)
+    load_tokenizer(str(old)).hf.save_pretrained(str(untied))
+    return {"root": root, "old": old, "new": new, "untied": untied}
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_piece_mean_rows_by_hand():
+    """Chains ``[2, 0]``, ``[1]`` and none: the mean of rows 2 and 0, row 1 exactly, and the
+    mean of every old row."""
+    old = torch.tensor([[1.0, 2.0], [3.0, 5.0], [7.0, 11.0]])
+    table = SubTokenTable(
+        offsets=np.array([0, 2, 3, 3]),
+        chains=np.array([2, 0, 1], dtype=np.int32),
+        flags=np.array([Flag.NORMAL, Flag.NORMAL, Flag.UNREPRESENTABLE], dtype=np.uint8),
+        meta=None,
+    )
+    want = torch.tensor([[4.0, 6.5], [3.0, 5.0], [11 / 3, 6.0]])  # 11 / 3 rounded to float32
+    assert torch.equal(piece_mean(old, table), want)
+    assert piece_mean(old.bfloat16(), table).dtype == torch.bfloat16
+
+
+def test_transplanted_rows_come_from_the_table(pair, tmp_path):
+    old_tok, new_tok = load_tokenizer(str(pair["old"])), load_tokenizer(str(pair["new"]))
+    report = transplant(TransplantConfig(str(pair["old"]), str(pair["new"]), str(tmp_path / "m")))
+    old_rows = _weights(pair["old"])["model.embed_tokens.weight"]
+    new_rows = _weights(tmp_path / "m")["model.embed_tokens.weight"]
+    assert new_rows.shape == (new_tok.vocab_size, old_rows.shape[1])
+    table = build_table(new_tok, old_tok, progress=False)
+    identical = 0
+    for token, new_id in new_tok.vocab.items():
+        chain = table.chain(new_id).tolist()
+        assert chain, token  # every byte is representable in a byte-level BPE
+        assert torch.equal(new_rows[new_id], old_rows[chain].mean(dim=0)), token
+        if token in old_tok.vocab:
+            identical += 1
+            assert chain == [old_tok.vocab[token]]
+            assert torch.equal(new_rows[new_id], old_rows[old_tok.vocab[token]])  # exactly
+    assert identical > 250  # the byte alphabet and common merges
+    eos_new, eos_old = new_tok.role_ids["eos"], old_tok.role_ids["eos"]
+    assert torch.equal(new_rows[eos_new], old_rows[eos_old])  # a special by its role
+    assert (report.vocab_size, report.tied) == (new_tok.vocab_size, True)
+    assert report.kept + report.averaged + report.fallback == new_tok.vocab_size
+    assert report.averaged == int((table.lengths > 1).sum()) > 0
+    # The body is untouched and the folder loads as a normal model with the new tokenizer.
+    old_weights, new_weights = _weights(pair["old"]), _weights(tmp_path / "m")
+    body = [k for k in old_weights if "embed_tokens" not in k and "lm_head" not in k]
+    assert body and all(torch.equal(old_weights[k], new_weights[k]) for k in body)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["vocab_size"] == new_tok.vocab_size
+    assert config["eos_token_id"] == new_tok.hf.eos_token_id
+    assert load_tokenizer(str(tmp_path / "m")).fingerprint == new_tok.fingerprint
+    ids = new_tok.hf("The quick brown fox.", return_tensors="pt")["input_ids"]
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_an_untied_head_is_moved_by_its_own_rows(pair, tmp_path):
+    transplant(TransplantConfig(str(pair["untied"]), str(pair["new"]), str(tmp_path / "m")))
+    new_tok = load_tokenizer(str(pair["new"]))
+    table = build_table(new_tok, load_tokenizer(str(pair["untied"])), progress=False)
+    old, new = _weights(pair["untied"]), _weights(tmp_path / "m")
+    assert not torch.equal(old["lm_head.weight"], old["model.embed_tokens.weight"])
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        assert torch.equal(new[name], piece_mean(old[name], table))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+
+
+def test_onto_its_own_tokenizer_a_model_is_unchanged(pair, tmp_path):
+    """Every row is a chain of one (the same token): the weights are the old ones, bit for bit,
+    in the dtype asked for."""
+    transplant(TransplantConfig(str(pair["old"]), str(pair["old"]), str(tmp_path / "same")))
+    old, same = _weights(pair["old"]), _weights(tmp_path / "same")
+    assert old.keys() == same.keys() and all(torch.equal(old[k], same[k]) for k in old)
+    transplant(
+        TransplantConfig(
+            str(pair["old"]), str(pair["old"]), str(tmp_path / "bf16"), dtype="bfloat16"
+        )
+    )
+    half = _weights(tmp_path / "bf16")
+    assert all(half[k].dtype == torch.bfloat16 for k in half)
+    assert all(torch.equal(old[k].to(torch.bfloat16), half[k]) for k in old)
+
+
+def test_bad_inputs_are_refused_by_name_and_nothing_is_written(pair, tmp_path, capsys):
+    wordpiece = tmp_path / "wordpiece"
+    wordpiece.mkdir()
+    Tokenizer(WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(
+        str(wordpiece / "tokenizer.json")
+    )
+    out = tmp_path / "out"
+    code = main(
+        [
+            "transplant",
+            "--model",
+            str(pair["old"]),
+            "--tokenizer",
+            str(wordpiece),
+            "--output",
+            str(out),
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and str(wordpiece) in err[0], err
+    assert not out.exists()
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"output .*full exists and is not an empty folder"):
+        transplant(TransplantConfig(str(pair["old"]), str(pair["new"]), str(full)))
+    assert [p.name for p in full.iterdir()] == ["keep.txt"]
+    with pytest.raises(ConfigError, match="method is 'focus'; choose one of mean"):
+        TransplantConfig("m", "t", "o", method="focus")
+    with pytest.raises(CrosskdError, match="nowhere"):
+        transplant(TransplantConfig(str(tmp_path / "nowhere"), str(pair["new"]), str(out)))
+    assert not out.exists()
+
+
+def test_the_command_line_writes_the_model_and_prints_the_report(pair, tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = main(
+        [
+            "transplant",
+            "--model",
+            str(pair["old"]),
+            "--tokenizer",
+            str(pair["new"]),
+            "--output",
+            str(out),
+        ]
+    )
+    assert code == 0
+    line = capsys.readouterr().out.strip()
+    size = load_tokenizer(str(pair["new"])).vocab_size
+    assert line.startswith(f"{out}: {size} rows, ") and "tied output layer" in line
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
