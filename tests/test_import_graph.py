@@ -27,8 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("crosskd.metrics",),  # the training metrics name the loss's terms
     ("crosskd.parallel",),  # the mesh carries the sharded loss's groups
     ("crosskd.teacher",),
-    ("crosskd.transplant",),  # a model moved onto another tokenizer, through the tables
     ("crosskd.evaluate", "crosskd.generate"),
+    ("crosskd.transplant",),  # a model moved onto another tokenizer, measured held out
     ("crosskd.train",),  # the trainer evaluates on held-out data
     ("crosskd.k8s",),
     ("crosskd.steps",),  # the training step renders and submits a job

@@ -16,11 +16,11 @@ from train_inputs import TEXTS, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from crosskd.cli import main
-from crosskd.errors import ConfigError, CrosskdError
+from crosskd.errors import ConfigError, CrosskdError, DataError
 from crosskd.tables.build import build_table
 from crosskd.tables.format import Flag, SubTokenTable
 from crosskd.tokenization import load_tokenizer
-from crosskd.transplant import TransplantConfig, piece_mean, transplant
+from crosskd.transplant import TransplantConfig, piece_mean, text_bits_per_byte, transplant
 from crosskd.zoo import train_tiny_bpe
 
 
@@ -122,6 +122,50 @@ def test_onto_its_own_tokenizer_a_model_is_unchanged(pair, tmp_path):
     half = _weights(tmp_path / "bf16")
     assert all(half[k].dtype == torch.bfloat16 for k in half)
     assert all(torch.equal(old[k].to(torch.bfloat16), half[k]) for k in old)
+
+
+def test_heldout_bits_per_byte_before_training(pair, tmp_path):
+    """Onto its own tokenizer the moved model is the original, so the two figures are equal;
+    onto another, each model is measured on its own tokens of the same texts, and the figure
+    matches crosskd.evaluate's on those tokens."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:6]))
+    same = transplant(
+        TransplantConfig(
+            str(pair["old"]), str(pair["old"]), str(tmp_path / "s"), heldout=str(heldout)
+        )
+    )
+    assert set(same.bits_per_byte) == {"original", "mean"}
+    assert same.bits_per_byte["original"] == same.bits_per_byte["mean"] > 0
+    moved = transplant(
+        TransplantConfig(
+            str(pair["old"]), str(pair["new"]), str(tmp_path / "m"), heldout=str(heldout)
+        )
+    )
+    assert moved.bits_per_byte["original"] == same.bits_per_byte["original"]
+    new_tok = load_tokenizer(str(pair["new"]))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    assert moved.bits_per_byte["mean"] == text_bits_per_byte(model, new_tok, TEXTS[:6])
+    assert "; held-out bits/byte: original " in moved.line() and ", mean " in moved.line()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                ]
+            }
+        )
+        + "\n"
+    )
+    with pytest.raises(DataError, match=r"heldout .*chat\.jsonl: row 1 .* is a conversation"):
+        transplant(
+            TransplantConfig(
+                str(pair["old"]), str(pair["new"]), str(tmp_path / "c"), heldout=str(chat)
+            )
+        )
+    assert not (tmp_path / "c").exists()
 
 
 def test_bad_inputs_are_refused_by_name_and_nothing_is_written(pair, tmp_path, capsys):

@@ -22,14 +22,18 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from crosskd.errors import ConfigError, CrosskdError
+from crosskd.alignment.corpus import LICENCE_TEXTS, licence_documents
+from crosskd.config import require_positive_ints
+from crosskd.data.records import read_records
+from crosskd.errors import ConfigError, CrosskdError, DataError
+from crosskd.evaluate import bits_per_byte
 from crosskd.tables.build import build_table
 from crosskd.tables.format import Flag, SubTokenTable
 from crosskd.teacher.model import model_folder, teacher_dtype
@@ -59,6 +63,13 @@ class TransplantConfig:
     dtype: str | None = None
     """Weights dtype of the written model (``float32``, ``bfloat16``, ``float16``); None: the
     dtype the model was saved in."""
+    heldout: str | None = None
+    """Text to measure held-out bits per byte on, the original model's and the moved one's
+    before any training (each on its own tokens; every token after a document's first counts):
+    ``machine:licences`` (``heldout_bytes`` of this machine's licence texts) or text rows
+    (JSONL, Parquet, a ``datasets`` folder; their ``text`` column). None: no measurement."""
+    heldout_bytes: int = 12_000
+    """Size of the ``machine:licences`` text (UTF-8 bytes)."""
 
     def __post_init__(self) -> None:
         for key in ("model", "tokenizer", "output"):
@@ -69,6 +80,7 @@ class TransplantConfig:
             raise ConfigError(f"method is {self.method!r}; choose one of {', '.join(METHODS)}.")
         if self.dtype is not None:
             teacher_dtype(self.dtype, torch.device("cpu"))
+        require_positive_ints(self, ("heldout_bytes",))
 
 
 @dataclass(frozen=True)
@@ -87,13 +99,18 @@ class TransplantReport:
     """Rows no chain reaches, set to the mean of all old rows."""
     tied: bool
     """Whether the output layer shares the input embedding."""
+    bits_per_byte: dict[str, float] = field(default_factory=dict)
+    """Held-out bits per byte before training (``heldout``): ``original`` (the model on its own
+    tokenizer) and one entry per method (the moved model); empty without ``heldout``."""
 
     def line(self) -> str:
         """One line for a terminal or a log."""
+        measured = ", ".join(f"{name} {value:.4f}" for name, value in self.bits_per_byte.items())
         return (
             f"{self.output}: {self.vocab_size} rows, {self.kept} kept from one old row, "
             f"{self.averaged} piece means, {self.fallback} set to the mean row "
             f"({'tied' if self.tied else 'untied'} output layer)"
+            + (f"; held-out bits/byte: {measured}" if measured else "")
         )
 
 
@@ -133,6 +150,8 @@ def transplant(config: TransplantConfig) -> TransplantReport:
         use_safetensors=True,
         local_files_only=True,
     )
+    texts = heldout_texts(config.heldout, config.heldout_bytes) if config.heldout else []
+    measured = {"original": text_bits_per_byte(model, old_tok, texts)} if texts else {}
     old_in = _input_embeddings(model, config.model)
     old_out = model.get_output_embeddings()
     tied = old_out is None or old_out.weight is old_in.weight
@@ -145,6 +164,8 @@ def transplant(config: TransplantConfig) -> TransplantReport:
         if new_out is not None:
             model.get_output_embeddings().weight.copy_(new_out)
     _set_special_ids(model, new_tok)
+    if texts:
+        measured[config.method] = text_bits_per_byte(model, new_tok, texts)
     _write(model, new_tok, output)
     lengths = table.lengths
     report = TransplantReport(
@@ -154,6 +175,7 @@ def transplant(config: TransplantConfig) -> TransplantReport:
         averaged=int((lengths > 1).sum()),
         fallback=int((lengths == 0).sum()),
         tied=tied,
+        bits_per_byte=measured,
     )
     unreached = {
         flag.name.lower(): int((table.flags == flag).sum())
@@ -161,6 +183,36 @@ def transplant(config: TransplantConfig) -> TransplantReport:
     }
     log.info("transplant: %s; rows no chain reaches: %s", report.line(), unreached)
     return report
+
+
+def heldout_texts(reference: str, target_bytes: int) -> list[str]:
+    """The held-out documents of ``reference``: ``machine:licences`` (about ``target_bytes`` of
+    this machine's licence texts) or the ``text`` of every row of a dataset; a row without text
+    (a conversation) is a :class:`DataError` naming it."""
+    if reference == LICENCE_TEXTS:
+        return licence_documents(target_bytes)
+    texts = []
+    for record in read_records(reference):
+        if record.text is None:
+            raise DataError(
+                f"heldout {reference}: row {record.row} of {record.source} is a conversation; "
+                f"give text rows (a text column) to measure bits per byte on."
+            )
+        texts.append(record.text)
+    return texts
+
+
+def text_bits_per_byte(
+    model: torch.nn.Module, tokenizer: LoadedTokenizer, texts: list[str]
+) -> float:
+    """Bits per byte of ``model`` on ``texts``, each tokenized alone by ``tokenizer`` without
+    special tokens; every token after a text's first is predicted
+    (:func:`crosskd.evaluate.bits_per_byte`)."""
+    sequences = [
+        np.asarray(tokenizer.hf(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        for text in texts
+    ]
+    return bits_per_byte(model, sequences, tokenizer.bytes.lengths)
 
 
 def _input_embeddings(model: torch.nn.Module, ref: str) -> torch.nn.Embedding:

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from crosskd.alignment.corpus import LICENCE_TEXTS
 from crosskd.config import load_config, merged, require_positive_ints
 from crosskd.errors import ConfigError
 from crosskd.train.config import TrainConfig
@@ -27,7 +28,7 @@ STDLIB = ""
 RUN_SETS = ("student", "data", "output", "teachers", "seed", "student_tokenizer", "student_shape")
 """The :class:`crosskd.train.TrainConfig` keys the run sets itself (``RunConfig.train`` refuses
 them): the resolved student, its prepared data, run folder and teacher caches, and ``seed``."""
-LICENCES = "machine:licences"
+LICENCES = LICENCE_TEXTS
 """``ood_data`` reference: ``ood_bytes`` of this machine's licence texts
 (:func:`crosskd.alignment.corpus.licence_documents`)."""
 
