@@ -4,6 +4,7 @@ against the table), saved as a folder ``AutoModelForCausalLM`` loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -166,6 +167,58 @@ def test_heldout_bits_per_byte_before_training(pair, tmp_path):
             )
         )
     assert not (tmp_path / "c").exists()
+
+
+def _tuned(pair, model: str, out, rows) -> TransplantConfig:
+    return TransplantConfig(
+        str(pair[model]),
+        str(pair["new"]),
+        str(out),
+        method="tuned",
+        heldout=str(rows),
+        tune_data=str(rows),
+        tune_steps=20,
+        tune_lr=1e-2,
+        tune_length=16,
+    )
+
+
+def test_tuned_embeddings_learn_the_text_and_leave_the_body(pair, tmp_path):
+    """``tuned``: the piece mean, then the embeddings trained alone on the tuning text: on that
+    text the tuned model predicts better than the piece mean, the body is unchanged, and the
+    same seed draws the same windows."""
+    rows = tmp_path / "tune.jsonl"
+    rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    config = _tuned(pair, "old", tmp_path / "t", rows)
+    report = transplant(config)
+    assert list(report.bits_per_byte) == ["original", "mean", "tuned"]
+    assert report.bits_per_byte["tuned"] < report.bits_per_byte["mean"]
+    old, tuned = _weights(pair["old"]), _weights(tmp_path / "t")
+    body = [k for k in old if "embed_tokens" not in k and "lm_head" not in k]
+    assert body and all(torch.equal(old[k], tuned[k]) for k in body)
+    again = transplant(dataclasses.replace(config, output=str(tmp_path / "again")))
+    assert again.bits_per_byte == report.bits_per_byte
+
+
+def test_tuning_an_untied_model_leaves_unseen_input_rows_at_their_piece_mean(pair, tmp_path):
+    """Untied: an input row of a token the tuning text never shows gets no gradient, so it keeps
+    its piece mean exactly; every output row learns (through the softmax)."""
+    rows = tmp_path / "tune.jsonl"
+    rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:4]))
+    transplant(_tuned(pair, "untied", tmp_path / "u", rows))
+    new_tok = load_tokenizer(str(pair["new"]))
+    table = build_table(new_tok, load_tokenizer(str(pair["untied"])), progress=False)
+    old, tuned = _weights(pair["untied"]), _weights(tmp_path / "u")
+    mean = piece_mean(old["model.embed_tokens.weight"], table)
+    seen = {i for t in TEXTS[:4] for i in new_tok.hf(t, add_special_tokens=False)["input_ids"]}
+    seen.add(new_tok.hf.eos_token_id)
+    unseen = [i for i in range(new_tok.vocab_size) if i not in seen]
+    assert unseen and seen
+    embed = tuned["model.embed_tokens.weight"]
+    assert torch.equal(embed[unseen], mean[unseen])
+    assert not torch.equal(embed[sorted(seen)], mean[sorted(seen)])
+    head = piece_mean(old["lm_head.weight"], table)
+    assert not torch.isclose(tuned["lm_head.weight"], head).all(dim=1).any()
 
 
 def test_bad_inputs_are_refused_by_name_and_nothing_is_written(pair, tmp_path, capsys):

@@ -11,6 +11,11 @@ chain of old pieces whose bytes are exactly the bytes of new token ``i``):
   the old row of the special with its role (end of turn, BOS, ...).
 * A row no chain reaches (a byte the old vocabulary cannot spell, a special whose role the old
   tokenizer lacks, ids past the new tokenizer's last token) gets the mean of all old rows.
+* ``tuned``: the piece mean, then ``tune_steps`` steps of training the embedding rows alone (the
+  body frozen; an untied output layer too) with the next-token loss on ``tune_data`` in the new
+  tokenizer: the rows learn what the body expects. (With an untied output layer, the input
+  rows of tokens the text never shows keep their piece mean exactly: they get no gradient, and
+  AdamW without weight decay leaves them alone; every output row learns through the softmax.)
 
 The body is untouched. The result is a normal Hugging Face folder (safetensors weights,
 ``config.json`` with the new ``vocab_size`` and special ids, the new tokenizer's files) that
@@ -27,9 +32,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from crosskd.alignment.corpus import LICENCE_TEXTS, licence_documents
+from crosskd.alignment.corpus import (
+    LICENCE_TEXTS,
+    STDLIB_TEXTS,
+    benchmark_corpus,
+    licence_documents,
+)
 from crosskd.config import require_positive_ints
 from crosskd.data.records import read_records
 from crosskd.errors import ConfigError, CrosskdError, DataError
@@ -41,8 +52,9 @@ from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-METHODS = ("mean",)
-"""How a new row is made from the old rows of its chain (module docstring)."""
+METHODS = ("mean", "tuned")
+"""How the new rows are made (module docstring): ``mean``, or ``tuned`` (the piece mean, then
+the embedding rows trained alone)."""
 
 
 @dataclass
@@ -59,7 +71,8 @@ class TransplantConfig:
     """The folder to write (local; it must not exist or be empty). Written under a temporary
     name and renamed when complete, so a failed transplant leaves nothing here."""
     method: str = "mean"
-    """How new embedding rows are made from the old ones: ``mean`` (the piece mean)."""
+    """How new embedding rows are made from the old ones: ``mean`` (the piece mean) or
+    ``tuned`` (the piece mean, then ``tune_steps`` steps of training the embeddings alone)."""
     dtype: str | None = None
     """Weights dtype of the written model (``float32``, ``bfloat16``, ``float16``); None: the
     dtype the model was saved in."""
@@ -70,6 +83,22 @@ class TransplantConfig:
     (JSONL, Parquet, a ``datasets`` folder; their ``text`` column). None: no measurement."""
     heldout_bytes: int = 12_000
     """Size of the ``machine:licences`` text (UTF-8 bytes)."""
+    tune_data: str = STDLIB_TEXTS
+    """``tuned``: the text the embeddings are trained on: ``machine:stdlib`` (``tune_bytes`` of
+    this machine's Python standard-library sources, docstrings and translations) or text rows
+    (JSONL, Parquet, a ``datasets`` folder)."""
+    tune_bytes: int = 200_000
+    """Size of the ``machine:stdlib`` text (UTF-8 bytes)."""
+    tune_steps: int = 200
+    """``tuned``: optimizer steps (AdamW, no weight decay, constant learning rate)."""
+    tune_lr: float = 1e-3
+    """``tuned``: learning rate."""
+    tune_rows: int = 4
+    """``tuned``: windows of ``tune_length`` tokens per step, drawn at random from the text."""
+    tune_length: int = 128
+    """``tuned``: tokens per window."""
+    seed: int = 0
+    """``tuned``: seed of the windows drawn."""
 
     def __post_init__(self) -> None:
         for key in ("model", "tokenizer", "output"):
@@ -80,7 +109,13 @@ class TransplantConfig:
             raise ConfigError(f"method is {self.method!r}; choose one of {', '.join(METHODS)}.")
         if self.dtype is not None:
             teacher_dtype(self.dtype, torch.device("cpu"))
-        require_positive_ints(self, ("heldout_bytes",))
+        require_positive_ints(
+            self, ("heldout_bytes", "tune_bytes", "tune_steps", "tune_rows", "tune_length")
+        )
+        if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float):
+            raise ConfigError(f"tune_lr is {self.tune_lr!r}; it must be a number > 0.")
+        if not self.tune_lr > 0:
+            raise ConfigError(f"tune_lr is {self.tune_lr!r}; it must be a number > 0.")
 
 
 @dataclass(frozen=True)
@@ -150,7 +185,7 @@ def transplant(config: TransplantConfig) -> TransplantReport:
         use_safetensors=True,
         local_files_only=True,
     )
-    texts = heldout_texts(config.heldout, config.heldout_bytes) if config.heldout else []
+    texts = corpus_texts(config.heldout, config.heldout_bytes, "heldout") if config.heldout else []
     measured = {"original": text_bits_per_byte(model, old_tok, texts)} if texts else {}
     old_in = _input_embeddings(model, config.model)
     old_out = model.get_output_embeddings()
@@ -165,7 +200,13 @@ def transplant(config: TransplantConfig) -> TransplantReport:
             model.get_output_embeddings().weight.copy_(new_out)
     _set_special_ids(model, new_tok)
     if texts:
-        measured[config.method] = text_bits_per_byte(model, new_tok, texts)
+        measured["mean"] = text_bits_per_byte(model, new_tok, texts)
+    if config.method == "tuned":
+        tune_texts = corpus_texts(config.tune_data, config.tune_bytes, "tune_data")
+        losses = tune_embeddings(model, new_tok, tune_texts, config)
+        log.info("tuned: loss %.4f at the first step, %.4f at the last", losses[0], losses[-1])
+        if texts:
+            measured["tuned"] = text_bits_per_byte(model, new_tok, texts)
     _write(model, new_tok, output)
     lengths = table.lengths
     report = TransplantReport(
@@ -185,21 +226,74 @@ def transplant(config: TransplantConfig) -> TransplantReport:
     return report
 
 
-def heldout_texts(reference: str, target_bytes: int) -> list[str]:
-    """The held-out documents of ``reference``: ``machine:licences`` (about ``target_bytes`` of
-    this machine's licence texts) or the ``text`` of every row of a dataset; a row without text
-    (a conversation) is a :class:`DataError` naming it."""
+def corpus_texts(reference: str, target_bytes: int, key: str) -> list[str]:
+    """The documents of ``reference`` (the value of config key ``key``): ``machine:licences``
+    or ``machine:stdlib`` (about ``target_bytes`` of this machine's licence texts or Python
+    standard-library text), or the ``text`` of every row of a dataset; a row without text (a
+    conversation) is a :class:`DataError` naming it."""
     if reference == LICENCE_TEXTS:
         return licence_documents(target_bytes)
+    if reference == STDLIB_TEXTS:
+        return benchmark_corpus(target_bytes)
     texts = []
     for record in read_records(reference):
         if record.text is None:
             raise DataError(
-                f"heldout {reference}: row {record.row} of {record.source} is a conversation; "
-                f"give text rows (a text column) to measure bits per byte on."
+                f"{key} {reference}: row {record.row} of {record.source} is a conversation; "
+                f"give text rows (a text column)."
             )
         texts.append(record.text)
     return texts
+
+
+def tune_embeddings(
+    model: torch.nn.Module,
+    tokenizer: LoadedTokenizer,
+    texts: list[str],
+    config: TransplantConfig,
+) -> list[float]:
+    """Train ``model``'s input embedding (and an untied output layer) alone, the rest frozen,
+    with the next-token loss on ``texts`` in ``tokenizer`` (documents joined by its EOS):
+    ``config.tune_steps`` AdamW steps (no weight decay) at ``config.tune_lr``, each on
+    ``config.tune_rows`` windows of ``config.tune_length`` tokens drawn with ``config.seed``.
+    Returns the loss of every step (nats per token)."""
+    eos = tokenizer.hf.eos_token_id
+    stream = []
+    for text in texts:
+        stream += tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+        stream += [] if eos is None else [eos]
+    tokens = torch.tensor(stream, dtype=torch.long)
+    width = config.tune_length
+    if len(tokens) < width:
+        raise DataError(
+            f"tune_data {config.tune_data}: {len(tokens)} tokens, fewer than one window of "
+            f"tune_length {width}; give more text or a shorter tune_length."
+        )
+    trained = [model.get_input_embeddings().weight]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not trained[0]:
+        trained.append(head.weight)
+    was_training = model.training
+    model.train()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for parameter in trained:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trained, lr=config.tune_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(config.seed)
+    losses = []
+    for _ in tqdm(range(config.tune_steps), desc="tuning embeddings", leave=False):
+        starts = torch.randint(0, len(tokens) - width + 1, (config.tune_rows,), generator=generator)
+        batch = torch.stack([tokens[start : start + width] for start in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss  # shifted inside
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    model.train(was_training)
+    return losses
 
 
 def text_bits_per_byte(

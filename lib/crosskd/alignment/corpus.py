@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 CATALOGUE_ROOTS = ("/usr/share/locale", "/usr/local/share/locale", "/usr/share/i18n")
 LICENCES = Path("/usr/share/common-licenses")
 """Debian's licence texts (package ``base-files``): the out-of-domain text."""
+STDLIB_TEXTS = "machine:stdlib"
+"""The data reference that means this machine's Python standard-library text
+(:func:`benchmark_corpus`), in ``TransplantConfig.tune_data``."""
 LICENCE_TEXTS = "machine:licences"
 """The data reference that means this machine's licence texts (:func:`licence_documents`), in
 ``RunConfig.ood_data`` and ``TransplantConfig.heldout``."""
