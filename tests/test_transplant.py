@@ -248,7 +248,15 @@ def test_bad_inputs_are_refused_by_name_and_nothing_is_written(pair, tmp_path, c
     with pytest.raises(ConfigError, match=r"output .*full exists and is not an empty folder"):
         transplant(TransplantConfig(str(pair["old"]), str(pair["new"]), str(full)))
     assert [p.name for p in full.iterdir()] == ["keep.txt"]
-    with pytest.raises(ConfigError, match="method is 'focus'; choose one of mean"):
+    # A ChatML template over a tokenizer without <|im_start|> and <|im_end|> as specials.
+    bare = train_tiny_bpe(TEXTS, 300, tmp_path / "bare", special_tokens=("<|endoftext|>",))
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenizer .*bare: its chat template writes <\|im_end\|>, <\|im_start\|>, which",
+    ):
+        transplant(TransplantConfig(str(pair["old"]), str(bare), str(out)))
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="method is 'focus'; choose one of mean, tuned"):
         TransplantConfig("m", "t", "o", method="focus")
     with pytest.raises(CrosskdError, match="nowhere"):
         transplant(TransplantConfig(str(tmp_path / "nowhere"), str(pair["new"]), str(out)))

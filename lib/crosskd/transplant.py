@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ from crosskd.teacher.model import model_folder, teacher_dtype
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
+
+MARKER = re.compile(r"<\|[^<>|\s]+\|>|<｜[^<>｜\s]+｜>")
+"""A special-token marker as chat templates write them: ``<|im_start|>``, ``<｜User｜>``."""
 
 METHODS = ("mean", "tuned")
 """How the new rows are made (module docstring): ``mean``, or ``tuned`` (the piece mean, then
@@ -168,8 +172,8 @@ def piece_mean(old: torch.Tensor, table: SubTokenTable) -> torch.Tensor:
 def transplant(config: TransplantConfig) -> TransplantReport:
     """Move ``config.model`` onto ``config.tokenizer`` (module docstring) and write it to
     ``config.output``. Raises a :class:`CrosskdError` naming the input (a tokenizer crosskd does
-    not support, a model without input embeddings, an output folder that holds files) before
-    anything is written."""
+    not support or whose chat template writes markers it lacks, a model without input
+    embeddings, an output folder that holds files) before anything is written."""
     output = Path(config.output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConfigError(
@@ -177,6 +181,7 @@ def transplant(config: TransplantConfig) -> TransplantReport:
             f"transplant never overwrites)."
         )
     new_tok = load_tokenizer(config.tokenizer)
+    check_template_specials(new_tok, config.tokenizer)
     folder = model_folder(config.model, role="model")
     old_tok = load_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(
@@ -224,6 +229,28 @@ def transplant(config: TransplantConfig) -> TransplantReport:
     }
     log.info("transplant: %s; rows no chain reaches: %s", report.line(), unreached)
     return report
+
+
+def check_template_specials(tokenizer: LoadedTokenizer, ref: str) -> None:
+    """Refuse (one line naming ``ref``) a tokenizer whose chat template writes a marker such as
+    ``<|im_start|>`` that is not one of its special tokens: a model moved onto it would read
+    its own conversations as pieces of text. A tokenizer without a template passes."""
+    template = getattr(tokenizer.hf, "chat_template", None)
+    if not template:
+        return
+    conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    rendered = tokenizer.hf.apply_chat_template(conversation, tokenize=False)
+    missing = []
+    for marker in sorted(set(MARKER.findall(rendered))):
+        ids = tokenizer.hf.encode(marker, add_special_tokens=False)
+        if len(ids) != 1 or not tokenizer.is_special(ids[0]):
+            missing.append(marker)
+    if missing:
+        raise ConfigError(
+            f"tokenizer {ref}: its chat template writes {', '.join(missing)}, which is not one "
+            f"of its special tokens; give a tokenizer whose tokenizer.json has the template's "
+            f"specials as added tokens."
+        )
 
 
 def corpus_texts(reference: str, target_bytes: int, key: str) -> list[str]:
