@@ -93,8 +93,10 @@ class TransplantConfig:
     (JSONL, Parquet, a ``datasets`` folder)."""
     tune_bytes: int = 200_000
     """Size of the ``machine:stdlib`` text (UTF-8 bytes)."""
-    tune_steps: int = 200
-    """``tuned``: optimizer steps (AdamW, no weight decay, constant learning rate)."""
+    tune_steps: int = 25
+    """``tuned``: optimizer steps (AdamW, no weight decay, constant learning rate). 25 measured
+    best on SmolLM2-135M moved onto Llama-3 (``docs/benchmarks.md``): more steps on the tuning
+    text fit its domain and lose out of it."""
     tune_lr: float = 1e-3
     """``tuned``: learning rate."""
     tune_rows: int = 4
