@@ -22,7 +22,13 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from crosskd.config import CommandParser, config_flags, flag_overrides, load_config
+from crosskd.config import (
+    CommandParser,
+    config_flags,
+    config_from_args,
+    flag_overrides,
+    load_config,
+)
 from crosskd.errors import CrosskdError, Stopped
 
 if TYPE_CHECKING:
@@ -260,8 +266,7 @@ def _run(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from crosskd.data.prepare import PrepareConfig, prepare
 
-    given = config_flags(args, PrepareConfig)
-    config = load_config(PrepareConfig, args.config, args.overrides, flags=given)
+    config = config_from_args(PrepareConfig, args)
     manifest = prepare(config)
     if manifest is None:
         _write(
@@ -296,8 +301,7 @@ def _score(args: argparse.Namespace) -> int:
     from crosskd.teacher.scoring import ScoreConfig
     from crosskd.teacher.sharded import score
 
-    given = config_flags(args, ScoreConfig)
-    config = load_config(ScoreConfig, args.config, args.overrides, flags=given)
+    config = config_from_args(ScoreConfig, args)
     manifest = score(config)
     bpb = manifest["bits_per_byte"]
     _write(
@@ -349,8 +353,7 @@ def _train(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from crosskd.evaluate import EvaluateConfig, evaluate
 
-    given = config_flags(args, EvaluateConfig)
-    config = load_config(EvaluateConfig, args.config, args.overrides, flags=given)
+    config = config_from_args(EvaluateConfig, args)
     result = evaluate(config)
     lines = [f"held-out bits per byte on {config.data}:"]
     for name, row in result["models"].items():
@@ -366,9 +369,8 @@ def _distill(args: argparse.Namespace) -> int:
     from crosskd.distill import DistillConfig, distill, load_distill_config
     from crosskd.steps.evaluate import bits_per_byte_table
 
-    # the loader takes a preset, a file and overrides: the options go first among the overrides
-    given = flag_overrides(config_flags(args, DistillConfig))
-    config = load_distill_config(args.config, args.preset, [*given, *args.overrides])
+    given = config_flags(args, DistillConfig)
+    config = load_distill_config(args.config, args.preset, args.overrides, flags=given)
     metrics = distill(config)
     lines = [
         f"report: {metrics['report']}",
@@ -381,8 +383,7 @@ def _distill(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from crosskd.generate import GenerateConfig, generate
 
-    given = config_flags(args, GenerateConfig)
-    config = load_config(GenerateConfig, args.config, args.overrides, flags=given)
+    config = config_from_args(GenerateConfig, args)
     result = generate(config)
     _write(
         f"wrote {result['output']}: {result['conversations']} conversations "
@@ -395,8 +396,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _transplant(args: argparse.Namespace) -> int:
     from crosskd.transplant import TransplantConfig, transplant
 
-    given = config_flags(args, TransplantConfig)
-    config = load_config(TransplantConfig, args.config, args.overrides, flags=given)
+    config = config_from_args(TransplantConfig, args)
     _write(transplant(config).line())
     return 0
 

@@ -251,10 +251,16 @@ def config_flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     }
 
 
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """``cls`` from a command's parsed ``args``: its ``--config`` file, then the field options
+    given (:func:`config_flags`), then its ``key=value`` overrides (:func:`load_config`)."""
+    return load_config(cls, args.config, args.overrides, flags=config_flags(args, cls))
+
+
 def flag_overrides(flags: Mapping[str, Any]) -> list[str]:
     """``flags`` as ``key=value`` overrides that :func:`load_config` reads back as the same
-    values (each value written as YAML, so the string ``"4096"`` stays a string): for a loader
-    that takes only overrides, or a command line passed on to another process."""
+    values (each value written as YAML, so the string ``"4096"`` stays a string): for a command
+    line passed on to another process (``crosskd train --nproc-per-node``'s workers)."""
     return [f"{key}={_yaml_text(value)}" for key, value in flags.items()]
 
 

@@ -41,9 +41,15 @@ __all__ = [
 ]
 
 
-def load_distill_config(path: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
-    """A preset (or none), then the file, then ``key=value`` overrides."""
-    return load_run_config(path, preset, overrides)
+def load_distill_config(
+    path: str | None,
+    preset: str | None,
+    overrides: list[str],
+    flags: dict[str, Any] | None = None,
+) -> RunConfig:
+    """A preset (or none), then the file, then command-line ``flags``, then ``key=value``
+    overrides (:func:`crosskd.steps.config.load_run_config`)."""
+    return load_run_config(path, preset, overrides, flags=flags)
 
 
 def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from crosskd.config import CommandParser, config_flags, flag_overrides
+from crosskd.config import CommandParser, config_flags
 from crosskd.errors import ConfigError
 from crosskd.pipeline.graph import pipeline_svg
 from crosskd.pipeline.progress import steps_to_log
@@ -133,9 +133,8 @@ def _run_local(args: argparse.Namespace) -> int:
 
     if not args.preset and not args.config:
         raise ConfigError("run-local needs --preset NAME or --config FILE (and output=DIR).")
-    # the loader takes a preset, a file and overrides: the options go first among the overrides
-    given = flag_overrides(config_flags(args, RunConfig))
-    config = load_run_config(args.config, args.preset, [*given, *args.overrides])
+    given = config_flags(args, RunConfig)
+    config = load_run_config(args.config, args.preset, args.overrides, flags=given)
     arguments = preset_arguments(config)
     local_root = args.local_root or local_root_of(arguments["output_root"])
     if args.log == "-":

@@ -292,10 +292,15 @@ def preset_values(name: str) -> dict[str, Any]:
     return yaml.safe_load(Path(preset_path(name)).read_text()) or {}
 
 
-def load_run_config(path: str | None, preset: str | None, overrides: list[str]) -> RunConfig:
-    """A preset (or none), then the file, then ``key=value`` overrides; a mapping (``train``,
-    ``train.loss``) is merged key by key, so a file that sets ``train.steps`` keeps the preset's
-    ``train.lr``."""
+def load_run_config(
+    path: str | None,
+    preset: str | None,
+    overrides: list[str],
+    flags: dict[str, Any] | None = None,
+) -> RunConfig:
+    """A preset (or none), then the file, then command-line ``flags`` (field options), then
+    ``key=value`` overrides; a mapping (``train``, ``train.loss``) is merged key by key, so a
+    file that sets ``train.steps`` keeps the preset's ``train.lr``."""
     values: dict[str, Any] = {}
     for source in (preset_path(preset) if preset else None, path):
         if source is None:
@@ -309,4 +314,4 @@ def load_run_config(path: str | None, preset: str | None, overrides: list[str]) 
                 f"{', '.join(sorted(known))}."
             )
         values = merged(values, loaded)
-    return load_config(RunConfig, None, overrides, flags=values)
+    return load_config(RunConfig, None, overrides, flags=merged(values, flags or {}))
