@@ -25,12 +25,12 @@ from crosskd.data.prepare import PrepareConfig
 from crosskd.data.records import read_records
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.parallel.attention import layer_windows, refuse_state_mixers
+from crosskd.parallel.layout import ParallelLayout
 from crosskd.steps.config import EXECUTORS, INIT, LICENCES, STDLIB, RunConfig
 from crosskd.steps.locations import content_uri, exists, materialize
 from crosskd.teacher.model import model_folder
 from crosskd.teacher.scoring import ScoreConfig
 from crosskd.tokenization import load_tokenizer
-from crosskd.train import TrainConfig
 from crosskd.zoo import train_tiny_bpe
 from crosskd.zoo.models import init_llama
 
@@ -175,7 +175,8 @@ def _check_student_packs(student: str) -> None:
 
 def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
     """Build every later step's config from ``config`` so a value they would refuse is refused
-    now, naming the key."""
+    now, naming the key (the training keys were checked when ``config`` was built), and check
+    the training layout against the job's workers (or the one in-process worker)."""
     n = len(config.teachers)
     PrepareConfig(
         data="-",
@@ -196,11 +197,6 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
         encoding=config.encoding,
         token_budget=config.token_budget,
     ).check()
-    train = TrainConfig(
-        **config.train_values(
-            student="-", data="-", output="-", caches=["-"] * n, tables=[None] * n, kd=True
-        )
-    )
     if job is not None:
         # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline
         # step imports this module through crosskd.steps, and only rendering or running a PyTorchJob
@@ -212,7 +208,7 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
         )
     else:
         try:
-            train.parallel.resolved(1)
+            ParallelLayout.from_mapping(config.train.get("parallel", {})).resolved(1)
         except ConfigError as exc:
             raise ConfigError(
                 f"{exc} In-process training is one process; use the local or "
