@@ -256,6 +256,8 @@ def test_bad_inputs_are_refused_by_name_and_nothing_is_written(pair, tmp_path, c
     ):
         transplant(TransplantConfig(str(pair["old"]), str(bare), str(out)))
     assert not out.exists()
+    with pytest.raises(ConfigError, match="tune_lr is 0; it must be a number > 0"):
+        TransplantConfig("m", "t", "o", tune_lr=0)
     with pytest.raises(ConfigError, match="method is 'focus'; choose one of mean, tuned"):
         TransplantConfig("m", "t", "o", method="focus")
     with pytest.raises(CrosskdError, match="nowhere"):

@@ -118,10 +118,9 @@ class TransplantConfig:
         require_positive_ints(
             self, ("heldout_bytes", "tune_bytes", "tune_steps", "tune_rows", "tune_length")
         )
-        if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float):
-            raise ConfigError(f"tune_lr is {self.tune_lr!r}; it must be a number > 0.")
-        if not self.tune_lr > 0:
-            raise ConfigError(f"tune_lr is {self.tune_lr!r}; it must be a number > 0.")
+        lr = self.tune_lr
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
+            raise ConfigError(f"tune_lr is {lr!r}; it must be a number > 0.")
 
 
 @dataclass(frozen=True)
@@ -303,11 +302,10 @@ def tune_embeddings(
     if head is not None and head.weight is not trained[0]:
         trained.append(head.weight)
     was_training = model.training
+    wanted = {parameter: parameter.requires_grad for parameter in model.parameters()}
     model.train()
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    for parameter in trained:
-        parameter.requires_grad_(True)
+    for parameter in wanted:
+        parameter.requires_grad_(any(parameter is t for t in trained))
     optimizer = torch.optim.AdamW(trained, lr=config.tune_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(config.seed)
     losses = []
@@ -319,8 +317,8 @@ def tune_embeddings(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    for parameter in model.parameters():
-        parameter.requires_grad_(True)
+    for parameter, flag in wanted.items():
+        parameter.requires_grad_(flag)
     model.train(was_training)
     return losses
 
