@@ -37,6 +37,11 @@ def worker_exit(rank: int, out: Path) -> Iterator[None]:
     os._exit(0)
 
 
+_PORTS = random.SystemRandom()
+"""Draws ports from the OS's entropy: a test that seeds the module-level ``random`` cannot make
+two workers draw the same ports."""
+
+
 def _ephemeral_low() -> int:
     """The lowest port the kernel hands out on its own (to port-0 binds and outgoing
     connections): 32768 unless ``ip_local_port_range`` says otherwise."""
@@ -53,7 +58,7 @@ def free_ports(count: int = 1) -> int:
     Prometheus scrape, a gloo store, another test's server) can take it in between."""
     top = _ephemeral_low() - count
     while True:
-        base = random.randrange(10_000, top)
+        base = _PORTS.randrange(10_000, top)
         if all(_bindable(base + i) for i in range(count)):
             return base
 
