@@ -1,24 +1,26 @@
-"""The distillation pipeline (KFP v2): validate inputs -> prepare -> per teacher: tables ->
+"""The distillation pipeline (KFP v2): validate inputs -> init student (moved onto the student
+tokenizer first for tokenizer transfer) -> prepare -> per teacher: tables ->
 validate; scoring fanned out over teachers x shard ranges -> merge -> per run (kd, ce): train as
 a PyTorchJob -> evaluate -> report. ``crosskd pipeline compile`` writes ``distill.yaml``.
 
-Per-task settings: caching on for the pure steps (plan_tables, build_tables, validate_tables,
-prepare, plan_scoring, score_teacher, merge_cache: their outputs are content-addressed), off for
-validate_inputs, plan_training, train, evaluate and report; retries with backoff on the steps
-that mostly move data (build_tables, prepare, merge_cache, report) and on the training launcher
-(it reattaches to its job), none on the GPU-bound steps; the GPU steps (score_teacher,
-evaluate) get the accelerator, node selector and tolerations from parameters, ``/dev/shm`` in
-memory and a timeout; every step gets the S3 credentials from the Secret named by
-``s3_secret``. The training task is a CPU-only launcher: its GPUs, nodes, tolerations and node
-selector go into the PyTorchJob it renders (``job``). The defaults are a CPU smoke run
-(random-init models, standard-library text) that runs on the project image anywhere;
-``params/*.yaml`` are parameter sets for real runs.
+Per-task settings: caching on for the pure steps (init_student, plan_tables, build_tables,
+validate_tables, prepare, plan_scoring, score_teacher, merge_cache: their outputs are
+content-addressed), off for validate_inputs, plan_training, train, evaluate and report; retries
+with backoff on the steps that mostly move data (init_student, build_tables, prepare,
+merge_cache, report) and on the training launcher (it reattaches to its job), none on the
+GPU-bound steps; the GPU steps (score_teacher, evaluate) get the accelerator, node selector and
+tolerations from parameters, ``/dev/shm`` in memory and a timeout; every step gets the S3
+credentials from the Secret named by ``s3_secret``. The training task is a CPU-only launcher:
+its GPUs, nodes, tolerations and node selector go into the PyTorchJob it renders (``job``). The
+defaults are a CPU smoke run (random-init models, standard-library text) that runs on the
+project image anywhere; ``params/*.yaml`` are parameter sets for real runs.
 """
 
 from kfp import dsl, kubernetes
 
 from components.build_tables.component import build_tables
 from components.evaluate.component import evaluate
+from components.init_student.component import init_student
 from components.merge_cache.component import merge_cache
 from components.plan_scoring.component import plan_scoring
 from components.plan_tables.component import plan_tables
@@ -165,7 +167,9 @@ def distill(
         job=job,
     )
     _secrets(_cpu(inputs, "1", "4Gi", cache=False), s3_secret)
-    plan = inputs.outputs["plan"]
+    student = init_student(plan=inputs.outputs["plan"])
+    _secrets(_cpu(student, "8", "32Gi", cache=True, retries=2), s3_secret)
+    plan = student.outputs["Output"]
     prepared = prepare(plan=plan, preparing=inputs.outputs["preparing"], metrics_port=metrics_port)
     _secrets(_cpu(prepared, "8", "32Gi", cache=True, retries=2), s3_secret)
     _monitored(prepared, "prepare")

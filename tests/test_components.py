@@ -24,6 +24,7 @@ def components():
     sys.path.insert(0, str(ROOT))
     from components.build_tables.component import build_tables
     from components.evaluate.component import evaluate
+    from components.init_student.component import init_student
     from components.merge_cache.component import merge_cache
     from components.plan_scoring.component import plan_scoring
     from components.plan_tables.component import plan_tables
@@ -39,6 +40,7 @@ def components():
         c.name.replace("-", "_"): c.python_func
         for c in (
             validate_inputs,
+            init_student,
             prepare,
             plan_tables,
             build_tables,
@@ -102,6 +104,8 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
     )
     assert pointer(inputs)["uri"] == plan["root"] == str(tmp_path / "root")
     assert plan["ood_data"].endswith("/ood.jsonl")
+    student_figures = artifact(dsl.Metrics)
+    assert c["init_student"](plan=plan, figures=student_figures) == plan  # no transplant
 
     outs = {split: artifact() for split in ("train", "heldout", "ood")}
     prepared = c["prepare"](plan=plan, preparing=preparing, metrics_port=-1, **outs)

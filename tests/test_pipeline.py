@@ -23,6 +23,7 @@ from crosskd.steps.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE = (
+    "init-student",
     "plan-tables",
     "build-tables",
     "validate-tables",
@@ -241,7 +242,7 @@ def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, c
     assert hits == set(PURE)
     result, hits = _run(tiny_run, capfd, caplog, k=8)
     # k changes the teacher caches (and what follows), not the tables or the prepared data.
-    assert {"build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
+    assert {"init-student", "build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
     assert "score-teacher" not in hits and "merge-cache" not in hits
     assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd", "student_ce"}
 

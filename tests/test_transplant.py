@@ -6,23 +6,33 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
+from kfp import dsl
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordPiece
 from train_inputs import TEXTS, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from crosskd import steps
 from crosskd.cli import main
 from crosskd.errors import ConfigError, CrosskdError, DataError
+from crosskd.steps.config import load_run_config
+from crosskd.steps.runtime import drop_none
 from crosskd.tables.build import build_table
 from crosskd.tables.format import Flag, SubTokenTable
 from crosskd.tokenization import load_tokenizer
 from crosskd.transplant import TransplantConfig, piece_mean, text_bits_per_byte, transplant
 from crosskd.zoo import train_tiny_bpe
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +293,96 @@ def test_the_command_line_writes_the_model_and_prints_the_report(pair, tmp_path,
     size = load_tokenizer(str(pair["new"])).vocab_size
     assert line.startswith(f"{out}: {size} rows, ") and "tied output layer" in line
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+
+def _transfer_run(pair, root, *overrides):
+    """The ``tiny`` preset with the old model as the student, moved onto the new tokenizer."""
+    return load_run_config(
+        None,
+        "tiny",
+        [
+            f"output={root}",
+            f"student={pair['old']}",
+            f"student_tokenizer={pair['new']}",
+            "corpus_bytes=6000",
+            "train.steps=2",
+            *overrides,
+        ],
+    )
+
+
+def test_a_run_moves_its_student_once_under_a_content_key(pair, tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    config = _transfer_run(pair, root, "transplant={method: tuned, tune_steps: 2, tune_length: 16}")
+    plan = steps.validate_inputs(config)
+    spec = plan["transplant"]
+    assert plan["student"] == str(pair["old"])  # moved by init_student, not here
+    assert plan["student_fingerprint"] == load_tokenizer(str(pair["new"])).fingerprint
+    assert spec["model"] == str(pair["old"]) and spec["tokenizer"] == str(pair["new"])
+    assert spec["tune_data"] == plan["train_data"]  # the run's training rows, not held-out text
+    assert spec["output"].startswith(f"{root}/inputs/students/")
+    assert not (root / "inputs" / "students").exists()
+
+    resolved = steps.init_student(plan)
+    assert resolved["student"] == spec["output"]
+    assert {**resolved, "student": plan["student"], "transplanted": None} == {
+        **plan,
+        "transplanted": None,
+    }
+    size = load_tokenizer(str(pair["new"])).vocab_size
+    report = resolved["transplanted"]
+    assert report["vocab_size"] == size == report["kept"] + report["averaged"] + report["fallback"]
+    moved = AutoModelForCausalLM.from_pretrained(spec["output"])
+    assert moved.get_input_embeddings().weight.shape[0] == size
+    assert load_tokenizer(spec["output"]).fingerprint == plan["student_fingerprint"]
+
+    # Done once: the same plan finds the published model (a second move would fail here).
+    def refuse(config):
+        raise AssertionError("moved again")
+
+    monkeypatch.setattr("crosskd.transplant.transplant", refuse)
+    assert steps.init_student(plan) == resolved
+    sys.path.insert(0, str(ROOT))
+    from components.init_student.component import init_student as component
+
+    figures = dsl.Metrics(uri=str(tmp_path / "kfp" / "figures"))
+    assert component.python_func(plan=plan, figures=figures) == drop_none(resolved)
+    assert figures.metadata["transplant_vocab_size"] == size
+    assert figures.metadata["transplant_kept"] == report["kept"]
+    assert steps.init_student({**plan, "transplant": None})["student"] == str(pair["old"])
+    other = steps.validate_inputs(_transfer_run(pair, root, "transplant={}"))
+    assert other["transplant"]["output"] != spec["output"]  # the method is part of the key
+
+
+def test_a_run_refuses_a_transplant_it_cannot_do(pair, tmp_path):
+    root = tmp_path / "root"
+    cases = {
+        "transplant=5": "transplant is 5; give a mapping of transplant keys",
+        "transplant={model: x}": "transplant: unknown key(s) model; known keys: dtype, ",
+        "transplant={method: focus}": "transplant: method is 'focus'; choose one of mean, tuned",
+        "transplant={tune_steps: 0}": "transplant: tune_steps is 0",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            _transfer_run(pair, root, override)
+    with pytest.raises(ConfigError, match="transplant is set but student is init; give a"):
+        load_run_config(None, "tiny", [f"output={root}", "transplant={}"])
+    bare = train_tiny_bpe(TEXTS, 300, tmp_path / "bare", special_tokens=("<|endoftext|>",))
+    config = _transfer_run(pair, root, f"student_tokenizer={bare}", "transplant={}")
+    with pytest.raises(ConfigError, match=r"tokenizer .*bare: its chat template writes <\|im_end"):
+        steps.validate_inputs(config)
+    assert not (root / "inputs" / "students").exists()
+
+
+def test_distill_trains_the_moved_student_and_measures_it_before_and_after(pair, tmp_path):
+    from crosskd.distill import distill
+
+    root = tmp_path / "root"
+    config = _transfer_run(pair, root, "transplant={}", "compare_ce_only=false")
+    result = distill(config, progress=False)
+    spec = steps.validate_inputs(config)["transplant"]
+    trained = AutoModelForCausalLM.from_pretrained(str(root / "kd" / "final"))
+    size = load_tokenizer(str(pair["new"])).vocab_size
+    assert trained.get_input_embeddings().weight.shape[0] == size
+    assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd"}
+    assert yaml.safe_load((root / "kd" / "train.yaml").read_text())["student"] == spec["output"]

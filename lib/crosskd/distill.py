@@ -1,7 +1,8 @@
 """``crosskd distill``: a whole run on one machine, the pipeline's steps called in order
 (:mod:`crosskd.steps`; ``crosskd pipeline run-local`` runs the same steps as the KFP DAG).
 
-validate inputs -> tables (built and validated, per teacher) -> prepare (train, held-out and
+validate inputs -> the student (moved onto ``student_tokenizer`` first when ``transplant``
+is set) -> tables (built and validated, per teacher) -> prepare (train, held-out and
 out-of-domain rows) -> score each teacher -> train the student with CSD (and, to compare, with
 CE only on the same budget) -> evaluate (held-out bits per byte of the teachers and of the
 student before and after, in domain and, with ``ood_data``, out of domain) -> report
@@ -57,7 +58,7 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     (``bits_per_byte``, ``ood_bits_per_byte`` with out-of-domain rows, ``report``: the page's
     URI)."""
     root = config.output.rstrip("/")
-    plan = steps.validate_inputs(config)
+    plan = steps.init_student(steps.validate_inputs(config))
     tables = checked_tables(plan, progress=progress)
     prepared = steps.prepare_data(plan, **config.preparing(), progress=progress)
     caches = teacher_caches(plan, prepared, config.scoring(), config.score_pods, progress=progress)

@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 from crosskd.alignment.corpus import (
     LICENCE_TEXTS,
@@ -181,6 +180,10 @@ def transplant(config: TransplantConfig) -> TransplantReport:
             f"output {output} exists and is not an empty folder; choose a new folder (a "
             f"transplant never overwrites)."
         )
+    # lazy: transformers costs ~1 s over torch; crosskd.steps.config imports TransplantConfig
+    # (every pipeline step imports it), and only the transplant itself loads a model
+    from transformers import AutoModelForCausalLM
+
     new_tok = load_tokenizer(config.tokenizer)
     check_template_specials(new_tok, config.tokenizer)
     folder = model_folder(config.model, role="model")

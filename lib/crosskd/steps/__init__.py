@@ -1,10 +1,11 @@
 """The steps of a distillation run, one function each: the only code that the KFP components
 (``components/<step>/``), ``crosskd distill`` and ``crosskd pipeline run-local`` call.
 
-validate_inputs -> plan_tables -> per teacher: build_tables -> validate_tables; prepare_data ->
-plan_scoring -> score_teacher (per teacher and shard range) -> merge_caches -> plan_training ->
-train (per variant) -> evaluate_run (in domain and out of domain) -> report. The ``plan_*``
-steps make self-contained items for the fan-outs (each item carries what its step needs).
+validate_inputs -> init_student -> plan_tables -> per teacher: build_tables -> validate_tables;
+prepare_data -> plan_scoring -> score_teacher (per teacher and shard range) -> merge_caches ->
+plan_training -> train (per variant) -> evaluate_run (in domain and out of domain) -> report.
+The ``plan_*`` steps make self-contained items for the fan-outs (each item carries what its
+step needs).
 
 Each takes URIs and small JSON-able values and returns small JSON-able metadata (URIs,
 fingerprints, sha256, counts); large data stay in storage. Each is idempotent: on complete
@@ -24,6 +25,7 @@ from crosskd.steps.inputs import validate_inputs
 from crosskd.steps.locations import content_uri, run_folder
 from crosskd.steps.prepare import prepare_data
 from crosskd.steps.score import merge_caches, plan_scoring, score_teacher
+from crosskd.steps.student import init_student
 from crosskd.steps.tables import build_tables, plan_tables, validate_tables
 from crosskd.steps.train import plan_training, train
 
@@ -33,6 +35,7 @@ __all__ = [
     "content_uri",
     "evaluate_models",
     "evaluate_run",
+    "init_student",
     "load_run_config",
     "merge_caches",
     "models_to_evaluate",

@@ -14,9 +14,10 @@ from crosskd.alignment.corpus import LICENCE_TEXTS
 from crosskd.config import load_config, merged, require_positive_ints
 from crosskd.errors import ConfigError
 from crosskd.train.config import TrainConfig
+from crosskd.transplant import TransplantConfig
 from crosskd.zoo.models import check_shape
 
-PRESETS = ("tiny", "demo", "chat-demo")
+PRESETS = ("tiny", "demo", "chat-demo", "transfer")
 EXECUTORS = ("inprocess", "local", "cluster")
 """Where training runs: ``inprocess``: the Trainer in this process; ``local``: the rendered
 PyTorchJob on this machine (:mod:`crosskd.k8s.local`); ``cluster``: the PyTorchJob on the
@@ -26,6 +27,9 @@ INIT = "init"
 STDLIB = ""
 """``train_data`` unset: text from this machine's Python standard library (``corpus_bytes``)."""
 RUN_SETS = ("student", "data", "output", "teachers", "seed", "student_tokenizer", "student_shape")
+TRANSPLANT_SETS = ("model", "tokenizer", "output")
+"""The :class:`crosskd.transplant.TransplantConfig` keys the run sets itself (``transplant``
+refuses them): the pretrained ``student``, ``student_tokenizer`` and a content-addressed folder."""
 """The :class:`crosskd.train.TrainConfig` keys the run sets itself (``RunConfig.train`` refuses
 them): the resolved student, its prepared data, run folder and teacher caches, and ``seed``."""
 LICENCES = LICENCE_TEXTS
@@ -55,9 +59,20 @@ class RunConfig:
     ``student_tokenizer``)."""
     student_tokenizer: str = "zoo:llama3"
     """Tokenizer of an ``init`` student (a teacher's own makes a same-tokenizer teacher: no
-    tables); unused for a pretrained student (its own)."""
+    tables), or the one a pretrained student is moved onto (``transplant``); otherwise unused
+    (a pretrained student keeps its own)."""
     student_shape: dict = field(default_factory=dict)
     """Llama shape of an ``init`` student."""
+    transplant: dict | None = None
+    """Tokenizer transfer: move the pretrained ``student`` onto ``student_tokenizer`` before
+    training (step ``init_student``, :mod:`crosskd.transplant`), then distil it from the
+    teachers (the model it was, for instance). A mapping of
+    :class:`crosskd.transplant.TransplantConfig` keys except ``model``, ``tokenizer`` and
+    ``output`` (``method``, ``dtype``, ``tune_steps``, ...; ``{}``: their defaults); without
+    ``tune_data`` the ``tuned`` method trains on the run's training rows. The moved student is
+    written once under ``<output>/inputs/students/<key>`` (keyed by the student reference and
+    its ``config.json``, the tokenizer's fingerprint, these keys and the tuning text). None: the
+    student keeps its own tokenizer."""
     train_data: str = STDLIB
     """Training rows (JSONL, Parquet, a ``datasets`` folder, a folder or glob of shards; text or
     chat). Empty: ``corpus_bytes`` of Python standard-library text."""
@@ -154,6 +169,35 @@ class RunConfig:
         for key in ("teacher_shape", "student_shape"):
             check_shape(key, getattr(self, key))
         self._check_train()
+        self._check_transplant()
+
+    def _check_transplant(self) -> None:
+        """Refuse a ``transplant`` that is not a mapping, one for an ``init`` student, a key the
+        run sets or an unknown one, or a value :class:`crosskd.transplant.TransplantConfig`
+        refuses, naming it under ``transplant.``."""
+        if self.transplant is None:
+            return
+        if not isinstance(self.transplant, dict):
+            raise ConfigError(
+                f"transplant is {self.transplant!r}; give a mapping of transplant keys (method, "
+                f"dtype, tune_steps, ...; {{}} for the defaults), or leave it out."
+            )
+        if self.student == INIT:
+            raise ConfigError(
+                "transplant is set but student is init; give a pretrained student to move onto "
+                "student_tokenizer, or leave transplant out."
+            )
+        known = {f.name for f in fields(TransplantConfig)} - set(TRANSPLANT_SETS)
+        unknown = sorted(set(self.transplant) - known)
+        if unknown:
+            raise ConfigError(
+                f"transplant: unknown key(s) {', '.join(unknown)}; known keys: "
+                f"{', '.join(sorted(known))} (the run sets {', '.join(TRANSPLANT_SETS)} itself)."
+            )
+        try:
+            TransplantConfig(model="-", tokenizer="-", output="-", **self.transplant)
+        except ConfigError as exc:
+            raise ConfigError(f"transplant: {exc}") from exc
 
     def _check_train(self) -> None:
         """Refuse a ``train`` key the run sets, an unknown one, or a value

@@ -6,7 +6,9 @@ PyTorchJob's), that the data exist, that every model folder has a ``config.json`
 tokenizer crosskd supports. Resolved (written once, under content-addressed prefixes of the
 run's root, so a rerun finds them): the standard-library corpus when no data is given, ``tiny:N``
 tokenizers trained on the training rows, ``init`` models (random-init Llamas, seeded) and the
-``machine:licences`` out-of-domain text.
+``machine:licences`` out-of-domain text. A student to move onto another tokenizer
+(``transplant``) is only planned here: step ``init_student`` (:mod:`crosskd.steps.student`)
+moves it.
 """
 
 from __future__ import annotations
@@ -20,17 +22,23 @@ from typing import Any
 import fsspec
 import torch
 
-from crosskd.alignment.corpus import benchmark_corpus, licence_documents
+from crosskd.alignment.corpus import (
+    LICENCE_TEXTS,
+    STDLIB_TEXTS,
+    benchmark_corpus,
+    licence_documents,
+)
 from crosskd.data.prepare import PrepareConfig
 from crosskd.data.records import read_records
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.parallel.attention import layer_windows, refuse_state_mixers
 from crosskd.parallel.layout import ParallelLayout
 from crosskd.steps.config import EXECUTORS, INIT, LICENCES, STDLIB, RunConfig
-from crosskd.steps.locations import content_uri, exists, materialize
+from crosskd.steps.locations import content_uri, data_fingerprint, exists, materialize
 from crosskd.teacher.model import model_folder
 from crosskd.teacher.scoring import ScoreConfig
 from crosskd.tokenization import load_tokenizer
+from crosskd.transplant import METHODS, check_template_specials
 from crosskd.zoo import train_tiny_bpe
 from crosskd.zoo.models import init_llama
 
@@ -58,8 +66,12 @@ def validate_inputs(
     and, for a job, its PyTorchJob settings ``job`` (JobConfig keys), and resolve its
     references; returns the run's plan: ``{"root", "student", "student_fingerprint",
     "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}], "train_data",
-    "heldout_data", "heldout_fraction", "ood_data"}`` (URIs; ``heldout_fraction`` None when
-    ``heldout_data`` is given, ``ood_data`` None without out-of-domain rows)."""
+    "heldout_data", "heldout_fraction", "ood_data", "transplant"}`` (URIs;
+    ``heldout_fraction`` None when ``heldout_data`` is given, ``ood_data`` None without
+    out-of-domain rows; ``transplant`` None, or with ``config.transplant`` the
+    :class:`crosskd.transplant.TransplantConfig` keys of step ``init_student``, whose
+    ``output`` is the moved student's URI, and ``student_fingerprint`` is then the fingerprint
+    of ``student_tokenizer``)."""
     if executor not in EXECUTORS:
         raise ConfigError(f"executor is {executor!r}; choose one of {', '.join(EXECUTORS)}.")
     _check_step_configs(config, job if executor != "inprocess" else None)
@@ -108,7 +120,15 @@ def validate_inputs(
     student = model_ref(
         config.student, config.student_tokenizer, config.student_shape, config.seed, "student"
     )
-    student_fp = load_tokenizer(model_tokenizer(student)).fingerprint
+    transplant = None
+    if config.transplant is None:
+        student_fp = load_tokenizer(model_tokenizer(student)).fingerprint
+    else:
+        target = tokenizer_ref(config.student_tokenizer)
+        new_tokenizer = load_tokenizer(target)
+        check_template_specials(new_tokenizer, config.student_tokenizer)
+        student_fp = new_tokenizer.fingerprint
+        transplant = _transplant_plan(config, root, student, target, student_fp, train_data)
     if config.pack and config.student != INIT:
         _check_student_packs(student)
     teachers = []
@@ -134,6 +154,7 @@ def validate_inputs(
         "heldout_data": heldout_data,
         "heldout_fraction": None if heldout_data else float(config.heldout_fraction),
         "ood_data": ood_data or None,
+        "transplant": transplant,
     }
     log.info(
         "inputs: student %s, %d teacher(s) (%s), data %s",
@@ -143,6 +164,37 @@ def validate_inputs(
         train_data,
     )
     return plan
+
+
+def _transplant_plan(
+    config: RunConfig, root: str, student: str, tokenizer: str, fingerprint: str, train_data: str
+) -> dict[str, Any]:
+    """The :class:`crosskd.transplant.TransplantConfig` keys that move ``student`` onto
+    ``tokenizer`` (fingerprint ``fingerprint``): ``config.transplant``, ``tune_data`` the
+    training rows unless it names its own, and ``output`` a URI keyed by the student reference
+    and its ``config.json``, the tokenizer, the keys and (when tuning) the tuning text."""
+    values = {"tune_data": train_data, **(config.transplant or {})}
+    tune_data = values["tune_data"]
+    if values.get("method") != METHODS[1]:
+        text = None
+    elif tune_data in (STDLIB_TEXTS, LICENCE_TEXTS):
+        text = tune_data  # this machine's text, by name
+    else:
+        text = data_fingerprint(tune_data)
+    config_json = (model_folder(student, role="student") / "config.json").read_bytes()
+    key = {
+        "student": student,
+        "config": hashlib.sha256(config_json).hexdigest(),
+        "tokenizer": fingerprint,
+        "transplant": {k: v for k, v in values.items() if k != "tune_data"},
+        "tune_text": text,
+    }
+    return {
+        **values,
+        "model": student,
+        "tokenizer": tokenizer,
+        "output": content_uri(root, "inputs/students", key),
+    }
 
 
 def _check_student_packs(student: str) -> None:
