@@ -39,6 +39,7 @@ from crosskd.train import (
     lr_at,
     rank_micro_batches,
 )
+from crosskd.train.checkpoint import checkpoint_name
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,33 @@ def test_training_lowers_the_loss_and_saves_a_loadable_student(setup, tmp_path):
     assert info["step"] == 12 and info["heldout_bits_per_byte"] is None
     lines = (tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(1, 13))
+
+
+def test_trainable_freezes_the_rest_and_a_resume_keeps_it_frozen(setup, tmp_path):
+    """``trainable: [embed_tokens]``: the embedding (tied with the head) moves, no other
+    parameter does (not even by weight decay: frozen ones have no optimizer state), and a run
+    resumed from its checkpoint ends on the same curve with the body still as it started."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(setup["student"]).state_dict()
+    config = _config(setup, tmp_path / "run", steps=4, checkpoint_every=2, trainable=["embed"])
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    (trained,) = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert trained is trainer.model.get_input_embeddings().weight
+    reference = trainer.train()
+    final = load_file(f"{trainer.save()}/model.safetensors")
+    trainer.close()
+    moved = {k for k in final if not torch.equal(final[k], start[k])}
+    assert moved == {"model.embed_tokens.weight"}
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / checkpoint_name(4))
+    shutil.rmtree(tmp_path / "run" / "final")
+    (checkpoints / "latest.json").write_text(json.dumps({"step": 2, "path": checkpoint_name(2)}))
+    _resume_from_step_2(config, reference)
+    with pytest.raises(ConfigError, match=r"trainable: 'nothing' matches no parameter of the"):
+        Trainer(dataclasses.replace(config, trainable=["embed", "nothing"]), progress=False).setup()
 
 
 def _wait_for(predicate, what: str, seconds: float = 180) -> None:
@@ -504,6 +532,8 @@ def test_inputs_that_failed_to_read_stop_every_rank_for_a_retry():
         ({"loss": {"kd_wieght": 1}}, r"loss: unknown key\(s\) kd_wieght"),
         ({"loss": {"tau": -1}}, r"loss.tau is -1"),
         ({"loss": {"teacher_mode": "average"}}, r"loss.teacher_mode is 'average'"),
+        ({"trainable": "embed_tokens"}, r"trainable is 'embed_tokens'; give a list of regular"),
+        ({"trainable": ["("]}, r"trainable: '\(' is not a regular expression"),
     ],
 )
 def test_bad_configs_are_refused_by_key(setup, tmp_path, change, message):

@@ -14,6 +14,7 @@ global batch.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,13 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (less memory, about a third more compute)."""
+    trainable: list[str] = field(default_factory=list)
+    """Train only the student's parameters whose name (as the model's ``named_parameters`` gives
+    it before parallelisation: ``model.embed_tokens.weight``, ``model.layers.29.mlp.up_proj
+    .weight``, ``lm_head.weight``) matches one of these regular expressions (``re.search``);
+    the rest stay frozen: no gradient, no optimizer state. Empty: every parameter. For
+    tokenizer transfer, ``[embed_tokens, lm_head]`` trains the embeddings alone (a tied head
+    shares them). A pattern no parameter matches is an error."""
     grad_accum: int | None = None
     """Micro-batches per optimizer step per rank. None: ``global_batch_rows / (micro_batch_rows
     * data-parallel ranks)`` (1 when ``global_batch_rows`` is unset too)."""
@@ -161,6 +169,7 @@ class TrainConfig:
                 f"cannot use (ULD sorts each row's whole distribution); use kd: csd or tp = cp "
                 f"= 1."
             )
+        _patterns("trainable", self.trainable)
         for key in ("steps", "micro_batch_rows", "window_shards"):
             _int(key, getattr(self, key), 1)
         _int("prefetch_steps", self.prefetch_steps, 0)
@@ -271,3 +280,19 @@ def _int(key: str, value: Any, minimum: int) -> None:
 def _str(key: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key} is {value!r}; it must be a non-empty string.")
+
+
+def _patterns(key: str, value: Any) -> None:
+    """``value`` must be a list of regular expressions."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(
+            f"{key} is {value!r}; give a list of regular expressions over parameter names "
+            f"(for example [embed_tokens, lm_head]), or [] for every parameter."
+        )
+    for pattern in value:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(
+                f"{key}: {pattern!r} is not a regular expression ({exc}); fix the pattern."
+            ) from exc

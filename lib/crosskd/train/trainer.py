@@ -86,6 +86,7 @@ from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.teachers import load_teachers
+from crosskd.train.trainable import freeze_except
 from crosskd.zoo.models import new_llama
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,14 @@ class Trainer:
                 local_files_only=True,
                 **extra,
             )
+        trained = freeze_except(self.model, cfg.trainable)
+        if cfg.trainable:
+            log.info(
+                "training %.1fM of the student's %.1fM parameters (trainable: %s)",
+                trained / 1e6,
+                sum(p.numel() for p in self.model.parameters()) / 1e6,
+                ", ".join(cfg.trainable),
+            )
         if self.layout.dp_shard == 1:  # FSDP2 moves its shards to the device a layer at a time
             self.model.to(self.device)
         self.model.train()
@@ -320,7 +329,9 @@ class Trainer:
         self.wrapped = self.student.wrapped
         self.vocab = self.student.vocab
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
         )
 
     def _resume(self) -> int:
