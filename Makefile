@@ -6,10 +6,11 @@ STAMP := $(VENV)/.crosskd-installed
 SOURCES := lib tests benchmarks components pipelines
 DEMO_OUT ?= demo-out
 CHAT_OUT ?= chat-demo-out
+TRANSFER_OUT ?= transfer-demo-out
 CONVERSATIONS ?= 240
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv demo chat-demo test bench lint
+.PHONY: venv demo chat-demo transfer-demo test bench lint
 
 venv: $(STAMP)
 
@@ -37,6 +38,13 @@ chat-demo: venv
 		--conversations $(CONVERSATIONS) batch_size=16
 	$(VENV)/bin/crosskd pipeline run-local --preset chat-demo output=$(CHAT_OUT) \
 		train_data=$(abspath $(CHAT_OUT))/conversations.jsonl
+
+# Tokenizer transfer: SmolLM2-135M-Instruct moved onto the Llama-3 tokenizer (the pipeline's
+# init-student step), then distilled from the model it was (CSD), beside a CE-only copy on the
+# same budget (preset transfer).
+transfer-demo: export OMP_NUM_THREADS = $(shell nproc 2>/dev/null || echo 1)
+transfer-demo: venv
+	$(VENV)/bin/crosskd pipeline run-local --preset transfer output=$(TRANSFER_OUT)
 
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile

@@ -159,6 +159,18 @@ def test_pipeline_options_are_refused_by_name(options, message):
         steps.run_config_from_parameters({"output": "o", "train": {"steps": 2}}, options)
 
 
+def test_every_shipped_preset_is_a_valid_run_config():
+    """Each preset's keys build a RunConfig (every training and transplant key checked)."""
+    from crosskd.steps.config import PRESETS
+
+    for name in PRESETS:
+        config = steps.load_run_config(None, name, ["output=o"])
+        assert config.output == "o"
+    transfer = steps.load_run_config(None, "transfer", ["output=o", "transplant.method=mean"])
+    assert transfer.transplant == {"method": "mean"}
+    assert transfer.student == transfer.teachers[0] == "zoo:smollm2"
+
+
 def test_run_config_nests_the_training_keys(tmp_path):
     """``train`` holds TrainConfig keys: ``train.KEY=VALUE`` overrides merge into it at any depth,
     a key left out takes TrainConfig's default, and what the run sets (student, data, output,

@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         config="crosskd.steps.config:RunConfig",
     )
     dist.add_argument("--config", help="YAML file with RunConfig keys")
-    dist.add_argument("--preset", help="a shipped preset to start from: tiny, demo, chat-demo")
+    dist.add_argument(
+        "--preset", help="a shipped preset to start from: tiny, demo, chat-demo, transfer"
+    )
 
     gen = commands.add_parser(
         "generate",

@@ -49,7 +49,7 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
         help="run the whole pipeline here under kfp.local",
         config="crosskd.steps.config:RunConfig",
     )
-    local.add_argument("--preset", help="a shipped run preset: tiny, demo, chat-demo")
+    local.add_argument("--preset", help="a shipped run preset: tiny, demo, chat-demo, transfer")
     local.add_argument("--config", help="YAML file with run keys (crosskd distill's)")
     local.add_argument(
         "--local-root",
