@@ -386,3 +386,19 @@ def test_distill_trains_the_moved_student_and_measures_it_before_and_after(pair,
     assert trained.get_input_embeddings().weight.shape[0] == size
     assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd"}
     assert yaml.safe_load((root / "kd" / "train.yaml").read_text())["student"] == spec["output"]
+
+
+def test_a_model_without_an_input_embedding_table_is_refused_by_name(pair, tmp_path, monkeypatch):
+    """A causal LM whose class has no token embedding (transformers' default
+    ``get_input_embeddings`` raises NotImplementedError) is refused in one line naming it, and
+    nothing is written."""
+
+    def none(self):
+        raise NotImplementedError
+
+    monkeypatch.setattr(LlamaForCausalLM, "get_input_embeddings", none)
+    out = tmp_path / "out"
+    with pytest.raises(CrosskdError, match=r"has no input embedding table") as info:
+        transplant(TransplantConfig(str(pair["old"]), str(pair["new"]), str(out)))
+    assert str(pair["old"]) in str(info.value) and "\n" not in str(info.value)
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
