@@ -19,7 +19,17 @@ the student's CE curve (mean over seeds) in one plot, and the teacher and the un
 for reference. A seed changes the student's initialisation and the data order. Everything is
 written under ``--out`` (``results.json``, ``curves.png``); the table is printed.
 
-    python benchmarks/quality.py [--quick] [--seeds 3] [--steps 100] [--out DIR]
+``--setting transfer`` measures tokenizer transfer instead, on the ``transfer`` preset's data and
+budget (``make transfer-demo``): the student is SmolLM2-135M-Instruct itself moved onto the
+Llama-3 tokenizer (``crosskd.transplant``, the ``tuned`` method: every arm starts from it), the
+teacher is the model it was, and the arms are ``ce``, ``uld``, ``csd-jsd`` and ``csd-fkl``. The
+references are the teacher and both initialisations (``init-mean``: the piece mean;
+``init-tuned``: the piece mean then embedding-only training); a seed changes the data order
+only (the moved student is the same for every seed). The table adds the fraction of the
+init-to-teacher gap each arm closes: ``(init-tuned - arm) / (init-tuned - teacher)``.
+
+    python benchmarks/quality.py [--setting scratch|transfer] [--quick] [--seeds 3]
+        [--steps 100] [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,13 +44,13 @@ from pathlib import Path
 
 from crosskd import steps
 from crosskd.distill import checked_tables, teacher_caches
-from crosskd.steps.config import RunConfig
+from crosskd.steps.config import RunConfig, load_run_config
 from crosskd.steps.train import run_history
 
 ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
     "ce": (32, None),
     "uld": (32, {"kd": "uld", "kd_weight": 1.5, "dynamic_kd_scale": False}),
-    "csd-jsd": (32, {}),
+    "csd-jsd": (32, {"divergence": "jsd"}),  # explicit: the transfer preset sets forward KL
     "csd-fkl": (32, {"divergence": "forward_kl"}),
     "csd-k8": (8, {}),
     "csd-k128": (128, {}),
@@ -65,11 +75,20 @@ QUICK = {
     "seeds": 1,
     "shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
 }
+TRANSFER_ARMS = ("ce", "uld", "csd-jsd", "csd-fkl")
+TRANSFER = {"seeds": 3}  # data and budget: the transfer preset's
+TRANSFER_QUICK = {"seeds": 1, "corpus_bytes": 8_000, "ood_bytes": 3_000, "steps": 2}
 log = logging.getLogger("quality")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--setting",
+        choices=("scratch", "transfer"),
+        default="scratch",
+        help="scratch: a random-init student; transfer: SmolLM2 moved onto Llama-3",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke check: small and short")
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
@@ -78,10 +97,22 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for name in ("crosskd", "httpx", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    out = Path(args.out).resolve()
+    results = (transfer if args.setting == "transfer" else scratch)(args, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "curves.png")
+    print(table(results))
+    print(
+        f"wall time {results['wall_seconds'] / 60:.1f} min; {out / 'results.json'}, "
+        f"{out / 'curves.png'}"
+    )
+
+
+def scratch(args: argparse.Namespace, out: Path) -> dict:
+    """The random-init setting (module docstring); returns the results."""
     size = dict(QUICK if args.quick else FULL)
     seeds = list(range(args.seeds or size["seeds"]))
     n_steps = args.steps or size["steps"]
-    out = Path(args.out).resolve()
     started = time.perf_counter()
     base = RunConfig(
         output=str(out / "work"),
@@ -104,13 +135,7 @@ def main() -> None:
         device="cpu",
     )
     plan = steps.validate_inputs(base)
-    tables = checked_tables(plan, progress=False)
-    prepared = steps.prepare_data(plan, max_length=base.max_length, progress=False)
-    log.info("prepared rows: %s", prepared["rows"])
-    caches = {
-        k: teacher_caches(plan, prepared, {**base.scoring(), "k": k}, 1, progress=False)
-        for k in sorted({k for k, _ in ARMS.values()})
-    }
+    prepared, tables, caches = _inputs(base, plan, sorted({k for k, _ in ARMS.values()}))
     log.info("inputs ready after %.0f s", time.perf_counter() - started)
     results: dict = {
         "arms": {},
@@ -128,62 +153,134 @@ def main() -> None:
         seeded = replace(base, seed=seed)
         seed_plan = steps.validate_inputs(seeded)  # the seed's random-init student
         for arm, (k, loss) in ARMS.items():
-            train = {**base.train, "loss": {**base.train["loss"], **(loss or {})}}
-            config = replace(seeded, k=k, train=train)
-            items = steps.plan_training(
-                config,
+            references = {"student_init": seed_plan["student"]} if arm == "ce" else {}
+            if arm == "ce" and seed == seeds[0]:
+                references["teacher"] = plan["teachers"][0]["ref"]
+            _arm(
+                results,
+                out,
+                seeded,
                 seed_plan,
-                prepared,
-                tables,
-                caches[k],
-                str(out / "runs" / f"{arm}-seed{seed}"),
-            )
-            item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
-            tick = time.perf_counter()
-            run = steps.train(item, executor="inprocess", progress=False)
-            models = {"student": run["model"]}
-            if arm == "ce":
-                models |= {"student_init": seed_plan["student"]}
-                if seed == seeds[0]:
-                    models["teacher"] = plan["teachers"][0]["ref"]
-            evaluation = steps.evaluate_run(
-                prepared,
-                models,
-                str(out / "runs" / f"{arm}-seed{seed}"),
-                token_budget=base.token_budget,
-                device="cpu",
-            )
-            bpb = {"in_domain": evaluation["bits_per_byte"], "ood": evaluation["ood_bits_per_byte"]}
-            history = run_history(run["output"])
-            results["arms"].setdefault(arm, []).append(
-                {
-                    "seed": seed,
-                    "in_domain": bpb["in_domain"]["student"],
-                    "ood": bpb["ood"]["student"],
-                    "ce": [h["ce"] for h in history],
-                    "seconds": time.perf_counter() - tick,
-                }
-            )
-            for name in ("student_init", "teacher"):
-                if name in bpb["in_domain"]:
-                    results["reference"].setdefault(name, []).append(
-                        {"in_domain": bpb["in_domain"][name], "ood": bpb["ood"][name]}
-                    )
-            log.info(
-                "%s seed %d: in-domain %.4f, out-of-domain %.4f (%.0f s)",
+                (prepared, tables, caches[k]),
                 arm,
-                seed,
-                bpb["in_domain"]["student"],
-                bpb["ood"]["student"],
-                time.perf_counter() - tick,
+                k,
+                loss,
+                references,
             )
     results["wall_seconds"] = time.perf_counter() - started
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "curves.png")
-    print(table(results))
-    print(
-        f"wall time {results['wall_seconds'] / 60:.1f} min; {out / 'results.json'}, "
-        f"{out / 'curves.png'}"
+    return results
+
+
+def transfer(args: argparse.Namespace, out: Path) -> dict:
+    """The tokenizer-transfer setting (module docstring); returns the results."""
+    size = dict(TRANSFER_QUICK if args.quick else TRANSFER)
+    started = time.perf_counter()
+    overrides = [f"output={out / 'work'}", "device=cpu"]
+    overrides += [f"{key}={size[key]}" for key in ("corpus_bytes", "ood_bytes") if key in size]
+    if args.steps or "steps" in size:
+        overrides.append(f"train.steps={args.steps or size['steps']}")
+    base = load_run_config(None, "transfer", overrides)
+    seeds = list(range(args.seeds or size["seeds"]))
+    plan = steps.init_student(steps.validate_inputs(base))
+    mean = replace(base, transplant={**base.transplant, "method": "mean"})
+    mean_plan = steps.init_student(steps.validate_inputs(mean))
+    prepared, tables, caches = _inputs(base, plan, [base.k])
+    log.info("inputs ready after %.0f s", time.perf_counter() - started)
+    results: dict = {
+        "setting": "transfer",
+        "arms": {},
+        "reference": {},
+        "gap_from": "init-tuned",
+        "config": {
+            "preset": "transfer",
+            "overrides": overrides,
+            "train": base.train,
+            "transplant": base.transplant,
+            "seeds": seeds,
+            "rows": prepared["rows"],
+        },
+    }
+    for seed in seeds:
+        seeded = replace(base, seed=seed)
+        for arm in TRANSFER_ARMS:
+            references = {}
+            if arm == "ce" and seed == seeds[0]:
+                references = {
+                    "teacher": plan["teachers"][0]["ref"],
+                    "init-mean": mean_plan["student"],
+                    "init-tuned": plan["student"],
+                }
+            k, loss = ARMS[arm]
+            _arm(
+                results, out, seeded, plan, (prepared, tables, caches[k]), arm, k, loss, references
+            )
+    results["wall_seconds"] = time.perf_counter() - started
+    return results
+
+
+def _inputs(
+    base: RunConfig, plan: dict, ks: list[int]
+) -> tuple[dict, list[dict], dict[int, list[dict]]]:
+    """The prepared data, the tables and one teacher cache per K of ``ks``."""
+    tables = checked_tables(plan, progress=False)
+    prepared = steps.prepare_data(plan, **base.preparing(), progress=False)
+    log.info("prepared rows: %s", prepared["rows"])
+    caches = {
+        k: teacher_caches(plan, prepared, {**base.scoring(), "k": k}, 1, progress=False) for k in ks
+    }
+    return prepared, tables, caches
+
+
+def _arm(
+    results: dict,
+    out: Path,
+    config: RunConfig,
+    plan: dict,
+    inputs: tuple[dict, list[dict], list[dict]],
+    arm: str,
+    k: int,
+    loss: dict | None,
+    references: dict[str, str],
+) -> None:
+    """Train and evaluate one arm on one seed (``config.seed``), and the ``references`` (name:
+    model) beside it; appends to ``results``."""
+    prepared, tables, caches = inputs
+    train = {**config.train, "loss": {**config.train.get("loss", {}), **(loss or {})}}
+    config = replace(config, k=k, train=train)
+    folder = str(out / "runs" / f"{arm}-seed{config.seed}")
+    items = steps.plan_training(config, plan, prepared, tables, caches, folder)
+    item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
+    tick = time.perf_counter()
+    run = steps.train(item, executor="inprocess", progress=False)
+    evaluation = steps.evaluate_run(
+        prepared,
+        {"student": run["model"], **references},
+        folder,
+        token_budget=config.token_budget,
+        device="cpu",
+    )
+    bpb = {"in_domain": evaluation["bits_per_byte"], "ood": evaluation["ood_bits_per_byte"]}
+    history = run_history(run["output"])
+    results["arms"].setdefault(arm, []).append(
+        {
+            "seed": config.seed,
+            "in_domain": bpb["in_domain"]["student"],
+            "ood": bpb["ood"]["student"],
+            "ce": [h["ce"] for h in history],
+            "seconds": time.perf_counter() - tick,
+        }
+    )
+    for name in references:
+        results["reference"].setdefault(name, []).append(
+            {"in_domain": bpb["in_domain"][name], "ood": bpb["ood"][name]}
+        )
+    log.info(
+        "%s seed %d: in-domain %.4f, out-of-domain %.4f (%.0f s)",
+        arm,
+        config.seed,
+        bpb["in_domain"]["student"],
+        bpb["ood"]["student"],
+        time.perf_counter() - tick,
     )
 
 
@@ -194,22 +291,29 @@ def _spread(values: list[float]) -> str:
 
 def table(results: dict) -> str:
     """The arms' held-out bits per byte (mean ± sample std over seeds) as a Markdown table,
-    with each CSD/ULD arm's difference from CE-only."""
+    with each CSD/ULD arm's difference from CE-only and, with ``gap_from`` (transfer), the
+    fraction of the gap from that initialisation to the teacher each closes."""
     ce = results["arms"]["ce"]
-    lines = [
-        "| arm | in-domain bits/byte | vs ce | out-of-domain bits/byte | vs ce |",
-        "|---|---|---|---|---|",
-    ]
+    start = results.get("gap_from")
+    gap = f" gap closed from {start} |" if start else ""
+    header = f"| arm | in-domain bits/byte | vs ce |{gap} out-of-domain bits/byte | vs ce |{gap}"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, runs in {**results["reference"], **results["arms"]}.items():
         cells = [name]
         for split in ("in_domain", "ood"):
             values = [r[split] for r in runs]
             cells.append(_spread(values))
-            if name in results["arms"]:
+            arm = name in results["arms"]
+            if arm:
                 diffs = [r[split] - c[split] for r, c in zip(runs, ce, strict=True)]
                 cells.append(f"{statistics.fmean(diffs):+.4f}")
             else:
                 cells.append("")
+            if start:
+                init = results["reference"][start][0][split]
+                teacher = results["reference"]["teacher"][0][split]
+                closed = (init - statistics.fmean(values)) / (init - teacher)
+                cells.append(f"{closed:.0%}" if arm else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
