@@ -125,7 +125,7 @@ def test_a_stopped_run_resumes_to_the_same_bytes(reference, tmp_path, zoo_env):
     assert sorted(_files(out)) == ["part-000000.parquet", "part-000001.parquet"]
     # A kill between writing a shard and its record, and a torn temporary file.
     (out / "_prepare/shards/part-000001.parquet.json").unlink()
-    (out / ".tmp-part-000002.parquet").write_bytes(b"torn")
+    (out / ".part-000002.parquet.tmp").write_bytes(b"torn")
     seen.clear()
     resumed = prepare(_config(data, out), progress=False, on_row=seen.append)
     assert len(seen) == 7  # windows 1, 2 and 3 prepared again; window 0 was kept
@@ -257,3 +257,31 @@ def test_a_killed_process_resumes_to_the_same_bytes(tmp_path, zoo_cache):
         reference = prepare(_config(data, whole, shard_rows=2), progress=False)
     assert len(_files(out)) == 100 and _files(out) == _files(whole)
     assert _comparable(json.loads((out / "manifest.json").read_text())) == _comparable(reference)
+
+
+def test_a_record_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """``write_whole`` (shard records, split markers, run records, shards): a writer killed part
+    way leaves no file at the path (a resume then redoes that shard) instead of a torn record
+    that the resume cannot read; a finished write leaves the whole payload and no temporary."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from crosskd.artifacts import write_whole
+
+    fs = fsspec.filesystem("file")
+    path = f"{tmp_path}/part-000000.parquet.json"
+    write_whole(fs, path, b'{"rows": 3}')
+    assert json.loads(Path(path).read_text()) == {"rows": 3}
+    assert [p.name for p in tmp_path.iterdir()] == ["part-000000.parquet.json"]
+    real = LocalFileSystem.pipe_file
+
+    def killed(self, target, value, **kwargs):
+        real(self, target, value[:3], **kwargs)  # part of the bytes reach the disk, then a kill
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(LocalFileSystem, "pipe_file", killed)
+    second = f"{tmp_path}/part-000001.parquet.json"
+    with pytest.raises(KeyboardInterrupt):
+        write_whole(fs, second, b'{"rows": 4}')
+    assert not Path(second).exists()
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["part-000000.parquet.json"]

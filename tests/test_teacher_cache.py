@@ -208,7 +208,7 @@ def test_interrupted_run_resumes_to_an_identical_cache(
         score(_score_config(prepared, tiny_teacher, partial), progress=False)
     names = {p.rsplit("/", 1)[-1] for p in s3.ls("crosskd-test/cache/resumed")}
     assert "manifest.json" not in names and {"part-000000.parquet", "part-000001.parquet"} <= names
-    assert not any(n.startswith(".tmp-") for n in names)
+    assert not any(n.startswith(".") for n in names)  # no temporary file left
     monkeypatch.setattr(scoring, "_score_shard", real)
     calls.clear()
     resumed = score(_score_config(prepared, tiny_teacher, partial), progress=False)

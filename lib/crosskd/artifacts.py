@@ -100,7 +100,7 @@ def start_run(
             )
         return
     fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    fs.pipe_file(path, json.dumps(run).encode("utf-8"))
+    write_whole(fs, path, json.dumps(run).encode("utf-8"))
 
 
 def _read_run(payload: bytes, where: str, keys: list[str], activity: str) -> dict:
@@ -124,6 +124,17 @@ def _read_run(payload: bytes, where: str, keys: list[str], activity: str) -> dic
             f"version); {advice}"
         )
     return earlier
+
+
+def write_whole(fs: fsspec.AbstractFileSystem, path: str, payload: bytes) -> None:
+    """Write ``payload`` to the file ``path`` on ``fs`` so that a reader finds all of it or no
+    file at all, even when the writer is killed part way: written under a hidden temporary name
+    beside it (``.<name>.tmp``, which no ``*.<suffix>`` glob of the folder matches), then
+    renamed (one rename on a local filesystem; on an object store the write itself is whole)."""
+    folder, name = posixpath.split(path)
+    tmp = f"{folder}/.{name}.tmp"
+    fs.pipe_file(tmp, payload)
+    fs.mv(tmp, path)
 
 
 def move_folder(

@@ -78,7 +78,7 @@ from crosskd.alignment import (
     render_text,
 )
 from crosskd.alignment.own import student_tokens
-from crosskd.artifacts import MANIFEST, start_run
+from crosskd.artifacts import MANIFEST, start_run, write_whole
 from crosskd.data.clipping import clip_text
 from crosskd.data.merge import merge_prepared, splits_done
 from crosskd.data.packing import pack_lockstep
@@ -298,7 +298,8 @@ def prepare_split(
         "windows": windows,
     }
     fs.makedirs(f"{root}/{SPLITS}", exist_ok=True)
-    fs.pipe_file(
+    write_whole(
+        fs,
         f"{root}/{SPLITS}/{config.split_index}-of-{config.split_count}.json",
         json.dumps(marker).encode("utf-8"),
     )
@@ -397,7 +398,7 @@ def _write_window(
         "id_hashes": base64.b64encode(np.array(ids, dtype="<u8").tobytes()).decode("ascii"),
     }
     fs.makedirs(f"{root}/{SHARDS}", exist_ok=True)
-    fs.pipe_file(f"{root}/{SHARDS}/{shard['path']}.json", json.dumps(record).encode("utf-8"))
+    write_whole(fs, f"{root}/{SHARDS}/{shard['path']}.json", json.dumps(record).encode("utf-8"))
 
 
 def batched(items: Iterable, size: int) -> Iterator[tuple]:

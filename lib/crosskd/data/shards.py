@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from crosskd.alignment import SHAPE_1_1, SHAPE_SPECIAL, AlignedSample, Rendered
+from crosskd.artifacts import write_whole
 from crosskd.ranges import footer_record, write_parquet
 
 if TYPE_CHECKING:
@@ -174,9 +175,7 @@ def write_shard(
     n_teachers = len(rows[0]["aligned"])
     table = pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
     payload = write_parquet(table, row_group_size=ROW_GROUP_SAMPLES, write_statistics=["bin"])
-    tmp = f"{root}/.tmp-{name}"
-    fs.pipe_file(tmp, payload)
-    fs.mv(tmp, f"{root}/{name}")
+    write_whole(fs, f"{root}/{name}", payload)
     return {
         "path": name,
         "rows": len(order),

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from crosskd import __version__
-from crosskd.artifacts import start_run
+from crosskd.artifacts import start_run, write_whole
 from crosskd.data.collate import ModelBatch, load_prepared
 from crosskd.errors import CrosskdError
 from crosskd.metrics.steps import ScoringMetrics
@@ -279,9 +279,7 @@ def score_shards(
             started = time.perf_counter()
             signals = _score_shard(teacher, ids, config)
             payload = encode(sample_ids, signals, config.encoding)
-            tmp = f"{root}/.tmp-{shard['path']}"
-            fs.pipe_file(tmp, payload)
-            fs.mv(tmp, path)
+            write_whole(fs, path, payload)
             metrics.samples.inc(len(ids))
             metrics.tokens.inc(sum(len(x) for x in ids))
             metrics.bytes.inc(len(payload))
