@@ -187,13 +187,7 @@ class RunConfig:
                 "transplant is set but student is init; give a pretrained student to move onto "
                 "student_tokenizer, or leave transplant out."
             )
-        known = {f.name for f in fields(TransplantConfig)} - set(TRANSPLANT_SETS)
-        unknown = sorted(set(self.transplant) - known)
-        if unknown:
-            raise ConfigError(
-                f"transplant: unknown key(s) {', '.join(unknown)}; known keys: "
-                f"{', '.join(sorted(known))} (the run sets {', '.join(TRANSPLANT_SETS)} itself)."
-            )
+        _refuse_unknown("transplant", self.transplant, TransplantConfig, TRANSPLANT_SETS)
         try:
             TransplantConfig(model="-", tokenizer="-", output="-", **self.transplant)
         except ConfigError as exc:
@@ -206,13 +200,7 @@ class RunConfig:
             raise ConfigError(
                 f"train is {self.train!r}; give a mapping of TrainConfig keys (steps, lr, ...)."
             )
-        known = {f.name for f in fields(TrainConfig)} - set(RUN_SETS)
-        unknown = sorted(set(self.train) - known)
-        if unknown:
-            raise ConfigError(
-                f"train: unknown key(s) {', '.join(unknown)}; known keys: "
-                f"{', '.join(sorted(known))} (the run sets {', '.join(RUN_SETS)} itself)."
-            )
+        _refuse_unknown("train", self.train, TrainConfig, RUN_SETS)
         loss = self.train.get("loss", {})
         if not isinstance(loss, dict):
             raise ConfigError(f"train.loss is {loss!r}; give a mapping of LossConfig keys.")
@@ -289,6 +277,18 @@ class RunConfig:
         """What changes prepared data besides the inputs: ``max_length``, ``shard_rows``,
         ``pack``."""
         return {"max_length": self.max_length, "shard_rows": self.shard_rows, "pack": self.pack}
+
+
+def _refuse_unknown(key: str, values: dict, cls: type, sets: tuple[str, ...]) -> None:
+    """Refuse a key of the mapping ``values`` (the RunConfig's ``key``) that is not a field of
+    ``cls`` or that the run sets itself (``sets``), naming it and the known keys."""
+    known = {f.name for f in fields(cls)} - set(sets)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"{key}: unknown key(s) {', '.join(unknown)}; known keys: "
+            f"{', '.join(sorted(known))} (the run sets {', '.join(sets)} itself)."
+        )
 
 
 def run_config_from_parameters(parameters: dict[str, Any], options: dict[str, Any]) -> RunConfig:
