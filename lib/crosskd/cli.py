@@ -95,23 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--limit", type=int, default=None, help="use at most this many rows")
     pair.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    prep = commands.add_parser(
+    commands.add_parser(
         "prepare",
         help="clip, align and lockstep-pack data into Parquet shards + manifest",
         config="crosskd.data.prepare:PrepareConfig",
     )
-    prep.add_argument("--config", help="YAML file with PrepareConfig keys")
     merge = commands.add_parser(
         "prepare-merge", help="write the manifest of prepared data from its splits' shards"
     )
     merge.add_argument("output", help="the prepare output folder or URI")
 
-    sc = commands.add_parser(
+    commands.add_parser(
         "score",
         help="write the teacher's top-K signal of prepared data to a cache (local/S3)",
         config="crosskd.teacher.scoring:ScoreConfig",
     )
-    sc.add_argument("--config", help="YAML file with ScoreConfig keys")
 
     tr = commands.add_parser(
         "train",
@@ -119,7 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
         "restarted run resumes from its last checkpoint",
         config="crosskd.train.config:TrainConfig",
     )
-    tr.add_argument("--config", help="YAML file with TrainConfig keys")
     tr.add_argument(
         "--nproc-per-node",
         type=int,
@@ -130,38 +127,34 @@ def build_parser() -> argparse.ArgumentParser:
         "process",
     )
 
-    ev = commands.add_parser(
+    commands.add_parser(
         "evaluate",
         help="held-out bits per byte of models and teachers on prepared data",
         config="crosskd.evaluate:EvaluateConfig",
     )
-    ev.add_argument("--config", help="YAML file with EvaluateConfig keys")
 
     dist = commands.add_parser(
         "distill",
         help="the whole run: tables, prepare, score, train, evaluate, report",
         config="crosskd.steps.config:RunConfig",
     )
-    dist.add_argument("--config", help="YAML file with RunConfig keys")
     dist.add_argument(
         "--preset", help="a shipped preset to start from: tiny, demo, chat-demo, transfer"
     )
 
-    gen = commands.add_parser(
+    commands.add_parser(
         "generate",
         help="a conversation set: an instruct model's sampled answers to prompts "
         "(JSONL; a rerun resumes)",
         config="crosskd.generate:GenerateConfig",
     )
-    gen.add_argument("--config", help="YAML file with GenerateConfig keys")
 
-    move = commands.add_parser(
+    commands.add_parser(
         "transplant",
         help="move a pretrained model onto another tokenizer (its new embeddings made from the "
         "old ones through the sub-token tables), the student of tokenizer transfer",
         config="crosskd.transplant:TransplantConfig",
     )
-    move.add_argument("--config", help="YAML file with TransplantConfig keys")
 
     dashboards = commands.add_parser(
         "dashboards", help="write the Grafana dashboards (training, teacher scoring) as JSON"

@@ -280,14 +280,17 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """An argument parser that adds a config class's options (:func:`add_config_options`) when
-    it first parses: ``config="crosskd.data.prepare:PrepareConfig"`` (``module:Class``). So
+    """An argument parser for a command with a config class, ``config="crosskd.data.prepare:
+    PrepareConfig"`` (``module:Class``): ``--config FILE`` (a YAML file of the class's keys)
+    at once, and the class's options (:func:`add_config_options`) when it first parses. So
     building ``crosskd``'s whole parser imports no config module (some import torch), and a
     command imports only its own."""
 
     def __init__(self, *args: Any, config: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._config = config
+        if config is not None:
+            self.add_argument("--config", help=f"YAML file with {config.partition(':')[2]} keys")
 
     def parse_known_args(
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None

@@ -68,7 +68,6 @@ def _add_render(actions: argparse._SubParsersAction) -> None:
         help="print or write the PyTorchJob YAML of a config",
         config="crosskd.k8s.job:JobConfig",
     )
-    render.add_argument("--config", help="YAML file with JobConfig keys")
     render.add_argument("--output", help="write the YAML here instead of stdout")
     render.add_argument(
         "--train-config",
@@ -98,7 +97,6 @@ def _add_submit(actions: argparse._SubParsersAction) -> None:
         "cluster), else 'default'.",
         config="crosskd.k8s.job:JobConfig",
     )
-    sub.add_argument("--config", help="YAML file with JobConfig keys")
     sub.add_argument(
         "--wait-timeout",
         type=float,

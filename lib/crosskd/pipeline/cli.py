@@ -50,7 +50,6 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
         config="crosskd.steps.config:RunConfig",
     )
     local.add_argument("--preset", help="a shipped run preset: tiny, demo, chat-demo, transfer")
-    local.add_argument("--config", help="YAML file with run keys (crosskd distill's)")
     local.add_argument(
         "--local-root",
         help="kfp.local's own files (default: <output>/kfp-local for a local output)",
