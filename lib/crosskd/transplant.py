@@ -85,13 +85,15 @@ class TransplantConfig:
     ``machine:licences`` (``heldout_bytes`` of this machine's licence texts) or text rows
     (JSONL, Parquet, a ``datasets`` folder; their ``text`` column). None: no measurement."""
     heldout_bytes: int = 12_000
-    """Size of the ``machine:licences`` text (UTF-8 bytes)."""
+    """Size of the held-out text (UTF-8 bytes): of ``machine:licences``, or the first rows of
+    a dataset until this many bytes are read."""
     tune_data: str = STDLIB_TEXTS
     """``tuned``: the text the embeddings are trained on: ``machine:stdlib`` (``tune_bytes`` of
     this machine's Python standard-library sources, docstrings and translations) or text rows
     (JSONL, Parquet, a ``datasets`` folder)."""
     tune_bytes: int = 200_000
-    """Size of the ``machine:stdlib`` text (UTF-8 bytes)."""
+    """Size of the tuning text (UTF-8 bytes): of ``machine:stdlib``, or the first rows of a
+    dataset until this many bytes are read (the tuning draws its windows from these)."""
     tune_steps: int = 25
     """``tuned``: optimizer steps (AdamW, no weight decay, constant learning rate). 25 measured
     best on SmolLM2-135M moved onto Llama-3 (``docs/benchmarks.md``): more steps on the tuning
@@ -260,13 +262,14 @@ def check_template_specials(tokenizer: LoadedTokenizer, ref: str) -> None:
 def corpus_texts(reference: str, target_bytes: int, key: str) -> list[str]:
     """The documents of ``reference`` (the value of config key ``key``): ``machine:licences``
     or ``machine:stdlib`` (about ``target_bytes`` of this machine's licence texts or Python
-    standard-library text), or the ``text`` of every row of a dataset; a row without text (a
-    conversation) is a :class:`DataError` naming it."""
+    standard-library text), or the ``text`` of a dataset's first rows until ``target_bytes``
+    are read (a large dataset is never read whole); a row without text (a conversation) is a
+    :class:`DataError` naming it."""
     if reference == LICENCE_TEXTS:
         return licence_documents(target_bytes)
     if reference == STDLIB_TEXTS:
         return benchmark_corpus(target_bytes)
-    texts = []
+    texts, read = [], 0
     for record in read_records(reference):
         if record.text is None:
             raise DataError(
@@ -274,6 +277,9 @@ def corpus_texts(reference: str, target_bytes: int, key: str) -> list[str]:
                 f"give text rows (a text column)."
             )
         texts.append(record.text)
+        read += len(record.text.encode("utf-8"))
+        if read >= target_bytes:
+            break
     return texts
 
 

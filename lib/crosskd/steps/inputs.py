@@ -22,23 +22,18 @@ from typing import Any
 import fsspec
 import torch
 
-from crosskd.alignment.corpus import (
-    LICENCE_TEXTS,
-    STDLIB_TEXTS,
-    benchmark_corpus,
-    licence_documents,
-)
+from crosskd.alignment.corpus import benchmark_corpus, licence_documents
 from crosskd.data.prepare import PrepareConfig
 from crosskd.data.records import read_records
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.parallel.attention import layer_windows, refuse_state_mixers
 from crosskd.parallel.layout import ParallelLayout
 from crosskd.steps.config import EXECUTORS, INIT, LICENCES, STDLIB, RunConfig
-from crosskd.steps.locations import content_uri, data_fingerprint, exists, materialize
+from crosskd.steps.locations import content_uri, exists, materialize
 from crosskd.teacher.model import model_folder
 from crosskd.teacher.scoring import ScoreConfig
 from crosskd.tokenization import load_tokenizer
-from crosskd.transplant import METHODS, check_template_specials
+from crosskd.transplant import TransplantConfig, check_template_specials, corpus_texts
 from crosskd.zoo import train_tiny_bpe
 from crosskd.zoo.models import init_llama
 
@@ -172,15 +167,13 @@ def _transplant_plan(
     """The :class:`crosskd.transplant.TransplantConfig` keys that move ``student`` onto
     ``tokenizer`` (fingerprint ``fingerprint``): ``config.transplant``, ``tune_data`` the
     training rows unless it names its own, and ``output`` a URI keyed by the student reference
-    and its ``config.json``, the tokenizer, the keys and (when tuning) the tuning text."""
+    and its ``config.json``, the tokenizer, the keys and (when tuning) a digest of the text it
+    tunes on (the first ``tune_bytes`` of ``tune_data``: a large dataset is not read whole)."""
     values = {"tune_data": train_data, **(config.transplant or {})}
-    tune_data = values["tune_data"]
-    if values.get("method") != METHODS[1]:
-        text = None
-    elif tune_data in (STDLIB_TEXTS, LICENCE_TEXTS):
-        text = tune_data  # this machine's text, by name
-    else:
-        text = data_fingerprint(tune_data)
+    move = TransplantConfig(model=student, tokenizer=tokenizer, output="-", **values)
+    text = None
+    if move.method == "tuned":  # the text it tunes on: at most tune_bytes of tune_data
+        text = _text_digest(corpus_texts(move.tune_data, move.tune_bytes, "transplant.tune_data"))
     config_json = (model_folder(student, role="student") / "config.json").read_bytes()
     key = {
         "student": student,
