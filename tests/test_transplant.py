@@ -397,3 +397,16 @@ def test_a_model_without_an_input_embedding_table_is_refused_by_name(pair, tmp_p
         transplant(TransplantConfig(str(pair["old"]), str(pair["new"]), str(out)))
     assert str(pair["old"]) in str(info.value) and "\n" not in str(info.value)
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_a_dataset_is_read_only_up_to_the_bytes_asked_for(tmp_path):
+    """``corpus_texts`` on rows: whole rows in order until ``target_bytes`` are read (the
+    row that reaches it included), never the rest of a large dataset."""
+    from crosskd.transplant import corpus_texts
+
+    rows = tmp_path / "rows.jsonl"
+    texts = [f"row {i} " + "é" * 10 for i in range(100)]  # 26 UTF-8 bytes each (é is 2)
+    rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert corpus_texts(str(rows), 52, "tune_data") == texts[:2]
+    assert corpus_texts(str(rows), 53, "tune_data") == texts[:3]
+    assert corpus_texts(str(rows), 10**6, "tune_data") == texts
