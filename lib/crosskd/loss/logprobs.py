@@ -12,6 +12,12 @@ temperature ``tau``: ``logits[row] / tau - logsumexp(logits[row] / tau)``, over 
 of the output layer, in float32 whatever the logits' dtype (float64 stays float64). The full
 ``[rows, V]`` log-softmax is never materialised: the log-normaliser is computed in blocks of
 rows, and the gradient is written block by block.
+
+Given an :class:`~crosskd.output_layer.OutputLayer` (the last hidden states and the head's
+weight and bias) in place of logits, the same operation runs fused with the output layer: each
+block's logits are computed from its hidden states, used and dropped, and computed again in the
+backward pass, which writes the gradients of the hidden states, the weight and the bias. The
+``rows x V`` logits never exist; the values and gradients are those of the head's logits.
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from crosskd.output_layer import OutputLayer
 from crosskd.transfer import to_device
+
+HEAD_BLOCK_ENTRIES = 1 << 24
+"""Logits per block of the fused output layer (``block x V``; 64 MiB in float32): a block has
+``min(block_rows, HEAD_BLOCK_ENTRIES // V)`` rows (at least 16)."""
 
 
 class StudentLogProbs(Protocol):
@@ -46,8 +58,9 @@ class StudentLogProbs(Protocol):
 @dataclass
 class LocalLogProbs:
     """:class:`StudentLogProbs` over logits ``[R, V]`` held by this process (flatten ``[B, L,
-    V]`` first). ``block_rows``: rows per block of the row-wise passes (bounds the float32
-    temporary to ``block_rows x V``).
+    V]`` first), or over an :class:`~crosskd.output_layer.OutputLayer` ``[R, H]`` (fused: the
+    logits are computed a block at a time). ``block_rows``: rows per block of the row-wise
+    passes (bounds the float32 temporary to ``block_rows x V``).
 
     :meth:`log_prob` is one fused autograd operation: the forward pass computes the
     log-normaliser of every row in blocks and gathers the requested logits; the backward pass
@@ -58,20 +71,19 @@ class LocalLogProbs:
     each call is a pass over the logits.
     """
 
-    logits: Tensor
+    logits: Tensor | OutputLayer
     tau: float = 1.0
     block_rows: int = 1024
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The arithmetic dtype: float64 for float64 logits, else float32."""
-        return torch.float64 if self.logits.dtype == torch.float64 else torch.float32
 
     def log_normalizer(self, rows: np.ndarray) -> Tensor:
         """``logsumexp(logits[row] / tau)`` for ``rows`` (int64 ``[M]``, numpy;
         differentiable)."""
+        if isinstance(self.logits, OutputLayer):
+            empty = np.zeros(0, dtype=np.int64)
+            normalizer, _ = row_pieces(self.logits, empty, empty, None, self.tau, self.block_rows)
+            return normalizer[to_device(rows, self.logits.device)]
         rows = to_device(rows, self.logits.device)
-        return torch.logsumexp(_scaled(self.logits[rows], self.tau, self.dtype), dim=-1)
+        return torch.logsumexp(_scaled(self.logits[rows], self.tau, _arith(self.logits)), dim=-1)
 
     def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` (int64 ``[M]``, numpy) at temperature
@@ -81,7 +93,7 @@ class LocalLogProbs:
 
 
 def row_pieces(
-    logits: Tensor,
+    logits: Tensor | OutputLayer,
     rows: np.ndarray,
     ids: np.ndarray,
     owned: np.ndarray | None,
@@ -90,9 +102,12 @@ def row_pieces(
 ) -> tuple[Tensor, Tensor]:
     """The two pieces every log probability is made of, as one fused autograd operation.
 
-    ``logits`` ``[R, V]`` (any float dtype); ``rows`` / ``ids`` int64 ``[M]`` and ``owned`` bool
-    ``[M]`` or None (all), numpy: which pairs these logits hold (a shard holds some rows and
-    some ids; ``rows`` must lie in ``[0, R)`` and ``ids`` in ``[0, V)`` where owned).
+    ``logits`` ``[R, V]`` (any float dtype), or an :class:`~crosskd.output_layer.OutputLayer`
+    ``[R, H]`` whose logits are computed a block at a time (fused; see the module docstring;
+    its blocks have at most ``HEAD_BLOCK_ENTRIES // V`` rows); ``rows`` / ``ids`` int64
+    ``[M]`` and ``owned`` bool ``[M]`` or None (all), numpy: which pairs these logits hold (a
+    shard holds some rows and some ids; ``rows`` must lie in ``[0, R)`` and ``ids`` in
+    ``[0, V)`` where owned).
     Returns ``logsumexp(logits / tau)`` of every row (float ``[R]``) and ``logits[rows, ids] /
     tau`` (float ``[M]``, 0 where not owned), on the logits' device. The forward pass reads the
     logits in blocks of ``block`` rows; the backward pass writes ``softmax * g_normalizer /
@@ -108,6 +123,22 @@ def row_pieces(
     per_block = np.bincount(kept_rows // block, minlength=-(-n_rows // block))
     bounds = (0, *np.cumsum(per_block).tolist())
     device = logits.device
+    if isinstance(logits, OutputLayer):
+        block = _head_block(block, logits.shape[-1])
+        per_block = np.bincount(kept_rows // block, minlength=-(-n_rows // block))
+        return _HeadPieces.apply(
+            logits.hidden,
+            logits.weight,
+            logits.bias,
+            logits.compute_dtype,
+            to_device(kept_rows, device),
+            to_device(ids if kept is None else ids[kept], device),
+            None if kept is None else to_device(kept, device),
+            len(rows),
+            (0, *np.cumsum(per_block).tolist()),
+            tau,
+            block,
+        )
     return _RowPieces.apply(
         logits,
         to_device(kept_rows, device),
@@ -118,6 +149,16 @@ def row_pieces(
         tau,
         block,
     )
+
+
+def _head_block(block: int, vocab: int) -> int:
+    """Rows per block of the fused output layer over ``vocab`` logits per row."""
+    return max(16, min(block, HEAD_BLOCK_ENTRIES // max(vocab, 1)))
+
+
+def _arith(logits: Tensor) -> torch.dtype:
+    """The arithmetic dtype of ``logits``: float64 for float64, else float32."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
@@ -135,7 +176,7 @@ class _RowPieces(torch.autograd.Function):
     def forward(
         ctx, logits, rows, ids, kept, size: int, bounds: tuple[int, ...], tau: float, block: int
     ):
-        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        dtype = _arith(logits)
         normalizer = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         for start in range(0, logits.shape[0], block):
             chunk = _scaled(logits[start : start + block], tau, dtype)
@@ -173,6 +214,92 @@ class _RowPieces(torch.autograd.Function):
             chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
             out[start:stop] = chunk
         return out, None, None, None, None, None, None, None
+
+
+class _HeadPieces(torch.autograd.Function):
+    """:func:`row_pieces` fused with the output layer ``logits = hidden @ weight.T + bias``
+    (``hidden`` ``[R, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or None; the product in
+    ``compute_dtype``, else the operands' dtype): the forward pass computes each block's
+    logits, its log-normalisers and its pairs' logits; the backward pass computes the block's
+    logits again and from the logits' gradient (as :class:`_RowPieces` writes it) adds the
+    block's share of the three gradients. ``rows`` / ``ids`` / ``kept`` / ``size`` / ``bounds``
+    as in :class:`_RowPieces`; the pairs are sorted by row here."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        compute_dtype,
+        rows,
+        ids,
+        kept,
+        size: int,
+        bounds: tuple[int, ...],
+        tau: float,
+        block: int,
+    ):
+        layer = OutputLayer(hidden, weight, bias, compute_dtype)
+        w, b = layer.operands()
+        dtype = _arith(w)
+        normalizer = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+        order = torch.argsort(rows, stable=True)
+        rows, ids = rows[order], ids[order]
+        place = order if kept is None else kept[order]
+        picked = torch.zeros(size, dtype=dtype, device=hidden.device)
+        for i, start in enumerate(range(0, hidden.shape[0], block)):
+            chunk = _scaled(F.linear(hidden[start : start + block].to(w.dtype), w, b), tau, dtype)
+            normalizer[start : start + block] = torch.logsumexp(chunk, dim=-1)
+            lo, hi = bounds[i], bounds[i + 1]
+            picked[place[lo:hi]] = chunk[rows[lo:hi] - start, ids[lo:hi]]
+        ctx.save_for_backward(hidden, weight, bias, normalizer, rows, ids, place)
+        ctx.compute_dtype, ctx.bounds, ctx.tau, ctx.block = compute_dtype, bounds, tau, block
+        return normalizer, picked
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_normalizer, g_picked):
+        hidden, weight, bias, normalizer, rows, ids, place = ctx.saved_tensors
+        bounds, tau, block = ctx.bounds, ctx.tau, ctx.block
+        w, b = OutputLayer(hidden, weight, bias, ctx.compute_dtype).operands()
+        dtype = normalizer.dtype
+        per_row = (
+            torch.zeros_like(normalizer) if g_normalizer is None else g_normalizer.to(dtype) / tau
+        )
+        grad = (
+            torch.zeros(len(rows), dtype=dtype, device=hidden.device)
+            if g_picked is None
+            else g_picked.to(dtype)[place] / tau
+        )
+        g_hidden = torch.empty(hidden.shape, dtype=w.dtype, device=hidden.device)
+        g_weight = torch.zeros(weight.shape, dtype=dtype, device=hidden.device)
+        g_bias = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+        for i, start in enumerate(range(0, hidden.shape[0], block)):
+            stop = min(start + block, hidden.shape[0])
+            h = hidden[start:stop].to(w.dtype)
+            chunk = _scaled(F.linear(h, w, b), tau, dtype)
+            chunk = torch.exp(chunk - normalizer[start:stop, None]).mul_(per_row[start:stop, None])
+            lo, hi = bounds[i], bounds[i + 1]
+            chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
+            g_logits = chunk.to(w.dtype)
+            g_hidden[start:stop] = g_logits @ w
+            g_weight += (g_logits.T @ h).to(dtype)
+            if g_bias is not None:
+                g_bias += chunk.sum(0)
+        return (
+            g_hidden.to(hidden.dtype),
+            g_weight.to(weight.dtype),
+            None if g_bias is None else g_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def segment_sum(values: Tensor, segments: Tensor, count: int) -> Tensor:

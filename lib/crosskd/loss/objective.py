@@ -45,6 +45,7 @@ from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize, term
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
+from crosskd.output_layer import OutputLayer
 from crosskd.tables import TablePair
 from crosskd.teacher.signal import TeacherSignal
 from crosskd.transfer import to_device
@@ -369,23 +370,31 @@ def _uld_terms(
 
 
 def compute_loss(
-    student_logits: Tensor,
+    student_logits: Tensor | OutputLayer,
     plan: LossPlan,
     config: LossConfig,
     counts: StepCounts | None = None,
     reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> LossOutput:
     """The loss of one micro-batch from the student's logits ``[B, L_s, V_S]`` (any float dtype;
-    arithmetic in float32). ``counts``: the step's totals (default: this micro-batch's own).
+    arithmetic in float32), or from its :class:`~crosskd.output_layer.OutputLayer` (hidden
+    states ``[B, L_s, H]`` and the head: fused, the logits are computed a block of rows at a
+    time and never exist whole; the same values and gradients). ``counts``: the step's
+    totals (default: this micro-batch's own).
     ``reduce``: under data parallelism, sums a float64 vector over the ranks (so ``kd_scale``
     and the reported values are complete); each rank then holds its share of the loss."""
-    if student_logits.dim() != 3 or student_logits.shape[1] != plan.width:
+    shape = tuple(student_logits.shape)
+    if len(shape) != 3 or shape[1] != plan.width:
         raise DataError(
-            f"student logits have shape {tuple(student_logits.shape)}; the plan was made for "
-            f"[B, {plan.width}, V]. Pass the logits of the batch the plan was made from."
+            f"student logits have shape {shape}; the plan was made for [B, {plan.width}, V]. "
+            f"Pass the logits of the batch the plan was made from."
         )
     counts = plan.counts if counts is None else counts
-    flat = student_logits.reshape(-1, student_logits.shape[-1])
+    flat = (
+        student_logits.flatten()
+        if isinstance(student_logits, OutputLayer)
+        else student_logits.reshape(-1, shape[-1])
+    )
     plain: StudentLogProbs = LocalLogProbs(flat, tau=1.0)
     tempered: StudentLogProbs = plain if config.tau == 1 else LocalLogProbs(flat, tau=config.tau)
     ownership = None
@@ -482,6 +491,12 @@ def _uld_loss(
 ) -> LossOutput:
     """:func:`loss_from_logprobs` under ``kd: uld``: CE as always, each teacher's ULD sum over
     its pairs divided by the step's pairs (this process's logits hold whole rows)."""
+    if isinstance(tempered, LocalLogProbs) and isinstance(tempered.logits, OutputLayer):
+        raise ConfigError(
+            "loss.kd is 'uld', which sorts every paired row's whole distribution and so needs "
+            "the student's logits, not the fused output layer; pass the logits (the trainer "
+            "does so under kd: uld)."
+        )
     if not isinstance(tempered, LocalLogProbs) or not own.ce.all():
         raise ConfigError(
             "loss.kd is 'uld', which the sharded (sequence- or vocabulary-parallel) loss does "

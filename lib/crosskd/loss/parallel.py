@@ -51,6 +51,7 @@ from crosskd.loss.objective import (
     StepCounts,
     loss_from_logprobs,
 )
+from crosskd.output_layer import OutputLayer
 from crosskd.transfer import to_device
 
 
@@ -156,11 +157,12 @@ def reduce_counts(
 @dataclass
 class ShardedLogProbs:
     """:class:`~crosskd.loss.logprobs.StudentLogProbs` over this rank's logits ``[B, L / cp,
-    V / tp]``. Rows are the flat rows ``b * L + position`` of the whole rows (``width`` = L);
-    every rank of the model-parallel group must ask for the same pairs, and every rank gets all
-    of them back."""
+    V / tp]`` (or its :class:`~crosskd.output_layer.OutputLayer`: hidden states ``[B, L / cp,
+    H]`` and the head's vocabulary slice, fused). Rows are the flat rows ``b * L + position``
+    of the whole rows (``width`` = L); every rank of the model-parallel group must ask for the
+    same pairs, and every rank gets all of them back."""
 
-    logits: Tensor
+    logits: Tensor | OutputLayer
     mesh: LossGroups
     width: int
     tau: float = 1.0
@@ -184,7 +186,11 @@ class ShardedLogProbs:
             )
         self.window = window
         self.vocab_start = self.mesh.tp_rank * vocab
-        self.flat = self.logits.reshape(-1, vocab)
+        self.flat = (
+            self.logits.flatten()
+            if isinstance(self.logits, OutputLayer)
+            else self.logits.reshape(-1, vocab)
+        )
 
     def _local(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Which of ``rows`` (numpy) lie in this rank's window (bool), and the flat row of this
@@ -256,9 +262,14 @@ def ownership(plan: LossPlan, mesh: LossGroups) -> Ownership:
 
 
 def sharded_loss(
-    logits: Tensor, plan: LossPlan, config: LossConfig, counts: StepCounts, mesh: LossGroups
+    logits: Tensor | OutputLayer,
+    plan: LossPlan,
+    config: LossConfig,
+    counts: StepCounts,
+    mesh: LossGroups,
 ) -> LossOutput:
-    """One micro-batch's loss on this rank from its logits ``[B, L / cp, V / tp]`` (the plan
+    """One micro-batch's loss on this rank from its logits ``[B, L / cp, V / tp]`` or its
+    :class:`~crosskd.output_layer.OutputLayer` (fused: the logits never exist; the plan
     of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's
     ``loss``; the reported values are complete and identical on every rank."""
     if config.kd != "csd":
