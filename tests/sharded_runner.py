@@ -32,6 +32,7 @@ from crosskd.loss.parallel import (
     reduce_counts,
     sharded_loss,
 )
+from crosskd.output_layer import OutputLayer
 
 
 @dataclass
@@ -39,7 +40,8 @@ class RankResult:
     """What one rank reported: ``grad`` of its logits slice, ``metrics``, ``kd_scale``, its
     ``share`` of the loss, ``bytes`` moved by its collectives, ``normalizers`` (the sharded
     log-normaliser at temperature 1 of every row of its data-parallel shard), and its
-    coordinates."""
+    coordinates; run fused, ``grad`` is that of its hidden states and ``head_grads`` holds
+    those of its weight and bias slices."""
 
     grad: torch.Tensor
     metrics: dict[str, float]
@@ -50,6 +52,7 @@ class RankResult:
     dp: int
     cp: int
     tp: int
+    head_grads: dict[str, torch.Tensor] | None = None
 
 
 def run_layout(
@@ -58,16 +61,21 @@ def run_layout(
     plans: list[LossPlan],
     config: LossConfig,
     work: Path,
+    head: OutputLayer | None = None,
 ) -> list[RankResult]:
     """Run one micro-batch under ``layout``. ``logits`` ``[B, L, V]`` of all rows; ``plans``:
-    one per data-parallel shard, shard ``d`` holding rows ``d * B / dp`` on."""
+    one per data-parallel shard, shard ``d`` holding rows ``d * B / dp`` on. ``head``: run
+    fused instead, each rank taking its rows and window of the hidden states ``[B, L, H]``
+    and its vocabulary slice of the weight and bias (``logits`` gives only the shape)."""
     world = layout.dp * layout.cp * layout.tp
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = multiprocessing.get_context("fork")
     procs = [
-        ctx.Process(target=_worker, args=(rank, world, port, layout, logits, plans, config, work))
+        ctx.Process(
+            target=_worker, args=(rank, world, port, layout, logits, plans, config, work, head)
+        )
         for rank in range(world)
     ]
     for proc in procs:
@@ -82,21 +90,22 @@ def run_layout(
     results = []
     for rank in range(world):
         info = json.loads((work / f"rank-{rank}.json").read_text())
-        grad = load_file(str(work / f"grad-{rank}.safetensors"))["grad"]
-        results.append(RankResult(grad=grad, **info))
+        grads = load_file(str(work / f"grad-{rank}.safetensors"))
+        grad = grads.pop("grad")
+        results.append(RankResult(grad=grad, head_grads=grads or None, **info))
     return results
 
 
-def _worker(rank, world, port, layout, logits, plans, config, work) -> None:
+def _worker(rank, world, port, layout, logits, plans, config, work, head) -> None:
     try:
-        _run_rank(rank, world, port, layout, logits, plans, config, Path(work))
+        _run_rank(rank, world, port, layout, logits, plans, config, Path(work), head)
     except BaseException:
         (Path(work) / f"error-{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)
     os._exit(0)
 
 
-def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> None:
+def _run_rank(rank, world, port, layout, logits, plans, config, work: Path, head) -> None:
     torch.set_num_threads(1)
     moved = [0]
     original = dist.all_reduce
@@ -114,15 +123,18 @@ def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> N
         n_b, width, vocab = logits.shape
         rows = n_b // layout.dp
         window, part = width // layout.cp, vocab // layout.tp
-        local = (
-            logits[
-                mesh.dp_rank * rows : (mesh.dp_rank + 1) * rows,
-                mesh.cp_rank * window : (mesh.cp_rank + 1) * window,
-                mesh.tp_rank * part : (mesh.tp_rank + 1) * part,
-            ]
-            .clone()
-            .requires_grad_(True)
+        mine = (
+            slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows),
+            slice(mesh.cp_rank * window, (mesh.cp_rank + 1) * window),
+            slice(mesh.tp_rank * part, (mesh.tp_rank + 1) * part),
         )
+        local = logits[mine].clone().requires_grad_(True)
+        if head is not None:
+            local = OutputLayer(
+                head.hidden[mine[:2]].clone().requires_grad_(True),
+                head.weight[mine[2]].clone().requires_grad_(True),
+                None if head.bias is None else head.bias[mine[2]].clone().requires_grad_(True),
+            )
         plan = plans[mesh.dp_rank]
         moved[0] = 0  # count from here: one step of the loss
         counts = reduce_counts(plan.counts, mesh)
@@ -130,8 +142,18 @@ def _run_rank(rank, world, port, layout, logits, plans, config, work: Path) -> N
         out.loss.backward()
         step_bytes = moved[0]
         everything = np.arange(rows * width)
-        normalizers = ShardedLogProbs(local.detach(), mesh, width).log_normalizer(everything)
-        save_file({"grad": local.grad.contiguous()}, str(work / f"grad-{rank}.safetensors"))
+        if head is None:
+            detached, grads = local.detach(), {"grad": local.grad}
+        else:
+            parts = (local.hidden, local.weight, local.bias)
+            detached = OutputLayer(*(None if t is None else t.detach() for t in parts))
+            grads = {"grad": local.hidden.grad, "weight": local.weight.grad}
+            if local.bias is not None:
+                grads["bias"] = local.bias.grad
+        normalizers = ShardedLogProbs(detached, mesh, width).log_normalizer(everything)
+        save_file(
+            {k: v.contiguous() for k, v in grads.items()}, str(work / f"grad-{rank}.safetensors")
+        )
         info = {
             "metrics": out.metrics,
             "normalizers": normalizers.tolist(),

@@ -15,6 +15,7 @@ from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss
 from crosskd.loss.metrics import sum_keys
 from crosskd.loss.parallel import LossGroups, ParallelConfig, ShardedLogProbs, ownership
+from crosskd.output_layer import OutputLayer
 from crosskd.teacher import signal_from_logits
 
 LAYOUTS = {
@@ -82,7 +83,9 @@ def _single(case, config, signal, rows=slice(None)):
     return out, logits.grad
 
 
-def _check_same(results, single, grad, layout, shape):
+def _check_same(results, single, grad, layout, shape, assembled=None):
+    """Every rank's complete metrics and kd_scale are one process's, the shares add up to its
+    loss, and the gradient (``assembled``, else assembled from the ranks' slices) is its."""
     for r in results:
         assert r.kd_scale == results[0].kd_scale  # identical on every rank
         assert r.metrics.keys() == single.metrics.keys()
@@ -90,7 +93,7 @@ def _check_same(results, single, grad, layout, shape):
             assert r.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
     assert results[0].kd_scale == pytest.approx(single.kd_scale, rel=1e-9)
     assert sum(r.share for r in results) == pytest.approx(single.loss.item(), rel=1e-6)
-    got = assemble(results, layout, shape)
+    got = assemble(results, layout, shape) if assembled is None else assembled
     torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
 
 
@@ -112,6 +115,50 @@ def test_every_layout_equals_one_process(cases, pair, name, tmp_path):
     results = run_layout(layout, logits, plans, config, tmp_path)
     _check_same(results, single, grad, layout, logits.shape)
     normalizers = torch.logsumexp(logits, dim=-1)
+    for r in results:
+        want = normalizers[r.dp * rows : (r.dp + 1) * rows].flatten()
+        torch.testing.assert_close(torch.tensor(r.normalizers, dtype=torch.float64), want)
+
+
+@pytest.mark.parametrize("name", ["tp2xcp2", "dp2xtp2"])
+def test_fused_layouts_equal_one_process_on_the_logits(cases, name, tmp_path):
+    """The loss fused with the output layer on four ranks (each its rows, window and
+    vocabulary slice of the head) against one process on the head's whole logits: the same
+    metrics, loss shares and normalisers, and the gradients of the hidden states (summed over
+    the vocabulary slices, as the head's all-reduce does), the weight and the bias (summed over
+    the rows and windows)."""
+    case, layout = cases("llama3-qwen3"), LAYOUTS[name]
+    config, signal = _config(), cases("llama3-qwen3").signal(64)
+    n_b, width, vocab = case.student_logits.shape
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(n_b, width, 8, dtype=torch.float64, generator=gen)
+    weight = torch.randn(vocab, 8, dtype=torch.float64, generator=gen)
+    bias = torch.randn(vocab, dtype=torch.float64, generator=gen)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    single = compute_loss(
+        torch.nn.functional.linear(*leaves), plan_rows(case, signal, config), config
+    )
+    single.loss.backward()
+    rows = n_b // layout.dp
+    plans = [
+        plan_rows(case, signal, config, slice(d * rows, (d + 1) * rows)) for d in range(layout.dp)
+    ]
+    head = OutputLayer(hidden, weight, bias)
+    results = run_layout(layout, case.student_logits, plans, config, tmp_path, head=head)
+    got = {"hidden": torch.zeros_like(hidden), "weight": torch.zeros_like(weight)}
+    got["bias"] = torch.zeros_like(bias)
+    window, part = width // layout.cp, vocab // layout.tp
+    for r in results:
+        got["hidden"][r.dp * rows : (r.dp + 1) * rows, r.cp * window : (r.cp + 1) * window] += (
+            r.grad
+        )
+        for key in ("weight", "bias"):
+            got[key][r.tp * part : (r.tp + 1) * part] += r.head_grads[key]
+    _check_same(results, single, leaves[0].grad, ParallelConfig(), None, assembled=got["hidden"])
+    for key, leaf in zip(("weight", "bias"), leaves[1:], strict=True):
+        want = leaf.grad
+        torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    normalizers = torch.logsumexp(torch.nn.functional.linear(hidden, weight, bias), dim=-1)
     for r in results:
         want = normalizers[r.dp * rows : (r.dp + 1) * rows].flatten()
         torch.testing.assert_close(torch.tensor(r.normalizers, dtype=torch.float64), want)

@@ -285,7 +285,7 @@ def test_the_trainer_packs_a_mistral_student_exactly_and_refuses_an_lfm2_one(
     assert max(len(s["student_ids"]) for row in rows for s in row) > 4
     batch = collate(rows, n_teachers=1).models["student"]
     with torch.no_grad():
-        logits = trainer._forward(batch)
+        logits = trainer._forward(batch).whole_logits()  # the fused head's, whole
         for r, row in enumerate(rows):
             start = 0
             for sample in row:
@@ -344,7 +344,7 @@ def test_an_lfm2_student_trains_on_rows_of_one_sample(train_inputs, tmp_path):
     assert all(len(row) == 1 for row in rows)
     batch = collate(rows, n_teachers=1).models["student"]
     with torch.no_grad():
-        logits = trainer._forward(batch)
+        logits = trainer._forward(batch).whole_logits()  # the fused head's, whole
         for r, (sample,) in enumerate(rows):
             ids = torch.tensor(sample["student_ids"])[None]
             alone = trainer.model(input_ids=ids, use_cache=False).logits[0]

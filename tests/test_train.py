@@ -14,6 +14,7 @@ import shutil
 import signal
 import time
 import urllib.request
+from dataclasses import replace
 
 import pytest
 import torch
@@ -272,7 +273,13 @@ def test_a_nan_loss_stops_the_run_naming_step_and_term(setup, tmp_path, monkeypa
     trainer.setup()
     trainer.train(stop_after=2)
     real = trainer._forward
-    monkeypatch.setattr(trainer, "_forward", lambda student: real(student) * float("nan"))
+    assert trainer.head is not None  # fused: the forward pass hands over the head's input
+
+    def poisoned(student):
+        layer = real(student)
+        return replace(layer, hidden=layer.hidden * float("nan"))
+
+    monkeypatch.setattr(trainer, "_forward", poisoned)
     with pytest.raises(TrainingError, match=r"step 3: the loss term is nan"):
         trainer.train_step(2)
     assert math.isnan(trainer.exporter.loss._value.get())  # what the alert reads

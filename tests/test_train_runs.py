@@ -54,11 +54,13 @@ def test_a_packed_row_computes_what_each_sample_alone_does(train_inputs, tmp_pat
     # float32 on CPU; bf16 autocast on GPU rounds packed and lone forwards differently.
     tolerance = 1e-5 if trainer.device.type == "cpu" else 5e-2
     with torch.no_grad():
-        logits = trainer._forward(batch)
+        logits = trainer._forward(batch).whole_logits()
         for r, row in enumerate(rows):
             start = 0
             for sample in row:
-                alone = trainer._forward(collate([[sample]], n_teachers=1).models["student"])
+                alone = trainer._forward(
+                    collate([[sample]], n_teachers=1).models["student"]
+                ).whole_logits()
                 n = len(sample["student_ids"])
                 assert (logits[r, start : start + n] - alone[0, :n]).abs().max() < tolerance
                 start += n
@@ -175,7 +177,7 @@ def test_two_teachers_at_tau_2_match_the_slow_reference(train_inputs, tmp_path):
     packed, where = trainer.read_rows(micro)
     batch = collate(packed, n_teachers=2)
     with torch.no_grad():
-        logits = trainer._forward(batch.models["student"]).double()
+        logits = trainer._forward(batch.models["student"]).whole_logits().double()
     student_ids = batch.models["student"].input_ids
     want_kd = 0.0
     for i, weight in enumerate((1.0, 0.5)):
@@ -228,7 +230,9 @@ def test_a_same_tokenizer_teacher_trains_on_emoji_text(train_inputs, tmp_path):
     assert any(ch in s["text"] for row in rows for s in row for ch in "🎉🙂🚀👍")
     batch = collate(rows, n_teachers=1)
     with torch.no_grad():
-        log_s = torch.log_softmax(trainer._forward(batch.models["student"]).double(), -1)
+        log_s = torch.log_softmax(
+            trainer._forward(batch.models["student"]).whole_logits().double(), -1
+        )
     signal = trainer.teachers.sources[0].signal(batch, 0, where)
     ids = batch.models["student"].input_ids
     segments = batch.models["student"].segment_ids

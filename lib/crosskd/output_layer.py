@@ -31,7 +31,8 @@ class OutputLayer:
     """The inputs of a linear output layer: ``hidden`` ``[..., H]``, ``weight`` ``[V, H]`` (a
     vocabulary slice ``[V / tp, H]`` under vocabulary parallelism), ``bias`` ``[V]`` or None;
     ``compute_dtype``: the dtype the head's matrix product runs in (None: the operands' own,
-    as without autocast). The logits it stands for are ``[..., V]``."""
+    as without autocast). The logits it stands for are ``[..., V]``
+    (:meth:`whole_logits`)."""
 
     hidden: Tensor
     weight: Tensor
@@ -63,6 +64,12 @@ class OutputLayer:
         bias = None if self.bias is None else self.bias.to(self.dtype)
         return self.weight.to(self.dtype), bias
 
+    def whole_logits(self) -> Tensor:
+        """All the logits ``[..., V]`` at once (``rows x V`` of them: for checks and small
+        batches; the fused loss never calls it)."""
+        weight, bias = self.operands()
+        return F.linear(self.hidden.to(self.dtype), weight, bias)
+
     def logits(self, start: int, stop: int) -> Tensor:
         """The logits ``[stop - start, V]`` of flat rows ``[start, stop)`` (of a ``[R, H]``
         layer; :meth:`flatten` first), in :attr:`dtype`, as the head computes them."""
@@ -93,14 +100,14 @@ class OutputHead(nn.Module):
         return hidden
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """Logits ``[..., V]``; inside :meth:`capture`, zero-width logits ``[..., 0]`` (the
-        input is recorded instead)."""
+        """Logits ``[..., V]``; inside :meth:`capture`, zero-width logits ``[..., 0]`` of the
+        dtype the logits would have (the input is recorded instead)."""
         hidden = self.prepare(hidden)
         if self._captured is None:
             return F.linear(hidden, self.weight, self.bias)
         layer = OutputLayer(hidden, self.weight, self.bias, autocast_dtype(hidden.device))
         self._captured.append(layer)
-        return hidden[..., :0]
+        return hidden[..., :0].to(layer.dtype)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[OutputLayer]]:
@@ -144,10 +151,13 @@ def head_output_unchanged(model: nn.Module) -> str | None:
     seen: list[Tensor] = []
     handle = head.register_forward_hook(lambda _module, _args, out: seen.append(out))
     device = head.weight.device
+    training = model.training
+    model.eval()  # no dropout: the probe draws nothing from the random generators
     try:
         logits = model(input_ids=torch.tensor([[0, 1]], device=device), use_cache=False).logits
     finally:
         handle.remove()
+        model.train(training)
     if len(seen) != 1 or seen[0].shape != logits.shape or not torch.equal(seen[0], logits):
         return (
             f"{type(model).__name__} changes its output head's logits before returning them "

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from crosskd.errors import ConfigError
+from crosskd.output_layer import OutputHead
 from crosskd.parallel.context import enable_context_parallel
 from crosskd.parallel.mesh import ParallelMesh
 
@@ -101,22 +102,23 @@ class VocabParallelEmbedding(nn.Module):
         return _ReduceForward.apply(out, self.group)
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(OutputHead):
     """An output head holding vocabulary rows ``[start, start + rows)``: ``[B, L, H]`` hidden
     states -> ``[B, L, rows]`` logits; the gradient of the hidden states is summed over
-    ``group`` (the ``tp`` ranks)."""
+    ``group`` (the ``tp`` ranks). Inside :meth:`~crosskd.output_layer.OutputHead.capture` it
+    hands over its slice as an :class:`~crosskd.output_layer.OutputLayer` instead."""
 
     def __init__(
         self, weight: nn.Parameter, bias: nn.Parameter | None, start: int, group: dist.ProcessGroup
     ) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
+        super().__init__(weight, bias)
         self.start = start
         self.group = group
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        return F.linear(_ReduceBackward.apply(hidden, self.group), self.weight, self.bias)
+    def prepare(self, hidden: Tensor) -> Tensor:
+        """The hidden states, their gradient summed over the ``tp`` ranks in the backward
+        pass."""
+        return _ReduceBackward.apply(hidden, self.group)
 
 
 @dataclass(frozen=True)
@@ -381,7 +383,7 @@ def _vocab_parallel(model: nn.Module, mesh: ParallelMesh, vocab: int | None) -> 
     parameters' names."""
     tp = mesh.layout.tp
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if type(head) is not nn.Linear or type(embedding) is not nn.Embedding:
+    if type(head) not in (nn.Linear, OutputHead) or type(embedding) is not nn.Embedding:
         raise ConfigError(
             f"parallel.tp replaces the student's input embedding and output head by vocabulary "
             f"slices, which needs a plain nn.Embedding and nn.Linear head; "

@@ -74,6 +74,13 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (less memory, about a third more compute)."""
+    fused_head: bool = True
+    """Compute the loss from the student's last hidden states and its output head, a block of
+    rows at a time (the ``rows x V`` logits never exist; the same values and gradients; the
+    backward pass computes each block's logits again). Used where that is exact: a plain
+    linear head whose logits the model returns unchanged and ``loss.kd: csd``; elsewhere
+    (Gemma 2's soft-capped logits, ULD) the trainer takes the logits and logs why. false:
+    always the logits."""
     trainable: list[str] = field(default_factory=list)
     """Train only the student's parameters whose name (as the model's ``named_parameters`` gives
     it before parallelisation: ``model.embed_tokens.weight``, ``model.layers.29.mlp.up_proj

@@ -42,7 +42,7 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,6 +69,7 @@ from crosskd.loss.metrics import add_sums, summarize
 from crosskd.loss.objective import ReportLayout, term_names
 from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
+from crosskd.output_layer import OutputHead, OutputLayer, head_output_unchanged, use_output_head
 from crosskd.parallel.attention import layer_windows, packed_inputs, refuse_state_mixers
 from crosskd.parallel.mesh import build_parallel_mesh
 from crosskd.parallel.parallelize import Lockstep, parallelize, state_bytes
@@ -303,6 +304,7 @@ class Trainer:
             )
         if self.layout.dp_shard == 1:  # FSDP2 moves its shards to the device a layer at a time
             self.model.to(self.device)
+        fused = self._fused_head()
         self.model.train()
         self.attention = self.model.config._attn_implementation
         # Rows of one sample get the model's own masks; packed rows and cp windows get ours.
@@ -328,11 +330,30 @@ class Trainer:
         )
         self.wrapped = self.student.wrapped
         self.vocab = self.student.vocab
+        # under tp the head is now its vocabulary slice (an OutputHead too)
+        self.head: OutputHead | None = self.model.get_output_embeddings() if fused else None
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
         )
+
+    def _fused_head(self) -> bool:
+        """Whether the loss is fused with the student's output head (``fused_head``, where that
+        is exact); if so, the head is now an :class:`~crosskd.output_layer.OutputHead`. Logs
+        why not otherwise."""
+        if not self.config.fused_head:
+            return False
+        why = (
+            f"loss.kd is {self.config.loss.kd!r}, which needs whole logits"
+            if self.config.loss.kd != "csd"
+            else head_output_unchanged(self.model)
+        )
+        if why is not None:
+            log.info("the loss takes the student's logits, not its fused output head: %s", why)
+            return False
+        use_output_head(self.model)
+        return True
 
     def _resume(self) -> int:
         """Rank 0 decides the step to resume from (its latest complete checkpoint) and
@@ -579,7 +600,7 @@ class Trainer:
             sums = add_sums(sums, more)
         return totals, scale, sums
 
-    def _loss(self, logits: torch.Tensor, plan: LossPlan, counts: StepCounts):
+    def _loss(self, logits: torch.Tensor | OutputLayer, plan: LossPlan, counts: StepCounts):
         """This rank's share of a micro-batch's loss (the sharded loss where the logits are a
         slice of the vocabulary or of the positions)."""
         if self.mesh.loss is not None:
@@ -588,10 +609,11 @@ class Trainer:
             logits, plan, self.config.loss, counts, reduce=self._reduce if self.world > 1 else None
         )
 
-    def _forward(self, student) -> torch.Tensor:
-        """Logits ``[B, L / cp, V / tp]`` of the student's side of a batch: the call every
-        training step makes (packed rows, the attention inputs of the model's implementation,
-        no cache)."""
+    def _forward(self, student) -> torch.Tensor | OutputLayer:
+        """Logits ``[B, L / cp, V / tp]`` of the student's side of a batch, or with the fused
+        head the :class:`~crosskd.output_layer.OutputLayer` that stands for them (hidden states
+        ``[B, L / cp, H]`` and the head's weight): the call every training step makes (packed
+        rows, the attention inputs of the model's implementation, no cache)."""
         window = None
         if self.layout.cp > 1:  # this rank's window of positions (crosskd.parallel.context)
             width = student.input_ids.shape[1] // self.layout.cp
@@ -607,11 +629,17 @@ class Trainer:
             self.device,
             packed=self.packed,
         )
+        rows = student.input_ids.shape[0]
         with torch.autocast(
             self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None
         ):
-            logits = self.wrapped(use_cache=False, **inputs).logits
-        return logits.reshape(student.input_ids.shape[0], -1, logits.shape[-1])
+            if self.head is None:
+                logits = self.wrapped(use_cache=False, **inputs).logits
+                return logits.reshape(rows, -1, logits.shape[-1])
+            with self.head.capture() as captured:
+                self.wrapped(use_cache=False, **inputs)
+        (layer,) = captured
+        return replace(layer, hidden=layer.hidden.reshape(rows, -1, layer.hidden.shape[-1]))
 
     def heldout_bits_per_byte(self) -> float:
         """The student's bits per byte on ``eval_data`` (each rank scores every world-th
