@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from crosskd.alignment.corpus import benchmark_corpus
@@ -16,7 +17,8 @@ from crosskd.data.collate import Batch, collate, load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.loss import LossConfig, LossPlan, TeacherBatch, TeacherLossConfig, plan_loss
 from crosskd.tables import TablePair, build_table
-from crosskd.teacher import TeacherSignal
+from crosskd.teacher import TeacherSignal, signal_from_logits
+from crosskd.teacher.storage import batch_signal, signal_samples
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 BIAS = 8.0
@@ -99,6 +101,26 @@ def teacher_logits(teacher_ids: torch.Tensor, vocab: int, gen: torch.Generator) 
     return logits
 
 
+def sample_signal(
+    batch: Batch, vocab: int, k: int, gen: torch.Generator, tau: float = 1.0
+) -> TeacherSignal:
+    """A top-K teacher signal at ``tau`` of the batch's teacher rows from :func:`teacher_logits`,
+    computed sample by sample as the scorer does, so that only one sample's logits exist at a
+    time (long rows: ``rows x L_t x V_T`` logits would not fit), laid out as the batch's rows."""
+    side = batch.models["teacher0"]
+    ids, segments = side.input_ids.numpy(), side.segment_ids.numpy()
+    rows = []
+    for b in range(len(ids)):
+        row = []
+        for segment in np.unique(segments[b][segments[b] >= 0]).tolist():
+            sequence = torch.from_numpy(ids[b][segments[b] == segment])[None]
+            logits = teacher_logits(sequence, vocab, gen)
+            signal = signal_from_logits(logits, sequence, k=k, tau=tau)
+            row += signal_samples(signal, [sequence.shape[1]])
+        rows.append(row)
+    return batch_signal(rows, ids.shape[1], k=k, tau=tau, vocab_size=vocab)
+
+
 def zoo_pair(student: str, teacher: str) -> tuple[LoadedTokenizer, LoadedTokenizer, TablePair]:
     """Two zoo tokenizers and the table pair between them (built in memory)."""
     s_tok, t_tok = load_tokenizer(f"zoo:{student}"), load_tokenizer(f"zoo:{teacher}")
@@ -109,18 +131,24 @@ def zoo_pair(student: str, teacher: str) -> tuple[LoadedTokenizer, LoadedTokeniz
 
 
 def csd_plan(
-    batch: Batch, signal: TeacherSignal, pair: TablePair, k: int, student_vocab: int
+    batch: Batch,
+    signal: TeacherSignal,
+    pair: TablePair,
+    k: int,
+    student_vocab: int,
+    tau: float = 1.0,
 ) -> tuple[LossConfig, LossPlan]:
-    """The default loss config (one cross-tokenizer teacher at top-K ``k``) and the plan of
-    ``batch`` with teacher ``signal``."""
+    """The default loss config (one cross-tokenizer teacher at top-K ``k``, temperature
+    ``tau``) and the plan of ``batch`` with teacher ``signal``."""
     config = LossConfig(
+        tau=tau,
         teachers=[
             TeacherLossConfig(
                 k=k,
                 student_to_teacher="s2t",
                 teacher_to_student="t2s",
             )
-        ]
+        ],
     )
     teacher = TeacherBatch(batch.models["teacher0"].input_ids, batch.chunks[0], signal)
     plan = plan_loss(

@@ -27,6 +27,26 @@ memory of ``ce``.
 
     python benchmarks/loss.py [--repeat 3] [--rows 4] [--length 512]
 
+``--fused``: the loss fused with the output layer against the same loss on the head's logits.
+The student's head is a random ``[V, H]`` weight at the hidden size of a real model of that
+vocabulary (SmolLM2-135M: V = 49,152, H = 576; Llama-3.2-1B: 128,256, 2,048; Qwen2.5-0.5B:
+151,936, 896; the last against a Llama-3 teacher); hidden states ``[B, L, H]`` are the leaf.
+Timed, each forward + backward to the gradients of the hidden states and the weight:
+
+* ``linear+ce``: ``F.linear`` then ``F.cross_entropy`` (the baseline: torch's CE on the full
+  logits);
+* ``linear+csd``: ``F.linear`` then :func:`crosskd.loss.compute_loss` (CE + CSD at K = 32, the
+  unfused path);
+* ``fused csd``: :func:`crosskd.loss.compute_loss` on a :class:`crosskd.output_layer.OutputLayer`
+  (the logits never exist), at tau 1 and (``tau=2``: CE and KD at two temperatures, two passes
+  over the head) at tau 2.
+
+Peak memory is measured as above: on top of the inputs, so it includes the weight's gradient
+(``V x H`` floats, printed as ``dW MB``) in every row. Goals: ``fused csd`` peak memory at most
+0.2x and time at most 1.2x ``linear+ce``.
+
+    python benchmarks/loss.py --fused [--repeat 3] [--rows 4] [--length 512]
+
 Zoo tokenizers are built into ``$CROSSKD_CACHE_DIR`` (default ``~/.cache/crosskd``).
 """
 
@@ -39,12 +59,13 @@ import time
 from pathlib import Path
 
 import torch
-from inputs import csd_plan, measure, real_batch, teacher_logits, zoo_pair
+from inputs import csd_plan, measure, real_batch, sample_signal, teacher_logits, zoo_pair
 
 from crosskd.loss import (
     LocalLogProbs,
     compute_loss,
 )
+from crosskd.output_layer import OutputLayer
 from crosskd.teacher import signal_from_logits
 
 GOAL_TIME, GOAL_MEMORY = 1.5, 1.3
@@ -133,14 +154,107 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     return results
 
 
+FUSED_STUDENTS = (("smollm2", "qwen3", 576), ("llama3", "qwen3", 2048), ("qwen3", "llama3", 896))
+FUSED_K = 32
+GOAL_FUSED_TIME, GOAL_FUSED_MEMORY = 1.2, 0.2
+
+
+def _run_fused(
+    name: str, teacher: str, hidden_size: int, args: argparse.Namespace, work: Path
+) -> list[dict]:
+    student, teacher_tok, pair = zoo_pair(name, teacher)
+    batch = real_batch(name, teacher, args.rows, args.length, work)
+    s_ids = batch.models["student"].input_ids
+    gen = torch.Generator().manual_seed(0)
+    vocab = student.vocab_size
+    hidden = torch.randn(*s_ids.shape, hidden_size, generator=gen).requires_grad_(True)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).requires_grad_()
+    mask = batch.loss_mask
+    targets = torch.where(mask[:, 1:], s_ids[:, 1:], -100)
+    signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, gen)
+    config, plan = csd_plan(batch, signal, pair, FUSED_K, vocab)
+    hot_signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, gen, tau=2.0)
+    hot, hot_plan = csd_plan(batch, hot_signal, pair, FUSED_K, vocab, tau=2.0)
+
+    def clear() -> None:
+        hidden.grad = weight.grad = None
+
+    def ce_step() -> None:
+        logits = torch.nn.functional.linear(hidden, weight)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100
+        )
+        loss.backward()
+        clear()
+
+    def csd_step() -> None:
+        compute_loss(torch.nn.functional.linear(hidden, weight), plan, config).loss.backward()
+        clear()
+
+    def fused_step(plan=plan, config=config) -> None:
+        compute_loss(OutputLayer(hidden, weight), plan, config).loss.backward()
+        clear()
+
+    steps = [
+        ("linear+ce", ce_step),
+        ("linear+csd", csd_step),
+        ("fused csd", fused_step),
+        ("fused csd tau=2", lambda: fused_step(hot_plan, hot)),
+    ]
+    results = []
+    for loss, step in steps:
+        seconds, peak = measure(step, args.repeat)
+        results.append({"student": name, "loss": loss, "seconds": seconds, "peak": peak})
+    shape = f"{tuple(s_ids.shape)} V={vocab} H={hidden_size}"
+    for row in results:
+        row["shape"] = shape
+        row["weight_grad"] = vocab * hidden_size * 4
+        row["time_ratio"] = row["seconds"] / results[0]["seconds"]
+        row["memory_ratio"] = row["peak"] / results[0]["peak"]
+    return results
+
+
+def _fused_main(args: argparse.Namespace) -> None:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, teacher, hidden_size in FUSED_STUDENTS:
+            if args.students and name not in args.students:
+                continue
+            results += _run_fused(name, teacher, hidden_size, args, Path(tmp))
+    print(
+        f"{'student':8} {'shape':34} {'loss':16} {'s':>8} {'x CE':>6} {'peak MB':>8} "
+        f"{'x CE':>6} {'dW MB':>6}"
+    )
+    met = True
+    for r in results:
+        if r["loss"].startswith("fused"):
+            met &= r["time_ratio"] <= GOAL_FUSED_TIME and r["memory_ratio"] <= GOAL_FUSED_MEMORY
+        print(
+            f"{r['student']:8} {r['shape']:34} {r['loss']:16} {r['seconds']:8.3f} "
+            f"{r['time_ratio']:6.2f} {r['peak'] / 2**20:8.0f} {r['memory_ratio']:6.2f} "
+            f"{r['weight_grad'] / 2**20:6.0f}"
+        )
+    print(
+        f"goal: fused csd <= {GOAL_FUSED_TIME}x the time and <= {GOAL_FUSED_MEMORY}x the peak "
+        f"memory of linear+ce: {'met' if met else 'NOT met'}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--fused", action="store_true", help="the fused output layer")
+    parser.add_argument(
+        "--students", nargs="*", default=None, help="--fused: only these zoo students"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
+    if args.fused:
+        _fused_main(args)
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in STUDENTS:

@@ -68,7 +68,7 @@ def blocks(monkeypatch):
     several blocks, the last one short)."""
 
     def set_rows(rows: int, vocab: int) -> None:
-        monkeypatch.setattr(logprobs, "HEAD_BLOCK_ENTRIES", rows * vocab)
+        monkeypatch.setattr(logprobs, "HEAD_BLOCK_ENTRIES", {"cpu": rows * vocab})
 
     return set_rows
 

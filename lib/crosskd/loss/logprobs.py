@@ -33,9 +33,10 @@ from torch import Tensor
 from crosskd.output_layer import OutputLayer
 from crosskd.transfer import to_device
 
-HEAD_BLOCK_ENTRIES = 1 << 24
-"""Logits per block of the fused output layer (``block x V``; 64 MiB in float32): a block has
-``min(block_rows, HEAD_BLOCK_ENTRIES // V)`` rows (at least 16)."""
+HEAD_BLOCK_ENTRIES = {"cpu": 1 << 22, "cuda": 1 << 25}
+"""Logits per block of the fused output layer by device type (``block x V`` floats: 16 MiB on
+the CPU, 128 MiB on a GPU, where larger products run closer to peak; other devices as CUDA): a
+block has ``min(block_rows, entries // V)`` rows (at least 16)."""
 
 
 class StudentLogProbs(Protocol):
@@ -104,7 +105,7 @@ def row_pieces(
 
     ``logits`` ``[R, V]`` (any float dtype), or an :class:`~crosskd.output_layer.OutputLayer`
     ``[R, H]`` whose logits are computed a block at a time (fused; see the module docstring;
-    its blocks have at most ``HEAD_BLOCK_ENTRIES // V`` rows); ``rows`` / ``ids`` int64
+    its blocks have at most ``HEAD_BLOCK_ENTRIES[device] // V`` rows); ``rows`` / ``ids`` int64
     ``[M]`` and ``owned`` bool ``[M]`` or None (all), numpy: which pairs these logits hold (a
     shard holds some rows and some ids; ``rows`` must lie in ``[0, R)`` and ``ids`` in
     ``[0, V)`` where owned).
@@ -124,7 +125,7 @@ def row_pieces(
     bounds = (0, *np.cumsum(per_block).tolist())
     device = logits.device
     if isinstance(logits, OutputLayer):
-        block = _head_block(block, logits.shape[-1])
+        block = _head_block(block, logits.shape[-1], device)
         per_block = np.bincount(kept_rows // block, minlength=-(-n_rows // block))
         return _HeadPieces.apply(
             logits.hidden,
@@ -151,9 +152,10 @@ def row_pieces(
     )
 
 
-def _head_block(block: int, vocab: int) -> int:
-    """Rows per block of the fused output layer over ``vocab`` logits per row."""
-    return max(16, min(block, HEAD_BLOCK_ENTRIES // max(vocab, 1)))
+def _head_block(block: int, vocab: int, device: torch.device) -> int:
+    """Rows per block of the fused output layer over ``vocab`` logits per row on ``device``."""
+    entries = HEAD_BLOCK_ENTRIES.get(device.type) or HEAD_BLOCK_ENTRIES["cuda"]
+    return max(16, min(block, entries // max(vocab, 1)))
 
 
 def _arith(logits: Tensor) -> torch.dtype:
@@ -278,13 +280,17 @@ class _HeadPieces(torch.autograd.Function):
         for i, start in enumerate(range(0, hidden.shape[0], block)):
             stop = min(start + block, hidden.shape[0])
             h = hidden[start:stop].to(w.dtype)
-            chunk = _scaled(F.linear(h, w, b), tau, dtype)
-            chunk = torch.exp(chunk - normalizer[start:stop, None]).mul_(per_row[start:stop, None])
+            # the block's logits are this function's own: the gradient is written over them
+            chunk = _scaled(F.linear(h, w, b), tau, dtype).to(dtype)
+            chunk.sub_(normalizer[start:stop, None]).exp_().mul_(per_row[start:stop, None])
             lo, hi = bounds[i], bounds[i + 1]
             chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
             g_logits = chunk.to(w.dtype)
             g_hidden[start:stop] = g_logits @ w
-            g_weight += (g_logits.T @ h).to(dtype)
+            if g_logits.dtype == dtype:
+                g_weight.addmm_(g_logits.T, h)  # no V x H temporary
+            else:  # a bf16 product, summed over the blocks in float32
+                g_weight += g_logits.T @ h
             if g_bias is not None:
                 g_bias += chunk.sum(0)
         return (
