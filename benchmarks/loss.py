@@ -38,8 +38,8 @@ Timed, each forward + backward to the gradients of the hidden states and the wei
 * ``linear+csd``: ``F.linear`` then :func:`crosskd.loss.compute_loss` (CE + CSD at K = 32, the
   unfused path);
 * ``fused csd``: :func:`crosskd.loss.compute_loss` on a :class:`crosskd.output_layer.OutputLayer`
-  (the logits never exist), at tau 1 and (``tau=2``: CE and KD at two temperatures, two passes
-  over the head) at tau 2.
+  (the logits never exist), at tau 1 and (``tau=2``) at tau 2 (CE at 1 and KD at 2 in the
+  same pass over the head).
 
 Peak memory is measured as above: on top of the inputs, so it includes the weight's gradient
 (``V x H`` floats, printed as ``dW MB``) in every row. Goals: ``fused csd`` peak memory at most

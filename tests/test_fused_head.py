@@ -101,7 +101,8 @@ def _same(results, rtol: float = 1e-5) -> None:
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_fused_csd_loss_equals_the_loss_on_the_logits(cases, blocks, pair_id, divergence):
     """Cross-tokenizer CSD over every chunk shape of real pairs in blocks of 24 rows: tau = 2
-    (CE and KD in two passes) with a dynamic kd_scale for JSD, tau = 1 (one pass) otherwise."""
+    (CE and KD at two temperatures in one pass) with a dynamic kd_scale for JSD, tau = 1
+    otherwise."""
     case = cases[pair_id]
     blocks(24, case.student_logits.shape[-1])
     tau = 2.0 if divergence == "jsd" else 1.0

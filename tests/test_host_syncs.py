@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_flatten
 from train_inputs import train_config
 
 from crosskd.loss import LossConfig, TeacherLossConfig
-from crosskd.loss.logprobs import row_pieces
+from crosskd.loss.logprobs import Requests, row_pieces
+from crosskd.output_layer import OutputLayer
 from crosskd.train import Trainer
 
 Tensor = torch.Tensor
@@ -276,7 +277,7 @@ def test_the_log_prob_pass_reads_nothing_back():
     owned = np.array([True, True, True, False, False, True, True, True])
     weights = torch.arange(8.0)
     with HostReads([logits]) as counter:
-        normalizer, picked = row_pieces(logits, rows, ids, owned, 2.0, 2)
+        normalizer, picked = row_pieces(logits, Requests.of([(rows, ids, 2.0)]), owned, 2)
         (normalizer.sum() + (picked * weights).sum()).backward()
     assert counter.reads == []
     scaled = logits.detach() / 2.0
@@ -287,3 +288,20 @@ def test_the_log_prob_pass_reads_nothing_back():
         if owned[k]:
             expected[row, token] += weights[k] / 2.0
     assert torch.allclose(logits.grad, expected, atol=1e-6)
+
+
+def test_the_fused_log_prob_pass_at_two_temperatures_reads_nothing_back():
+    """The same through the output layer (hidden states ``[40, 3]``, a ``[7, 3]`` head with a
+    bias, blocks of 16 rows), CE at tau 1 and KD at tau 2 in one pass: no host read."""
+    hidden = torch.randn(40, 3, requires_grad=True)
+    weight = torch.randn(7, 3, requires_grad=True)
+    bias = torch.randn(7, requires_grad=True)
+    rows, ids = np.array([0, 39, 17, 17]), np.array([2, 6, 0, 0])
+    pairs = Requests.of([(rows[:2], ids[:2], 1.0), (rows[2:], ids[2:], 2.0)])
+    with HostReads([hidden, weight, bias]) as counter:
+        normalizer, picked = row_pieces(OutputLayer(hidden, weight, bias), pairs, None, 16)
+        (normalizer.sum() + picked.sum()).backward()
+    assert counter.reads == []
+    logits = torch.nn.functional.linear(hidden, weight, bias).detach()
+    assert torch.allclose(normalizer[1], torch.logsumexp(logits / 2.0, -1), atol=1e-6)
+    assert torch.isclose(picked[2], logits[17, 0] / 2.0)

@@ -72,7 +72,7 @@ def _crossing_width(case) -> int:
 
 
 def _config():
-    # tau != 1 (CE and KD take separate passes), dynamic kd_scale (pitfall 1).
+    # tau != 1 (CE and KD at two temperatures in one pass), dynamic kd_scale (pitfall 1).
     return loss_config(64, dynamic_kd_scale=True, max_kd_scale=50.0)
 
 

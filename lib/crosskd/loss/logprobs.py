@@ -3,7 +3,7 @@
 The CSD loss only ever needs ``log p(id | row)`` for a set of (row, id) pairs: the realized
 tokens of a chunk and its alternative events. :class:`StudentLogProbs` is that interface;
 :class:`LocalLogProbs` implements it for logits held by one process. A vocabulary-parallel or
-sequence-parallel version implements the same two methods (log-normaliser from all-reduced max
+sequence-parallel version implements the same methods (log-normaliser from all-reduced max
 and sum of exponentials; ids gathered from the rank that owns them), so the chunk logic never
 changes with the layout.
 
@@ -22,6 +22,7 @@ backward pass, which writes the gradients of the hidden states, the weight and t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +40,10 @@ the CPU, 128 MiB on a GPU, where larger products run closer to peak; other devic
 block has ``min(block_rows, entries // V)`` rows (at least 16)."""
 
 
+Request = tuple[np.ndarray, np.ndarray, float]
+"""Pairs ``(rows, ids)`` (int64 ``[M]`` each, numpy) and the temperature to price them at."""
+
+
 class StudentLogProbs(Protocol):
     """``log p(id | row)`` at the loss temperature, for many (row, id) pairs at once. The pairs
     are data the host knows before the forward pass (the loss plan's numpy arrays), so they are
@@ -50,26 +55,63 @@ class StudentLogProbs(Protocol):
         the logits' device."""
         ...
 
+    def log_probs_at(
+        self, requests: Sequence[tuple[np.ndarray, np.ndarray, float]]
+    ) -> list[Tensor]:
+        """Log probabilities of each request ``(rows, ids, tau)`` at its own temperature, all in
+        one pass over the logits (CE at 1 and KD at the loss temperature); float ``[M_i]``
+        each, on the logits' device."""
+        ...
+
     def log_normalizer(self, rows: np.ndarray) -> Tensor:
         """``logsumexp(logits[row] / tau)`` of ``rows`` (int64 ``[M]``, numpy); float ``[M]`` on
         the logits' device."""
         ...
 
 
+@dataclass(frozen=True)
+class Requests:
+    """Several requests ``(rows, ids, tau)`` as one set of pairs (numpy): ``rows`` / ``ids``
+    int64 ``[M]`` concatenated, ``taus`` the distinct temperatures (in order of first use),
+    ``which`` int64 ``[M]`` each pair's index into ``taus``, ``sizes`` each request's pairs."""
+
+    rows: np.ndarray
+    ids: np.ndarray
+    taus: tuple[float, ...]
+    which: np.ndarray
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, requests: Sequence[Request]) -> Requests:
+        """The pairs of ``requests``."""
+        taus = tuple(dict.fromkeys(float(tau) for *_, tau in requests))
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(
+            np.concatenate([empty, *(np.asarray(r, dtype=np.int64) for r, _, _ in requests)]),
+            np.concatenate([empty, *(np.asarray(i, dtype=np.int64) for _, i, _ in requests)]),
+            taus,
+            np.concatenate(
+                [empty, *(np.full(len(r), taus.index(float(t))) for r, _, t in requests)]
+            ),
+            [len(r) for r, _, _ in requests],
+        )
+
+
 @dataclass
 class LocalLogProbs:
     """:class:`StudentLogProbs` over logits ``[R, V]`` held by this process (flatten ``[B, L,
     V]`` first), or over an :class:`~crosskd.output_layer.OutputLayer` ``[R, H]`` (fused: the
-    logits are computed a block at a time). ``block_rows``: rows per block of the row-wise
-    passes (bounds the float32 temporary to ``block_rows x V``).
+    logits are computed a block at a time). ``tau``: the temperature of :meth:`log_prob` and
+    :meth:`log_normalizer`; ``block_rows``: rows per block of the row-wise passes (bounds the
+    float32 temporary to ``block_rows x V``).
 
-    :meth:`log_prob` is one fused autograd operation: the forward pass computes the
-    log-normaliser of every row in blocks and gathers the requested logits; the backward pass
-    writes ``(onehot - softmax) / tau`` weighted by the incoming gradients straight into the
-    logits' gradient, block by block. Nothing of size ``R x V`` is saved for the backward pass
-    and the gradient is the only ``R x V`` allocation, so CE and KD through one call cost about
-    what a plain cross entropy does. Ask for every (row, id) pair of a temperature in one call:
-    each call is a pass over the logits.
+    :meth:`log_probs_at` is one fused autograd operation: the forward pass computes the
+    log-normaliser of every row at every temperature asked for in blocks and gathers the
+    requested logits; the backward pass writes ``(onehot - softmax) / tau`` weighted by the
+    incoming gradients straight into the logits' gradient, block by block. Nothing of size
+    ``R x V`` is saved for the backward pass and the gradient is the only ``R x V``
+    allocation, so CE and KD through one call cost about what a plain cross entropy does. Ask
+    for every (row, id) pair in one call: each call is a pass over the logits.
     """
 
     logits: Tensor | OutputLayer
@@ -80,76 +122,79 @@ class LocalLogProbs:
         """``logsumexp(logits[row] / tau)`` for ``rows`` (int64 ``[M]``, numpy;
         differentiable)."""
         if isinstance(self.logits, OutputLayer):
-            empty = np.zeros(0, dtype=np.int64)
-            normalizer, _ = row_pieces(self.logits, empty, empty, None, self.tau, self.block_rows)
-            return normalizer[to_device(rows, self.logits.device)]
+            pairs = Requests.of([(np.zeros(0, dtype=np.int64),) * 2 + (self.tau,)])
+            normalizer, _ = row_pieces(self.logits, pairs, None, self.block_rows)
+            return normalizer[0, to_device(rows, self.logits.device)]
         rows = to_device(rows, self.logits.device)
         return torch.logsumexp(_scaled(self.logits[rows], self.tau, _arith(self.logits)), dim=-1)
 
     def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` (int64 ``[M]``, numpy) at temperature
         ``tau``; float ``[M]`` on the logits' device."""
-        normalizer, picked = row_pieces(self.logits, rows, ids, None, self.tau, self.block_rows)
-        return picked - normalizer[to_device(rows, self.logits.device)]
+        return self.log_probs_at([(rows, ids, self.tau)])[0]
+
+    def log_probs_at(
+        self, requests: Sequence[tuple[np.ndarray, np.ndarray, float]]
+    ) -> list[Tensor]:
+        """Log probabilities of each request ``(rows, ids, tau)`` at its temperature, in one
+        pass; float ``[M_i]`` each."""
+        pairs = Requests.of(requests)
+        normalizer, picked = row_pieces(self.logits, pairs, None, self.block_rows)
+        device = self.logits.device
+        values = picked - normalizer[to_device(pairs.which, device), to_device(pairs.rows, device)]
+        return list(values.split(pairs.sizes))
 
 
 def row_pieces(
     logits: Tensor | OutputLayer,
-    rows: np.ndarray,
-    ids: np.ndarray,
+    pairs: Requests,
     owned: np.ndarray | None,
-    tau: float,
     block: int,
 ) -> tuple[Tensor, Tensor]:
     """The two pieces every log probability is made of, as one fused autograd operation.
 
     ``logits`` ``[R, V]`` (any float dtype), or an :class:`~crosskd.output_layer.OutputLayer`
     ``[R, H]`` whose logits are computed a block at a time (fused; see the module docstring;
-    its blocks have at most ``HEAD_BLOCK_ENTRIES[device] // V`` rows); ``rows`` / ``ids`` int64
-    ``[M]`` and ``owned`` bool ``[M]`` or None (all), numpy: which pairs these logits hold (a
-    shard holds some rows and some ids; ``rows`` must lie in ``[0, R)`` and ``ids`` in
-    ``[0, V)`` where owned).
-    Returns ``logsumexp(logits / tau)`` of every row (float ``[R]``) and ``logits[rows, ids] /
-    tau`` (float ``[M]``, 0 where not owned), on the logits' device. The forward pass reads the
-    logits in blocks of ``block`` rows; the backward pass writes ``softmax * g_normalizer /
-    tau`` plus the picked gradients straight into the logits' gradient, block by block, so
-    nothing of size ``R x V`` is kept between the passes. Which owned pairs fall in each block
-    is counted here on the host (``O(M)``), so neither pass reads the device back: the
-    backward pass adds each block's own pairs only, from a stable sort of the pairs by row made
-    on the device.
+    its blocks have at most ``HEAD_BLOCK_ENTRIES[device] // V`` rows); ``pairs``: the (row, id)
+    pairs and each one's temperature; ``owned`` bool ``[M]`` or None (all), numpy: which pairs
+    these logits hold (a shard holds some rows and some ids; ``rows`` must lie in ``[0, R)``
+    and ``ids`` in ``[0, V)`` where owned).
+    Returns ``logsumexp(logits / tau)`` of every row at every temperature ``pairs.taus`` (float
+    ``[T, R]``) and ``logits[rows, ids] / tau`` at each pair's temperature (float ``[M]``, 0
+    where not owned), on the logits' device. The forward pass reads the logits in blocks of
+    ``block`` rows (one product with the head per block, fused); the backward pass writes
+    ``sum over tau of softmax_tau * g_normalizer_tau / tau`` plus the picked gradients straight
+    into the logits' gradient, block by block, so nothing of size ``R x V`` is kept between the
+    passes. Which owned pairs fall in each block is counted here on the host (``O(M)``), so
+    neither pass reads the device back: the backward pass adds each block's own pairs only,
+    from a stable sort of the pairs by row made on the device.
     """
     n_rows = logits.shape[0]
     kept = None if owned is None else np.flatnonzero(owned)
-    kept_rows = rows if kept is None else rows[kept]
-    per_block = np.bincount(kept_rows // block, minlength=-(-n_rows // block))
-    bounds = (0, *np.cumsum(per_block).tolist())
+    rows, ids, which = (
+        (pairs.rows, pairs.ids, pairs.which)
+        if kept is None
+        else (pairs.rows[kept], pairs.ids[kept], pairs.which[kept])
+    )
     device = logits.device
     if isinstance(logits, OutputLayer):
         block = _head_block(block, logits.shape[-1], device)
-        per_block = np.bincount(kept_rows // block, minlength=-(-n_rows // block))
-        return _HeadPieces.apply(
-            logits.hidden,
-            logits.weight,
-            logits.bias,
-            logits.compute_dtype,
-            to_device(kept_rows, device),
-            to_device(ids if kept is None else ids[kept], device),
-            None if kept is None else to_device(kept, device),
-            len(rows),
-            (0, *np.cumsum(per_block).tolist()),
-            tau,
-            block,
-        )
-    return _RowPieces.apply(
-        logits,
-        to_device(kept_rows, device),
-        to_device(ids if kept is None else ids[kept], device),
+    per_block = np.bincount(rows // block, minlength=-(-n_rows // block))
+    common = (
+        to_device(rows, device),
+        to_device(ids, device),
+        to_device(which, device),
         None if kept is None else to_device(kept, device),
-        len(rows),
-        bounds,
-        tau,
+        len(pairs.rows),
+        (0, *np.cumsum(per_block).tolist()),
+        pairs.taus,
         block,
     )
+    if isinstance(logits, OutputLayer):
+        return _HeadPieces.apply(
+            logits.hidden, logits.weight, logits.bias, logits.compute_dtype, *common
+        )
+    return _RowPieces.apply(logits, *common)
 
 
 def _head_block(block: int, vocab: int, device: torch.device) -> int:
@@ -169,63 +214,132 @@ def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
     return values if tau == 1 else values / tau
 
 
+def _block_forward(raw: Tensor, taus: tuple[float, ...], dtype: torch.dtype) -> Tensor:
+    """The log-normalisers ``[T, rows]`` of a block of logits ``raw`` ``[rows, V]`` at each
+    temperature."""
+    return torch.stack([torch.logsumexp(_scaled(raw, tau, dtype), dim=-1) for tau in taus])
+
+
+def _block_gradient(
+    raw: Tensor,
+    normalizer: Tensor,
+    per_row: Tensor,
+    taus: tuple[float, ...],
+    dtype: torch.dtype,
+    own: bool,
+) -> Tensor:
+    """``sum over tau of softmax(raw / tau) * per_row[tau]`` ``[rows, V]`` in ``dtype`` for a
+    block of logits ``raw`` with its log-normalisers ``[T, rows]`` and per-row gradients
+    ``per_row`` ``[T, rows]`` (already divided by tau). ``own``: ``raw`` is a temporary the
+    result may be written over."""
+    out = None
+    for t, tau in enumerate(taus):
+        scaled = _scaled(raw, tau, dtype)
+        # write in place over a fresh copy, or over raw itself at its last use when it is ours
+        writable = scaled is not raw or (own and t == len(taus) - 1)
+        term = scaled.sub_(normalizer[t, :, None]) if writable else scaled - normalizer[t, :, None]
+        term = term.exp_().mul_(per_row[t, :, None])
+        out = term if out is None else out.add_(term)
+    return out
+
+
+def _pair_setup(taus, rows, ids, which, kept, size, dtype, device):
+    """The pairs sorted by row (stable), where each lands among all ``size`` pairs, and each
+    one's temperature (``[T]`` on the device)."""
+    order = torch.argsort(rows, stable=True)
+    place = order if kept is None else kept[order]
+    return (
+        rows[order],
+        ids[order],
+        which[order],
+        place,
+        to_device(np.array(taus), device).to(dtype),
+    )
+
+
+def _backward_setup(g_normalizer, g_picked, normalizer, place, which, scale):
+    """Per-row gradients ``[T, R]`` and per-pair gradients (sorted) of the logits, both already
+    divided by their temperature."""
+    dtype = normalizer.dtype
+    per_row = (
+        torch.zeros_like(normalizer)
+        if g_normalizer is None
+        else g_normalizer.to(dtype) / scale[:, None]
+    )
+    grad = (
+        torch.zeros(len(place), dtype=dtype, device=normalizer.device)
+        if g_picked is None
+        else g_picked.to(dtype)[place] / scale[which]
+    )
+    return per_row, grad
+
+
 class _RowPieces(torch.autograd.Function):
-    """See :func:`row_pieces`: ``rows`` / ``ids`` (int64, on the device) are the owned pairs,
-    ``kept`` their places among all ``size`` pairs (None: all pairs are owned), ``bounds``
-    (host ints) where each block's pairs start and end once sorted by row."""
+    """See :func:`row_pieces`: ``rows`` / ``ids`` / ``which`` (int64, on the device) are the
+    owned pairs and their temperatures' indices, ``kept`` their places among all ``size``
+    pairs (None: all pairs are owned), ``bounds`` (host ints) where each block's pairs start
+    and end once sorted by row."""
 
     @staticmethod
     def forward(
-        ctx, logits, rows, ids, kept, size: int, bounds: tuple[int, ...], tau: float, block: int
+        ctx,
+        logits,
+        rows,
+        ids,
+        which,
+        kept,
+        size: int,
+        bounds: tuple[int, ...],
+        taus: tuple[float, ...],
+        block: int,
     ):
         dtype = _arith(logits)
-        normalizer = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        normalizer = torch.empty(len(taus), logits.shape[0], dtype=dtype, device=logits.device)
         for start in range(0, logits.shape[0], block):
-            chunk = _scaled(logits[start : start + block], tau, dtype)
-            normalizer[start : start + block] = torch.logsumexp(chunk, dim=-1)
-        values = _scaled(logits[rows, ids], tau, dtype)
-        picked = values if kept is None else values.new_zeros(size).index_copy_(0, kept, values)
-        order = torch.argsort(rows, stable=True)
-        place = order if kept is None else kept[order]
-        ctx.save_for_backward(logits, normalizer, rows[order], ids[order], place)
-        ctx.bounds, ctx.tau, ctx.block = bounds, tau, block
+            raw = logits[start : start + block]
+            normalizer[:, start : start + block] = _block_forward(raw, taus, dtype)
+        rows, ids, which, place, scale = _pair_setup(
+            taus, rows, ids, which, kept, size, dtype, logits.device
+        )
+        values = logits[rows, ids].to(dtype) / scale[which]
+        picked = values.new_zeros(size).index_copy_(0, place, values)
+        ctx.save_for_backward(logits, normalizer, rows, ids, which, place, scale)
+        ctx.bounds, ctx.taus, ctx.block = bounds, taus, block
         return normalizer, picked
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_normalizer, g_picked):
-        logits, normalizer, rows, ids, place = ctx.saved_tensors
-        bounds, tau, block = ctx.bounds, ctx.tau, ctx.block
-        dtype = normalizer.dtype
-        # d normalizer[r] / d logits[r] = softmax(logits[r] / tau) / tau;
+        logits, normalizer, rows, ids, which, place, scale = ctx.saved_tensors
+        bounds, taus, block = ctx.bounds, ctx.taus, ctx.block
+        # d normalizer_tau[r] / d logits[r] = softmax(logits[r] / tau) / tau;
         # d picked / d logits[row, id] = 1 / tau.
-        per_row = (
-            torch.zeros_like(normalizer) if g_normalizer is None else g_normalizer.to(dtype) / tau
-        )
-        grad = (
-            torch.zeros(len(rows), dtype=dtype, device=logits.device)
-            if g_picked is None
-            else g_picked.to(dtype)[place] / tau
-        )
+        per_row, grad = _backward_setup(g_normalizer, g_picked, normalizer, place, which, scale)
         out = torch.empty_like(logits)
         for i, start in enumerate(range(0, logits.shape[0], block)):
             stop = min(start + block, logits.shape[0])
-            chunk = _scaled(logits[start:stop], tau, dtype)
-            chunk = torch.exp(chunk - normalizer[start:stop, None]).mul_(per_row[start:stop, None])
+            chunk = _block_gradient(
+                logits[start:stop],
+                normalizer[:, start:stop],
+                per_row[:, start:stop],
+                taus,
+                normalizer.dtype,
+                own=False,
+            )
             lo, hi = bounds[i], bounds[i + 1]
             chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
             out[start:stop] = chunk
-        return out, None, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None, None
 
 
 class _HeadPieces(torch.autograd.Function):
     """:func:`row_pieces` fused with the output layer ``logits = hidden @ weight.T + bias``
     (``hidden`` ``[R, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or None; the product in
     ``compute_dtype``, else the operands' dtype): the forward pass computes each block's
-    logits, its log-normalisers and its pairs' logits; the backward pass computes the block's
-    logits again and from the logits' gradient (as :class:`_RowPieces` writes it) adds the
-    block's share of the three gradients. ``rows`` / ``ids`` / ``kept`` / ``size`` / ``bounds``
-    as in :class:`_RowPieces`; the pairs are sorted by row here."""
+    logits (one product for every temperature), its log-normalisers and its pairs' logits; the
+    backward pass computes the block's logits again and from the logits' gradient (as
+    :class:`_RowPieces` writes it) adds the block's share of the three gradients. The other
+    arguments as in :class:`_RowPieces`."""
 
     @staticmethod
     def forward(
@@ -236,44 +350,38 @@ class _HeadPieces(torch.autograd.Function):
         compute_dtype,
         rows,
         ids,
+        which,
         kept,
         size: int,
         bounds: tuple[int, ...],
-        tau: float,
+        taus: tuple[float, ...],
         block: int,
     ):
-        layer = OutputLayer(hidden, weight, bias, compute_dtype)
-        w, b = layer.operands()
+        w, b = OutputLayer(hidden, weight, bias, compute_dtype).operands()
         dtype = _arith(w)
-        normalizer = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
-        order = torch.argsort(rows, stable=True)
-        rows, ids = rows[order], ids[order]
-        place = order if kept is None else kept[order]
+        normalizer = torch.empty(len(taus), hidden.shape[0], dtype=dtype, device=hidden.device)
+        rows, ids, which, place, scale = _pair_setup(
+            taus, rows, ids, which, kept, size, dtype, hidden.device
+        )
         picked = torch.zeros(size, dtype=dtype, device=hidden.device)
         for i, start in enumerate(range(0, hidden.shape[0], block)):
-            chunk = _scaled(F.linear(hidden[start : start + block].to(w.dtype), w, b), tau, dtype)
-            normalizer[start : start + block] = torch.logsumexp(chunk, dim=-1)
+            raw = F.linear(hidden[start : start + block].to(w.dtype), w, b)
+            normalizer[:, start : start + block] = _block_forward(raw, taus, dtype)
             lo, hi = bounds[i], bounds[i + 1]
-            picked[place[lo:hi]] = chunk[rows[lo:hi] - start, ids[lo:hi]]
-        ctx.save_for_backward(hidden, weight, bias, normalizer, rows, ids, place)
-        ctx.compute_dtype, ctx.bounds, ctx.tau, ctx.block = compute_dtype, bounds, tau, block
+            values = raw[rows[lo:hi] - start, ids[lo:hi]].to(dtype) / scale[which[lo:hi]]
+            picked[place[lo:hi]] = values
+        ctx.save_for_backward(hidden, weight, bias, normalizer, rows, ids, which, place, scale)
+        ctx.compute_dtype, ctx.bounds, ctx.taus, ctx.block = compute_dtype, bounds, taus, block
         return normalizer, picked
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_normalizer, g_picked):
-        hidden, weight, bias, normalizer, rows, ids, place = ctx.saved_tensors
-        bounds, tau, block = ctx.bounds, ctx.tau, ctx.block
+        hidden, weight, bias, normalizer, rows, ids, which, place, scale = ctx.saved_tensors
+        bounds, taus, block = ctx.bounds, ctx.taus, ctx.block
         w, b = OutputLayer(hidden, weight, bias, ctx.compute_dtype).operands()
         dtype = normalizer.dtype
-        per_row = (
-            torch.zeros_like(normalizer) if g_normalizer is None else g_normalizer.to(dtype) / tau
-        )
-        grad = (
-            torch.zeros(len(rows), dtype=dtype, device=hidden.device)
-            if g_picked is None
-            else g_picked.to(dtype)[place] / tau
-        )
+        per_row, grad = _backward_setup(g_normalizer, g_picked, normalizer, place, which, scale)
         g_hidden = torch.empty(hidden.shape, dtype=w.dtype, device=hidden.device)
         g_weight = torch.zeros(weight.shape, dtype=dtype, device=hidden.device)
         g_bias = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=bias.device)
@@ -281,8 +389,14 @@ class _HeadPieces(torch.autograd.Function):
             stop = min(start + block, hidden.shape[0])
             h = hidden[start:stop].to(w.dtype)
             # the block's logits are this function's own: the gradient is written over them
-            chunk = _scaled(F.linear(h, w, b), tau, dtype).to(dtype)
-            chunk.sub_(normalizer[start:stop, None]).exp_().mul_(per_row[start:stop, None])
+            chunk = _block_gradient(
+                F.linear(h, w, b),
+                normalizer[:, start:stop],
+                per_row[:, start:stop],
+                taus,
+                dtype,
+                own=True,
+            )
             lo, hi = bounds[i], bounds[i + 1]
             chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
             g_logits = chunk.to(w.dtype)
@@ -297,14 +411,7 @@ class _HeadPieces(torch.autograd.Function):
             g_hidden.to(hidden.dtype),
             g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *(None,) * 9,
         )
 
 

@@ -395,19 +395,16 @@ def compute_loss(
         if isinstance(student_logits, OutputLayer)
         else student_logits.reshape(-1, shape[-1])
     )
-    plain: StudentLogProbs = LocalLogProbs(flat, tau=1.0)
-    tempered: StudentLogProbs = plain if config.tau == 1 else LocalLogProbs(flat, tau=config.tau)
     ownership = None
     if reduce is not None:
         ownership = replace(Ownership.everything(plan), reduce=reduce)
     return loss_from_logprobs(
-        plain, tempered, plan, config, counts, device=flat.device, ownership=ownership
+        LocalLogProbs(flat), plan, config, counts, device=flat.device, ownership=ownership
     )
 
 
 def loss_from_logprobs(
-    plain: StudentLogProbs,
-    tempered: StudentLogProbs,
+    student: StudentLogProbs,
     plan: LossPlan,
     config: LossConfig,
     counts: StepCounts,
@@ -415,37 +412,28 @@ def loss_from_logprobs(
     device: torch.device | str,
     ownership: Ownership | None = None,
 ) -> LossOutput:
-    """:func:`compute_loss` over any :class:`StudentLogProbs` (``plain`` at temperature 1 for
-    CE, ``tempered`` at ``config.tau`` for KD): the entry point of the sharded versions, which
-    pass their :class:`Ownership`. Every (row, id) pair of one temperature is asked for in one
-    call (one pass over the logits; the same call on every rank of a parallel layout, as the
-    log-prob interface may communicate); then only the owned CE targets and chunks are
-    evaluated. ``kd_scale`` and the reported values come from the complete (reduced) terms."""
+    """:func:`compute_loss` over any :class:`StudentLogProbs` (CE at temperature 1, KD at
+    ``config.tau``): the entry point of the sharded versions, which pass their
+    :class:`Ownership`. Every (row, id) pair is asked for in one call at its temperature (one
+    pass over the logits; the same call on every rank of a parallel layout, as the log-prob
+    interface may communicate); then only the owned CE targets and chunks are evaluated.
+    ``kd_scale`` and the reported values come from the complete (reduced) terms."""
     own = Ownership.everything(plan) if ownership is None else ownership
 
     def tensor(array: np.ndarray) -> Tensor:
         return to_device(array, device)
 
     if config.kd == "uld":
-        return _uld_loss(plain, tempered, plan, config, counts, own, device)
+        return _uld_loss(student, plan, config, counts, own, device)
 
-    kd_rows = [t.events.term_row for t in plan.terms]
-    kd_ids = [t.events.term_id for t in plan.terms]
-    sizes = [len(r) for r in kd_rows]
-    if tempered is plain:
-        lps = plain.log_prob(
-            np.concatenate([plan.ce_rows, *kd_rows]), np.concatenate([plan.ce_ids, *kd_ids])
-        )
-        ce_lp, kd_lp = lps[: len(plan.ce_rows)], lps[len(plan.ce_rows) :]
-    else:
-        ce_lp = plain.log_prob(plan.ce_rows, plan.ce_ids)
-        kd_lp = tempered.log_prob(np.concatenate(kd_rows), np.concatenate(kd_ids))
+    kd_requests = [(t.events.term_row, t.events.term_id, config.tau) for t in plan.terms]
+    ce_lp, *kd_lps = student.log_probs_at([(plan.ce_rows, plan.ce_ids, 1.0), *kd_requests])
     ce = -ce_lp[tensor(np.flatnonzero(own.ce))].sum() / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
     sums = dict(plan.sums) if own.leader else {}
     on_device: list[tuple[list[str], Tensor | None]] = []
-    parts = zip(plan.terms, counts.chunks, kd_lp.split(sizes), own.chunks, strict=True)
+    parts = zip(plan.terms, counts.chunks, kd_lps, own.chunks, strict=True)
     for term_plan, n_total, term_lp, owned in parts:
         events, kept = term_plan.events.subset(owned)
         term = kd_from_terms(
@@ -481,8 +469,7 @@ def loss_from_logprobs(
 
 
 def _uld_loss(
-    plain: StudentLogProbs,
-    tempered: StudentLogProbs,
+    student: StudentLogProbs,
     plan: LossPlan,
     config: LossConfig,
     counts: StepCounts,
@@ -491,25 +478,26 @@ def _uld_loss(
 ) -> LossOutput:
     """:func:`loss_from_logprobs` under ``kd: uld``: CE as always, each teacher's ULD sum over
     its pairs divided by the step's pairs (this process's logits hold whole rows)."""
-    if isinstance(tempered, LocalLogProbs) and isinstance(tempered.logits, OutputLayer):
+    if isinstance(student, LocalLogProbs) and isinstance(student.logits, OutputLayer):
         raise ConfigError(
             "loss.kd is 'uld', which sorts every paired row's whole distribution and so needs "
             "the student's logits, not the fused output layer; pass the logits (the trainer "
             "does so under kd: uld)."
         )
-    if not isinstance(tempered, LocalLogProbs) or not own.ce.all():
+    if not isinstance(student, LocalLogProbs) or not own.ce.all():
         raise ConfigError(
             "loss.kd is 'uld', which the sharded (sequence- or vocabulary-parallel) loss does "
             "not support: ULD sorts every paired row's whole distribution, which no shard "
             "holds. Use kd: csd, or train data-parallel only."
         )
-    ce = -plain.log_prob(plan.ce_rows, plan.ce_ids).sum() / max(counts.tokens, 1)
+    ce = -student.log_probs_at([(plan.ce_rows, plan.ce_ids, 1.0)])[0].sum()
+    ce = ce / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
     sums = dict(plan.sums) if own.leader else {}
     on_device: list[tuple[list[str], Tensor | None]] = []
     for term, n_total in zip(plan.terms, counts.chunks, strict=True):
-        total = uld_sum(tempered.logits, term, config.tau, tempered.block_rows)
+        total = uld_sum(student.logits, term, config.tau, student.block_rows)
         kd_terms[term.name] = total / max(n_total, 1)
         kd = kd + term.weight * kd_terms[term.name]
         on_device.append(([f"{term.name}/uld_sum_l1"], total.detach().double()[None]))

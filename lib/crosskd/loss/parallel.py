@@ -32,7 +32,8 @@ vocabulary ids, so each rank has student logits ``[B_dp, L / cp, V / tp]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from crosskd.config import require_positive_ints
 from crosskd.errors import ConfigError
 from crosskd.loss.config import LossConfig
-from crosskd.loss.logprobs import row_pieces
+from crosskd.loss.logprobs import Request, Requests, row_pieces
 from crosskd.loss.objective import (
     LossOutput,
     LossPlan,
@@ -201,7 +202,8 @@ class ShardedLogProbs:
         return here, b * self.window + position % self.window
 
     def _normalizer(self, local_normalizer: Tensor) -> Tensor:
-        """The log-normaliser over the whole vocabulary from each TP rank's slice."""
+        """The log-normaliser over the whole vocabulary (any shape: ``[T, R]``) from each TP
+        rank's slice."""
         if self.mesh.config.tp == 1:
             return local_normalizer
         peak = local_normalizer.detach().clone()
@@ -220,26 +222,31 @@ class ShardedLogProbs:
     def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` (int64 ``[M]``, numpy) at temperature
         ``tau``, for all pairs."""
-        here, local_rows = self._local(rows)
-        local_ids = ids - self.vocab_start
+        return self.log_probs_at([(rows, ids, self.tau)])[0]
+
+    def log_probs_at(self, requests: Sequence[Request]) -> list[Tensor]:
+        """Log probabilities of each request ``(rows, ids, tau)`` at its temperature, for all
+        pairs, in one pass over this rank's logits."""
+        pairs = Requests.of(requests)
+        here, local_rows = self._local(pairs.rows)
+        local_ids = pairs.ids - self.vocab_start
         owned = here & (local_ids >= 0) & (local_ids < self.flat.shape[1])
-        normalizer, picked = row_pieces(
-            self.flat, local_rows, local_ids, owned, self.tau, self.block_rows
-        )
+        local = replace(pairs, rows=local_rows, ids=local_ids)
+        normalizer, picked = row_pieces(self.flat, local, owned, self.block_rows)
         if self.mesh.config.tp > 1:
             picked = all_reduce_sum(picked, group=self.mesh.tp_group)
-        values = picked - self._normalizer(normalizer)[to_device(local_rows, picked.device)]
-        return self._exchange(here, values)
+        where = (to_device(pairs.which, picked.device), to_device(local_rows, picked.device))
+        values = picked - self._normalizer(normalizer)[where]
+        return list(self._exchange(here, values).split(pairs.sizes))
 
     def log_normalizer(self, rows: np.ndarray) -> Tensor:
         """``logsumexp(logits[row] / tau)`` over the whole vocabulary, for all ``rows`` (int64
         ``[M]``, numpy)."""
         here, local_rows = self._local(rows)
         empty = np.zeros(0, dtype=np.int64)
-        normalizer, _ = row_pieces(
-            self.flat, empty, empty, empty.astype(bool), self.tau, self.block_rows
-        )
-        local = self._normalizer(normalizer)[to_device(local_rows, normalizer.device)]
+        none = Requests.of([(empty, empty, self.tau)])
+        normalizer, _ = row_pieces(self.flat, none, empty.astype(bool), self.block_rows)
+        local = self._normalizer(normalizer)[0, to_device(local_rows, normalizer.device)]
         return self._exchange(here, local)
 
 
@@ -278,15 +285,9 @@ def sharded_loss(
             f"loss does not support: ULD sorts every paired row's whole distribution, which no "
             f"shard holds. Use kd: csd, or train data-parallel only."
         )
-    plain = ShardedLogProbs(logits, mesh, plan.width, tau=1.0, vocab_size=plan.vocab)
-    tempered = (
-        plain
-        if config.tau == 1
-        else ShardedLogProbs(logits, mesh, plan.width, config.tau, vocab_size=plan.vocab)
-    )
+    student = ShardedLogProbs(logits, mesh, plan.width, vocab_size=plan.vocab)
     return loss_from_logprobs(
-        plain,
-        tempered,
+        student,
         plan,
         config,
         counts,
