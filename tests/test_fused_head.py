@@ -189,6 +189,23 @@ def test_fused_gradients_pass_gradcheck_in_float64():
     assert torch.autograd.gradcheck(log_probs, (hidden, weight, bias))
 
 
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_the_same_one():
+    """A head that does not need a gradient (trained without it): the hidden states' gradient
+    is unchanged and the weight and bias get none."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(40, 3, generator=gen, requires_grad=True)
+    weight, bias = torch.randn(11, 3, generator=gen), torch.randn(11, generator=gen)
+    rows, ids = np.array([0, 39, 17, 17, 3]), np.array([1, 10, 3, 4, 0])
+    grads = []
+    for frozen in (True, False):
+        w, b = (t.clone().requires_grad_(not frozen) for t in (weight, bias))
+        LocalLogProbs(OutputLayer(hidden, w, b)).log_prob(rows, ids).sum().backward()
+        grads.append(hidden.grad.clone())
+        hidden.grad = None
+        assert (w.grad is None, b.grad is None) == (frozen, frozen)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
 def test_under_autocast_the_fused_loss_computes_in_the_autocast_dtype(cases):
     """Under bf16 autocast the head hands over its input with bf16 as the compute dtype, and
     the fused loss equals the loss on the head's bf16 logits (to bf16's rounding of the

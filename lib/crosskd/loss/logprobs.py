@@ -383,8 +383,17 @@ class _HeadPieces(torch.autograd.Function):
         dtype = normalizer.dtype
         per_row, grad = _backward_setup(g_normalizer, g_picked, normalizer, place, which, scale)
         g_hidden = torch.empty(hidden.shape, dtype=w.dtype, device=hidden.device)
-        g_weight = torch.zeros(weight.shape, dtype=dtype, device=hidden.device)
-        g_bias = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+        # a frozen head (trainable without it) needs no product for its gradient
+        g_weight = (
+            torch.zeros(weight.shape, dtype=dtype, device=hidden.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        g_bias = (
+            torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
         for i, start in enumerate(range(0, hidden.shape[0], block)):
             stop = min(start + block, hidden.shape[0])
             h = hidden[start:stop].to(w.dtype)
@@ -401,15 +410,15 @@ class _HeadPieces(torch.autograd.Function):
             chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
             g_logits = chunk.to(w.dtype)
             g_hidden[start:stop] = g_logits @ w
-            if g_logits.dtype == dtype:
+            if g_weight is not None and g_logits.dtype == dtype:
                 g_weight.addmm_(g_logits.T, h)  # no V x H temporary
-            else:  # a bf16 product, summed over the blocks in float32
+            elif g_weight is not None:  # a bf16 product, summed over the blocks in float32
                 g_weight += g_logits.T @ h
             if g_bias is not None:
                 g_bias += chunk.sum(0)
         return (
             g_hidden.to(hidden.dtype),
-            g_weight.to(weight.dtype),
+            None if g_weight is None else g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype),
             *(None,) * 9,
         )
