@@ -3,6 +3,7 @@ step's tokens/s, MFU and peak memory for a 1B Llama-shaped student under FSDP2 i
 
     python benchmarks/train_step.py [--hidden-size 256] [--layers 4] [--rows 4] [--length 256]
                                     [--k 32] [--warmup 2] [--repeats 5] [--workdir DIR]
+                                    [--logits]
     torchrun --nproc-per-node N benchmarks/train_step.py --gpu [--length 2048]
                                     [--activation-checkpointing] [--peak-tflops 989]
 
@@ -14,7 +15,9 @@ steps need) prepared for the Llama-3 student and a Qwen3 teacher (``zoo:llama3``
 top-``--k`` cache of a small random-init Qwen3-tokenizer teacher (:func:`crosskd.zoo.models.
 init_llama`; the student's step is what is measured, not the teacher's quality). The student is
 a random-init Llama (``student: init``) of the given shape, trained by :class:`crosskd.train.
-Trainer` with CE + CSD (``loss.kd: csd``, JSD, the default loss keys) against the cache.
+Trainer` with CE + CSD (``loss.kd: csd``, JSD, the default loss keys) against the cache, its
+loss fused with the output head (``fused_head``, the default) or, with ``--logits``, on the
+logits (run both to compare).
 
 **CPU mode** (default): one optimizer step of the KD trainer against one of a CE-only trainer
 of the same student (same seed, so the same init) on the same packed rows (the same step
@@ -215,6 +218,7 @@ def train_values(
         "seed": args.seed,
         "attn_implementation": args.attention,
         "activation_checkpointing": args.activation_checkpointing,
+        "fused_head": not args.logits,
     } | extra
 
 
@@ -323,6 +327,7 @@ def bench_cpu(args: argparse.Namespace, work: Path, runs: Path) -> dict:
         "rows": args.rows,
         "grad_accum": args.grad_accum,
         "k": args.k,
+        "logits": args.logits,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "kd": kd,
@@ -358,8 +363,8 @@ def print_cpu(r: dict) -> None:
         f"CE only: {r['student_params'] / 1e6:.1f}M-parameter Llama student (hidden "
         f"{r['hidden_size']}, {r['layers']} layers, V {r['vocab']:,}), {r['rows']} rows x "
         f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per step, "
-        f"{r['threads']} thread(s); median of {r['repeats']} interleaved steps after "
-        f"{r['warmup']} warm-up:"
+        f"{r['threads']} thread(s), {'logits' if r['logits'] else 'fused head'}; median of "
+        f"{r['repeats']} interleaved steps after {r['warmup']} warm-up:"
     )
     print(f"  {'part of the step':<34}{'KD s':>9}{'CE s':>9}{'KD / CE':>9}")
     labels = {
@@ -503,6 +508,7 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
         "k": args.k,
         "attention": trainer.attention,
         "activation_checkpointing": args.activation_checkpointing,
+        "logits": args.logits,
         "peak_tflops": args.peak_tflops,
         "flops_per_token": flops_per_token,
         "warmup": args.warmup,
@@ -528,7 +534,8 @@ def print_gpu(r: dict) -> None:
         f"{r['hidden_size']}, {r['layers']} layers, {r['heads']}/{r['kv_heads']} heads, "
         f"intermediate {r['intermediate_size']}, V {r['vocab']:,}), FSDP2 over {r['world']} "
         f"rank(s) on {r['device_name']}, {r['attention']} attention, activation checkpointing "
-        f"{'on' if r['activation_checkpointing'] else 'off'}; {r['rows']} rows x "
+        f"{'on' if r['activation_checkpointing'] else 'off'}, loss on the "
+        f"{'logits' if r['logits'] else 'fused head'}; {r['rows']} rows x "
         f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per rank and step, KD "
         f"against a top-{r['k']} cache; median of {r['repeats']} steps after {r['warmup']} "
         f"warm-up, inputs prepared ahead; MFU against {r['peak_tflops']:g} TFLOP/s per rank, "
@@ -583,6 +590,11 @@ def main() -> None:
         "--attention", default=None, help="attn_implementation (default: what transformers picks)"
     )
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument(
+        "--logits",
+        action="store_true",
+        help="train on the logits (fused_head: false) instead of the fused output head",
+    )
     parser.add_argument(
         "--peak-tflops",
         type=float,
