@@ -14,7 +14,8 @@ from pathlib import Path
 LIB = Path(__file__).resolve().parents[1] / "lib"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("crosskd", "crosskd.errors", "crosskd.ragged", "crosskd.transfer"),
+    # the output layer as an input: what the loss, the trainer and the scorer fuse with
+    ("crosskd", "crosskd.errors", "crosskd.ragged", "crosskd.transfer", "crosskd.output_layer"),
     ("crosskd.config", "crosskd.ranges", "crosskd.artifacts"),
     ("crosskd.zoo",),  # the zoo's tokenizers and files
     ("crosskd.tokenization",),
