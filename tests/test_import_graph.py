@@ -14,9 +14,9 @@ from pathlib import Path
 LIB = Path(__file__).resolve().parents[1] / "lib"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # the output layer as an input: what the loss, the trainer and the scorer fuse with
-    ("crosskd", "crosskd.errors", "crosskd.ragged", "crosskd.transfer", "crosskd.output_layer"),
+    ("crosskd", "crosskd.errors", "crosskd.ragged", "crosskd.transfer"),
     ("crosskd.config", "crosskd.ranges", "crosskd.artifacts"),
+    ("crosskd.output_layer",),  # the head's input, which the loss and the scorer fuse with
     ("crosskd.zoo",),  # the zoo's tokenizers and files
     ("crosskd.tokenization",),
     ("crosskd.zoo.models",),  # the zoo's models, with their tokenizers
