@@ -21,6 +21,14 @@ K-th logit are broken towards the lower id, and the top-K ids of a row are store
 id order, so the same logits always give the same signal. Top-K values cannot be
 re-tempered: the signal records ``tau``, ``V`` and ``K``, and :meth:`TeacherSignal.require`
 refuses a signal made with other values, naming the field and both values.
+
+Fused with the output layer (:func:`signal_from_output_layer`): given the teacher's last hidden
+states and its head's weight and bias (an :class:`~crosskd.output_layer.OutputLayer`) instead
+of logits, the same signal is computed a block of rows and a block of the vocabulary at a time,
+so the ``rows x V`` logits never exist: an online max and sum of exponentials per row (each
+block's float32 sum as :func:`log_normaliser` takes it, the blocks combined in float64), the
+top K merged across vocabulary blocks with the same ties, and the realized token's logit
+picked from the block that holds it, for both temperatures in one pass over the weight.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from crosskd.errors import CrosskdError
+from crosskd.output_layer import OutputLayer
 
 
 class SignalError(CrosskdError):
@@ -79,11 +89,8 @@ def signal_from_logits(
     whatever the logits' dtype, within a few float32 ulps of a float64 ``log_softmax`` (module
     docstring); the top-K ids are those of the largest logits.
     """
-    if tau <= 0:
-        raise SignalError(f"tau is {tau}; it must be > 0.")
     vocab = logits.shape[-1]
-    if not 0 <= k <= vocab:
-        raise SignalError(f"k is {k}; it must be 0 (dense) or between 1 and V = {vocab}.")
+    _check_k_tau(k, tau, vocab)
     if logits.shape[:-1] != input_ids.shape:
         raise SignalError(
             f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)} disagree on the "
@@ -108,6 +115,291 @@ def signal_from_logits(
     ids = top_k_ids(logits, k)
     values = _log_probs(scaled.gather(-1, ids), top, log_sum)
     return TeacherSignal(ids, values, realized, realized_t1, float(tau), vocab, k)
+
+
+def _check_k_tau(k: int, tau: float, vocab: int) -> None:
+    """Refuse a temperature that is not > 0 and a K outside ``0 .. vocab``."""
+    if tau <= 0:
+        raise SignalError(f"tau is {tau}; it must be > 0.")
+    if not 0 <= k <= vocab:
+        raise SignalError(f"k is {k}; it must be 0 (dense) or between 1 and V = {vocab}.")
+
+
+FUSED_BLOCK = {"cpu": 1 << 22, "cuda": 1 << 24}
+"""Logits per block (``block_rows x vocab_block``) of :func:`signal_from_output_layer` by
+device type: 16 MiB of float32 on CPU (1,024 rows of 4,096: a block and its temporaries stay in
+a server's last-level cache, and the product of 1,024 rows runs as fast per entry as the whole
+one), 64 MiB on other devices (few, large kernel launches)."""
+
+VOCAB_BLOCK = {"cpu": 4096, "cuda": 32768}
+"""Vocabulary entries per block of :func:`signal_from_output_layer` by device type (at most
+``V``)."""
+
+
+@torch.no_grad()
+def signal_from_output_layer(
+    layer: OutputLayer,
+    input_ids: torch.Tensor,
+    *,
+    k: int,
+    tau: float,
+    block_rows: int | None = None,
+    vocab_block: int | None = None,
+) -> TeacherSignal:
+    """The signal of the logits of ``layer`` (hidden states ``[..., L, H]``, weight ``[V, H]``,
+    bias ``[V]`` or None: the logits ``[..., L, V]`` the head computes) for the tokens
+    ``input_ids`` ``[..., L]``, without making those logits: the :class:`TeacherSignal` of
+    ``signal_from_logits(head logits, input_ids, k=k, tau=tau)`` (log probs in nats, float32,
+    within a few float32 ulps of float64 as there: module docstring). A block's product may
+    differ from the whole one in the last bit of a logit (as matrix products of other shapes
+    do); where it does not, the top-K ids are the same, ties at the K-th logit included.
+
+    How: the ``R`` rows (the flattened ``[..., L]``) are taken ``block_rows`` at a time and,
+    within a block of rows, the vocabulary ``vocab_block`` ids at a time. Each block's logits
+    ``[block_rows, vocab_block]`` are computed into a reused buffer (the operations of
+    :meth:`OutputLayer.logits`: in the layer's compute dtype, then float32), and folded into
+    each row's running state: its max and sum of exponentials at ``tau`` and, for ``tau`` != 1,
+    at 1 (the block's exponentials relative to the running max, summed in float32; the running
+    sum float64); its top-K candidates (the first block's top K, then only the later logits
+    above the K-th candidate: few, as the top K fills up; cut back to K when they pass 4 K);
+    and the logit of its realized token, picked from the block that holds it. Temporaries: a
+    few buffers of a block (defaults: :data:`FUSED_BLOCK` entries, :data:`VOCAB_BLOCK` wide,
+    by device type) and the candidates (at most ``block_rows x (4 K + vocab_block)``), besides
+    the outputs (``R x K``); nothing ``R x V``. On a GPU each block reads back the number of
+    its candidates (a host sync). ``k`` = 0 (dense) stores ``R x V`` log probs by definition:
+    it is computed from the whole logits (:func:`signal_from_logits`). Runs without autograd.
+
+    Raises :class:`SignalError` for ``tau`` <= 0, ``k`` outside ``0 .. V``, hidden states and
+    ``input_ids`` of other sequence shapes, a block size < 1, and a realized token id (any of
+    ``input_ids[..., 1:]``) outside ``0 .. V - 1``.
+    """
+    vocab = layer.weight.shape[0]
+    _check_k_tau(k, tau, vocab)
+    if layer.hidden.shape[:-1] != input_ids.shape:
+        raise SignalError(
+            f"hidden states {tuple(layer.hidden.shape)} and input_ids {tuple(input_ids.shape)} "
+            f"disagree on the sequence shape; pass the output layer of exactly these tokens."
+        )
+    for name, size in (("block_rows", block_rows), ("vocab_block", vocab_block)):
+        if size is not None and size < 1:
+            raise SignalError(f"{name} is {size}; it must be >= 1 (or None: the default).")
+    if input_ids[..., 1:].numel():
+        low, high = torch.stack(torch.aminmax(input_ids[..., 1:])).tolist()
+        if low < 0 or high >= vocab:
+            raise SignalError(
+                f"input_ids hold token ids from {low} to {high}; the output layer has V = "
+                f"{vocab} rows, so every id must be in 0 .. {vocab - 1}."
+            )
+    flat = layer.flatten()
+    rows = flat.hidden.shape[0]
+    if k == 0:
+        logits = flat.logits(0, rows).reshape(layer.shape)
+        return signal_from_logits(logits, input_ids, k=0, tau=tau)
+    device = flat.hidden.device
+    width = min(vocab, vocab_block or VOCAB_BLOCK.get(device.type, VOCAB_BLOCK["cuda"]))
+    height = block_rows or max(1, FUSED_BLOCK.get(device.type, FUSED_BLOCK["cuda"]) // width)
+    # the realized token of each flat row (the next one in its sequence; 0 after the last)
+    targets = F.pad(input_ids.long(), (0, 1))[..., 1:].reshape(-1)
+    weight, bias = flat.operands()
+    ids = torch.empty(rows, k, dtype=torch.long, device=device)
+    values = torch.empty(rows, k, dtype=torch.float32, device=device)
+    realized = torch.empty(rows, dtype=torch.float32, device=device)
+    realized_t1 = torch.empty_like(realized)
+    scratch = _Scratch(min(height, rows) * width, weight.dtype, tau, device)
+    for start in range(0, rows, height):
+        stop = min(start + height, rows)
+        block = _FusedRows(stop - start, k, tau, device)
+        hidden = flat.hidden[start:stop].to(weight.dtype)
+        target = targets[start:stop]
+        for first in range(0, vocab, width):
+            last = min(first + width, vocab)
+            bias_part = None if bias is None else bias[first:last]
+            logits = scratch.logits(hidden, weight[first:last], bias_part)
+            block.add(logits, first, target, scratch)
+        (
+            ids[start:stop],
+            values[start:stop],
+            realized[start:stop],
+            realized_t1[start:stop],
+        ) = block.result()
+    lead = input_ids.shape
+    realized = realized.reshape(lead)[..., :-1]
+    realized_t1 = realized_t1.reshape(lead)[..., :-1]
+    return TeacherSignal(
+        ids.reshape(*lead, k),
+        values.reshape(*lead, k),
+        realized,
+        realized_t1,
+        float(tau),
+        vocab,
+        k,
+    )
+
+
+class _Scratch:
+    """The reused buffers of :func:`signal_from_output_layer`, ``entries`` each: a block's
+    product in the compute dtype (when that is not float32), its float32 logits, and (for
+    ``tau`` != 1) the tempered logits. Reused, so no block allocates memory."""
+
+    def __init__(self, entries: int, dtype: torch.dtype, tau: float, device: torch.device) -> None:
+        self.product = None
+        if dtype != torch.float32:
+            self.product = torch.empty(entries, dtype=dtype, device=device)
+        self.float = torch.empty(entries, dtype=torch.float32, device=device)
+        self.tempered = None if tau == 1 else torch.empty_like(self.float)
+
+    def logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The float32 logits ``[n, w]`` of ``hidden`` ``[n, H]`` through ``weight`` ``[w, H]``
+        and ``bias`` ``[w]`` or None (the operations of ``F.linear`` on a matrix: ``addmm``,
+        else ``mm``), in the float32 buffer (valid until the next call)."""
+        shape = (hidden.shape[0], weight.shape[0])
+        out = self.float if self.product is None else self.product
+        product = out[: shape[0] * shape[1]].view(shape)
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=product)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=product)
+        if self.product is None:
+            return product
+        return self.float[: product.numel()].view(shape).copy_(product)
+
+    def scaled(self, logits: torch.Tensor, tau: float) -> torch.Tensor:
+        """``logits / tau`` in the tempered buffer (``logits`` itself at ``tau`` = 1)."""
+        if self.tempered is None:
+            return logits
+        return torch.div(logits, tau, out=self.tempered[: logits.numel()].view(logits.shape))
+
+
+class _FusedRows:
+    """The running state of one block of ``n`` rows in :func:`signal_from_output_layer`: fed
+    the float32 logits of one vocabulary block after another (:meth:`add`), it gives the rows'
+    signal (:meth:`result`)."""
+
+    def __init__(self, n: int, k: int, tau: float, device: torch.device) -> None:
+        self.k, self.tau = k, tau
+        self.tempered = _OnlineNormaliser(n, device)
+        self.plain = self.tempered if tau == 1 else _OnlineNormaliser(n, device)
+        self.top = torch.empty(n, 0, dtype=torch.float32, device=device)
+        self.top_ids = torch.empty(n, 0, dtype=torch.long, device=device)
+        self.threshold = torch.full((n,), -torch.inf, dtype=torch.float32, device=device)
+        self.picked = torch.zeros(n, dtype=torch.float32, device=device)
+
+    def add(
+        self, logits: torch.Tensor, first: int, target: torch.Tensor, scratch: _Scratch
+    ) -> None:
+        """Fold in the logits ``[n, w]`` of vocabulary ids ``first .. first + w - 1`` (they are
+        overwritten); ``target`` int64 ``[n]``: each row's realized token id."""
+        width = logits.shape[1]
+        inside = (target >= first) & (target < first + width)
+        local = (target - first).clamp_(0, width - 1)
+        picked = logits.gather(1, local[:, None])[:, 0]
+        self.picked = torch.where(inside, picked, self.picked)
+        self._merge_top_k(logits, first)
+        self.tempered.add_(scratch.scaled(logits, self.tau))
+        if self.plain is not self.tempered:
+            self.plain.add_(logits)
+
+    def _merge_top_k(self, logits: torch.Tensor, first: int) -> None:
+        """Add the block's candidates for the top K to the running ones.
+
+        The candidates are kept in ascending id order (the running ones, all below ``first``,
+        then the block's, ascending), so :func:`top_k_ids` over them, whose ties go to the lower
+        position, breaks ties towards the lower id as over the whole row. Until there are K
+        candidates, the block's top K is taken; then only the block's logits above
+        ``threshold``, the K-th largest candidate when they were last cut to K, can be among
+        the top K (one equal to it has a higher id than the K candidates at or above it), so
+        only those are added: few once the running top K is good. The candidates are cut back
+        to the top K when they exceed ``4 K``.
+        """
+        k = self.k
+        if self.top.shape[1] < k:
+            local = top_k_ids(logits, min(k, logits.shape[1]))
+            self._append(logits.gather(1, local), local + first)
+            if self.top.shape[1] >= k:
+                self._cut()
+            return
+        n, width = logits.shape
+        flat = torch.nonzero((logits > self.threshold[:, None]).view(-1))[:, 0]
+        if len(flat) == 0:
+            return
+        rows = flat.div(width, rounding_mode="floor")
+        # the block's candidates of each row, left-aligned in a [n, most] matrix padded with
+        # -inf (never chosen: the K earlier candidates of the row come first)
+        counts = torch.bincount(rows, minlength=n)
+        place = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
+        shape = (n, int(counts.max()))
+        picked = logits.view(-1).take(flat)
+        values = logits.new_full(shape, -torch.inf).index_put_((rows, place), picked)
+        ids = rows.new_zeros(shape).index_put_((rows, place), flat - rows * width + first)
+        self._append(values, ids)
+        if self.top.shape[1] > 4 * k:
+            self._cut()
+
+    def _append(self, values: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add candidate ``values`` ``[n, m]`` and their ``ids`` after the running ones."""
+        self.top = torch.cat([self.top, values], dim=1)
+        self.top_ids = torch.cat([self.top_ids, ids], dim=1)
+
+    def _cut(self) -> None:
+        """Keep the top K candidates (in ascending id order) and their K-th largest value as
+        the threshold."""
+        if self.top.shape[1] > self.k:
+            keep = top_k_ids(self.top, self.k)
+            self.top, self.top_ids = self.top.gather(1, keep), self.top_ids.gather(1, keep)
+        self.threshold = self.top.amin(dim=1)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids, values, realized, realized_t1)``: top-K ids int64 ``[n, K]`` (ascending) and
+        their log probs at ``tau``, the realized token's log probs at ``tau`` and at 1 (float32
+        ``[n]``; meaningless on a sequence's last row), as :func:`signal_from_logits` makes
+        them."""
+        self._cut()
+        tau = self.tau
+        row_max, log_sum = self.tempered.result()
+        scaled = self.top if tau == 1 else self.top / tau
+        values = _log_probs(scaled, row_max, log_sum)
+        picked = self.picked[:, None]
+        realized = _log_probs(picked if tau == 1 else picked / tau, row_max, log_sum)[:, 0]
+        if self.plain is self.tempered:
+            return self.top_ids, values, realized, realized
+        row_max_t1, log_sum_t1 = self.plain.result()
+        return self.top_ids, values, realized, _log_probs(picked, row_max_t1, log_sum_t1)[:, 0]
+
+
+class _OnlineNormaliser:
+    """The log-normaliser of ``n`` rows fed a block of columns at a time, as
+    :func:`log_normaliser` gives it for the whole rows: the running max (float32) and the
+    running sum of exponentials relative to it (float64). Each block's exponentials are taken
+    relative to the running max including the block (so each is <= 1 and the row's largest is
+    exactly 1, as over the whole row) and summed by torch's float32 reduction; the sums of
+    earlier blocks are rescaled to the new max in float64. A row whose max is not finite uses
+    0 for it, as :func:`log_normaliser` does."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.row_max = torch.full((n,), -torch.inf, dtype=torch.float32, device=device)
+        self.total = torch.zeros(n, dtype=torch.float64, device=device)
+
+    def add_(self, values: torch.Tensor) -> None:
+        """Fold in float32 ``values`` ``[n, w]`` (overwritten with their exponentials)."""
+        row_max = torch.maximum(self.row_max, values.amax(dim=-1))
+        old, new = _finite_or_zero(self.row_max), _finite_or_zero(row_max)
+        block_sum = values.sub_(new[:, None]).exp_().sum(dim=-1)
+        # old <= new wherever both are finite; where the old max was -inf the old sum is 0
+        rescale = (old.double() - new.double()).clamp_(max=0).exp_()
+        self.total = self.total.mul_(rescale).add_(block_sum.double())
+        self.row_max = row_max
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row max, log sum)`` as :func:`log_normaliser` returns them: float32 and float64
+        ``[n]``."""
+        return _finite_or_zero(self.row_max), self.total.log()
+
+
+def _finite_or_zero(values: torch.Tensor) -> torch.Tensor:
+    """``values`` with every entry that is not finite replaced by 0."""
+    return torch.where(torch.isfinite(values), values, torch.zeros_like(values))
 
 
 def _log_probs(picked: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
@@ -140,8 +432,7 @@ def log_normaliser(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     vocab = values.shape[-1]
     flat = values.reshape(-1, vocab)
-    row_max = flat.amax(dim=-1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_max = _finite_or_zero(flat.amax(dim=-1))
     total = torch.empty_like(row_max)
     block = max(1, _BLOCK.get(values.device.type, _BLOCK["cuda"]) // max(vocab, 1))
     buffer = flat.new_empty(min(block, len(flat)), vocab)
