@@ -8,11 +8,21 @@ the cache, keyed by the files' version stamps), or a Hugging Face id already in 
 bfloat16 on a GPU that supports it (float16 otherwise), float32 on CPU (CPU half-precision
 matmuls are slow and inexact). The teacher's fingerprint is the sha256 of its ``config.json``
 and of every weight file, so a cache records exactly which weights scored it.
+
+A teacher whose forward pass returns its linear output head's logits unchanged gets an
+:class:`~crosskd.output_layer.OutputHead` in place of that head (same parameters, same logits
+outside :meth:`~crosskd.output_layer.OutputHead.capture`), recorded as
+:attr:`LoadedTeacher.head`: scoring then takes the head's input and computes the signal fused
+with it, never making the ``tokens x V`` logits
+(:func:`~crosskd.teacher.signal.signal_from_output_layer`). One that changes them (Gemma 2's
+logit soft-cap) or whose head is not a plain ``nn.Linear`` keeps its head and is scored from
+its logits; an INFO log line says why.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +34,11 @@ from huggingface_hub import try_to_load_from_cache
 
 from crosskd.config import default_cache_dir
 from crosskd.errors import CrosskdError
+from crosskd.output_layer import OutputHead, head_output_unchanged, use_output_head
 from crosskd.tokenization.sources import TOKENIZER_FILES, copy_to_cache
 from crosskd.zoo.models import zoo_model_dir
+
+log = logging.getLogger(__name__)
 
 
 class TeacherError(CrosskdError):
@@ -37,7 +50,8 @@ class LoadedTeacher:
     """A teacher ready to score: ``model`` (eval mode, on ``device`` in ``dtype``), ``name``
     (the reference), ``folder`` (local), ``fingerprint`` and ``vocab_size`` (output rows);
     ``lockstep``: for a teacher sharded over processes, called before every forward pass
-    (:class:`crosskd.parallel.parallelize.Lockstep`)."""
+    (:class:`crosskd.parallel.parallelize.Lockstep`); ``head``: the model's output head when
+    scoring may take its input instead of the logits (:func:`fused_head`), else None."""
 
     name: str
     folder: Path
@@ -47,6 +61,7 @@ class LoadedTeacher:
     device: torch.device
     dtype: torch.dtype
     lockstep: Callable[[], None] | None = None
+    head: OutputHead | None = None
 
 
 def default_device() -> torch.device:
@@ -106,8 +121,21 @@ def load_teacher(
         trust_remote_code=trust_remote_code,
     )
     model.to(device).eval()
+    head = fused_head(model, f"{role} {ref}")
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    return LoadedTeacher(ref, folder, model, fingerprint(folder), vocab, device, dtype)
+    return LoadedTeacher(ref, folder, model, fingerprint(folder), vocab, device, dtype, head=head)
+
+
+def fused_head(model: torch.nn.Module, name: str) -> OutputHead | None:
+    """``model``'s output head as an :class:`~crosskd.output_layer.OutputHead` (put in place
+    of its ``nn.Linear`` head, same parameters) when the model returns that head's logits
+    unchanged, so its signal can be computed fused with the head; else None, with an INFO log
+    line naming the model (``name``) and why. Runs one two-token forward pass."""
+    why = head_output_unchanged(model)
+    if why is not None:
+        log.info("%s is scored from its logits, not fused with its output head: %s", name, why)
+        return None
+    return use_output_head(model)
 
 
 def fingerprint(folder: Path) -> str:

@@ -40,7 +40,12 @@ from crosskd.errors import CrosskdError
 from crosskd.metrics.steps import ScoringMetrics
 from crosskd.ranges import footer_record
 from crosskd.teacher.model import LoadedTeacher, load_teacher
-from crosskd.teacher.signal import SignalError, TeacherSignal, signal_from_logits
+from crosskd.teacher.signal import (
+    SignalError,
+    TeacherSignal,
+    signal_from_logits,
+    signal_from_output_layer,
+)
 from crosskd.teacher.storage import (
     ENCODINGS,
     SampleSignal,
@@ -131,6 +136,10 @@ def score_sequences(
     """The signal of each token sequence (int ``[L_i]``), scored together as one right-padded
     batch with an attention mask; log probs (top K, realized at ``tau`` and at 1) in float32
     whatever the model's dtype, within a few float32 ulps of float64 (:func:`signal_from_logits`).
+    A teacher with a fusable head (``teacher.head``) hands over its last hidden states instead
+    of logits and the signal is computed fused with the head, so the ``tokens x V`` logits never
+    exist (:func:`signal_from_output_layer`: the same signal up to the last bits of the
+    logits); any other is scored from its logits.
     """
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
@@ -141,14 +150,27 @@ def score_sequences(
     ids, mask = ids.to(teacher.device), mask.to(teacher.device)
     if teacher.lockstep is not None:
         teacher.lockstep()
-    logits = teacher.model(input_ids=ids, attention_mask=mask).logits
-    if logits.shape[-1] != teacher.vocab_size:
-        raise SignalError(
-            f"teacher {teacher.name} returned {logits.shape[-1]} logits per row, its output "
-            f"layer has {teacher.vocab_size}."
-        )
-    signal = signal_from_logits(logits, ids, k=k, tau=tau)
+    if teacher.head is None:
+        logits = teacher.model(input_ids=ids, attention_mask=mask).logits
+        _check_vocab(teacher, logits.shape[-1])
+        signal = signal_from_logits(logits, ids, k=k, tau=tau)
+    else:
+        with teacher.head.capture() as captured:
+            teacher.model(input_ids=ids, attention_mask=mask)
+        (layer,) = captured
+        _check_vocab(teacher, layer.weight.shape[0])
+        signal = signal_from_output_layer(layer, ids, k=k, tau=tau)
     return signal_samples(signal, [len(s) for s in sequences])
+
+
+def _check_vocab(teacher: LoadedTeacher, width: int) -> None:
+    """Refuse a forward pass that gave ``width`` logits per row (or output-layer rows) where the
+    teacher's output layer has ``teacher.vocab_size``."""
+    if width != teacher.vocab_size:
+        raise SignalError(
+            f"teacher {teacher.name} returned {width} logits per row, its output layer has "
+            f"{teacher.vocab_size}."
+        )
 
 
 def online_signal(
