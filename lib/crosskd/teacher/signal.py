@@ -306,27 +306,44 @@ class _FusedRows:
 
         The candidates are kept in ascending id order (the running ones, all below ``first``,
         then the block's, ascending), so :func:`top_k_ids` over them, whose ties go to the lower
-        position, breaks ties towards the lower id as over the whole row. Until there are K
-        candidates, the block's top K is taken; then only the block's logits above
-        ``threshold``, the K-th largest candidate when they were last cut to K, can be among
-        the top K (one equal to it has a higher id than the K candidates at or above it), so
-        only those are added: few once the running top K is good. The candidates are cut back
-        to the top K when they exceed ``4 K``.
+        position, breaks ties towards the lower id as over the whole row. Once there are K,
+        only the block's logits above ``threshold`` (the K-th largest candidate when they were
+        last cut to K) can be among the top K: one equal to it has a higher id than the K
+        candidates at or above it. Before that, a block at least K wide adds its logits at or
+        above the least of the maxima of K disjoint groups of its columns (K of its logits are
+        at or above that, so none below it can be among the top K), and a narrower one all its
+        logits. Either way only a few logits of a block are added once the top K is good; the
+        candidates are cut back to the top K when there are K for the first time and when they
+        pass 4 K.
         """
         k = self.k
-        if self.top.shape[1] < k:
-            local = top_k_ids(logits, min(k, logits.shape[1]))
-            self._append(logits.gather(1, local), local + first)
-            if self.top.shape[1] >= k:
-                self._cut()
-            return
         n, width = logits.shape
-        flat = torch.nonzero((logits > self.threshold[:, None]).view(-1))[:, 0]
+        short = self.top.shape[1] < k
+        if not short:
+            self._add_above(logits, first, self.threshold, inclusive=False)
+        elif width >= k:
+            size = width // k
+            floor = logits[:, : k * size].view(n, k, size).amax(dim=-1).amin(dim=-1)
+            self._add_above(logits, first, floor, inclusive=True)
+        else:
+            ids = torch.arange(first, first + width, device=logits.device)
+            self._append(logits, ids.expand(n, width))
+        if (short and self.top.shape[1] >= k) or self.top.shape[1] > 4 * k:
+            self._cut()
+
+    def _add_above(
+        self, logits: torch.Tensor, first: int, bound: torch.Tensor, *, inclusive: bool
+    ) -> None:
+        """Add the logits ``[n, w]`` of each row above its ``bound`` ``[n]`` (``inclusive``:
+        at or above) as candidates, with their ids (``first`` + column)."""
+        n, width = logits.shape
+        above = logits >= bound[:, None] if inclusive else logits > bound[:, None]
+        flat = torch.nonzero(above.view(-1))[:, 0]
         if len(flat) == 0:
             return
         rows = flat.div(width, rounding_mode="floor")
-        # the block's candidates of each row, left-aligned in a [n, most] matrix padded with
-        # -inf (never chosen: the K earlier candidates of the row come first)
+        # each row's candidates left-aligned in a [n, most] matrix padded with -inf (never
+        # chosen: K candidates of the row that are at least as large come before them)
         counts = torch.bincount(rows, minlength=n)
         place = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
         shape = (n, int(counts.max()))
@@ -334,8 +351,6 @@ class _FusedRows:
         values = logits.new_full(shape, -torch.inf).index_put_((rows, place), picked)
         ids = rows.new_zeros(shape).index_put_((rows, place), flat - rows * width + first)
         self._append(values, ids)
-        if self.top.shape[1] > 4 * k:
-            self._cut()
 
     def _append(self, values: torch.Tensor, ids: torch.Tensor) -> None:
         """Add candidate ``values`` ``[n, m]`` and their ``ids`` after the running ones."""
