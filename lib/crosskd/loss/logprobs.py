@@ -16,8 +16,10 @@ rows, and the gradient is written block by block.
 Given an :class:`~crosskd.output_layer.OutputLayer` (the last hidden states and the head's
 weight and bias) in place of logits, the same operation runs fused with the output layer: each
 block's logits are computed from its hidden states, used and dropped, and computed again in the
-backward pass, which writes the gradients of the hidden states, the weight and the bias. The
-``rows x V`` logits never exist; the values and gradients are those of the head's logits.
+backward pass (there a block of vocabulary ids over every row at a time, so that each slice of
+the weight's gradient is written once), which writes the gradients of the hidden states, the
+weight and the bias. The ``rows x V`` logits never exist; the values and gradients are those of
+the head's logits.
 """
 
 from __future__ import annotations
@@ -191,8 +193,17 @@ def row_pieces(
         block,
     )
     if isinstance(logits, OutputLayer):
+        vocab = logits.shape[-1]
+        width = _head_vocab_block(n_rows, vocab, device)
+        per_id_block = np.bincount(ids // width, minlength=-(-vocab // width))
         return _HeadPieces.apply(
-            logits.hidden, logits.weight, logits.bias, logits.compute_dtype, *common
+            logits.hidden,
+            logits.weight,
+            logits.bias,
+            logits.compute_dtype,
+            *common,
+            width,
+            (0, *np.cumsum(per_id_block).tolist()),
         )
     return _RowPieces.apply(logits, *common)
 
@@ -201,6 +212,13 @@ def _head_block(block: int, vocab: int, device: torch.device) -> int:
     """Rows per block of the fused output layer over ``vocab`` logits per row on ``device``."""
     entries = HEAD_BLOCK_ENTRIES.get(device.type) or HEAD_BLOCK_ENTRIES["cuda"]
     return max(16, min(block, entries // max(vocab, 1)))
+
+
+def _head_vocab_block(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary ids per block of the fused backward pass, which takes every one of ``rows``
+    rows at once: ``HEAD_BLOCK_ENTRIES[device] // rows``, at least 64, at most ``vocab``."""
+    entries = HEAD_BLOCK_ENTRIES.get(device.type) or HEAD_BLOCK_ENTRIES["cuda"]
+    return max(1, min(vocab, max(64, entries // max(rows, 1))))
 
 
 def _arith(logits: Tensor) -> torch.dtype:
@@ -335,11 +353,13 @@ class _RowPieces(torch.autograd.Function):
 class _HeadPieces(torch.autograd.Function):
     """:func:`row_pieces` fused with the output layer ``logits = hidden @ weight.T + bias``
     (``hidden`` ``[R, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or None; the product in
-    ``compute_dtype``, else the operands' dtype): the forward pass computes each block's
-    logits (one product for every temperature), its log-normalisers and its pairs' logits; the
-    backward pass computes the block's logits again and from the logits' gradient (as
-    :class:`_RowPieces` writes it) adds the block's share of the three gradients. The other
-    arguments as in :class:`_RowPieces`."""
+    ``compute_dtype``, else the operands' dtype): the forward pass computes each block of
+    rows' logits (one product for every temperature), its log-normalisers and its pairs'
+    logits; the backward pass computes the logits again a block of ``vocab_block`` ids (over
+    every row) at a time, turns them into the logits' gradient (as :class:`_RowPieces` writes
+    it, its pairs from ``vocab_bounds``: where each block's pairs start and end once sorted by
+    id) and writes that block's slice of the weight's and bias's gradients and adds its share
+    of the hidden states'. The other arguments as in :class:`_RowPieces`."""
 
     @staticmethod
     def forward(
@@ -356,6 +376,8 @@ class _HeadPieces(torch.autograd.Function):
         bounds: tuple[int, ...],
         taus: tuple[float, ...],
         block: int,
+        vocab_block: int,
+        vocab_bounds: tuple[int, ...],
     ):
         w, b = OutputLayer(hidden, weight, bias, compute_dtype).operands()
         dtype = _arith(w)
@@ -371,56 +393,66 @@ class _HeadPieces(torch.autograd.Function):
             values = raw[rows[lo:hi] - start, ids[lo:hi]].to(dtype) / scale[which[lo:hi]]
             picked[place[lo:hi]] = values
         ctx.save_for_backward(hidden, weight, bias, normalizer, rows, ids, which, place, scale)
-        ctx.compute_dtype, ctx.bounds, ctx.taus, ctx.block = compute_dtype, bounds, taus, block
+        ctx.compute_dtype, ctx.taus, ctx.block = compute_dtype, taus, block
+        ctx.vocab_block, ctx.vocab_bounds = vocab_block, vocab_bounds
         return normalizer, picked
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_normalizer, g_picked):
         hidden, weight, bias, normalizer, rows, ids, which, place, scale = ctx.saved_tensors
-        bounds, taus, block = ctx.bounds, ctx.taus, ctx.block
+        taus = ctx.taus
         w, b = OutputLayer(hidden, weight, bias, ctx.compute_dtype).operands()
         dtype = normalizer.dtype
         per_row, grad = _backward_setup(g_normalizer, g_picked, normalizer, place, which, scale)
-        g_hidden = torch.empty(hidden.shape, dtype=w.dtype, device=hidden.device)
+        # Vocabulary-major: each block of ids over every row, so each slice of the weight's
+        # gradient is written once (a row-major loop would read and write all of it per block
+        # of rows) and only the hidden states' gradient, R x H, is accumulated.
+        h = hidden.to(w.dtype)
+        g_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
         # a frozen head (trainable without it) needs no product for its gradient
         g_weight = (
-            torch.zeros(weight.shape, dtype=dtype, device=hidden.device)
+            torch.empty(weight.shape, dtype=dtype, device=hidden.device)
             if ctx.needs_input_grad[1]
             else None
         )
         g_bias = (
-            torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+            torch.empty(bias.shape, dtype=dtype, device=bias.device)
             if bias is not None and ctx.needs_input_grad[2]
             else None
         )
-        for i, start in enumerate(range(0, hidden.shape[0], block)):
-            stop = min(start + block, hidden.shape[0])
-            h = hidden[start:stop].to(w.dtype)
+        by_id = torch.argsort(ids, stable=True)
+        rows, ids, grad = rows[by_id], ids[by_id], grad[by_id]
+        width = ctx.vocab_block
+        for i, first in enumerate(range(0, weight.shape[0], width)):
+            last = min(first + width, weight.shape[0])
             # the block's logits are this function's own: the gradient is written over them
             chunk = _block_gradient(
-                F.linear(h, w, b),
-                normalizer[:, start:stop],
-                per_row[:, start:stop],
+                F.linear(h, w[first:last], None if b is None else b[first:last]),
+                normalizer,
+                per_row,
                 taus,
                 dtype,
                 own=True,
             )
-            lo, hi = bounds[i], bounds[i + 1]
-            chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
+            lo, hi = ctx.vocab_bounds[i], ctx.vocab_bounds[i + 1]
+            chunk.index_put_((rows[lo:hi], ids[lo:hi] - first), grad[lo:hi], accumulate=True)
             g_logits = chunk.to(w.dtype)
-            g_hidden[start:stop] = g_logits @ w
-            if g_weight is not None and g_logits.dtype == dtype:
-                g_weight.addmm_(g_logits.T, h)  # no V x H temporary
-            elif g_weight is not None:  # a bf16 product, summed over the blocks in float32
-                g_weight += g_logits.T @ h
+            if g_logits.dtype == dtype:  # float32 (float64): no temporaries
+                g_hidden.addmm_(g_logits, w[first:last])
+                if g_weight is not None:
+                    torch.mm(g_logits.T, h, out=g_weight[first:last])
+            else:  # bf16 products, summed in float32
+                g_hidden += g_logits @ w[first:last]
+                if g_weight is not None:
+                    g_weight[first:last] = g_logits.T @ h
             if g_bias is not None:
-                g_bias += chunk.sum(0)
+                g_bias[first:last] = chunk.sum(0)
         return (
             g_hidden.to(hidden.dtype),
             None if g_weight is None else g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype),
-            *(None,) * 9,
+            *(None,) * 11,
         )
 
 
