@@ -310,9 +310,9 @@ class _FusedRows:
         only the block's logits above ``threshold`` (the K-th largest candidate when they were
         last cut to K) can be among the top K: one equal to it has a higher id than the K
         candidates at or above it. Before that, a block at least K wide adds its logits at or
-        above the least of the maxima of K disjoint groups of its columns (K of its logits are
-        at or above that, so none below it can be among the top K), and a narrower one all its
-        logits. Either way only a few logits of a block are added once the top K is good; the
+        above the K-th largest of the maxima of (up to 4 K) disjoint groups of its columns (K of
+        its logits are at or above that, so none below it can be among the top K), and a
+        narrower one all its logits. Either way only a few logits of a block are added once the top K is good; the
         candidates are cut back to the top K when there are K for the first time and when they
         pass 4 K.
         """
@@ -322,8 +322,10 @@ class _FusedRows:
         if not short:
             self._add_above(logits, first, self.threshold, inclusive=False)
         elif width >= k:
-            size = width // k
-            floor = logits[:, : k * size].view(n, k, size).amax(dim=-1).amin(dim=-1)
+            groups = min(width, 4 * k)
+            size = width // groups
+            maxima = logits[:, : groups * size].view(n, groups, size).amax(dim=-1)
+            floor = maxima.topk(k, dim=-1, sorted=False).values.amin(dim=-1)
             self._add_above(logits, first, floor, inclusive=True)
         else:
             ids = torch.arange(first, first + width, device=logits.device)
