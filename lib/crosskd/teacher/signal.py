@@ -310,11 +310,11 @@ class _FusedRows:
         only the block's logits above ``threshold`` (the K-th largest candidate when they were
         last cut to K) can be among the top K: one equal to it has a higher id than the K
         candidates at or above it. Before that, a block at least K wide adds its logits at or
-        above the K-th largest of the maxima of (up to 4 K) disjoint groups of its columns (K of
-        its logits are at or above that, so none below it can be among the top K), and a
-        narrower one all its logits. Either way only a few logits of a block are added once the top K is good; the
-        candidates are cut back to the top K when there are K for the first time and when they
-        pass 4 K.
+        above the K-th largest of the maxima of (up to 4 K) disjoint groups of its columns (K
+        of its logits are at or above that, so none below it can be among the top K), and a
+        narrower one all its logits. Either way only a few logits of a block are added once the
+        top K is good; the candidates are cut back to the top K when there are K for the first
+        time and when they pass 4 K.
         """
         k = self.k
         n, width = logits.shape
