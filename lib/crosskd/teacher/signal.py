@@ -160,14 +160,15 @@ def signal_from_output_layer(
     :meth:`OutputLayer.logits`: in the layer's compute dtype, then float32), and folded into
     each row's running state: its max and sum of exponentials at ``tau`` and, for ``tau`` != 1,
     at 1 (the block's exponentials relative to the running max, summed in float32; the running
-    sum float64); its top-K candidates (the first block's top K, then only the later logits
-    above the K-th candidate: few, as the top K fills up; cut back to K when they pass 4 K);
-    and the logit of its realized token, picked from the block that holds it. Temporaries: a
-    few buffers of a block (defaults: :data:`FUSED_BLOCK` entries, :data:`VOCAB_BLOCK` wide,
-    by device type) and the candidates (at most ``block_rows x (4 K + vocab_block)``), besides
-    the outputs (``R x K``); nothing ``R x V``. On a GPU each block reads back the number of
-    its candidates (a host sync). ``k`` = 0 (dense) stores ``R x V`` log probs by definition:
-    it is computed from the whole logits (:func:`signal_from_logits`). Runs without autograd.
+    sum float64); its top-K candidates (logits that can still be among the top K: those above
+    the K-th candidate so far, few once the top K fills up; cut back to K when they pass 4 K;
+    see ``_FusedRows._merge_top_k``); and the logit of its realized token, picked from the
+    block that holds it. Temporaries: a few buffers of a block (defaults: :data:`FUSED_BLOCK`
+    entries, :data:`VOCAB_BLOCK` wide, by device type) and the candidates (at most
+    ``block_rows x (4 K + vocab_block)``), besides the outputs (``R x K``); nothing ``R x V``.
+    On a GPU each block reads back the number of its candidates (a host sync). ``k`` = 0
+    (dense) stores ``R x V`` log probs by definition: it is computed from the whole logits
+    (:func:`signal_from_logits`). Runs without autograd.
 
     Raises :class:`SignalError` for ``tau`` <= 0, ``k`` outside ``0 .. V``, hidden states and
     ``input_ids`` of other sequence shapes, a block size < 1, and a realized token id (any of
