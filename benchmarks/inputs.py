@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import statistics
@@ -57,11 +58,16 @@ def write_benchmark_jsonl(
 
 def measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
     """Median seconds of ``repeat`` calls of ``step`` (after one untimed warm-up call), and the
-    largest peak-memory rise."""
+    largest peak-memory rise, bytes.
+
+    Before each call the heap's free memory goes back to the system (``malloc_trim``), so memory
+    an earlier step freed but the allocator kept does not hide this step's peak."""
     step()
     times, peaks = [], []
+    libc = ctypes.CDLL("libc.so.6")
     for _ in range(repeat):
         gc.collect()
+        libc.malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")
         before, _ = rss()
         start = time.perf_counter()

@@ -1,19 +1,32 @@
 """Benchmark: teacher scoring against a plain forward of the same model on the same batches,
-and the bytes per token of each storage option, in one run.
+fused with the output head and from the logits, with peak memory, and the bytes per token of
+each storage option, in one run.
 
-The teacher is SmolLM2-135M-Instruct (``zoo:smollm2``, float32 on CPU); the data is
-:func:`crosskd.alignment.corpus.benchmark_corpus` text (``--bytes``) prepared for a Llama-3
-student and this teacher (samples of at most ``--length`` tokens), batched by a token budget as
-``crosskd score`` batches it. Timed on the same batches:
+The teacher is SmolLM2-135M-Instruct (``zoo:smollm2``, float32 on CPU; V = 49,152, H = 576); the
+data is :func:`crosskd.alignment.corpus.benchmark_corpus` text (``--bytes``) prepared for a
+Llama-3 student and this teacher (samples of at most ``--length`` tokens), batched by a token
+budget as ``crosskd score`` batches it. Timed on the same batches:
 
 * ``forward``: ``model(input_ids, attention_mask).logits`` (the baseline);
-* ``score``: :func:`crosskd.teacher.scoring.score_sequences` (the forward, then the exact
-  tempered top-K over the whole vocabulary, the realized log probs at tau and 1, and the split
-  into per-sample signals) plus :func:`crosskd.teacher.storage.encode` of the results.
+* ``score``: :func:`crosskd.teacher.scoring.score_sequences` from the logits (the forward, then
+  the exact tempered top-K over the whole vocabulary, the realized log probs at tau and 1, and
+  the split into per-sample signals) plus :func:`crosskd.teacher.storage.encode` of the
+  results;
+* ``score (fused)``: the same with the teacher's head fused
+  (:func:`crosskd.teacher.signal.signal_from_output_layer`: the forward hands over its last
+  hidden states, the signal is computed a block of rows and of the vocabulary at a time, and
+  the ``tokens x V`` logits never exist), as ``crosskd score`` runs it, plus the same encoding.
 
-Seconds are the median of ``--repeat`` passes over all batches. Goal: ``score`` at most 1.10x
-``forward``. Bytes per token: the encoded Parquet bytes of all samples over their tokens, for
-``lossless`` and ``lossy`` at K = 128 (goals: at most 700 and 300).
+Each of ``--repeat`` rounds measures the three in turn (so a drift of the machine's speed hits
+all three), each with :func:`inputs.measure`: one untimed pass over all batches, then one
+timed pass and its peak memory, the largest rise of the process's peak resident set over the
+pass (``VmHWM``, reset through ``/proc/self/clear_refs`` before it), on top of the model and
+the inputs. Seconds are the median over the rounds, peak memory the largest; ratios are against
+``forward`` of the same run. Goals: ``score (fused)`` at most 1.05x ``forward``'s time, and its
+peak memory independent of V beyond the weight (so below ``forward``'s, which holds the
+``tokens x V`` logits of the largest batch); ``score`` at most 1.10x. Bytes per token: the
+encoded Parquet bytes of all samples over their tokens, for ``lossless`` and ``lossy`` at K =
+128 (goals: at most 700 and 300).
 
     python benchmarks/teacher.py [--repeat 3] [--bytes 60000] [--length 512] [--budget 2048]
 
@@ -24,15 +37,16 @@ Zoo tokenizers and the model are built into ``$CROSSKD_CACHE_DIR`` (default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from inputs import measure
 
 from crosskd.alignment.corpus import benchmark_corpus
 from crosskd.data.collate import load_prepared
@@ -42,7 +56,7 @@ from crosskd.teacher.scoring import budget_batches, score_sequences
 from crosskd.teacher.storage import ENCODINGS, encode
 
 K = 128
-GOAL_OVERHEAD, GOAL_BYTES = 1.10, {"lossless": 700, "lossy": 300}
+GOAL_OVERHEAD, GOAL_FUSED, GOAL_BYTES = 1.10, 1.05, {"lossless": 700, "lossy": 300}
 
 
 def main() -> None:
@@ -81,6 +95,9 @@ def main() -> None:
         [sequences[i] for i in b] for b in budget_batches([len(s) for s in sequences], args.budget)
     ]
     tokens = sum(len(s) for s in sequences)
+    if teacher.head is None:
+        raise SystemExit("the teacher's head is not fusable; nothing to compare")
+    unfused = dataclasses.replace(teacher, head=None)
 
     @torch.no_grad()
     def forward() -> None:
@@ -93,35 +110,44 @@ def main() -> None:
                 mask[b, : len(seq)] = 1
             teacher.model(input_ids=ids, attention_mask=mask).logits.sum()
 
-    def scoring() -> list:
+    def scoring(scored) -> list:
         out = []
         for batch in batches:
-            signals = score_sequences(teacher, batch, k=K, tau=1.0)
+            signals = score_sequences(scored, batch, k=K, tau=1.0)
             encode([str(i) for i in range(len(batch))], signals, "lossless")
             out += signals
         return out
 
-    def timed(fn) -> tuple[float, object]:
-        fn()
-        times, result = [], None
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            result = fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times), result
-
-    forward_s, _ = timed(forward)
-    score_s, signals = timed(scoring)
+    steps = {
+        "forward": forward,
+        "score": lambda: scoring(unfused),
+        "score (fused)": lambda: scoring(teacher),
+    }
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in steps}
+    for _ in range(args.repeat):  # rounds over the three, so a drift of the machine hits all
+        for name, step in steps.items():
+            runs[name].append(measure(step, 1))
+    seconds = {name: statistics.median(s for s, _ in got) for name, got in runs.items()}
+    peaks = {name: max(p for _, p in got) for name, got in runs.items()}
+    signals = scoring(teacher)
     print(
         f"{len(sequences)} samples, {tokens} tokens in {len(batches)} batches "
-        f"(budget {args.budget} tokens), SmolLM2-135M float32 on CPU"
+        f"(budget {args.budget} tokens), SmolLM2-135M float32 on CPU, "
+        f"{torch.get_num_threads()} threads"
     )
-    print(f"forward  {forward_s:7.2f} s  {tokens / forward_s:8.0f} tokens/s  1.00x")
-    ratio = score_s / forward_s
-    print(
-        f"score    {score_s:7.2f} s  {tokens / score_s:8.0f} tokens/s  {ratio:.2f}x  "
-        f"(goal <= {GOAL_OVERHEAD:.2f}x: {'met' if ratio <= GOAL_OVERHEAD else 'NOT met'})"
-    )
+    print(f"{'':14} {'seconds':>8} {'tokens/s':>9} {'time':>6} {'peak MB':>8} {'memory':>7}")
+    goals = {"score": GOAL_OVERHEAD, "score (fused)": GOAL_FUSED}
+    for name in steps:
+        ratio = seconds[name] / seconds["forward"]
+        verdict = (
+            f"  (goal <= {goals[name]:.2f}x: {'met' if ratio <= goals[name] else 'NOT met'})"
+            if name in goals
+            else ""
+        )
+        print(
+            f"{name:14} {seconds[name]:8.2f} {tokens / seconds[name]:9.0f} {ratio:5.2f}x "
+            f"{peaks[name] / 2**20:8.0f} {peaks[name] / peaks['forward']:6.2f}x{verdict}"
+        )
     names = [str(i) for i in range(len(signals))]
     for encoding in ENCODINGS:
         per_token = len(encode(names, signals, encoding)) / tokens

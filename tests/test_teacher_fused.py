@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_model_families import SMALL as FAMILIES_SMALL
 
 from crosskd.output_layer import OutputHead, OutputLayer
 from crosskd.teacher.model import LoadedTeacher, load_teacher
@@ -36,15 +37,8 @@ from crosskd.teacher.signal import (
 )
 
 TOLERANCE = 1e-5
-SMALL = {
-    "vocab_size": 300,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-}
+SMALL = FAMILIES_SMALL | {"vocab_size": 300}
+"""The tiny families' size with a vocabulary wide enough for several blocks of it."""
 
 
 def dyadic_layer(
