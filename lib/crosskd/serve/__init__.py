@@ -1,0 +1,1 @@
+"""``crosskd serve``: the teacher answering top-K signals online over HTTP."""
