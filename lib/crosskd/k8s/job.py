@@ -279,15 +279,8 @@ class JobConfig:
         """Refuse sizes that are not Kubernetes quantities (numbers become strings)."""
         for key in ("cpu", "memory", "memory_limit", "shm_size", "cache_size", "node_cache_size"):
             value = getattr(self, key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                value = str(value)
-                setattr(self, key, value)
-            if value is None and key == "memory_limit":
-                continue
-            if not isinstance(value, str) or not _QUANTITY.fullmatch(value):
-                raise ConfigError(
-                    f"{key} is {value!r}; it must be a Kubernetes quantity such as 4, 500m, 16Gi."
-                )
+            if value is not None or key != "memory_limit":
+                setattr(self, key, quantity(key, value))
 
     def _check_strings(self) -> None:
         """Refuse bad strings, maps and lists, and credentials given as plain ``env``."""
@@ -333,31 +326,7 @@ class JobConfig:
 
     def _check_tolerations(self) -> None:
         """Refuse tolerations Kubernetes would not take."""
-        if not isinstance(self.tolerations, list):
-            raise ConfigError(f"tolerations is {self.tolerations!r}; it must be a list.")
-        for i, tol in enumerate(self.tolerations):
-            bad = sorted(set(tol) - _TOLERATION_KEYS) if isinstance(tol, dict) else None
-            if bad is None or bad:
-                raise ConfigError(
-                    f"tolerations[{i}] is {tol!r}; it must be a mapping of "
-                    f"{', '.join(sorted(_TOLERATION_KEYS))}."
-                )
-            if tol.get("operator", "Equal") not in ("Equal", "Exists"):
-                raise ConfigError(
-                    f"tolerations[{i}].operator is {tol['operator']!r}; it must be Equal or Exists."
-                )
-            if tol.get("effect") not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
-                raise ConfigError(
-                    f"tolerations[{i}].effect is {tol['effect']!r}; it must be "
-                    f"NoSchedule, PreferNoSchedule or NoExecute."
-                )
-            for key in ("key", "value"):
-                if key in tol and not isinstance(tol[key], str):
-                    raise ConfigError(
-                        f"tolerations[{i}].{key} is {tol[key]!r}; it must be a string."
-                    )
-            if "tolerationSeconds" in tol:
-                _int(f"tolerations[{i}].tolerationSeconds", tol["tolerationSeconds"], 0)
+        check_tolerations(self.tolerations)
 
 
 def load_job_config(
@@ -489,16 +458,6 @@ def train_command(config: JobConfig) -> list[str]:
 
 def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplateSpec:
     """Every replica's pod: the ``pytorch`` container, its volumes, scheduling and security."""
-    tolerations = [
-        k8s.V1Toleration(
-            key=t.get("key"),
-            operator=t.get("operator"),
-            value=t.get("value"),
-            effect=t.get("effect"),
-            toleration_seconds=t.get("tolerationSeconds"),
-        )
-        for t in config.tolerations
-    ]
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(
             labels=dict(labels), annotations={"sidecar.istio.io/inject": "false"}
@@ -508,7 +467,7 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
             volumes=_volumes(config),
             termination_grace_period_seconds=config.grace_seconds,
             node_selector=dict(config.node_selector) or None,
-            tolerations=tolerations or None,
+            tolerations=pod_tolerations(config.tolerations),
             priority_class_name=config.priority_class,
             service_account_name=config.service_account,
             automount_service_account_token=False,
@@ -619,9 +578,16 @@ def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
         **config.env,
     }
     env = [k8s.V1EnvVar(name=k, value=v) for k, v in plain.items()]
-    optional = {"AWS_ENDPOINT_URL": config.s3_endpoint_url, "AWS_DEFAULT_REGION": config.s3_region}
-    env += [k8s.V1EnvVar(name=k, value=v) for k, v in optional.items() if v is not None]
-    if config.s3_secret:
+    return env + s3_env(config.s3_secret, config.s3_endpoint_url, config.s3_region)
+
+
+def s3_env(secret: str | None, endpoint_url: str | None, region: str | None) -> list[k8s.V1EnvVar]:
+    """The S3 environment of a pod: ``AWS_ENDPOINT_URL`` / ``AWS_DEFAULT_REGION`` as plain values
+    where given, and with a ``secret``, ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` (and
+    the optional endpoint and region not given as values) as ``secretKeyRef``."""
+    optional = {"AWS_ENDPOINT_URL": endpoint_url, "AWS_DEFAULT_REGION": region}
+    env = [k8s.V1EnvVar(name=k, value=v) for k, v in optional.items() if v is not None]
+    if secret:
         keys = [(k, False) for k in CREDENTIAL_ENV[:2]]
         keys += [(k, True) for k, v in optional.items() if v is None]
         env += [
@@ -629,13 +595,68 @@ def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
                 name=k,
                 value_from=k8s.V1EnvVarSource(
                     secret_key_ref=k8s.V1SecretKeySelector(
-                        name=config.s3_secret, key=k, optional=True if opt else None
+                        name=secret, key=k, optional=True if opt else None
                     )
                 ),
             )
             for k, opt in keys
         ]
     return env
+
+
+def pod_tolerations(tolerations: list[dict]) -> list[k8s.V1Toleration] | None:
+    """Tolerations as Kubernetes writes them (checked by :func:`check_tolerations`) as the
+    client's models; None for none."""
+    return [
+        k8s.V1Toleration(
+            key=t.get("key"),
+            operator=t.get("operator"),
+            value=t.get("value"),
+            effect=t.get("effect"),
+            toleration_seconds=t.get("tolerationSeconds"),
+        )
+        for t in tolerations
+    ] or None
+
+
+def quantity(key: str, value: object) -> str:
+    """``value`` as a Kubernetes quantity string (a number becomes one); refused naming
+    ``key`` when it is not one."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not _QUANTITY.fullmatch(value):
+        raise ConfigError(
+            f"{key} is {value!r}; it must be a Kubernetes quantity such as 4, 500m, 16Gi."
+        )
+    return value
+
+
+def check_tolerations(tolerations: object) -> None:
+    """Refuse tolerations Kubernetes would not take (a list of mappings of ``key``,
+    ``operator``, ``value``, ``effect``, ``tolerationSeconds``)."""
+    if not isinstance(tolerations, list):
+        raise ConfigError(f"tolerations is {tolerations!r}; it must be a list.")
+    for i, tol in enumerate(tolerations):
+        bad = sorted(set(tol) - _TOLERATION_KEYS) if isinstance(tol, dict) else None
+        if bad is None or bad:
+            raise ConfigError(
+                f"tolerations[{i}] is {tol!r}; it must be a mapping of "
+                f"{', '.join(sorted(_TOLERATION_KEYS))}."
+            )
+        if tol.get("operator", "Equal") not in ("Equal", "Exists"):
+            raise ConfigError(
+                f"tolerations[{i}].operator is {tol['operator']!r}; it must be Equal or Exists."
+            )
+        if tol.get("effect") not in (None, "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            raise ConfigError(
+                f"tolerations[{i}].effect is {tol['effect']!r}; it must be "
+                f"NoSchedule, PreferNoSchedule or NoExecute."
+            )
+        for key in ("key", "value"):
+            if key in tol and not isinstance(tol[key], str):
+                raise ConfigError(f"tolerations[{i}].{key} is {tol[key]!r}; it must be a string.")
+        if "tolerationSeconds" in tol:
+            _int(f"tolerations[{i}].tolerationSeconds", tol["tolerationSeconds"], 0)
 
 
 def _str(key: str, value: object) -> None:
