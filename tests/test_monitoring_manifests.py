@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from kube_tools import kubectl, strict_schema
+from kube_tools import kustomize, strict_schema
 from monitoring import relabel
 
 from crosskd.k8s.job import JobConfig, job_manifest
@@ -46,15 +46,7 @@ JOBS = {  # name: (JobConfig keys, local ranks per pod)
 
 @functools.cache
 def _built() -> tuple[dict, ...]:
-    out = subprocess.run(
-        [kubectl(), "kustomize", str(MONITORING)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return tuple(yaml.safe_load_all(out.stdout))
+    return kustomize(MONITORING)
 
 
 def _monitors() -> dict[str, dict]:
