@@ -24,7 +24,7 @@ from crosskd.errors import CrosskdError
 from crosskd.teacher import signal_from_logits
 from crosskd.teacher.cache import CacheError, open_cache
 from crosskd.teacher.model import load_teacher
-from crosskd.teacher.scoring import ScoreConfig, budget_batches, online_signal
+from crosskd.teacher.scoring import ScoreConfig, budget_batches, online_signal, score_all
 from crosskd.teacher.sharded import score
 from crosskd.teacher.signal import SignalError
 from crosskd.teacher.storage import LOSSY_STEP, decode, encode, signal_samples
@@ -328,7 +328,13 @@ def test_online_signal_equals_the_cached_signal(prepared, tiny_teacher, tmp_path
         for r, (_, first) in zip((0, 1, order.rows - 1), read, strict=True)
     ]
     cached = cache.batch(where, batch.sample_ids, side.input_ids.shape[1])
-    online = online_signal(teacher, side, k=8, tau=1.0, token_budget=64)
+    online = online_signal(
+        lambda seqs: score_all(teacher, seqs, k=8, tau=1.0, token_budget=64),
+        side,
+        k=8,
+        tau=1.0,
+        vocab_size=teacher.vocab_size,
+    )
     valid = side.segment_ids >= 0
     assert torch.equal(cached.ids[valid], online.ids[valid])
     torch.testing.assert_close(cached.log_probs[valid], online.log_probs[valid])

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import fsspec
@@ -174,24 +175,31 @@ def _check_vocab(teacher: LoadedTeacher, width: int) -> None:
 
 
 def online_signal(
-    teacher: LoadedTeacher, batch: ModelBatch, *, k: int, tau: float, token_budget: int = 4096
+    score: Callable[[list[np.ndarray]], list[SampleSignal]],
+    batch: ModelBatch,
+    *,
+    k: int,
+    tau: float,
+    vocab_size: int,
 ) -> TeacherSignal:
-    """The teacher signal of a collated batch computed here (online mode, for small teachers):
-    the teacher's side of the batch (``batch.models["teacher0"]``) is split into its samples by
-    ``segment_ids``, the samples are scored like the offline scorer does (:func:`score_sequences`
-    in token-budget batches), and laid out as the batch's rows (as
-    :meth:`crosskd.teacher.cache.TeacherCache.batch` does for cached signals)."""
+    """The teacher signal of a collated batch scored now (online mode: a teacher in this
+    process, or a teacher server): the teacher's side of the batch (``batch.models[
+    "teacher0"]``) is split into its samples by ``segment_ids``, ``score`` gives each sample's
+    signal in order (top K at ``tau``; :func:`score_all` here, or
+    :meth:`crosskd.teacher.remote.TeacherClient.score`), and the signals are laid out as the
+    batch's rows (as :meth:`crosskd.teacher.cache.TeacherCache.batch` does for cached signals);
+    ``vocab_size``: the teacher's ``V``."""
     ids, segments = batch.input_ids.cpu().numpy(), batch.segment_ids.cpu().numpy()
     sequences, owner = [], []
     for b in range(len(ids)):
         for seg in np.unique(segments[b][segments[b] >= 0]).tolist():
             sequences.append(ids[b][segments[b] == seg])
             owner.append(b)
-    signals = score_all(teacher, sequences, k=k, tau=tau, token_budget=token_budget)
+    signals = score(sequences)
     rows: list[list[SampleSignal]] = [[] for _ in range(len(ids))]
     for b, sig in zip(owner, signals, strict=True):
         rows[b].append(sig)
-    return batch_signal(rows, ids.shape[1], k=k, tau=tau, vocab_size=teacher.vocab_size)
+    return batch_signal(rows, ids.shape[1], k=k, tau=tau, vocab_size=vocab_size)
 
 
 def score_all(
