@@ -43,8 +43,10 @@ class TrainConfig:
     ``checkpoints/``, ``metrics-rank0.jsonl``, the final model under ``final/`` and the best
     held-out one under ``best/``."""
     teachers: list[str] = field(default_factory=list)
-    """Per teacher, in teacher order: a teacher cache URI (``crosskd score`` output), or
-    ``online:REF`` to compute the signal here from the teacher model ``REF``."""
+    """Per teacher, in teacher order: a teacher cache URI (``crosskd score`` output),
+    ``online:REF`` to compute the signal here from the teacher model ``REF``, or the
+    ``http://`` / ``https://`` URL of a ``crosskd serve`` teacher server (its bearer token from
+    the environment variable ``CROSSKD_TEACHER_TOKEN``)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The loss (a mapping of :class:`crosskd.loss.LossConfig` keys; each ``loss.teachers[i]``
     names the tables of teacher ``i``, none for a same-tokenizer teacher)."""
@@ -67,6 +69,20 @@ class TrainConfig:
     prefetch_steps: int = 2
     """Steps whose inputs a background thread reads, collates and plans ahead of training
     (0: each step reads its own, inline)."""
+    teacher_concurrency: int = 4
+    """Teacher servers: requests in flight at once per server per process (a micro-batch's
+    samples are cut into at least this many requests, so the replicas behind a Service score
+    them at once)."""
+    teacher_connect_timeout_s: float = 10.0
+    """Teacher servers: seconds to open a connection before the attempt is retried."""
+    teacher_read_timeout_s: float = 300.0
+    """Teacher servers: seconds to wait for the next bytes of an answer (which may wait in the
+    server's queue) before the attempt is retried."""
+    teacher_retry_s: float = 600.0
+    """Teacher servers: seconds a request is retried (connection errors, timeouts, 429, 503,
+    other 5xx; exponential backoff with jitter, ``Retry-After`` honoured up to 30 s) before the
+    step fails as retryable (``crosskd train --nproc-per-node`` exits 200; the restarted job
+    resumes from its checkpoint)."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     """How the student is spread over the processes (a mapping of
     :class:`crosskd.parallel.layout.ParallelLayout` keys: ``dp_replicate``, ``dp_shard``, ``tp``,
@@ -154,8 +170,8 @@ class TrainConfig:
             isinstance(t, str) and t for t in self.teachers
         ):
             raise ConfigError(
-                f"teachers is {self.teachers!r}; it must be a list of teacher cache URIs or "
-                f"online:REF strings."
+                f"teachers is {self.teachers!r}; it must be a list of teacher cache URIs, "
+                f"online:REF strings or teacher server URLs."
             )
         if not isinstance(self.loss, LossConfig):
             raise ConfigError(f"loss is {self.loss!r}; it must be a mapping of loss keys.")
@@ -180,6 +196,7 @@ class TrainConfig:
         for key in ("steps", "micro_batch_rows", "window_shards"):
             _int(key, getattr(self, key), 1)
         _int("prefetch_steps", self.prefetch_steps, 0)
+        _int("teacher_concurrency", self.teacher_concurrency, 1)
         for key in ("global_batch_rows", "grad_accum"):
             if getattr(self, key) is not None:
                 _int(key, getattr(self, key), 1)
@@ -195,7 +212,15 @@ class TrainConfig:
             _int("metrics_port", self.metrics_port, 0)
             if self.metrics_port > 65535:
                 raise ConfigError(f"metrics_port is {self.metrics_port}; it must be <= 65535.")
-        for key in ("lr", "weight_decay", "clip_norm", "min_lr_ratio", "metrics_final_scrape_s"):
+        timeouts = ("teacher_connect_timeout_s", "teacher_read_timeout_s", "teacher_retry_s")
+        for key in (
+            "lr",
+            "weight_decay",
+            "clip_norm",
+            "min_lr_ratio",
+            "metrics_final_scrape_s",
+            *timeouts,
+        ):
             value = getattr(self, key)
             if (
                 isinstance(value, bool)
@@ -204,8 +229,9 @@ class TrainConfig:
                 or value < 0
             ):
                 raise ConfigError(f"{key} is {value!r}; it must be a finite number >= 0.")
-        if self.lr <= 0:
-            raise ConfigError(f"lr is {self.lr!r}; it must be > 0.")
+        for key in ("lr", *timeouts):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key} is {getattr(self, key)!r}; it must be > 0.")
         if self.min_lr_ratio > 1:
             raise ConfigError(f"min_lr_ratio is {self.min_lr_ratio!r}; it must be in [0, 1].")
         if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:

@@ -11,8 +11,19 @@ For each teacher of the prepared data (``teacher0``, ``teacher1``, ...), in conf
   (:meth:`crosskd.tables.TablePair.check_tokenizers`): a pair built for another tokenizer of the
   same vocabulary size (Qwen2.5 tables with Qwen3 data) would give a silently wrong KD;
 * a cache must have been scored on this data with this teacher tokenizer, K and tau
-  (:func:`crosskd.teacher.cache.open_cache` refuses anything else), and an ``online:REF``
-  teacher's tokenizer must be the prepared one.
+  (:func:`crosskd.teacher.cache.open_cache` refuses anything else), an ``online:REF``
+  teacher's tokenizer must be the prepared one, and a teacher server (``http://...`` or
+  ``https://...``) must score with the prepared tokenizer, K and tau and take requests as long
+  as the prepared teacher capacity (:func:`crosskd.teacher.remote.connect` reads its
+  ``/v1/info``).
+
+Online teachers (in the process or a server) are scored by the same code
+(:func:`crosskd.teacher.scoring.online_signal`: the batch split into its samples, the signals
+laid out as its rows). The signal is computed where :meth:`TeacherSource.signal` is called:
+the trainer's input thread (:class:`crosskd.train.loader.Prefetcher`), ``prefetch_steps``
+ahead of the step that trains, so a server's requests for steps ``s + 1 .. s +
+prefetch_steps`` are on the network while step ``s`` runs (``prefetch_steps: 0`` makes each
+step wait for its own).
 
 Every mismatch is a :class:`crosskd.errors.CrosskdError` naming the artifact, the field and
 both values.
@@ -21,6 +32,7 @@ both values.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -30,9 +42,10 @@ from crosskd.errors import ConfigError, DataError
 from crosskd.loss.config import check_teachers
 from crosskd.tables import TablePair, load_table_pair
 from crosskd.teacher import TeacherSignal
-from crosskd.teacher.cache import open_cache
+from crosskd.teacher.cache import TeacherCache, open_cache
 from crosskd.teacher.model import LoadedTeacher, load_teacher
-from crosskd.teacher.scoring import online_signal
+from crosskd.teacher.remote import ClientOptions, TeacherClient, connect, is_remote
+from crosskd.teacher.scoring import online_signal, score_all
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 from crosskd.train.config import TrainConfig
 
@@ -41,20 +54,33 @@ ONLINE = "online:"
 
 @dataclass(frozen=True, eq=False)
 class TeacherSource:
-    """Where one teacher's signal comes from: a cache, or a teacher model run here."""
+    """Where one teacher's signal comes from: a cache, a teacher model run here
+    (``online``), or a teacher server (``remote``); exactly one is set."""
 
-    cache: object | None
+    cache: TeacherCache | None
     online: LoadedTeacher | None
     k: int
     tau: float
+    remote: TeacherClient | None = None
 
     def signal(self, batch: Batch, index: int, where: list[tuple[int, int]]) -> TeacherSignal:
         """Teacher ``index``'s signal of the collated ``batch``; ``where``: per packed row, its
-        prepared shard and the row of its first sample there (how the cache finds it)."""
+        prepared shard and the row of its first sample there (how the cache finds it). From a
+        server this is where its requests are made (on the trainer's input thread)."""
         side = batch.models[f"teacher{index}"]
         if self.cache is not None:
             return self.cache.batch(where, batch.sample_ids, side.input_ids.shape[1])
-        return online_signal(self.online, side, k=self.k, tau=self.tau)
+        if self.remote is not None:
+            score, vocab_size = self.remote.score, self.remote.info.vocab_size
+        else:
+            score = partial(score_all, self.online, k=self.k, tau=self.tau, token_budget=4096)
+            vocab_size = self.online.vocab_size
+        return online_signal(score, side, k=self.k, tau=self.tau, vocab_size=vocab_size)
+
+    def close(self) -> None:
+        """Close a teacher server's connections."""
+        if self.remote is not None:
+            self.remote.close()
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,6 +91,11 @@ class TrainingTeachers:
     pairs: list[TablePair | None]
     sources: list[TeacherSource]
     token_bytes: list[np.ndarray]
+
+    def close(self) -> None:
+        """Close every teacher server's connections."""
+        for source in self.sources:
+            source.close()
 
 
 def load_teachers(
@@ -95,29 +126,57 @@ def load_teachers(
         pair = load_table_pair(entry.student_to_teacher, entry.teacher_to_student)
         pair.check_tokenizers(student, tok)
         pairs.append(pair)
-    sources = []
-    for i, (ref, entry) in enumerate(zip(config.teachers, config.loss.teachers, strict=True)):
-        if ref.startswith(ONLINE):
-            teacher = load_teacher(ref[len(ONLINE) :], device=device)
-            online_tok = load_tokenizer(str(teacher.folder), vocab_size=teacher.vocab_size)
-            if online_tok.fingerprint != entries[i]["fingerprint"]:
-                raise ConfigError(
-                    f"teachers[{i}] {ref}: the model's tokenizer has fingerprint "
-                    f"{online_tok.fingerprint}, but {config.data} was prepared for teacher{i} "
-                    f"with {entries[i]['fingerprint']} ({entries[i]['tokenizer']}); use the "
-                    f"teacher the data was prepared for, or prepare the data again."
-                )
-            sources.append(TeacherSource(None, teacher, entry.k, config.loss.tau))
-            continue
-        cache = open_cache(
-            ref,
-            tokenizer_fingerprint=entries[i]["fingerprint"],
-            data_fingerprint=data.manifest["data_fingerprint"],
-            k=entry.k,
-            tau=config.loss.tau,
-        )
-        sources.append(TeacherSource(cache, None, entry.k, config.loss.tau))
+    sources: list[TeacherSource] = []
+    try:
+        for i, ref in enumerate(config.teachers):
+            sources.append(_source(config, data, i, ref, entries[i], device))
+    except BaseException:
+        TrainingTeachers(pairs, sources, []).close()
+        raise
     return TrainingTeachers(pairs, sources, [t.bytes.lengths for t in tokenizers])
+
+
+def _source(
+    config: TrainConfig, data: PreparedData, i: int, ref: str, entry: dict, device: torch.device
+) -> TeacherSource:
+    """Teacher ``i``'s signal source (``ref``: its ``teachers`` entry), checked against the
+    prepared data's ``entry`` for it."""
+    k, tau = config.loss.teachers[i].k, config.loss.tau
+    if ref.startswith(ONLINE):
+        teacher = load_teacher(ref[len(ONLINE) :], device=device)
+        online_tok = load_tokenizer(str(teacher.folder), vocab_size=teacher.vocab_size)
+        if online_tok.fingerprint != entry["fingerprint"]:
+            raise ConfigError(
+                f"teachers[{i}] {ref}: the model's tokenizer has fingerprint "
+                f"{online_tok.fingerprint}, but {config.data} was prepared for teacher{i} "
+                f"with {entry['fingerprint']} ({entry['tokenizer']}); use the "
+                f"teacher the data was prepared for, or prepare the data again."
+            )
+        return TeacherSource(None, teacher, k, tau)
+    if is_remote(ref):
+        options = ClientOptions(
+            connect_timeout_s=config.teacher_connect_timeout_s,
+            read_timeout_s=config.teacher_read_timeout_s,
+            retry_s=config.teacher_retry_s,
+            concurrency=config.teacher_concurrency,
+        )
+        client = connect(
+            ref,
+            tokenizer_fingerprint=entry["fingerprint"],
+            k=k,
+            tau=tau,
+            longest=int(entry["capacity"]),
+            options=options,
+        )
+        return TeacherSource(None, None, k, tau, remote=client)
+    cache = open_cache(
+        ref,
+        tokenizer_fingerprint=entry["fingerprint"],
+        data_fingerprint=data.manifest["data_fingerprint"],
+        k=k,
+        tau=tau,
+    )
+    return TeacherSource(cache, None, k, tau)
 
 
 def _prepared_tokenizer(uri: str, entry: dict) -> LoadedTokenizer:

@@ -86,7 +86,7 @@ from crosskd.train.config import INIT, TrainConfig
 from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
-from crosskd.train.teachers import load_teachers
+from crosskd.train.teachers import TrainingTeachers, load_teachers
 from crosskd.train.trainable import freeze_except
 from crosskd.zoo.models import new_llama
 
@@ -181,6 +181,7 @@ class Trainer:
     progress: bool = True
     exporter: MetricsExporter | None = field(default=None, init=False)
     log: JsonlLog | None = field(default=None, init=False)
+    teachers: TrainingTeachers | None = field(default=None, init=False)
 
     def setup(self) -> None:
         """Process group, data, tokenizers, teachers (checked against each other), student,
@@ -804,9 +805,11 @@ class Trainer:
         fs.pipe_file(f"{root}/{MODEL_INFO}", json.dumps(info, indent=1).encode())
 
     def close(self) -> None:
-        """Write the rest of the step log and stop the metrics endpoint (if setup got that
-        far), after one more scrape where Prometheus has been scraping it
-        (``metrics_final_scrape_s``)."""
+        """Close the teacher servers' connections, write the rest of the step log and stop the
+        metrics endpoint (if setup got that far), after one more scrape where Prometheus has
+        been scraping it (``metrics_final_scrape_s``)."""
+        if self.teachers is not None:
+            self.teachers.close()
         if self.log is not None:
             self.log.close()
         if self.exporter is not None:
