@@ -11,14 +11,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-import yaml
-from kube_tools import kubectl
+from kube_tools import kustomize
 
 from crosskd.cli import main
 from crosskd.metrics.dashboards import (
@@ -333,15 +331,7 @@ def test_cli_error_is_one_line(tmp_path, capsys, where):
 
 
 def test_kustomize_builds_one_labelled_configmap_per_dashboard():
-    out = subprocess.run(
-        [kubectl(), "kustomize", str(FOLDER)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    docs = list(yaml.safe_load_all(out.stdout))
+    docs = kustomize(FOLDER)
     assert {d["kind"] for d in docs} == {"ConfigMap"}
     by_file = {}
     for doc in docs:

@@ -37,7 +37,7 @@ import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from kubeflow.training import models as kf
@@ -71,6 +71,8 @@ MAX_NAME = 52
 """A job name's limit: the operator names Services ``<job>-worker-<i>``, a DNS-1035 label of at
 most 63 characters, so 52 leaves room for ``-worker-999``."""
 CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+T = TypeVar("T")
 
 _DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
@@ -334,14 +336,27 @@ def load_job_config(
 ) -> JobConfig:
     """A :class:`JobConfig` from a YAML file (any fsspec URI), then ``values``, then ``key=value``
     overrides (:func:`crosskd.config.load_config`); a bad one is a :class:`ConfigError`."""
-    known = {f.name for f in fields(JobConfig)}
+    return load_checked(JobConfig, "job", path, overrides, values)
+
+
+def load_checked(
+    cls: type[T],
+    what: str,
+    path: str | None = None,
+    overrides: Sequence[str] = (),
+    values: Mapping[str, Any] | None = None,
+) -> T:
+    """A ``cls`` config from a YAML file (any fsspec URI), then ``values`` (refused naming the
+    ``what`` keys ``cls`` does not know), then ``key=value`` overrides
+    (:func:`crosskd.config.load_config`); any bad one is a :class:`ConfigError`."""
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(values or {}) - known)
     if unknown:
         raise ConfigError(
-            f"unknown job key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
+            f"unknown {what} key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
         )
     try:
-        return load_config(JobConfig, path, overrides, flags=values)
+        return load_config(cls, path, overrides, flags=values)
     except ConfigError:
         raise
     except CrosskdError as exc:
@@ -475,13 +490,7 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
                 k8s.V1LocalObjectReference(name=n) for n in config.image_pull_secrets
             ]
             or None,
-            security_context=k8s.V1PodSecurityContext(
-                run_as_non_root=True,
-                run_as_user=USER_ID,
-                run_as_group=USER_ID,
-                fs_group=USER_ID,
-                seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-            ),
+            security_context=pod_security_context(),
         ),
     )
 
@@ -602,6 +611,18 @@ def s3_env(secret: str | None, endpoint_url: str | None, region: str | None) -> 
             for k, opt in keys
         ]
     return env
+
+
+def pod_security_context() -> k8s.V1PodSecurityContext:
+    """A crosskd pod's security context: the image's user 1000 (non-root, checked by the
+    kubelet), group 1000 owning the volumes, the ``RuntimeDefault`` seccomp profile."""
+    return k8s.V1PodSecurityContext(
+        run_as_non_root=True,
+        run_as_user=USER_ID,
+        run_as_group=USER_ID,
+        fs_group=USER_ID,
+        seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
+    )
 
 
 def pod_tolerations(tolerations: list[dict]) -> list[k8s.V1Toleration] | None:

@@ -37,23 +37,23 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client as k8s
 
-from crosskd.config import load_config
-from crosskd.errors import ConfigError, CrosskdError
+from crosskd.errors import ConfigError
 from crosskd.k8s.job import (
     CACHE,
     CREDENTIAL_ENV,
     HOME,
-    USER_ID,
     _choice,
     _int,
     _str,
     _str_map,
     check_tolerations,
+    load_checked,
+    pod_security_context,
     pod_tolerations,
     quantity,
     s3_env,
@@ -293,19 +293,7 @@ def load_server_config(
     """A :class:`TeacherServerConfig` from a YAML file (any fsspec URI), then ``values``, then
     ``key=value`` overrides (:func:`crosskd.config.load_config`); a bad one is a
     :class:`ConfigError`."""
-    known = {f.name for f in fields(TeacherServerConfig)}
-    unknown = sorted(set(values or {}) - known)
-    if unknown:
-        raise ConfigError(
-            f"unknown teacher server key(s) {', '.join(unknown)}; known keys: "
-            f"{', '.join(sorted(known))}."
-        )
-    try:
-        return load_config(TeacherServerConfig, path, overrides, flags=values)
-    except ConfigError:
-        raise
-    except CrosskdError as exc:
-        raise ConfigError(str(exc)) from exc
+    return load_checked(TeacherServerConfig, "teacher server", path, overrides, values)
 
 
 def serve_command(config: TeacherServerConfig) -> list[str]:
@@ -451,13 +439,7 @@ def _pod_spec(config: TeacherServerConfig, selector: dict[str, str]) -> k8s.V1Po
         enable_service_links=False,
         image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in config.image_pull_secrets]
         or None,
-        security_context=k8s.V1PodSecurityContext(
-            run_as_non_root=True,
-            run_as_user=USER_ID,
-            run_as_group=USER_ID,
-            fs_group=USER_ID,
-            seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-        ),
+        security_context=pod_security_context(),
     )
 
 
