@@ -24,10 +24,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("crosskd.alignment",),
     ("crosskd.data",),
     ("crosskd.teacher.signal",),  # what a teacher gives the loss
+    ("crosskd.serve.protocol",),  # the teacher server's wire format, which its client shares
     ("crosskd.loss",),
     ("crosskd.metrics",),  # the training metrics name the loss's terms
     ("crosskd.parallel",),  # the mesh carries the sharded loss's groups
     ("crosskd.teacher",),
+    ("crosskd.serve",),  # the teacher server: config, batcher, HTTP
     ("crosskd.evaluate", "crosskd.generate"),
     ("crosskd.transplant",),  # a model moved onto another tokenizer, measured held out
     ("crosskd.train",),  # the trainer evaluates on held-out data

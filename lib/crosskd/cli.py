@@ -1,7 +1,8 @@
 """The ``crosskd`` command line.
 
 ``crosskd tables build|validate|inspect``, ``crosskd prepare`` (and ``prepare-merge``),
-``crosskd inspect pair``, ``crosskd score``, ``crosskd train``, ``crosskd evaluate``,
+``crosskd inspect pair``, ``crosskd score``, ``crosskd serve`` (the teacher answering online
+over HTTP), ``crosskd train``, ``crosskd evaluate``,
 ``crosskd distill``,
 ``crosskd generate`` (a conversation set sampled from an instruct model), ``crosskd transplant``
 (a pretrained model moved onto another tokenizer), ``crosskd dashboards``
@@ -111,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         config="crosskd.teacher.scoring:ScoreConfig",
     )
 
+    commands.add_parser(
+        "serve",
+        help="answer the teacher's top-K signal online over HTTP (dynamic batching, bearer "
+        "token from CROSSKD_SERVE_TOKEN, /healthz, /readyz, /metrics; SIGTERM drains)",
+        config="crosskd.serve.config:ServeConfig",
+    )
+
     tr = commands.add_parser(
         "train",
         help="train the student (one process, or every process under torchrun); a "
@@ -209,6 +217,8 @@ def _run(args: argparse.Namespace) -> int:
         return _inspect_pair(args)
     if args.command == "score":
         return _score(args)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "distill":
         return _distill(args)
     if args.command == "train":
@@ -306,6 +316,13 @@ def _score(args: argparse.Namespace) -> int:
         f"bytes/token; teacher bits per byte {'n/a' if bpb is None else f'{bpb:.3f}'}"
     )
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from crosskd.serve.config import ServeConfig
+    from crosskd.serve.server import serve
+
+    return serve(config_from_args(ServeConfig, args))
 
 
 def _train(args: argparse.Namespace) -> int:
