@@ -314,7 +314,7 @@ def test_probes_port_and_shutdown_fit_the_server():
     assert container["ports"] == [{"name": "http", "containerPort": port, "protocol": "TCP"}]
     probes = {k: container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert {k: p["httpGet"] for k, p in probes.items()} == {
-        "startupProbe": {"path": HEALTHZ, "port": "http"},
+        "startupProbe": {"path": READYZ, "port": "http"},
         "livenessProbe": {"path": HEALTHZ, "port": "http"},
         "readinessProbe": {"path": READYZ, "port": "http"},
     }

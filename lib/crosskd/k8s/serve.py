@@ -15,9 +15,11 @@ The shape:
   edited config rolls the pods), and this config is the one source of the port and the drain
   time, which the probes, the Service, the PodMonitor and the grace period depend on.
 * One container port ``http`` serves the API, ``/healthz``, ``/readyz`` and ``/metrics``. The
-  startup probe (``/healthz``) allows ``startup_timeout_s`` for loading the teacher, then the
-  liveness probe (``/healthz``) restarts a process that stops answering and the readiness probe
-  (``/readyz``) keeps a loading or draining replica out of the Service.
+  server listens at once and answers ``/readyz`` 200 only once the teacher is loaded: the
+  startup probe (``/readyz``) gives the load ``startup_timeout_s``, then restarts the container
+  (a load stuck on object storage gets a fresh try); after it, the liveness probe
+  (``/healthz``) restarts a process that stops answering and the readiness probe (``/readyz``)
+  keeps a draining replica out of the Service.
 * The bearer token ``CROSSKD_SERVE_TOKEN`` comes only from the Secret ``token_secret``
   (``secretKeyRef``), S3 keys only from ``s3_secret``.
 * Shutdown: a ``preStop`` sleep of ``pre_stop_seconds`` keeps the replica answering while the
@@ -62,9 +64,10 @@ from crosskd.k8s.job import (
 CONTAINER = "server"
 PORT_NAME = "http"
 HEALTHZ = "/healthz"
-"""Answered while the process runs (liveness and startup probes)."""
+"""Answered while the process runs, loading included (liveness probe)."""
 READYZ = "/readyz"
-"""200 once the teacher is loaded, 503 while loading or draining (readiness probe)."""
+"""200 once the teacher is loaded, 503 while loading or draining (startup and readiness
+probes)."""
 METRICS = "/metrics"
 SERVE_CONFIG_DIR = "/etc/crosskd"
 SERVE_CONFIG_KEY = "serve.yaml"
@@ -133,9 +136,10 @@ class TeacherServerConfig:
     """``terminationGracePeriodSeconds``; None: ``pre_stop_seconds + drain_timeout_s + 15``. It
     must exceed ``pre_stop_seconds + drain_timeout_s``."""
     startup_timeout_s: int = 1800
-    """How long a replica may take to load its teacher before the kubelet restarts it (the
-    startup probe's ``failureThreshold`` x 10 s); a 70B teacher read from object storage takes
-    minutes. The Deployment's ``progressDeadlineSeconds`` is 600 s more."""
+    """How long a replica may take to load its teacher (``/readyz`` answering 200) before the
+    kubelet restarts it: the startup probe's ``failureThreshold`` x 10 s. A 70B teacher read
+    from object storage takes minutes. The Deployment's ``progressDeadlineSeconds`` is 600 s
+    more."""
     max_surge: int = 1
     """Replicas a rollout starts above ``replicas`` (``maxUnavailable`` is 0: a rollout never
     lowers capacity, so the cluster needs this many replicas' GPUs free)."""
@@ -458,7 +462,7 @@ def _container(config: TeacherServerConfig) -> k8s.V1Container:
         ports=[k8s.V1ContainerPort(name=PORT_NAME, container_port=config.port, protocol="TCP")],
         resources=k8s.V1ResourceRequirements(requests=requests, limits=limits),
         startup_probe=_probe(
-            HEALTHZ,
+            READYZ,
             period=STARTUP_PERIOD_S,
             failures=math.ceil(config.startup_timeout_s / STARTUP_PERIOD_S),
             timeout=5,
