@@ -25,7 +25,7 @@ from test_monitoring_manifests import _validator as _crd_validator
 from crosskd.cli import main
 from crosskd.errors import ConfigError
 from crosskd.k8s.cli import SERVE_FILES, SERVER_FILE, serve_generated_files
-from crosskd.k8s.job import CREDENTIAL_ENV
+from crosskd.k8s.job import CREDENTIAL_ENV, TEACHER_TOKEN_ENV, JobConfig, job_manifest
 from crosskd.k8s.serve import (
     HEALTHZ,
     METRICS,
@@ -401,3 +401,24 @@ def test_default_grace_covers_the_drain():
     assert config.grace == 325
     pod = _pod(serve_manifests(config)["Deployment"])
     assert pod["terminationGracePeriodSeconds"] == 325
+
+
+def test_a_training_job_reads_the_teacher_token_from_a_secret():
+    """A PyTorchJob whose train config names teacher servers gets their token as the
+    ``secretKeyRef`` env the client reads (the server's Secret and key by default), never as a
+    plain value."""
+    job = JobConfig(run_id="r", image="crosskd:test", teacher_token_secret=SERVER["token_secret"])
+    (spec,) = job_manifest(job)["spec"]["pytorchReplicaSpecs"].values()
+    env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert env[TEACHER_TOKEN_ENV] == {
+        "name": TEACHER_TOKEN_ENV,
+        "valueFrom": {"secretKeyRef": {"name": "crosskd-serve-token", "key": SERVER["token_key"]}},
+    }
+    (plain,) = job_manifest(JobConfig(run_id="r", image="crosskd:test"))["spec"][
+        "pytorchReplicaSpecs"
+    ].values()
+    assert TEACHER_TOKEN_ENV not in str(plain)
+    with pytest.raises(ConfigError, match=f"env sets {TEACHER_TOKEN_ENV}; give credentials"):
+        JobConfig(run_id="r", image="crosskd:test", env={TEACHER_TOKEN_ENV: "x"})
+    with pytest.raises(ConfigError, match="teacher_token_secret is ''"):
+        JobConfig(run_id="r", image="crosskd:test", teacher_token_secret="")

@@ -71,6 +71,8 @@ MAX_NAME = 52
 """A job name's limit: the operator names Services ``<job>-worker-<i>``, a DNS-1035 label of at
 most 63 characters, so 52 leaves room for ``-worker-999``."""
 CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+TEACHER_TOKEN_ENV = "CROSSKD_TEACHER_TOKEN"
+"""The teacher servers' bearer token in a training pod (``crosskd.teacher.remote`` reads it)."""
 
 T = TypeVar("T")
 
@@ -159,6 +161,12 @@ class JobConfig:
     """``AWS_ENDPOINT_URL`` as a plain value (MinIO, Ceph); None: the Secret's, if any."""
     s3_region: str | None = None
     """``AWS_DEFAULT_REGION`` as a plain value; None: the Secret's, if any."""
+    teacher_token_secret: str | None = None
+    """A Secret holding the bearer token of the teacher servers the train config's
+    ``teachers:`` URLs name, read as the ``secretKeyRef`` env ``CROSSKD_TEACHER_TOKEN``. None:
+    no token (cached teachers, or servers with ``auth: none``)."""
+    teacher_token_key: str = "token"
+    """The token's key in ``teacher_token_secret``."""
     train_config_map: str = "crosskd-train"
     """The ConfigMap whose key ``train.yaml`` is the train config (``crosskd train`` keys),
     mounted at ``/etc/crosskd/train.yaml``. Its ``metrics_port`` is overridden on the command
@@ -286,7 +294,7 @@ class JobConfig:
 
     def _check_strings(self) -> None:
         """Refuse bad strings, maps and lists, and credentials given as plain ``env``."""
-        for key in ("gpu_resource", "train_config_map"):
+        for key in ("gpu_resource", "train_config_map", "teacher_token_key"):
             _str(key, getattr(self, key))
         if self.train_config_uri is not None:
             _str("train_config_uri", self.train_config_uri)
@@ -303,6 +311,7 @@ class JobConfig:
             "s3_endpoint_url",
             "s3_region",
             "service_account",
+            "teacher_token_secret",
         ):
             if getattr(self, key) is not None:
                 _str(key, getattr(self, key))
@@ -317,13 +326,15 @@ class JobConfig:
                 raise ConfigError(f"train_overrides[{i}] is {item!r}; write it as key=value.")
         if any(item.startswith("parallel.") for item in self.train_overrides):
             job_layout(self)
-        secret_env = sorted(
-            set(self.env) & {*CREDENTIAL_ENV, "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"}
+        refused = sorted(
+            set(self.env)
+            & {*CREDENTIAL_ENV, "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", TEACHER_TOKEN_ENV}
         )
-        if secret_env:
+        if refused:
             raise ConfigError(
-                f"env sets {', '.join(secret_env)}; give credentials through s3_secret (a "
-                f"Secret) and the endpoint/region as s3_endpoint_url / s3_region."
+                f"env sets {', '.join(refused)}; give credentials through s3_secret and "
+                f"teacher_token_secret (Secrets) and the endpoint/region as s3_endpoint_url / "
+                f"s3_region."
             )
 
     def _check_tolerations(self) -> None:
@@ -587,7 +598,24 @@ def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
         **config.env,
     }
     env = [k8s.V1EnvVar(name=k, value=v) for k, v in plain.items()]
+    if config.teacher_token_secret:
+        env.append(
+            secret_env(TEACHER_TOKEN_ENV, config.teacher_token_secret, config.teacher_token_key)
+        )
     return env + s3_env(config.s3_secret, config.s3_endpoint_url, config.s3_region)
+
+
+def secret_env(name: str, secret: str, key: str, optional: bool = False) -> k8s.V1EnvVar:
+    """The env variable ``name`` read from key ``key`` of the Secret ``secret``
+    (``secretKeyRef``; ``optional``: the pod starts without it)."""
+    return k8s.V1EnvVar(
+        name=name,
+        value_from=k8s.V1EnvVarSource(
+            secret_key_ref=k8s.V1SecretKeySelector(
+                name=secret, key=key, optional=True if optional else None
+            )
+        ),
+    )
 
 
 def s3_env(secret: str | None, endpoint_url: str | None, region: str | None) -> list[k8s.V1EnvVar]:
@@ -599,17 +627,7 @@ def s3_env(secret: str | None, endpoint_url: str | None, region: str | None) -> 
     if secret:
         keys = [(k, False) for k in CREDENTIAL_ENV[:2]]
         keys += [(k, True) for k, v in optional.items() if v is None]
-        env += [
-            k8s.V1EnvVar(
-                name=k,
-                value_from=k8s.V1EnvVarSource(
-                    secret_key_ref=k8s.V1SecretKeySelector(
-                        name=secret, key=k, optional=True if opt else None
-                    )
-                ),
-            )
-            for k, opt in keys
-        ]
+        env += [secret_env(k, secret, k, optional=opt) for k, opt in keys]
     return env
 
 

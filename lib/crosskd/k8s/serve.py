@@ -59,6 +59,7 @@ from crosskd.k8s.job import (
     pod_tolerations,
     quantity,
     s3_env,
+    secret_env,
 )
 
 CONTAINER = "server"
@@ -533,14 +534,5 @@ def _env(config: TeacherServerConfig) -> list[k8s.V1EnvVar]:
         **config.env,
     }
     env = [k8s.V1EnvVar(name=k, value=v) for k, v in plain.items()]
-    env.append(
-        k8s.V1EnvVar(
-            name=TOKEN_ENV,
-            value_from=k8s.V1EnvVarSource(
-                secret_key_ref=k8s.V1SecretKeySelector(
-                    name=config.token_secret, key=config.token_key
-                )
-            ),
-        )
-    )
+    env.append(secret_env(TOKEN_ENV, config.token_secret, config.token_key))
     return env + s3_env(config.s3_secret, config.s3_endpoint_url, config.s3_region)
