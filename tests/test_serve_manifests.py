@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
@@ -21,8 +29,10 @@ from kube_tools import kustomize
 from test_manifests import K8S_VERSIONS, _one
 from test_monitoring_manifests import _monitors, _selects, _training_pods
 from test_monitoring_manifests import _validator as _crd_validator
+from test_teacher_cache import tiny_teacher  # noqa: F401 (a fixture, used by name)
 
 from crosskd.cli import main
+from crosskd.config import load_config
 from crosskd.errors import ConfigError
 from crosskd.k8s.cli import SERVE_FILES, SERVER_FILE, serve_generated_files
 from crosskd.k8s.job import CREDENTIAL_ENV, TEACHER_TOKEN_ENV, JobConfig, job_manifest
@@ -35,6 +45,9 @@ from crosskd.k8s.serve import (
     load_server_config,
     serve_manifests,
 )
+from crosskd.serve.config import ServeConfig
+from crosskd.serve.server import TOKEN_ENV as server_token_env
+from crosskd.teacher.remote import TOKEN_ENV as client_token_env
 
 REPO = Path(__file__).parents[1]
 SERVE = REPO / "manifests" / "serve"
@@ -422,3 +435,66 @@ def test_a_training_job_reads_the_teacher_token_from_a_secret():
         JobConfig(run_id="r", image="crosskd:test", env={TEACHER_TOKEN_ENV: "x"})
     with pytest.raises(ConfigError, match="teacher_token_secret is ''"):
         JobConfig(run_id="r", image="crosskd:test", teacher_token_secret="")
+
+
+def test_serve_yaml_with_the_command_is_a_serve_config():
+    """The ConfigMap's serve.yaml under the container's ``key=value`` overrides is a valid
+    ServeConfig with the manifests' port and drain time and a bearer token required; the token
+    variables are the ones the server and the client read."""
+    container = _container(_one(_built(), "Deployment"))
+    overrides = [a for a in container["command"] if "=" in a]
+    config = load_config(ServeConfig, str(SERVE / "serve.yaml"), overrides)
+    config.check()
+    assert (config.port, config.drain_timeout_s, config.auth) == (8080, 60, "bearer")
+    assert config.host == "0.0.0.0"  # the probes and the Service reach the pod's IP
+    assert server_token_env == TOKEN_ENV and client_token_env == TEACHER_TOKEN_ENV
+
+
+def test_the_deployments_command_serves_its_probes(tmp_path, request):
+    """The container's own command line (its config, port, drain time and token variable) run
+    as a real ``crosskd serve`` on loopback (the tiny teacher on CPU, a free port): every probe
+    path answers 200 without a token once ready, ``/metrics`` is Prometheus text, the API
+    wants the token from the Secret's variable, and SIGTERM exits 0 (the drain)."""
+    teacher = request.getfixturevalue("tiny_teacher")
+    deployment = _one(_built(), "Deployment")
+    container = _container(deployment)
+    config = tmp_path / "serve.yaml"
+    shutil.copy(SERVE / "serve.yaml", config)
+    port_file = tmp_path / "port"
+    command = [
+        str(Path(sys.executable).parent / "crosskd"),
+        *[str(config) if a == "/etc/crosskd/serve.yaml" else a for a in container["command"][1:]],
+        f"teacher={teacher}",
+        "k=8",
+        "device=cpu",
+        "host=127.0.0.1",
+        "port=0",
+        f"port_file={port_file}",
+    ]
+    env = {**os.environ, TOKEN_ENV: "test-token", "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            deadline = time.monotonic() + 300
+            while not port_file.is_file() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert port_file.is_file(), proc.stderr.read() if proc.poll() is not None else ""
+            base = f"http://127.0.0.1:{int(port_file.read_text())}"
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                with urllib.request.urlopen(base + container[probe]["httpGet"]["path"]) as r:
+                    assert r.status == 200, probe
+            (endpoint,) = _built_monitor()["spec"]["podMetricsEndpoints"]
+            with urllib.request.urlopen(base + endpoint["path"]) as r:
+                assert b"crosskd_serve_ready 1.0" in r.read()
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(base + "/v1/info")
+            assert refused.value.code == 401
+            request = urllib.request.Request(
+                base + "/v1/info", headers={"Authorization": "Bearer test-token"}
+            )
+            with urllib.request.urlopen(request) as r:
+                assert json.loads(r.read())["k"] == 8
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=_pod(deployment)["terminationGracePeriodSeconds"]) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
