@@ -1,27 +1,41 @@
-"""The teacher server's client (:mod:`crosskd.teacher.remote`) against servers on loopback.
+"""The teacher server's client (:mod:`crosskd.teacher.remote`) and training on a teacher
+server, against servers on loopback.
 
 :class:`FakeTeacherServer` (a stdlib HTTP server, not crosskd's) answers ``/v1/info`` with a
 given body and ``/v1/score`` with the signals of :func:`fake_signal`, or with what a test
 scripts (statuses with ``Retry-After``, a slow answer, a closed connection, an answer that
 does not match its request), and records every request: the client's splitting, concurrency,
 keep-alive, retries, permanent errors, :class:`TeacherUnavailable` and the ``/v1/info`` checks.
+A real ``crosskd serve`` process (:func:`_serve`) teaches a training run that must equal the
+cached run, is refused when it serves another K or tokenizer, and is killed mid-run under
+``crosskd train --nproc-per-node 1`` (exit 200, then a resume once it is back).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from train_inputs import train_config
 
 from crosskd.errors import ConfigError, CrosskdError
+from crosskd.loss import LossConfig, TeacherLossConfig
 from crosskd.serve.protocol import PARQUET, ScoreRequest, ServerInfo, error_body
 from crosskd.teacher.remote import (
     TOKEN_ENV,
@@ -31,7 +45,8 @@ from crosskd.teacher.remote import (
     request_groups,
 )
 from crosskd.teacher.storage import SampleSignal, encode
-from crosskd.train import TrainConfig
+from crosskd.train import TrainConfig, Trainer
+from crosskd.train.launch import EXIT_RETRYABLE
 
 K, V = 4, 100
 INFO = ServerInfo(
@@ -84,7 +99,9 @@ class FakeTeacherServer:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     def close(self) -> None:
@@ -403,3 +420,182 @@ def test_the_training_config_checks_the_client_keys():
         TrainConfig(**base, teacher_read_timeout_s=float("nan"))
     with pytest.raises(ConfigError, match=r"teacher_concurrency is 0; it must be an integer >= 1"):
         TrainConfig(**base, teacher_concurrency=0)
+
+
+# --- against a real `crosskd serve` process on loopback --------------------------------------
+
+SERVE_TOKEN = "loopback-serve-token"
+
+
+def _serve(tmp_path: Path, teacher: str, name: str, **keys) -> tuple[subprocess.Popen, str]:
+    """``crosskd serve`` of ``teacher`` on a free loopback port (its log in
+    ``tmp_path/NAME.log``); returns the process and its URL once it is ready."""
+    port_file = tmp_path / f"{name}.port"
+    settings = {"teacher": teacher, "host": "127.0.0.1", "port": 0, "port_file": port_file}
+    command = [sys.executable, "-m", "crosskd.cli", "serve"]
+    command += [f"{key}={value}" for key, value in (settings | keys).items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CROSSKD_SERVE_TOKEN": SERVE_TOKEN}
+    with open(tmp_path / f"{name}.log", "w") as log_file:
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while not port_file.exists():
+        if proc.poll() is not None:
+            pytest.fail((tmp_path / f"{name}.log").read_text()[-3000:])
+        assert time.monotonic() < deadline, "the teacher server did not become ready"
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(train_inputs, tmp_path_factory):
+    """Teacher A served at K 16, tau 1 (what the session's cache of ``data`` holds)."""
+    proc, url = _serve(tmp_path_factory.mktemp("serve"), train_inputs["teacher"], "a", k=16)
+    yield url
+    _stop(proc)
+
+
+def _run(config) -> tuple[list[dict], Trainer]:
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    try:
+        return trainer.train(), trainer
+    finally:
+        trainer.close()
+
+
+def _scored_tokens(url: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "crosskd_serve_tokens":
+            return sum(s.value for s in family.samples if s.name == "crosskd_serve_tokens_total")
+    raise AssertionError("no crosskd_serve_tokens_total")
+
+
+def test_training_on_the_server_equals_training_on_the_cache(
+    train_inputs, served, tmp_path, monkeypatch
+):
+    """Three steps of the student with the signal from the server and from the lossless cache
+    of the same teacher, K and tau: the same losses (up to float32 rounding of the teacher's
+    forward pass in other batch shapes, as for `online:REF`), and the server scored exactly
+    the teacher tokens of the steps' samples (each once)."""
+    monkeypatch.setenv(TOKEN_ENV, SERVE_TOKEN)
+    before = _scored_tokens(served)
+    cached, _ = _run(train_config(train_inputs, tmp_path / "cache", steps=3))
+    remote, trainer = _run(
+        train_config(train_inputs, tmp_path / "remote", steps=3, teachers=[served])
+    )
+    for got, want in zip(remote, cached, strict=True):
+        for key in ("loss", "ce", "kd"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), key
+        assert got["kd_scale"] == pytest.approx(want["kd_scale"], rel=1e-3)
+        for key in ("tokens", "teacher0/1:1/chunks", "teacher0/n:1/chunks"):
+            assert got[key] == want[key], key
+    tokens = sum(
+        len(sample["teacher0_ids"])
+        for step in range(3)
+        for micro in trainer.step_micro_batches(step)
+        for row in trainer.read_rows(micro)[0]
+        for sample in row
+    )
+    assert _scored_tokens(served) - before == tokens
+
+
+def test_a_server_of_another_k_or_tokenizer_is_refused_at_setup(
+    train_inputs, served, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(TOKEN_ENV, SERVE_TOKEN)
+    loss = LossConfig(
+        teachers=[
+            TeacherLossConfig(
+                k=8, student_to_teacher=train_inputs["s2t"], teacher_to_student=train_inputs["t2s"]
+            )
+        ]
+    )
+    config = train_config(train_inputs, tmp_path / "k", teachers=[served], loss=loss)
+    with pytest.raises(ConfigError) as raised:
+        Trainer(config, progress=False).setup()
+    message = str(raised.value)
+    assert message.startswith(f"teacher server {served} (") and "\n" not in message
+    assert "answers with k 16; this run needs 8" in message
+    proc, other = _serve(tmp_path, train_inputs["teacher_b"], "b", k=16)
+    try:
+        config = train_config(train_inputs, tmp_path / "tok", teachers=[other])
+        with pytest.raises(ConfigError, match=r"answers with tokenizer_fingerprint '[0-9a-f]+'"):
+            Trainer(config, progress=False).setup()
+    finally:
+        _stop(proc)
+
+
+def test_a_server_killed_mid_run_fails_the_step_as_retryable(train_inputs, tmp_path):
+    """`crosskd train --nproc-per-node 1` on a server that is killed (SIGKILL) after two steps:
+    the requests of the next step are retried for teacher_retry_s, then the pod exits 200
+    (retryable) and counts the failure; a restart with the server back resumes from the
+    checkpoint and completes."""
+    proc, url = _serve(tmp_path, train_inputs["teacher"], "a", k=16)
+    run = tmp_path / "run"
+    config = tmp_path / "train.yaml"
+    values = dataclasses.asdict(
+        train_config(
+            train_inputs,
+            run,
+            teachers=[url],
+            steps=5000,
+            checkpoint_every=2,
+            teacher_retry_s=2.0,
+        )
+    )
+    config.write_text(yaml.safe_dump(values))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: SERVE_TOKEN}
+    command = [sys.executable, "-m", "crosskd.cli", "train", "--config", str(config)]
+    agent = subprocess.Popen(
+        [*command, "--nproc-per-node", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log_path = run / "metrics-rank0.jsonl"
+    deadline = time.monotonic() + 300
+    while not log_path.exists() or len(log_path.read_text().splitlines()) < 2:
+        assert agent.poll() is None, agent.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no training progress"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    output, _ = agent.communicate(timeout=300)
+    assert agent.returncode == EXIT_RETRYABLE, output[-3000:]
+    assert "retrying in" in output and "could not read their inputs" in output
+    assert f"teacher server {url}: POST /v1/score failed" in output
+    assert "giving up after retry_s = 2.0 s" in output
+    assert json.loads((run / "restarts" / "node-0.json").read_text())["count"] == 1
+    done = json.loads((run / "checkpoints" / "latest.json").read_text())["step"]
+    assert done >= 2
+    # The server is back (on another port: the config says where); the run resumes.
+    proc, url = _serve(tmp_path, train_inputs["teacher"], "again", k=16)
+    try:
+        values |= {"teachers": [url], "steps": done + 1}
+        config.write_text(yaml.safe_dump(values))
+        again = subprocess.run(
+            [*command, "--nproc-per-node", "1"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        _stop(proc)
+    assert again.returncode == 0, again.stdout[-3000:]
+    steps = [json.loads(line)["step"] for line in log_path.read_text().splitlines()]
+    assert steps[-1] == done + 1
+    assert json.loads((run / "final" / "crosskd-model.json").read_text())["step"] == done + 1
