@@ -10,9 +10,11 @@ every bad config refused naming its key."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -498,3 +500,13 @@ def test_the_deployments_command_serves_its_probes(tmp_path, request):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_the_docs_table_has_every_server_key():
+    """docs/kubernetes.md section 7's table names each TeacherServerConfig key once, and no
+    other."""
+    text = (REPO / "docs" / "kubernetes.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## 7. Serving the teacher") :]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    named = [k for row in rows for k in re.findall(r"`([a-z_0-9]+)`", row.split(" | ")[0])]
+    assert sorted(named) == sorted(f.name for f in dataclasses.fields(TeacherServerConfig))
