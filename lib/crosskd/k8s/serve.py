@@ -2,10 +2,11 @@
 PodMonitor for ``crosskd serve`` (``crosskd job serve-manifests`` writes them to
 ``manifests/serve/``).
 
-``serve_objects(config)`` turns a :class:`TeacherServerConfig` into those objects, the built-in
-kinds from the official ``kubernetes.client`` models and the PodMonitor as the Prometheus
-Operator's ``monitoring.coreos.com/v1`` custom resource (a mapping: the client has no model for
-it); ``serve_manifests(config)`` gives each as the camelCase mapping the API server takes.
+``build_deployment``, ``build_service`` and ``build_disruption_budget`` turn a
+:class:`TeacherServerConfig` into the official ``kubernetes.client`` models, ``build_pod_monitor``
+into the Prometheus Operator's ``monitoring.coreos.com/v1`` custom resource (a mapping: the client
+has no model for it); ``serve_manifests(config)`` gives each as the camelCase mapping the API
+server takes.
 
 The shape:
 
