@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -79,7 +80,8 @@ class FakeTeacherServer:
     ``"rows"`` / ``"length"`` / ``"k"`` (an answer with a row missing, a row one token short,
     K + 1 per token). ``close_after_answer``: close each connection after its answer (without
     saying so, as a server closing an idle keep-alive connection does). ``barrier``: score
-    answers wait until that many requests are in flight. Records every request."""
+    answers wait until that many requests are in flight. ``tls``: (certificate, key) files to
+    serve HTTPS with. Records every request."""
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class FakeTeacherServer:
         token: str | None = None,
         barrier: int | None = None,
         close_after_answer: bool = False,
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
         self.info, self.script, self.token = info, list(script or []), token
         self.barrier = threading.Barrier(barrier, timeout=30) if barrier else None
@@ -98,7 +101,13 @@ class FakeTeacherServer:
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
@@ -401,6 +410,29 @@ def test_connect_refuses_a_server_that_scores_otherwise(fake):
     other = fake(info=b"<html>hello</html>")
     with pytest.raises(CrosskdError, match=r"/v1/info is not a crosskd teacher server's answer"):
         _connect(other.url)
+
+
+def test_https_needs_a_trusted_certificate(fake, tmp_path, monkeypatch):
+    """A self-signed certificate for 127.0.0.1: refused (permanent, not retried) until
+    SSL_CERT_FILE trusts it, then the answers come over TLS."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    command = "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1"
+    names = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        [*command.split(), "-keyout", str(key), "-out", str(cert), *names],
+        check=True,
+        capture_output=True,
+    )
+    server = fake(tls=(cert, key))
+    assert server.url.startswith("https://")
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    with pytest.raises(CrosskdError, match=r"TLS certificate is not trusted .* SSL_CERT_FILE"):
+        _connect(server.url)
+    assert server.requests == []
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    sequences = _sequences([3, 2])
+    with _connect(server.url) as client:
+        _same(client.score(sequences), sequences)
 
 
 @pytest.mark.parametrize(
