@@ -13,9 +13,9 @@ exception while scoring fails the requests of that batch only (their futures rai
 waiting to fill (no more requests are coming); :meth:`Batcher.close` refuses new requests,
 lets the worker finish what is queued and joins it.
 
-A model batch's rows depend on the batch it is in (other sequences, padding width) only in the
-last bits of the fused head's products; the signals of the same sequences in the same model
-batch are identical (``docs/serving.md``).
+A sequence's signal may depend on the model batch it shares (the other rows, the padding width)
+in the last bits, where kernels are chosen by shape; the same sequences in the same model batch
+give identical signals (``docs/serving.md``).
 """
 
 from __future__ import annotations

@@ -85,12 +85,16 @@ class _InFlight:
             self.count -= 1
             self._changed.notify_all()
 
-    def drain(self, timeout: float) -> bool:
-        """Take no more requests and wait (at most ``timeout`` seconds) until every taken one
-        is answered; returns whether they were."""
-        deadline = time.monotonic() + timeout
+    def stop(self) -> None:
+        """Take no more requests."""
         with self._changed:
             self.draining = True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every taken request is answered; returns
+        whether they were."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
             while self.count and time.monotonic() < deadline:
                 self._changed.wait(deadline - time.monotonic())
             return self.count == 0
@@ -173,17 +177,18 @@ class TeacherServer(ThreadingHTTPServer):
         self.metrics.ready.set(1)
 
     def drain(self) -> int:
-        """Stop taking ``/v1/score`` requests, answer those taken, stop the batcher (at most
-        ``drain_timeout_s`` in all); returns the exit status (0, or :data:`DRAIN_EXIT`)."""
+        """(Once loaded.) Stop taking ``/v1/score`` requests, answer those taken, stop the
+        batcher (at most ``drain_timeout_s`` in all); returns the exit status (0, or
+        :data:`DRAIN_EXIT`)."""
         self.metrics.ready.set(0)
         timeout = self.config.drain_timeout_s
         log.info("draining: answering the requests taken (at most %.0f s)", timeout)
         deadline = time.monotonic() + timeout
-        if self.loaded is not None:
-            self.loaded.batcher.drain()
-        done = self.in_flight.drain(timeout)
-        if self.loaded is not None:
-            done = self.loaded.batcher.close(max(deadline - time.monotonic(), 0.0)) and done
+        batcher = self.loaded.batcher
+        self.in_flight.stop()
+        batcher.drain()
+        done = self.in_flight.wait(timeout)
+        done = batcher.close(max(deadline - time.monotonic(), 0.0)) and done
         if not done:
             log.error(
                 "drain: requests were still unanswered after drain_timeout_s = %.0f s; exiting "
