@@ -81,7 +81,8 @@ class FakeTeacherServer:
     K + 1 per token). ``close_after_answer``: close each connection after its answer (without
     saying so, as a server closing an idle keep-alive connection does). ``barrier``: score
     answers wait until that many requests are in flight. ``tls``: (certificate, key) files to
-    serve HTTPS with. Records every request."""
+    serve HTTPS with. ``info_unready``: ``/v1/info`` answers 503 that many times first (a
+    server still loading its teacher). Records every request."""
 
     def __init__(
         self,
@@ -92,10 +93,12 @@ class FakeTeacherServer:
         barrier: int | None = None,
         close_after_answer: bool = False,
         tls: tuple[Path, Path] | None = None,
+        info_unready: int = 0,
     ) -> None:
         self.info, self.script, self.token = info, list(script or []), token
         self.barrier = threading.Barrier(barrier, timeout=30) if barrier else None
         self.close_after_answer = close_after_answer
+        self.info_unready = info_unready
         self.requests: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
@@ -145,7 +148,14 @@ class FakeTeacherServer:
 
             def do_GET(self) -> None:
                 self._record(b"")
-                if self._authorized():
+                if not self._authorized():
+                    return
+                with fake.lock:
+                    loading = fake.info_unready > 0
+                    fake.info_unready -= loading
+                if loading:
+                    self._answer(503, error_body("loading the teacher"), "application/json", 0)
+                else:
                     self._answer(200, fake.info, "application/json")
 
             def do_POST(self) -> None:
@@ -324,6 +334,14 @@ def test_a_timeout_is_retried_and_a_closed_keep_alive_connection_reopened(fake, 
     assert len(closing.score_requests()) == 3
     assert len({r["port"] for r in closing.requests}) == 4  # info, then one per request
     assert _waits(caplog) == []
+
+
+def test_connect_waits_for_a_server_that_is_still_loading(fake, caplog):
+    caplog.set_level(logging.WARNING, "crosskd.teacher.remote")
+    server = fake(info_unready=3)
+    _connect(server.url).close()
+    assert [r["path"] for r in server.requests] == ["/v1/info"] * 4
+    assert caplog.text.count("HTTP 503: loading the teacher") == 3
 
 
 def test_a_dropped_connection_is_retried(fake, caplog):
