@@ -208,9 +208,8 @@ class TeacherClient:
         return signals
 
     def _info(self) -> ServerInfo:
-        if self.info is None:
-            raise CrosskdError(f"teacher server {self.url}: call connect() before score().")
-        return self.info
+        """The server's :class:`ServerInfo` (read now if :func:`connect` has not)."""
+        return self.info if self.info is not None else self.read_info()
 
     def _score_group(self, sequences: list[np.ndarray]) -> list[SampleSignal]:
         """One ``/v1/score`` request and its checked answer."""
