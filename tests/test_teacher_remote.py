@@ -536,13 +536,15 @@ def _scored_tokens(url: str) -> float:
 
 
 def test_training_on_the_server_equals_training_on_the_cache(
-    train_inputs, served, tmp_path, monkeypatch
+    train_inputs, served, tmp_path, monkeypatch, caplog
 ):
     """Three steps of the student with the signal from the server and from the lossless cache
     of the same teacher, K and tau: the same losses (up to float32 rounding of the teacher's
-    forward pass in other batch shapes, as for `online:REF`), and the server scored exactly
-    the teacher tokens of the steps' samples (each once)."""
+    forward pass in other batch shapes, as for `online:REF`), the server scored exactly the
+    teacher tokens of the steps' samples (each once), and every micro-batch was scored from the
+    trainer's input thread, never in the training step."""
     monkeypatch.setenv(TOKEN_ENV, SERVE_TOKEN)
+    caplog.set_level(logging.DEBUG, "crosskd.teacher.remote")
     before = _scored_tokens(served)
     cached, _ = _run(train_config(train_inputs, tmp_path / "cache", steps=3))
     remote, trainer = _run(
@@ -562,6 +564,10 @@ def test_training_on_the_server_equals_training_on_the_cache(
         for sample in row
     )
     assert _scored_tokens(served) - before == tokens
+    calls = [r for r in caplog.records if r.getMessage().startswith(f"teacher server {served}: sc")]
+    micro_batches = sum(len(trainer.step_micro_batches(step)) for step in range(3))
+    assert len(calls) == micro_batches > 0
+    assert {r.threadName for r in calls} == {"crosskd-input"}
 
 
 def test_a_server_of_another_k_or_tokenizer_is_refused_at_setup(

@@ -196,6 +196,13 @@ class TeacherClient:
         info = self._info()
         lengths = [len(s) for s in sequences]
         groups = request_groups(lengths, info.max_request_tokens, self.options.concurrency)
+        log.debug(
+            "teacher server %s: scoring %d sequences (%d tokens) in %d requests",
+            self.url,
+            len(sequences),
+            sum(lengths),
+            len(groups),
+        )
         futures = [self._pool.submit(self._score_group, [sequences[i] for i in g]) for g in groups]
         signals: list[SampleSignal] = []
         try:
