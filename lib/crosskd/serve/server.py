@@ -119,6 +119,9 @@ class _Loaded:
         self.tokenizer: LoadedTokenizer = load_tokenizer(
             str(teacher.folder), vocab_size=teacher.vocab_size
         )
+        self.tokenizing = threading.Lock()
+        """Held while a texts request is tokenized: the transformers tokenizer may set its
+        backend's options on a call, which another thread's call must not see half done."""
         self.positions: int | None = getattr(teacher.model.config, "max_position_embeddings", None)
         self.info = ServerInfo(
             teacher=config.teacher,
@@ -276,7 +279,8 @@ class _Handler(BaseHTTPRequestHandler):
         request.check(loaded.info)
         sequences = request.sequences
         if sequences is None:
-            sequences = [t.ids for t in tokenize(loaded.tokenizer, request.texts)]
+            with loaded.tokenizing:
+                sequences = [t.ids for t in tokenize(loaded.tokenizer, request.texts)]
             for i, seq in enumerate(sequences):
                 if not len(seq):
                     raise RequestError(f"texts[{i}] gives no teacher tokens; send text.")
