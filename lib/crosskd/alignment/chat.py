@@ -86,9 +86,16 @@ def split_reasoning(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render(tok: LoadedTokenizer, messages: list[dict], *, sample_id: str) -> Rendered:
+def render(
+    tok: LoadedTokenizer,
+    messages: list[dict],
+    *,
+    sample_id: str,
+    add_generation_prompt: bool = False,
+) -> Rendered:
     """Render and tokenize ``messages`` with ``tok``'s template (reasoning split off first with
-    :func:`split_reasoning`).
+    :func:`split_reasoning`); ``add_generation_prompt``: followed by the template's opening of
+    an assistant turn (the prompt a model continues).
 
     Raises :class:`DataError` naming the sample and message when content cannot be located.
     Reasoning the template drops even when written into the content (Qwen3's template drops it
@@ -99,7 +106,7 @@ def render(tok: LoadedTokenizer, messages: list[dict], *, sample_id: str) -> Ren
     dropped = _dropped_reasoning(tok, messages)
     if dropped:
         messages = _without_reasoning(messages, dropped)
-    rendered, marks, template = _sentinel_rendering(tok, messages)
+    rendered, marks, template = _sentinel_rendering(tok, messages, add_generation_prompt)
     return _tokenize_pieces(tok, rendered, messages, marks, sample_id, template)
 
 
@@ -131,11 +138,16 @@ def _dropped_reasoning(tok: LoadedTokenizer, messages: list[dict]) -> set[int]:
 
 
 def _sentinel_rendering(
-    tok: LoadedTokenizer, messages: list[dict]
+    tok: LoadedTokenizer, messages: list[dict], add_generation_prompt: bool = False
 ) -> tuple[str, dict[tuple[int, int], str], str]:
     """The rendering with every content (and reasoning) replaced by a unique sentinel; a
     template that ignores ``reasoning_content`` gets it written into the content."""
     template = tok.hf.chat_template or CHATML_FALLBACK
+    options = {
+        "tokenize": False,
+        "chat_template": template,
+        "add_generation_prompt": add_generation_prompt,
+    }
     marks = {}
     stand_in = []
     for index, message in enumerate(messages):
@@ -146,7 +158,7 @@ def _sentinel_rendering(
                 (index, REGION_REASONING), _sentinel(index, "r")
             )
         stand_in.append(copy)
-    rendered = tok.hf.apply_chat_template(stand_in, tokenize=False, chat_template=template)
+    rendered = tok.hf.apply_chat_template(stand_in, **options)
     ignored = [
         i
         for (i, region), mark in marks.items()
@@ -158,7 +170,7 @@ def _sentinel_rendering(
             stand_in[index]["content"] = (
                 f"<think>\n{reasoning}\n</think>\n\n{marks[index, REGION_ANSWER]}"
             )
-        rendered = tok.hf.apply_chat_template(stand_in, tokenize=False, chat_template=template)
+        rendered = tok.hf.apply_chat_template(stand_in, **options)
     return rendered, marks, template
 
 

@@ -59,7 +59,7 @@ import json
 import logging
 import unicodedata
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import fsspec
@@ -197,6 +197,65 @@ def _count(key: str, value: object, allowed: str = "an integer >= 1") -> None:
         raise ConfigError(f"{key} is {value!r}; it must be {allowed}.")
 
 
+@dataclass(frozen=True, eq=False)
+class Preparation:
+    """What :func:`prepare_row` needs besides the row, fixed for a run: the models (student
+    first, then the teachers in order), their capacities (max tokens per model), the chat
+    options, which teachers share the student's tokenizer (``same[k]``: teacher ``k`` is not
+    aligned), and the normalisations the models call for (``nfc``: NFC-normalise once; ``strip``:
+    strip message content once; module docstring). Build it with :meth:`of`."""
+
+    models: list[LoadedTokenizer]
+    capacities: list[int]
+    options: ChatOptions
+    same: list[bool]
+    nfc: bool
+    strip: bool
+
+    @classmethod
+    def of(
+        cls,
+        student: LoadedTokenizer,
+        teachers: Sequence[LoadedTokenizer],
+        capacities: Sequence[int],
+        options: ChatOptions,
+        same: Sequence[bool] | None = None,
+    ) -> Preparation:
+        """The preparation for ``student`` and ``teachers`` with ``capacities`` (one per model,
+        student first, in tokens). ``same`` (one per teacher; None: from the fingerprints) must
+        agree with the fingerprints, as ``crosskd prepare`` decides it."""
+        models = [student, *teachers]
+        if len(capacities) != len(models):
+            raise ConfigError(
+                f"capacities {list(capacities)} give {len(capacities)} lengths for "
+                f"{len(models)} models; give one per model, the student's first."
+            )
+        shared = [t.fingerprint == student.fingerprint for t in teachers]
+        if same is not None and list(same) != shared:
+            raise ConfigError(
+                f"same-tokenizer teachers {list(same)} disagree with the tokenizer fingerprints "
+                f"({shared}: teacher k shares the student's tokenizer iff its fingerprint is "
+                f"the student's); pass the flags of the prepared data's manifest."
+            )
+        return cls(
+            models,
+            list(capacities),
+            options,
+            shared,
+            any(t.normalizes_nfc for t in models),
+            any(_template_strips(t) for t in models),
+        )
+
+    def normalized(self, record: Record) -> Record:
+        """``record`` as every model reads it: NFC-normalised when :attr:`nfc`, message content
+        and reasoning stripped when :attr:`strip`."""
+        if self.nfc:
+            record = _nfc(record)
+        if self.strip and record.messages is not None:
+            record = _stripped(record)
+        return record
+
+
 def model_names(n_teachers: int) -> list[str]:
     """``["student", "teacher0", ...]``: the names of the models in columns and the manifest."""
     return ["student", *(f"teacher{k}" for k in range(n_teachers))]
@@ -239,15 +298,12 @@ def prepare_split(
         )
     student = load_tokenizer(config.student_tokenizer)
     teachers = [load_tokenizer(t) for t in config.teacher_tokenizers]
-    models = [student, *teachers]
-    same = [t.fingerprint == student.fingerprint for t in teachers]
     capacities = [config.max_length] + [config.teacher_max_length or config.max_length] * len(
         teachers
     )
-    nfc = any(t.normalizes_nfc for t in models)
-    strip = any(_template_strips(t) for t in models)
     options = ChatOptions(tuple(config.included_regions), config.drop_first_chunk)
-    run = _run_record(config, models, capacities, nfc, strip, same)
+    preparation = Preparation.of(student, teachers, capacities, options)
+    run = _run_record(config, preparation)
     records = read_records(
         config.data,
         text_column=config.text_column,
@@ -277,7 +333,7 @@ def prepare_split(
             continue
         rows = []
         for record in window:
-            rows.append(_prepare_row(record, models, capacities, nfc, strip, options, same))
+            rows.append(prepare_row(record, preparation))
             if on_row is not None:
                 on_row(rows[-1]["clip_reason"])
             bar.update(1)
@@ -314,16 +370,10 @@ def prepare_split(
     return marker
 
 
-def _run_record(
-    config: PrepareConfig,
-    models: list[LoadedTokenizer],
-    capacities: list[int],
-    nfc: bool,
-    strip: bool,
-    same: list[bool],
-) -> dict:
+def _run_record(config: PrepareConfig, preparation: Preparation) -> dict:
     """What every split of a run must share: the manifest's fields that do not depend on the
     rows (config without the split, models, normalisation)."""
+    models, capacities, same = preparation.models, preparation.capacities, preparation.same
     names = model_names(len(models) - 1)
     settings = {k: v for k, v in asdict(config).items() if k not in ("split_index", "split_count")}
     return {
@@ -343,8 +393,8 @@ def _run_record(
             }
             for m, (name, tok) in enumerate(zip(names, models, strict=True))
         ],
-        "nfc_normalized": nfc,
-        "content_stripped": strip,
+        "nfc_normalized": preparation.nfc,
+        "content_stripped": preparation.strip,
         "packed": config.pack,
     }
 
@@ -445,21 +495,20 @@ def _nfc(record: Record) -> Record:
     return Record(record.sample_id, fold(record.text), messages, record.source, record.row)
 
 
-def _prepare_row(
-    record: Record,
-    models: list[LoadedTokenizer],
-    capacities: list[int],
-    nfc: bool,
-    strip: bool,
-    options: ChatOptions,
-    same: list[bool],
-) -> dict:
-    """One row clipped, rendered by every model and aligned with every cross-tokenizer teacher
-    (``same[k]``: teacher k shares the student's tokenizer and is not aligned)."""
-    if nfc:
-        record = _nfc(record)
-    if strip and record.messages is not None:
-        record = _stripped(record)
+def prepare_row(record: Record, preparation: Preparation) -> dict:
+    """One row normalised (:meth:`Preparation.normalized`), clipped (text: :func:`clip_text`;
+    chat: the longest conversation prefix every model holds, then the first answer cut),
+    rendered by every model and aligned with every cross-tokenizer teacher, as
+    :func:`crosskd.data.shards.write_shard` takes it: ``record`` (normalised), ``text`` /
+    ``messages`` (as kept), ``clipped``, ``clip_reason`` (None, ``text``, ``turns`` or
+    ``message``), ``original_lengths`` (tokens per model before clipping), ``lengths`` (after),
+    ``student`` (its :class:`~crosskd.alignment.Rendered`), ``student_loss_mask`` (bool
+    ``[n_student]``, CE targets) and ``aligned`` (per teacher an
+    :class:`~crosskd.alignment.AlignedSample`, or a
+    :class:`~crosskd.data.shards.SameTokenizerSample` for a same-tokenizer teacher)."""
+    record = preparation.normalized(record)
+    models, capacities, options = preparation.models, preparation.capacities, preparation.options
+    same = preparation.same
     student, teachers = models[0], models[1:]
     if record.text is not None:
         clip = clip_text(record.text, models, capacities)

@@ -157,28 +157,35 @@ def _teacher_columns(cols: dict, name: str, aligned: AlignedSample | SameTokeniz
     cols[f"{name}_chunk_message"].append(aligned.chunk_message)
 
 
-def write_shard(
-    fs: fsspec.AbstractFileSystem, root: str, name: str, rows: list[dict], bins: list[np.ndarray]
-) -> dict:
-    """Write prepared samples ``rows`` grouped by ``bins`` (packed rows: sample indices in row
-    order, numbered 0.. within this shard in the ``bin`` column) as the Parquet file ``name``
-    under ``root``: under a temporary name first, renamed when complete. The bytes depend only
-    on the rows and bins; its footer records each row group's sha256
-    (:func:`crosskd.ranges.write_parquet`) and the least and greatest ``bin`` of each row group
-    (the statistics of no other column: they would only grow the footer every reader fetches).
-    Returns ``{"path", "rows", "bins", "sha256", "bytes", "footer"}`` (``footer``:
-    :func:`crosskd.ranges.footer_record`)."""
+def shard_table(rows: list[dict], bins: list[np.ndarray]) -> pa.Table:
+    """The shard of prepared samples ``rows`` (:func:`crosskd.data.prepare.prepare_row`) grouped
+    by ``bins`` (packed rows: int arrays of sample indices in row order), as an Arrow table of
+    :func:`schema`: one row per sample, in packed-row order, ``bin`` numbering the packed rows
+    0.. within the shard."""
     bin_of = np.empty(len(rows), dtype=np.int64)
     for b, members in enumerate(bins):
         bin_of[members] = b
     order = np.concatenate(bins)
     n_teachers = len(rows[0]["aligned"])
-    table = pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
+    return pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
+
+
+def write_shard(
+    fs: fsspec.AbstractFileSystem, root: str, name: str, rows: list[dict], bins: list[np.ndarray]
+) -> dict:
+    """Write prepared samples ``rows`` grouped by ``bins`` (:func:`shard_table`) as the Parquet
+    file ``name`` under ``root``: under a temporary name first, renamed when complete. The bytes
+    depend only on the rows and bins; its footer records each row group's sha256
+    (:func:`crosskd.ranges.write_parquet`) and the least and greatest ``bin`` of each row group
+    (the statistics of no other column: they would only grow the footer every reader fetches).
+    Returns ``{"path", "rows", "bins", "sha256", "bytes", "footer"}`` (``footer``:
+    :func:`crosskd.ranges.footer_record`)."""
+    table = shard_table(rows, bins)
     payload = write_parquet(table, row_group_size=ROW_GROUP_SAMPLES, write_statistics=["bin"])
     write_whole(fs, f"{root}/{name}", payload)
     return {
         "path": name,
-        "rows": len(order),
+        "rows": table.num_rows,
         "bins": len(bins),
         "sha256": hashlib.sha256(payload).hexdigest(),
         "bytes": len(payload),
