@@ -37,6 +37,7 @@ from tqdm import tqdm
 from crosskd.alignment.corpus import docstring_paragraphs
 from crosskd.config import require_positive_ints
 from crosskd.data.records import read_records
+from crosskd.data.rollout import answer_text
 from crosskd.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -328,14 +329,7 @@ def _answer(
         tokenizer.eos_token_id,
         *(configured if isinstance(configured, list) else [configured]),
     } - {None}
-    answers = []
-    for row in new.tolist():
-        ended = next((i for i, t in enumerate(row) if t in stops), None)
-        tokens = row if ended is None else row[:ended]
-        answers.append(
-            (tokenizer.decode(tokens, skip_special_tokens=True).strip(), ended is not None)
-        )
-    return answers
+    return [answer_text(tokenizer, row, stops) for row in new.tolist()]
 
 
 def progress_path(output: Path) -> Path:

@@ -1,0 +1,153 @@
+"""On-policy rows (GKD style): the prompts the student continues, and its continuations
+prepared exactly as ``crosskd prepare`` stores a conversation, so that the trainer scores them
+with its teachers and trains on them with the CSD loss on the generated part only.
+
+The way through, for one chat data record (:class:`~crosskd.data.records.Record`):
+
+1. :func:`rollout_prompt`: its messages before the first assistant message (the prompt).
+2. :func:`prompt_ids`: the prompt normalised as preparation normalises it, rendered with the
+   student's chat template and its generation prompt, as student token ids (what a sampler
+   continues; message content tokenized as prepare tokenizes it, a typed ``<|eot_id|>`` is
+   text).
+3. The sampler continues them; :func:`answer_text` turns the sampled ids back into the answer
+   (cut at the first of :func:`stop_ids`, special tokens dropped, surrounding whitespace
+   stripped: ``crosskd generate``'s decoding, which uses it too).
+4. :func:`continued`: the prompt followed by the answer as an assistant message.
+5. :func:`rollout_samples`: each conversation through :func:`crosskd.data.prepare.prepare_row`
+   (normalised, clipped to the capacities as prepare clips it: an answer too long is cut, and
+   then has no end-of-turn token; rendered with each model's chat template; aligned with every
+   cross-tokenizer teacher by :func:`~crosskd.alignment.align_chat`), returned as a reader
+   gets prepared samples back from a shard: column name -> Python value, the columns of
+   :func:`crosskd.data.shards.schema`, the dicts :func:`crosskd.data.collate.collate` takes,
+   each sample its own packed row (``bin`` its index in the list).
+
+A rollout's only assistant message is its answer (anything else is refused), so the student's
+loss mask (CE) and the KD chunks (``FLAG_KD``) cover exactly the answer's included regions and
+its end-of-turn token: the generated part, less the text the template writes itself (as for
+prepared data: Llama-3's ``<think>`` line before reasoning it writes into the content). The
+prompt ids are the start of the stored ``student_ids`` when the student's template writes an
+assistant turn as its generation prompt followed by the content (Llama-3, ChatML). The stored
+answer tokens are the student tokenizer's encoding of the answer text, which can differ from
+the sampled ids where the sampler picked a non-canonical tokenization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from crosskd.alignment import render, split_reasoning
+from crosskd.data.prepare import Preparation, prepare_row
+from crosskd.data.records import Record
+from crosskd.data.shards import shard_table
+from crosskd.errors import DataError
+from crosskd.tokenization import LoadedTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def rollout_prompt(record: Record) -> Record:
+    """``record`` cut to the prompt the student continues: its messages before its first
+    assistant message (all of them if it has none), same id, source and row. Raises
+    :class:`~crosskd.errors.DataError` naming the sample for plain text and for a prompt without
+    a user message."""
+    if record.messages is None:
+        raise DataError(
+            f"{_where(record)} is plain text, not a conversation; on-policy prompts come from "
+            f"chat data (a messages column)."
+        )
+    first = next(
+        (i for i, m in enumerate(record.messages) if m.get("role") == "assistant"),
+        len(record.messages),
+    )
+    prompt = record.messages[:first]
+    if not any(m.get("role") == "user" for m in prompt):
+        roles = [m.get("role") for m in record.messages]
+        raise DataError(
+            f"{_where(record)} has no user message before its first assistant message (roles "
+            f"{roles}), so there is no prompt to continue; drop the sample or fix its roles."
+        )
+    return Record(record.sample_id, None, prompt, record.source, record.row)
+
+
+def prompt_ids(prompt: Record, preparation: Preparation) -> np.ndarray:
+    """The student token ids (int64 ``[P]``) a sampler continues for ``prompt``
+    (:func:`rollout_prompt`): normalised as :func:`crosskd.data.prepare.prepare_row` normalises
+    it, rendered with the student's chat template followed by its generation prompt. An
+    answer is clipped by :func:`rollout_samples` where it outgrows a capacity: the student's
+    room is its capacity less ``P`` tokens, its end-of-turn token included."""
+    prompt = preparation.normalized(prompt)
+    student = preparation.models[0]
+    rendered = render(
+        student, prompt.messages, sample_id=prompt.sample_id, add_generation_prompt=True
+    )
+    return rendered.tokens.ids
+
+
+def stop_ids(tokenizer: LoadedTokenizer) -> frozenset[int]:
+    """The ids that end an answer: the tokenizer's eos token and its ``eos`` / ``eot`` role
+    tokens (:mod:`crosskd.tokenization.roles`)."""
+    ids = {tokenizer.hf.eos_token_id, *(tokenizer.role_ids.get(r) for r in ("eos", "eot"))}
+    return frozenset(ids - {None})
+
+
+def answer_text(
+    tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], stops: Collection[int]
+) -> tuple[str, bool]:
+    """A sampled continuation ``ids`` (token ids after the prompt) as answer text: cut before
+    the first id in ``stops``, decoded with special tokens dropped, stripped of surrounding
+    whitespace; and whether a stop id ended it (False: it ran to the sampler's limit)."""
+    ended = next((i for i, t in enumerate(ids) if t in stops), None)
+    tokens = ids if ended is None else ids[:ended]
+    return tokenizer.decode(tokens, skip_special_tokens=True).strip(), ended is not None
+
+
+def continued(prompt: Record, answer: str) -> Record:
+    """The conversation of ``prompt`` (:func:`rollout_prompt`) followed by the student's
+    ``answer`` as an assistant message, same id, source and row."""
+    messages = [*prompt.messages, {"role": "assistant", "content": answer}]
+    return Record(prompt.sample_id, None, messages, prompt.source, prompt.row)
+
+
+def rollout_samples(conversations: Sequence[Record], preparation: Preparation) -> list[dict]:
+    """The prepared samples of ``conversations`` (each a prompt followed by the student's
+    answer, :func:`continued`), one per conversation in order, each a dict of the prepared
+    shard's columns as a reader gets them (module docstring). Raises
+    :class:`~crosskd.errors.DataError` naming the sample for a conversation that is not a
+    prompt and one assistant message, for an empty answer, and for a prompt over a capacity."""
+    rows = [prepare_row(_checked(c), preparation) for c in conversations]
+    if not rows:
+        return []
+    return shard_table(rows, [np.array([i]) for i in range(len(rows))]).to_pylist()
+
+
+def _checked(conversation: Record) -> Record:
+    """``conversation`` if it is a prompt followed by one non-empty assistant message."""
+    prompt = rollout_prompt(conversation)
+    rest = conversation.messages[len(prompt.messages) :]
+    roles = [m.get("role") for m in conversation.messages]
+    if not rest:
+        raise DataError(
+            f"{_where(conversation)} has no assistant message (roles {roles}): no answer of the "
+            f"student's to distil; append it (crosskd.data.rollout.continued)."
+        )
+    if len(rest) > 1:
+        raise DataError(
+            f"{_where(conversation)} goes on after its first assistant message (roles {roles}); "
+            f"a rollout is its prompt and the student's answer, last: cut it with "
+            f"crosskd.data.rollout.rollout_prompt and append the answer."
+        )
+    answer = split_reasoning(rest)[0]
+    if not answer["content"].strip() and not (answer.get("reasoning_content") or "").strip():
+        raise DataError(
+            f"{_where(conversation)}: the student's answer is empty, so nothing was generated "
+            f"to distil; drop this rollout."
+        )
+    return conversation
+
+
+def _where(record: Record) -> str:
+    return f"sample {record.sample_id} ({record.source}, row {record.row})"
