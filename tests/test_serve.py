@@ -162,6 +162,23 @@ def server(tmp_path_factory: pytest.TempPathFactory, teacher_folder: str):
     assert running.stop() == 0
 
 
+@pytest.fixture
+def launch(tmp_path: Path, teacher_folder: str):
+    """``launch(*overrides, token=...)`` starts a server of the test's own; one still running
+    when the test ends (it failed part way) is killed."""
+    started: list[Server] = []
+
+    def go(*overrides: str, token: str | None = TOKEN) -> Server:
+        started.append(start(tmp_path / str(len(started)), teacher_folder, *overrides, token=token))
+        return started[-1]
+
+    yield go
+    for running in started:
+        if running.proc.poll() is None:
+            running.proc.kill()
+            running.proc.wait()
+
+
 def sequences(*lengths: int, seed: int = 0) -> list[np.ndarray]:
     """Token ids ``[n]`` for each length (int64, below V)."""
     gen = np.random.default_rng(seed)
@@ -345,12 +362,12 @@ def test_metrics_count_what_was_answered(server):
     assert after["crosskd_serve_ready"] == 1
 
 
-def test_requests_from_many_threads_share_a_batch(tmp_path, teacher_folder, reference):
+def test_requests_from_many_threads_share_a_batch(launch, reference):
     """Eight clients at once (``auth: none``, no token sent) whose tokens fill one 96-token
     batch exactly: each gets its own sequences' signals, identical to scoring all 96 tokens in
     process with the same budget; the batch held 8 requests, scored as two model batches. Then
     a drain that cannot finish within ``drain_timeout_s`` exits 143."""
-    held = start(tmp_path, teacher_folder, *HELD, "auth=none", "drain_timeout_s=0.5", token=None)
+    held = launch(*HELD, "auth=none", "drain_timeout_s=0.5", token=None)
     lengths = [(3, 20), (4,), (5, 9), (6,), (7, 10), (8,), (11,), (13,)]
     requests = [sequences(*n, seed=10 + i) for i, n in enumerate(lengths)]
     assert sum(map(sum, lengths)) == 96
@@ -416,13 +433,13 @@ def finish(sock: socket.socket, body: bytes) -> tuple[int, bytes]:
     return status, payload
 
 
-def test_a_full_queue_refuses_and_sigterm_drains(tmp_path, teacher_folder, reference):
+def test_a_full_queue_refuses_and_sigterm_drains(launch, reference):
     """A request held in a filling batch (30 tokens of a 64-token queue bound): one of 40 more
     is refused at once with 429 and Retry-After. A second request is taken, its body not yet
     sent. SIGTERM: the held batch is scored at once and answered; while the second request is
     still open, ``/readyz`` and new requests answer 503 with Retry-After, ``/healthz`` 200 and
     the ready gauge is 0; the second request, once sent, is answered; the process exits 0."""
-    held = start(tmp_path, teacher_folder, *HELD, "max_queue_tokens=64", "retry_after_s=7")
+    held = launch(*HELD, "max_queue_tokens=64", "retry_after_s=7")
     first = sequences(20, 10, seed=20)
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(held.score, ScoreRequest(first))
