@@ -436,10 +436,11 @@ def finish(sock: socket.socket, body: bytes) -> tuple[int, bytes]:
 def test_a_full_queue_refuses_and_sigterm_drains(launch, reference):
     """A request held in a filling batch (30 tokens of a 64-token queue bound): one of 40 more
     is refused at once with 429 and Retry-After. A second request is taken, its body not yet
-    sent. SIGTERM: the held batch is scored at once and answered; while the second request is
-    still open, ``/readyz`` and new requests answer 503 with Retry-After, ``/healthz`` 200 and
-    the ready gauge is 0; the second request, once sent, is answered; the process exits 0."""
-    held = launch(*HELD, "max_queue_tokens=64", "retry_after_s=7")
+    sent: with two in flight (``max_in_flight``) a third gets 429 too. SIGTERM: the held batch
+    is scored at once and answered; while the second request is still open, ``/readyz`` and new
+    requests answer 503 with Retry-After, ``/healthz`` 200 and the ready gauge is 0; the second
+    request, once sent, is answered; the process exits 0."""
+    held = launch(*HELD, "max_queue_tokens=64", "max_in_flight=2", "retry_after_s=7")
     first = sequences(20, 10, seed=20)
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(held.score, ScoreRequest(first))
@@ -453,6 +454,9 @@ def test_a_full_queue_refuses_and_sigterm_drains(launch, reference):
         second = sequences(15, seed=22)
         body = ScoreRequest(second).to_json()
         sock = take_without_body(held.port, body)
+        status, response, data = held.score(ScoreRequest(sequences(3)))
+        assert (status, response.getheader("Retry-After")) == (429, "7")
+        assert "2 requests are in flight, this server's max_in_flight" in data.decode()
         held.proc.send_signal(signal.SIGTERM)
         status, _, payload = answer.result()
     assert status == 200
@@ -467,7 +471,7 @@ def test_a_full_queue_refuses_and_sigterm_drains(launch, reference):
     assert held.call("GET", "/healthz", token=None)[0] == 200
     metrics = held.metrics()
     assert metrics["crosskd_serve_ready"] == 0
-    assert metrics['crosskd_serve_requests_total{code="429"}'] == 1
+    assert metrics['crosskd_serve_requests_total{code="429"}'] == 2
     assert metrics['crosskd_serve_requests_total{code="503"}'] == 1
     status, payload = finish(sock, body)
     assert status == 200

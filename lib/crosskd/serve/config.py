@@ -53,6 +53,9 @@ class ServeConfig:
     """The most tokens (summed over the sequences) one request may hold; more: 413."""
     max_body_bytes: int = 16 * 1024 * 1024
     """The largest request body read, bytes; larger: 413 before it is read."""
+    max_in_flight: int = 256
+    """The most ``/v1/score`` requests taken at once (their bodies being read, queued, scored or
+    answered); more: 429 at once. With ``max_body_bytes`` it bounds the bodies held."""
     retry_after_s: int = 1
     """``Retry-After`` seconds of a 429 (queue full) or 503 (draining, not ready yet)."""
     drain_timeout_s: float = 60.0
@@ -73,6 +76,7 @@ class ServeConfig:
                 "max_queue_tokens",
                 "max_request_tokens",
                 "max_body_bytes",
+                "max_in_flight",
                 "retry_after_s",
             ),
         )

@@ -4,15 +4,16 @@ One HTTP/1.1 port (the standard library's threading server, a thread per connect
 answers the API, ``/healthz``, ``/readyz`` and ``/metrics``. It listens at once and answers
 ``/healthz`` while the teacher loads (a liveness probe does not kill a slow load); ``/readyz``
 and the API answer 503 until the teacher is loaded, then the port is logged and written to
-``port_file``. A ``/v1/score`` request goes through, in order: the token (401), ``Content-Length``
-(411; more than ``max_body_bytes``: 413, refused before the body is read, so a client that sent
-``Expect: 100-continue`` never uploads it), the body (400), the request's own checks against
-the server (400, 413; texts are tokenized here with the teacher's tokenizer, no special tokens
-added and specials in the text kept as text, as ``crosskd prepare`` does), a sequence longer
-than the teacher's positions (400), the queue (429, :class:`~crosskd.serve.batcher.Batcher`),
-then it waits for its batch and is answered with the Parquet of its signals (a failed batch:
-500 with the reason). An error answer to a request whose body was not read closes the
-connection.
+``port_file``. A ``/v1/score`` request goes through, in order: the token (401), the drain (503)
+and the requests in flight (429 beyond ``max_in_flight``: with the queue bound, what bounds the
+server's memory), ``Content-Length`` (411; more than ``max_body_bytes``: 413, refused before the
+body is read, so a client that sent ``Expect: 100-continue`` never uploads it), the body (400),
+the request's own checks against the server (400, 413; texts are tokenized here with the
+teacher's tokenizer, no special tokens added and specials in the text kept as text, as
+``crosskd prepare`` does), a sequence longer than the teacher's positions (400), the queue (429,
+:class:`~crosskd.serve.batcher.Batcher`), then it waits for its batch and is answered with the
+Parquet of its signals (a failed batch: 500 with the reason). An error answer to a request whose
+body was not read closes the connection.
 
 SIGTERM (or SIGINT) drains: ``/readyz`` and new ``/v1/score`` requests answer 503 at once (with
 ``Retry-After``), the requests already taken are scored without waiting for batches to fill and
@@ -64,20 +65,32 @@ DRAIN_EXIT = 143
 
 
 class _InFlight:
-    """The ``/v1/score`` requests taken and not answered yet; once draining, none is taken."""
+    """The ``/v1/score`` requests taken and not answered yet (at most ``limit``); once
+    draining, none is taken."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int, retry_after_s: int) -> None:
+        self.limit = limit
+        self.retry_after_s = retry_after_s
         self.count = 0
         self.draining = False
         self._changed = threading.Condition()
 
-    def enter(self) -> bool:
-        """Take a request (False once draining)."""
+    def enter(self) -> None:
+        """Take a request.
+
+        Raises:
+            RequestError: 503 once draining; 429 when ``limit`` requests are taken already.
+        """
         with self._changed:
             if self.draining:
-                return False
+                raise RequestError("the server is draining; send it to another replica.", 503)
+            if self.count >= self.limit:
+                raise RequestError(
+                    f"{self.count} requests are in flight, this server's max_in_flight; retry "
+                    f"after {self.retry_after_s} s or send it to another replica.",
+                    429,
+                )
             self.count += 1
-            return True
 
     def leave(self) -> None:
         """A taken request is answered."""
@@ -154,7 +167,7 @@ class TeacherServer(ThreadingHTTPServer):
         self.config = config
         self.token = token
         self.metrics = ServeMetrics()
-        self.in_flight = _InFlight()
+        self.in_flight = _InFlight(config.max_in_flight, config.retry_after_s)
         self.loaded: _Loaded | None = None
         try:
             super().__init__((config.host, config.port), _Handler)
@@ -255,11 +268,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._authorize()
             loaded = self._loaded()
+            self.server.in_flight.enter()
         except RequestError as exc:
             self._error(exc)
-            return
-        if not self.server.in_flight.enter():
-            self._error(RequestError("the server is draining; send it to another replica.", 503))
             return
         try:
             payload = self._score(loaded)
