@@ -24,6 +24,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -360,6 +361,15 @@ def test_metrics_count_what_was_answered(server):
     assert moved("crosskd_serve_request_seconds_count") == 1
     assert after["crosskd_serve_queue_requests"] == after["crosskd_serve_queue_tokens"] == 0
     assert after["crosskd_serve_ready"] == 1
+
+
+def test_every_metric_served_is_in_docs_metrics_md(server):
+    names = {key.partition("{")[0] for key in server.metrics()}
+    families = {re.sub(r"(_total|_bucket|_sum|_count|_created)$", "", n) for n in names}
+    page = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    documented = {re.sub(r"_total$", "", n) for n in re.findall(r"`(crosskd_serve_[a-z_]+)`", page)}
+    assert families == documented
+    assert len(families) == 8
 
 
 def test_requests_from_many_threads_share_a_batch(launch, reference):
