@@ -45,7 +45,7 @@ from crosskd.serve.batcher import Batcher, BatchFailed, ServeMetrics
 from crosskd.serve.protocol import PARQUET, RequestError, ScoreRequest, ServerInfo, answer_tokens
 from crosskd.teacher.model import load_teacher
 from crosskd.teacher.scoring import score_all, score_sequences
-from crosskd.teacher.storage import SampleSignal, decode
+from crosskd.teacher.storage import SampleSignal, decode, encode
 from crosskd.tokenization import load_tokenizer
 
 TOKEN = "test-token-5b1e"
@@ -186,9 +186,9 @@ def sequences(*lengths: int, seed: int = 0) -> list[np.ndarray]:
     return [gen.integers(0, V, n) for n in lengths]
 
 
-def signals(payload: bytes, count: int) -> list[SampleSignal]:
+def signals(payload: bytes, count: int, encoding: str = "lossless") -> list[SampleSignal]:
     """An answer decoded as the cache reader does; its ids are ``0 .. count - 1``."""
-    decoded = decode(payload, "lossless", K)
+    decoded = decode(payload, encoding, K)
     assert [name for name, _ in decoded] == [str(i) for i in range(count)]
     return [signal for _, signal in decoded]
 
@@ -375,9 +375,12 @@ def test_every_metric_served_is_in_docs_metrics_md(server):
 def test_requests_from_many_threads_share_a_batch(launch, reference):
     """Eight clients at once (``auth: none``, no token sent) whose tokens fill one 96-token
     batch exactly: each gets its own sequences' signals, identical to scoring all 96 tokens in
-    process with the same budget; the batch held 8 requests, scored as two model batches. Then
-    a drain that cannot finish within ``drain_timeout_s`` exits 143."""
-    held = launch(*HELD, "auth=none", "drain_timeout_s=0.5", token=None)
+    process with the same budget (in the lossy encoding: as that encoded and decoded); the batch
+    held 8 requests, scored as two model batches. Then a drain that cannot finish within
+    ``drain_timeout_s`` exits 143."""
+    held = launch(*HELD, "auth=none", "drain_timeout_s=0.5", "encoding=lossy", token=None)
+    status, _, info = held.call("GET", "/v1/info", token=None)
+    assert (status, ServerInfo.from_json(info, "test").encoding) == (200, "lossy")
     lengths = [(3, 20), (4,), (5, 9), (6,), (7, 10), (8,), (11,), (13,)]
     requests = [sequences(*n, seed=10 + i) for i, n in enumerate(lengths)]
     assert sum(map(sum, lengths)) == 96
@@ -388,14 +391,18 @@ def test_requests_from_many_threads_share_a_batch(launch, reference):
     start_at = 0
     for request, (status, _, payload) in zip(requests, answers, strict=True):
         assert status == 200
-        assert_identical(signals(payload, len(request)), want[start_at : start_at + len(request)])
+        mine = want[start_at : start_at + len(request)]
+        names = [str(i) for i in range(len(request))]
+        lossy = signals(encode(names, mine, "lossy"), len(request), "lossy")
+        assert_identical(signals(payload, len(request), "lossy"), lossy)
         start_at += len(request)
     metrics = held.metrics()
     assert metrics["crosskd_serve_batch_requests_count"] == 1
     assert metrics["crosskd_serve_batch_requests_sum"] == 8
     assert metrics["crosskd_serve_batch_tokens_count"] == 2  # 20+13+11+10, then 9+8+...+3
     assert metrics["crosskd_serve_batch_tokens_sum"] == 96
-    assert metrics['crosskd_serve_requests_total{code="200"}'] == 8
+    assert metrics['crosskd_serve_requests_total{code="200"}'] == 9  # with /v1/info
+    assert metrics["crosskd_serve_request_seconds_count"] == 8
     assert "auth: none: /v1/ requests need no token" in held.log.read_text()
     # A request taken whose body never comes holds the drain past drain_timeout_s: exit 143.
     sock = take_without_body(held.port, ScoreRequest(sequences(5)).to_json(), token=None)
