@@ -435,6 +435,20 @@ def serve(config: ServeConfig) -> int:
         if config.port_file:
             fs, path = fsspec.core.url_to_fs(config.port_file)
             write_whole(fs, path, f"{server.port}\n".encode())
+        info = server.loaded.info
+        log.info(
+            "top-%d at tau %g, %s; batches of %d tokens (waiting %g ms to fill), queue bound %d "
+            "tokens, at most %d requests in flight and %d tokens per request; auth: %s",
+            info.k,
+            info.tau,
+            info.encoding,
+            config.max_batch_tokens,
+            config.max_wait_ms,
+            config.max_queue_tokens,
+            config.max_in_flight,
+            config.max_request_tokens,
+            config.auth,
+        )
         log.info("serving %s on http://%s:%d", config.teacher, config.host, server.port)
         stop.wait()
         return server.drain()
