@@ -8,6 +8,12 @@ the real API server uses, exactly these requests:
   400 ``BadRequest`` for a namespace mismatch, 422 ``Invalid`` for a bad name/kind),
 * ``GET``/``DELETE /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/{name}`` (404
   ``NotFound``), ``GET .../pytorchjobs`` (a ``PyTorchJobList``),
+* ``POST``, ``GET``, ``DELETE`` of the teacher server's objects (:data:`OBJECTS`): ``apps/v1``
+  Deployments, ``v1`` ConfigMaps and Services, ``policy/v1`` PodDisruptionBudgets,
+  ``monitoring.coreos.com/v1`` PodMonitors (201; 409 ``AlreadyExists``; 404 ``NotFound``;
+  ``DELETE`` answers a ``Status`` ``Success``). Deleting an object deletes, as the garbage
+  collector would (at once here), every object whose ``ownerReferences`` name its uid, and a
+  Deployment's pods (its ReplicaSet's, through their labels),
 * ``GET /api/v1/namespaces/{ns}/pods?labelSelector=k=v,...`` (equality selectors),
 * ``GET /api/v1/namespaces/{ns}/pods/{pod}/log?container=...&follow=true`` (chunked
   ``text/plain``, one line per chunk as it is "written"; 400 while the container waits,
@@ -20,12 +26,14 @@ Errors are ``Status`` objects (``kind: Status``, ``status: Failure``, ``reason``
 Training Operator does (a new ``Succeeded``/``Failed`` turns ``Running`` to ``"False"``).
 
 The test drives a timeline: :meth:`FakeKubernetesApi.on_get` runs an action when a job has
-been read N times (before that read is answered), and the actions (:meth:`set_condition`,
-:meth:`start_master`, :meth:`log`, :meth:`restart_container`, :meth:`recreate_pod`,
-:meth:`finish_master`, :meth:`remove_job`) change the state as the operator and the kubelet
-would. Actions that end a container first wait until a log follower has been sent every line
-of it, so a test never depends on how fast the launcher polls. Anything that goes wrong in the
-server thread is recorded in :attr:`FakeKubernetesApi.errors`.
+been read N times (before that read is answered), :meth:`FakeKubernetesApi.on_read` when an
+object of another kind has, and the actions (:meth:`set_condition`, :meth:`start_master`,
+:meth:`log`, :meth:`restart_container`, :meth:`recreate_pod`, :meth:`finish_master`,
+:meth:`remove_job`, :meth:`set_deployment_status`, :meth:`add_pod`) change the state as the
+operator, the Deployment controller and the kubelet would. Actions that end a container first
+wait until a log follower has been sent every line of it, so a test never depends on how fast
+the launcher polls. Anything that goes wrong in the server thread is recorded in
+:attr:`FakeKubernetesApi.errors`.
 """
 
 from __future__ import annotations
@@ -49,6 +57,24 @@ _JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/(
 _PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
 _POD_LOG = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+OBJECTS = {
+    # plural: (path prefix before /namespaces, apiVersion, kind, group of the Status details)
+    "deployments": ("/apis/apps/v1", "apps/v1", "Deployment", "apps"),
+    "configmaps": ("/api/v1", "v1", "ConfigMap", ""),
+    "services": ("/api/v1", "v1", "Service", ""),
+    "poddisruptionbudgets": ("/apis/policy/v1", "policy/v1", "PodDisruptionBudget", "policy"),
+    "podmonitors": (
+        "/apis/monitoring.coreos.com/v1",
+        "monitoring.coreos.com/v1",
+        "PodMonitor",
+        "monitoring.coreos.com",
+    ),
+}
+"""The teacher server's kinds this fake stores, by the plural of their paths."""
+_OBJECT = re.compile(
+    r"^(/api/v1|/apis/[^/]+/v1)/namespaces/([^/]+)/"
+    r"(deployments|configmaps|services|poddisruptionbudgets|podmonitors)(?:/([^/]+))?$"
+)
 _CONDITION_REASONS = {
     "Created": ("PyTorchJobCreated", "PyTorchJob {ns}/{name} is created."),
     "Running": ("PyTorchJobRunning", "PyTorchJob {ns}/{name} is running."),
@@ -172,8 +198,11 @@ class FakeKubernetesApi:
         self.requests: list[tuple[str, str]] = []  # (method, path with query), in order
         self.errors: list[str] = []
         self.created_total = 0  # jobs this fake has created (a reattach must not add one)
-        self._gets: Counter[tuple[str, str]] = Counter()
-        self._hooks: dict[tuple[str, str], list[tuple[int, Callable[[FakeKubernetesApi], Any]]]]
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (plural, ns, name)
+        self.other_pods: dict[tuple[str, str], dict[str, Any]] = {}  # add_pod's, as JSON
+        self.deletions: list[tuple[str, str, str, str | None]] = []  # + propagationPolicy
+        self._gets: Counter[tuple[str, ...]] = Counter()
+        self._hooks: dict[tuple[str, ...], list[tuple[int, Callable[[FakeKubernetesApi], Any]]]]
         self._hooks = defaultdict(list)
         self._faults: list[tuple[str, str, int]] = []
         self._closing = False
@@ -221,6 +250,16 @@ class FakeKubernetesApi:
         base = f"/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs"
         return f"{base}/{name}" if name else base
 
+    def object_path(self, plural: str, namespace: str, name: str | None = None) -> str:
+        """The path of an object of :data:`OBJECTS` (or of their collection)."""
+        base = f"{OBJECTS[plural][0]}/namespaces/{namespace}/{plural}"
+        return f"{base}/{name}" if name else base
+
+    def reads(self, plural: str, namespace: str, name: str) -> int:
+        """How many times the object was read (GET of the object)."""
+        with self.cond:
+            return self._gets[(plural, namespace, name)]
+
     # -- the timeline
 
     def fail_next(self, method: str, path_prefix: str, code: int = 500) -> None:
@@ -234,6 +273,81 @@ class FakeKubernetesApi:
         """Run ``action(self)`` when job ``namespace/name`` is read for the ``n``-th time."""
         with self.cond:
             self._hooks[(namespace, name)].append((n, action))
+
+    def on_read(
+        self,
+        plural: str,
+        namespace: str,
+        name: str,
+        n: int,
+        action: Callable[[FakeKubernetesApi], Any],
+    ) -> None:
+        """Run ``action(self)`` when the object ``plural`` ``namespace/name`` of :data:`OBJECTS`
+        is read for the ``n``-th time."""
+        with self.cond:
+            self._hooks[(plural, namespace, name)].append((n, action))
+
+    def set_deployment_status(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        ready: int,
+        updated: int | None = None,
+        observed: bool = True,
+        conditions: Iterable[tuple[str, str, str, str]] = (),
+    ) -> None:
+        """Give the Deployment the status its controller would: ``ready`` ready (and available)
+        replicas, ``updated`` updated ones (default: ``spec.replicas``), its generation observed
+        unless ``observed=False``, and ``conditions`` as ``(type, status, reason, message)``."""
+        with self.cond:
+            deployment = self.objects[("deployments", namespace, name)]
+            wanted = deployment["spec"].get("replicas", 1)
+            now = _now()
+            status: dict[str, Any] = {
+                "replicas": wanted,
+                "updatedReplicas": wanted if updated is None else updated,
+                "readyReplicas": ready,
+                "availableReplicas": ready,
+                "unavailableReplicas": max(wanted - ready, 0),
+                "conditions": [
+                    {
+                        "type": kind,
+                        "status": state,
+                        "reason": reason,
+                        "message": message,
+                        "lastUpdateTime": now,
+                        "lastTransitionTime": now,
+                    }
+                    for kind, state, reason, message in conditions
+                ],
+            }
+            if observed:
+                status["observedGeneration"] = deployment["metadata"]["generation"]
+            if not ready:  # the API server leaves zero counts out
+                del status["readyReplicas"], status["availableReplicas"]
+            deployment["status"] = status
+            self._bump(deployment)
+
+    def add_pod(
+        self, namespace: str, name: str, labels: dict[str, str], status: dict[str, Any]
+    ) -> None:
+        """Store a pod (one container ``server``) with ``labels`` and the ``status`` the kubelet
+        or the scheduler gave it (``phase``, ``conditions``, ``containerStatuses``)."""
+        with self.cond:
+            self.other_pods[(namespace, name)] = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "uid": str(uuid.uuid4()),
+                    "labels": dict(labels),
+                    "creationTimestamp": _now(),
+                },
+                "spec": {"containers": [{"name": "server", "image": "crosskd:test"}]},
+                "status": status,
+            }
 
     def set_condition(
         self,
@@ -412,11 +526,12 @@ class FakeKubernetesApi:
                 del self.pods[key]
         self.cond.notify_all()
 
-    def _run_hooks(self, namespace: str, name: str) -> None:
+    def _run_hooks(self, namespace: str, name: str, plural: str = "pytorchjobs") -> None:
+        key = (namespace, name) if plural == "pytorchjobs" else (plural, namespace, name)
         with self.cond:
-            self._gets[(namespace, name)] += 1
-            n = self._gets[(namespace, name)]
-            due = [action for at, action in self._hooks[(namespace, name)] if at == n]
+            self._gets[key] += 1
+            n = self._gets[key]
+            due = [action for at, action in self._hooks[key] if at == n]
         for action in due:  # outside the lock: an action may wait for a log follower
             try:
                 action(self)
@@ -471,6 +586,8 @@ class FakeKubernetesApi:
         try:
             if m := _JOBS.match(url.path):
                 self._jobs(req, method, m.group(1), m.group(2), raw)
+            elif (m := _OBJECT.match(url.path)) and OBJECTS[m.group(3)][0] == m.group(1):
+                self._objects(req, method, m.group(3), m.group(2), m.group(4), raw, query)
             elif (m := _PODS.match(url.path)) and method == "GET":
                 self._pods(req, m.group(1), query.get("labelSelector", ""))
             elif (m := _POD_LOG.match(url.path)) and method == "GET":
@@ -510,36 +627,16 @@ class FakeKubernetesApi:
         )
         if method == "POST" and name is None:
             body = json.loads(raw or b"{}")
-            meta = body.get("metadata") or {}
-            job_name = meta.get("name") or ""
-            if body.get("apiVersion") != GROUP_VERSION or body.get("kind") != "PyTorchJob":
-                self._send(req, 400, status_object(400, "BadRequest", "wrong apiVersion/kind"))
-                return
-            if meta.get("namespace") not in (None, ns):
-                self._send(
-                    req,
-                    400,
-                    status_object(
-                        400,
-                        "BadRequest",
-                        "the namespace of the provided object does not match "
-                        "the namespace sent on the request",
-                    ),
-                )
-                return
-            if len(job_name) > 63 or not _NAME.match(job_name):
-                self._send(
-                    req,
-                    422,
-                    status_object(
-                        422,
-                        "Invalid",
-                        f'PyTorchJob.kubeflow.org "{job_name}" is invalid',
-                        name=job_name,
-                        group="kubeflow.org",
-                        kind="PyTorchJob",
-                    ),
-                )
+            job_name = (body.get("metadata") or {}).get("name") or ""
+            invalid = status_object(
+                422,
+                "Invalid",
+                f'PyTorchJob.kubeflow.org "{job_name}" is invalid',
+                name=job_name,
+                group="kubeflow.org",
+                kind="PyTorchJob",
+            )
+            if self._refused(req, ns, body, (GROUP_VERSION, "PyTorchJob"), invalid):
                 return
             with self.cond:
                 if (ns, job_name) in self.jobs:
@@ -600,6 +697,141 @@ class FakeKubernetesApi:
             return
         self._send(req, 405, status_object(405, "MethodNotAllowed", f"{method} not allowed"))
 
+    def _objects(
+        self,
+        req,
+        method: str,
+        plural: str,
+        ns: str,
+        name: str | None,
+        raw: bytes,
+        query: dict[str, str],
+    ) -> None:
+        """POST, GET or DELETE of an object of :data:`OBJECTS`."""
+        _, api_version, kind, group = OBJECTS[plural]
+        resource = f"{plural}.{group}" if group else plural
+
+        def details(item: str) -> dict[str, Any]:
+            return (
+                {"name": item, "group": group, "kind": plural}
+                if group
+                else {
+                    "name": item,
+                    "kind": plural,
+                }
+            )
+
+        if method == "POST" and name is None:
+            body = json.loads(raw or b"{}")
+            item = (body.get("metadata") or {}).get("name") or ""
+            invalid = status_object(422, "Invalid", f'{kind} "{item}" is invalid', **details(item))
+            if self._refused(req, ns, body, (api_version, kind), invalid):
+                return
+            with self.cond:
+                if (plural, ns, item) in self.objects:
+                    self._send(
+                        req,
+                        409,
+                        status_object(
+                            409,
+                            "AlreadyExists",
+                            f'{resource} "{item}" already exists',
+                            **details(item),
+                        ),
+                    )
+                    return
+                obj = json.loads(json.dumps(body))
+                meta = obj.setdefault("metadata", {})
+                meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now())
+                if plural in ("deployments", "poddisruptionbudgets", "podmonitors"):
+                    meta["generation"] = 1
+                if plural == "deployments":
+                    obj["status"] = {}  # every field omitempty
+                if plural == "poddisruptionbudgets":  # these four are not omitempty
+                    obj["status"] = dict.fromkeys(
+                        ("disruptionsAllowed", "currentHealthy", "desiredHealthy", "expectedPods"),
+                        0,
+                    )
+                self._bump(obj)
+                self.objects[(plural, ns, item)] = obj
+                self._send(req, 201, obj)
+            return
+        gone = status_object(404, "NotFound", f'{resource} "{name}" not found', **details(name))
+        if method == "GET" and name is not None:
+            self._run_hooks(ns, name, plural)
+            with self.cond:
+                obj = self.objects.get((plural, ns, name))
+                self._send(req, *((200, obj) if obj else (404, gone)))
+            return
+        if method == "DELETE" and name is not None:
+            policy = query.get("propagationPolicy")
+            if policy is None and raw:
+                policy = json.loads(raw).get("propagationPolicy")
+            with self.cond:
+                obj = self.objects.pop((plural, ns, name), None)
+                if obj is None:
+                    self._send(req, 404, gone)
+                    return
+                self.deletions.append((plural, ns, name, policy))
+                if policy != "Orphan":
+                    self._collect(ns, obj)
+                self.cond.notify_all()
+                done = status_object(200, "", "") | {
+                    "status": "Success",
+                    "details": {**details(name), "uid": obj["metadata"]["uid"]},
+                }
+                self._send(req, 200, done)
+            return
+        self._send(req, 405, status_object(405, "MethodNotAllowed", f"{method} not allowed"))
+
+    def _refused(
+        self,
+        req,
+        ns: str,
+        body: dict[str, Any],
+        type_: tuple[str, str],
+        invalid: dict[str, Any],
+    ) -> bool:
+        """Answer a create whose body is not of ``type_`` (apiVersion, kind) or names another
+        namespace (400), or whose name is not a DNS label (``invalid``, 422); returns whether
+        it was refused."""
+        meta = body.get("metadata") or {}
+        name = meta.get("name") or ""
+        if (body.get("apiVersion"), body.get("kind")) != type_:
+            self._send(req, 400, status_object(400, "BadRequest", "wrong apiVersion/kind"))
+        elif meta.get("namespace") not in (None, ns):
+            self._send(
+                req,
+                400,
+                status_object(
+                    400,
+                    "BadRequest",
+                    "the namespace of the provided object does not match "
+                    "the namespace sent on the request",
+                ),
+            )
+        elif len(name) > 63 or not _NAME.match(name):
+            self._send(req, 422, invalid)
+        else:
+            return False
+        return True
+
+    def _collect(self, ns: str, owner: dict[str, Any]) -> None:
+        """The garbage collector, at once: delete what ``owner`` owns (by ``ownerReferences``
+        uid, recursively) and, for a Deployment, the pods of its selector (its ReplicaSet's)."""
+        uid = owner["metadata"]["uid"]
+        for key, obj in list(self.objects.items()):
+            refs = obj["metadata"].get("ownerReferences") or []
+            if key[1] == ns and key in self.objects and any(r.get("uid") == uid for r in refs):
+                del self.objects[key]
+                self._collect(ns, obj)
+        if owner.get("kind") == "Deployment":
+            wanted = owner["spec"]["selector"]["matchLabels"]
+            for key, pod in list(self.other_pods.items()):
+                labels = pod["metadata"]["labels"]
+                if key[0] == ns and all(labels.get(k) == v for k, v in wanted.items()):
+                    del self.other_pods[key]
+
     def _pods(self, req, ns: str, selector: str) -> None:
         wanted = {}
         for term in filter(None, selector.split(",")):
@@ -610,6 +842,10 @@ class FakeKubernetesApi:
                 p.to_json()
                 for (n, _), p in self.pods.items()
                 if n == ns and all(p.labels.get(k) == v for k, v in wanted.items())
+            ] + [
+                p
+                for (n, _), p in self.other_pods.items()
+                if n == ns and all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())
             ]
             rv = str(self._resource_version)
         self._send(

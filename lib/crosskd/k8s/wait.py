@@ -204,7 +204,7 @@ def wait_for_job(
                 f"{watch.name}).",
                 watch.result(current, "wait_timeout passed", timed_out=True),
             )
-        _sleep(min(poll_interval, remaining), cancel)
+        sleep_unless_cancelled(min(poll_interval, remaining), cancel)
 
 
 def _read(watch: JobWatch, request_timeout: float) -> tuple[Any | None, BaseException | None]:
@@ -305,7 +305,7 @@ def _cancelled(watch: JobWatch, delete: bool) -> JobCancelled:
     )
 
 
-def _sleep(seconds: float, cancel: SigtermFlag) -> None:
+def sleep_unless_cancelled(seconds: float, cancel: SigtermFlag) -> None:
     """Sleep ``seconds``, waking within 0.2 s when SIGTERM comes."""
     end = time.monotonic() + seconds
     while not cancel.requested:
