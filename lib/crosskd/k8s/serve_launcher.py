@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -94,7 +95,8 @@ class TeacherServer:
 
 
 def api_client() -> k8s.ApiClient:
-    """A client from the pod's service account inside a cluster, else from the kube-config."""
+    """A client from the pod's service account inside a cluster, else from the kube-config
+    (``$KUBECONFIG`` as it is now, else ``~/.kube/config``)."""
     # lazy: kubernetes.config reads files only when a client is wanted
     from kubernetes import config as kube_config
 
@@ -102,7 +104,10 @@ def api_client() -> k8s.ApiClient:
     try:
         kube_config.load_incluster_config(client_configuration=configuration)
     except kube_config.ConfigException:
-        kube_config.load_kube_config(client_configuration=configuration)
+        # the client reads $KUBECONFIG once, when imported: give it the current one
+        kube_config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+        )
     return k8s.ApiClient(configuration)
 
 
