@@ -14,9 +14,17 @@ credentials from the Secret named by ``s3_secret``. The training task is a CPU-o
 its GPUs, nodes, tolerations and node selector go into the PyTorchJob it renders (``job``). The
 defaults are a CPU smoke run (random-init models, standard-library text) that runs on the
 project image anywhere; ``params/*.yaml`` are parameter sets for real runs.
+
+``distill_served`` is the same run with teacher servers instead of caches (``crosskd pipeline
+compile --teacher-serving server``): no scoring; ``start_teacher_server`` brings up one
+``crosskd serve`` Deployment per teacher and gives the training runs their URLs, and
+``stop_teacher_server`` takes them down after training (before the GPU evaluation) and, as the
+exit task of a ``dsl.ExitHandler`` around everything from the start on, once more whatever
+happened (a failed start or training included).
 """
 
 from kfp import dsl, kubernetes
+from kfp.dsl.pipeline_channel import PipelineChannel
 
 from components.build_tables.component import build_tables
 from components.evaluate.component import evaluate
@@ -28,6 +36,8 @@ from components.plan_training.component import plan_training
 from components.prepare.component import prepare
 from components.report.component import report
 from components.score_teacher.component import score_teacher
+from components.start_teacher_server.component import start_teacher_server
+from components.stop_teacher_server.component import stop_teacher_server
 from components.train.component import train
 from components.validate_inputs.component import validate_inputs
 from components.validate_tables.component import validate_tables
@@ -35,6 +45,29 @@ from components.validate_tables.component import validate_tables
 GPU = "nvidia.com/gpu"
 TRAIN_WAIT = "1209600s"
 """How long a retried training launcher may keep reattaching (two weeks: longer than a job)."""
+SMOKE_OPTIONS = {
+    "teacher_tokenizer": "tiny:420",
+    "student_tokenizer": "tiny:330",
+    "teacher_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
+    "student_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
+    "corpus_bytes": 20000,
+    "heldout_every": 5,
+    "max_length": 64,
+    "train": {
+        "micro_batch_rows": 4,
+        "lr": 0.003,
+        "warmup_steps": 2,
+        "loss": {"dynamic_kd_scale": True},
+    },
+    "token_budget": 1024,
+}
+"""The default ``options``: the CPU smoke run's shapes (never mutated)."""
+SMOKE_SERVER = {"gpus": 0, "cpu": "2", "memory": "8Gi", "shm_size": "1Gi", "cache_size": "10Gi"}
+"""``distill_served``'s default ``server``: one CPU replica for the smoke run (never mutated)."""
+DESCRIPTION = (
+    "Cross-tokenizer distillation (Common-Support Distillation): tables, data, "
+    "teacher scoring, student training as a PyTorchJob, evaluation and report."
+)
 
 
 def _secrets(task: dsl.PipelineTask, secret: str) -> dsl.PipelineTask:
@@ -94,11 +127,133 @@ def _cpu(
     return task
 
 
-@dsl.pipeline(
-    name="crosskd-distill",
-    description="Cross-tokenizer distillation (Common-Support Distillation): tables, data, "
-    "teacher scoring, student training as a PyTorchJob, evaluation and report.",
-)
+def _prepare(
+    p: dict,
+) -> tuple[dsl.PipelineTask, PipelineChannel, dsl.PipelineTask, dsl.PipelineTask]:
+    """validate_inputs -> init_student -> prepare, and per teacher: tables -> validate. Returns
+    the validate_inputs task, the plan, the prepare task and the (looped) validate_tables
+    task."""
+    secret = p["s3_secret"]
+    inputs = validate_inputs(
+        output_root=p["output_root"],
+        teachers=p["teachers"],
+        student=p["student"],
+        train_data=p["train_data"],
+        heldout_data=p["heldout_data"],
+        ood_data=p["ood_data"],
+        k=p["k"],
+        tau=p["tau"],
+        steps=p["steps"],
+        compare_ce_only=p["compare_ce_only"],
+        score_pods=p["score_pods"],
+        options=p["options"],
+        executor=p["executor"],
+        image=p["image"],
+        gpus_per_node=p["gpus_per_node"],
+        nodes=p["nodes"],
+        job=p["job"],
+    )
+    _secrets(_cpu(inputs, "1", "4Gi", cache=False), secret)
+    student = init_student(plan=inputs.outputs["plan"])
+    _secrets(_cpu(student, "8", "32Gi", cache=True, retries=2), secret)
+    plan = student.outputs["Output"]
+    prepared = prepare(
+        plan=plan, preparing=inputs.outputs["preparing"], metrics_port=p["metrics_port"]
+    )
+    _secrets(_cpu(prepared, "8", "32Gi", cache=True, retries=2), secret)
+    _monitored(prepared, "prepare")
+    pairs = plan_tables(plan=plan)
+    _secrets(_cpu(pairs, "1", "1Gi", cache=True), secret)
+    # kfp.local hands a loop body only its item and pipeline parameters: items are self-contained.
+    with dsl.ParallelFor(pairs.output, name="teachers") as pair:
+        built = build_tables(item=pair)
+        _secrets(_cpu(built, "4", "16Gi", cache=True, retries=2), secret)
+        checked = validate_tables(item=pair, tables=built.outputs["Output"])
+        _secrets(_cpu(checked, "2", "8Gi", cache=True), secret)
+    return inputs, plan, prepared, checked
+
+
+def _train(
+    p: dict,
+    inputs: dsl.PipelineTask,
+    plan: PipelineChannel,
+    prepared: dsl.PipelineTask,
+    checked: dsl.PipelineTask,
+    caches: PipelineChannel,
+) -> dsl.PipelineTask:
+    """plan_training on ``caches`` (merged caches, or the started servers), then per run (kd,
+    ce): train as a PyTorchJob. Returns the (looped) train task."""
+    runs = plan_training(
+        run_config=inputs.outputs["run_config"],
+        plan=plan,
+        prepared=prepared.outputs["Output"],
+        tables=dsl.Collected(checked.outputs["Output"]),
+        caches=caches,
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    )
+    _secrets(_cpu(runs, "1", "1Gi", cache=False), p["s3_secret"])
+    with dsl.ParallelFor(runs.output, name="runs") as run:
+        trained = train(
+            item=run,
+            executor=p["executor"],
+            image=p["image"],
+            gpus_per_node=p["gpus_per_node"],
+            nodes=p["nodes"],
+            job=p["job"],
+            s3_secret=p["s3_secret"],
+            pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+        )
+        # A CPU-only launcher: create or reattach to the PyTorchJob and wait for it.
+        _secrets(_cpu(trained, "1", "2Gi", cache=False), p["s3_secret"])
+        trained.set_retry(
+            3, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration=TRAIN_WAIT
+        )
+    return trained
+
+
+def _report(
+    p: dict,
+    inputs: dsl.PipelineTask,
+    plan: PipelineChannel,
+    prepared: dsl.PipelineTask,
+    trained: dsl.PipelineTask,
+    after: dsl.PipelineTask | None = None,
+) -> PipelineChannel:
+    """evaluate (a GPU step; after ``after`` when given) -> report; returns the report's
+    output."""
+    evaluation = evaluate(
+        plan=plan,
+        prepared=prepared.outputs["Output"],
+        runs=dsl.Collected(trained.outputs["Output"]),
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        scoring=inputs.outputs["scoring"],
+        gpus=p["score_gpus"],
+    )
+    if after is not None:
+        evaluation.after(after)
+    _secrets(_cpu(evaluation, "8", "32Gi", cache=False), p["s3_secret"])
+    _gpu(evaluation, p["score_gpus"], p["score_node_selector"], p["score_tolerations"])
+    shown = report(
+        plan=plan,
+        evaluation=evaluation.outputs["Output"],
+        runs=dsl.Collected(trained.outputs["Output"]),
+        run_config=inputs.outputs["run_config"],
+        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    )
+    _secrets(_cpu(shown, "1", "2Gi", cache=False, retries=2), p["s3_secret"])
+    return shown.outputs["Output"]
+
+
+def _stopper(p: dict) -> dsl.PipelineTask:
+    """A stop_teacher_server task (CPU, no cache, retried: deleting is idempotent)."""
+    stop = stop_teacher_server(
+        teachers=p["teachers"], job=p["job"], pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER
+    )
+    return _cpu(stop, "1", "1Gi", cache=False, retries=2)
+
+
+@dsl.pipeline(name="crosskd-distill", description=DESCRIPTION)
 def distill(
     output_root: str = "s3://crosskd/distill",
     teachers: list = ["init"],  # noqa: B006 (a KFP default, never mutated)
@@ -110,22 +265,7 @@ def distill(
     tau: float = 1.0,
     steps: int = 12,
     compare_ce_only: bool = True,
-    options: dict = {  # noqa: B006
-        "teacher_tokenizer": "tiny:420",
-        "student_tokenizer": "tiny:330",
-        "teacher_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
-        "student_shape": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
-        "corpus_bytes": 20000,
-        "heldout_every": 5,
-        "max_length": 64,
-        "train": {
-            "micro_batch_rows": 4,
-            "lr": 0.003,
-            "warmup_steps": 2,
-            "loss": {"dynamic_kd_scale": True},
-        },
-        "token_budget": 1024,
-    },
+    options: dict = SMOKE_OPTIONS,
     score_pods: int = 1,
     score_gpus: int = 0,
     score_node_selector: dict = {},  # noqa: B006
@@ -147,40 +287,8 @@ def distill(
     :mod:`crosskd.teacher.sharded`); ``metrics_port``: the port the prepare and
     scoring pods serve ``/metrics`` on (the step PodMonitor of ``manifests/monitoring`` scrapes
     it; 0: a free port, -1: not served)."""
-    inputs = validate_inputs(
-        output_root=output_root,
-        teachers=teachers,
-        student=student,
-        train_data=train_data,
-        heldout_data=heldout_data,
-        ood_data=ood_data,
-        k=k,
-        tau=tau,
-        steps=steps,
-        compare_ce_only=compare_ce_only,
-        score_pods=score_pods,
-        options=options,
-        executor=executor,
-        image=image,
-        gpus_per_node=gpus_per_node,
-        nodes=nodes,
-        job=job,
-    )
-    _secrets(_cpu(inputs, "1", "4Gi", cache=False), s3_secret)
-    student = init_student(plan=inputs.outputs["plan"])
-    _secrets(_cpu(student, "8", "32Gi", cache=True, retries=2), s3_secret)
-    plan = student.outputs["Output"]
-    prepared = prepare(plan=plan, preparing=inputs.outputs["preparing"], metrics_port=metrics_port)
-    _secrets(_cpu(prepared, "8", "32Gi", cache=True, retries=2), s3_secret)
-    _monitored(prepared, "prepare")
-    pairs = plan_tables(plan=plan)
-    _secrets(_cpu(pairs, "1", "1Gi", cache=True), s3_secret)
-    # kfp.local hands a loop body only its item and pipeline parameters: items are self-contained.
-    with dsl.ParallelFor(pairs.output, name="teachers") as pair:
-        built = build_tables(item=pair)
-        _secrets(_cpu(built, "4", "16Gi", cache=True, retries=2), s3_secret)
-        checked = validate_tables(item=pair, tables=built.outputs["Output"])
-        _secrets(_cpu(checked, "2", "8Gi", cache=True), s3_secret)
+    p = dict(locals())  # the parameters, by name, for the stages both pipelines share
+    inputs, plan, prepared, checked = _prepare(p)
     jobs = plan_scoring(
         plan=plan,
         prepared=prepared.outputs["Output"],
@@ -195,48 +303,67 @@ def distill(
         _gpu(scored, score_gpus, score_node_selector, score_tolerations)
     merged = merge_cache(parts=dsl.Collected(scored.outputs["Output"]))
     _secrets(_cpu(merged, "2", "8Gi", cache=True, retries=2), s3_secret)
-    runs = plan_training(
-        run_config=inputs.outputs["run_config"],
-        plan=plan,
-        prepared=prepared.outputs["Output"],
-        tables=dsl.Collected(checked.outputs["Output"]),
-        caches=merged.outputs["Output"],
-        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-    )
-    _secrets(_cpu(runs, "1", "1Gi", cache=False), s3_secret)
-    with dsl.ParallelFor(runs.output, name="runs") as run:
-        trained = train(
-            item=run,
+    trained = _train(p, inputs, plan, prepared, checked, merged.outputs["Output"])
+    return _report(p, inputs, plan, prepared, trained)
+
+
+@dsl.pipeline(
+    name="crosskd-distill-served",
+    description=DESCRIPTION.replace("teacher scoring", "teacher servers (crosskd serve)"),
+)
+def distill_served(
+    output_root: str = "s3://crosskd/distill",
+    teachers: list = ["init"],  # noqa: B006 (a KFP default, never mutated)
+    student: str = "init",
+    train_data: str = "",
+    heldout_data: str = "",
+    ood_data: str = "",
+    k: int = 16,
+    tau: float = 1.0,
+    steps: int = 12,
+    compare_ce_only: bool = True,
+    options: dict = SMOKE_OPTIONS,
+    score_pods: int = 1,
+    score_gpus: int = 0,
+    score_node_selector: dict = {},  # noqa: B006
+    score_tolerations: list = [],  # noqa: B006
+    executor: str = "cluster",
+    image: str = "ghcr.io/crosskd/crosskd:0.1.0",
+    gpus_per_node: int = 0,
+    nodes: int = 1,
+    job: dict = {"cpu": "2", "memory": "4Gi"},  # noqa: B006
+    s3_secret: str = "crosskd-s3",
+    metrics_port: int = 9400,
+    server: dict = SMOKE_SERVER,
+) -> None:
+    """``distill`` with a teacher server per teacher in place of the scored caches: the same
+    parameters, and ``server``: the servers' ``crosskd.k8s.serve.TeacherServerConfig`` keys
+    (``replicas``, ``gpus``, ``token_secret``, ...) plus ``serve`` (``crosskd serve`` keys),
+    ``pod_monitor`` and ``ready_timeout_s`` (``docs/pipeline.md``). ``job`` must name the
+    servers' token Secret as ``teacher_token_secret`` (unless ``server.serve.auth`` is
+    ``none``); ``executor`` must be ``cluster``. No pipeline output (KFP takes none from inside
+    an exit handler): the report is the ``report`` task's artifacts."""
+    p = dict(locals())  # the parameters, by name, for the stages both pipelines share
+    inputs, plan, prepared, checked = _prepare(p)
+    # The exit task takes only pipeline parameters (KFP refuses other tasks' outputs there): the
+    # servers' names derive from the run id and the teacher's index.
+    stop_at_exit = _stopper(p)
+    with dsl.ExitHandler(stop_at_exit, name="teacher-servers"):
+        started = start_teacher_server(
+            plan=plan,
+            scoring=inputs.outputs["scoring"],
+            server=server,
+            job=job,
             executor=executor,
             image=image,
-            gpus_per_node=gpus_per_node,
-            nodes=nodes,
-            job=job,
-            s3_secret=s3_secret,
             pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-            task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
         )
-        # A CPU-only launcher: create or reattach to the PyTorchJob and wait for it.
-        _secrets(_cpu(trained, "1", "2Gi", cache=False), s3_secret)
-        trained.set_retry(
-            3, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration=TRAIN_WAIT
+        # A CPU-only launcher that reattaches to its servers, so it may retry.
+        _cpu(started, "1", "1Gi", cache=False)
+        started.set_retry(
+            2, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration=TRAIN_WAIT
         )
-    evaluation = evaluate(
-        plan=plan,
-        prepared=prepared.outputs["Output"],
-        runs=dsl.Collected(trained.outputs["Output"]),
-        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-        scoring=inputs.outputs["scoring"],
-        gpus=score_gpus,
-    )
-    _secrets(_cpu(evaluation, "8", "32Gi", cache=False), s3_secret)
-    _gpu(evaluation, score_gpus, score_node_selector, score_tolerations)
-    shown = report(
-        plan=plan,
-        evaluation=evaluation.outputs["Output"],
-        runs=dsl.Collected(trained.outputs["Output"]),
-        run_config=inputs.outputs["run_config"],
-        run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-    )
-    _secrets(_cpu(shown, "1", "2Gi", cache=False, retries=2), s3_secret)
-    return shown.outputs["Output"]
+        trained = _train(p, inputs, plan, prepared, checked, started.output)
+        # Free the servers' GPUs before the evaluation asks for its own.
+        stopped = _stopper(p).after(trained)
+        _report(p, inputs, plan, prepared, trained, after=stopped)

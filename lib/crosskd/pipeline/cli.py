@@ -2,9 +2,11 @@
 
 * ``graph [--package FILE] [--output FILE]``: the compiled pipeline's graph as SVG (default
   ``docs/pipeline.svg``).
-* ``compile [--output FILE] [--image IMAGE] [--params FILE]``: the pipeline of
-  ``pipelines/distill.py`` as KFP YAML (default ``pipelines/distill.yaml`` of the checkout);
-  ``--params`` makes a parameter set (YAML mapping) the compiled defaults.
+* ``compile [--output FILE] [--image IMAGE] [--params FILE] [--teacher-serving cache|server]``:
+  the pipeline of ``pipelines/distill.py`` as KFP YAML (default ``pipelines/distill.yaml`` of the
+  checkout; with ``--teacher-serving server``, the teacher-server pipeline ``distill_served``,
+  default ``distill-served.yaml`` here); ``--params`` makes a parameter set (YAML mapping) the
+  compiled defaults.
 * ``run-local (--preset NAME | --config FILE) [--FIELD VALUE ...] [key=value ...]
   [--local-root DIR] [--no-cache]``: the whole DAG on this machine under ``kfp.local``, the
   training step through the local PyTorchJob executor; prints the held-out bits-per-byte table
@@ -41,6 +43,13 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
     comp.add_argument("--output", help="default: pipelines/distill.yaml of the checkout")
     comp.add_argument("--image", help="the components' image (default: components/__init__.py)")
     comp.add_argument("--params", help="YAML mapping of pipeline parameters: compiled defaults")
+    comp.add_argument(
+        "--teacher-serving",
+        choices=("cache", "server"),
+        default="cache",
+        help="cache: teachers scored into caches (default); server: a teacher server per "
+        "teacher for training (default output: distill-served.yaml)",
+    )
     graph = actions.add_parser("graph", help="draw the compiled pipeline's graph as SVG")
     graph.add_argument("--package", help="compiled YAML (default: pipelines/distill.yaml)")
     graph.add_argument("--output", help="default: docs/pipeline.svg of the checkout")
@@ -117,8 +126,15 @@ def _compile(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--params {args.params}: expected a mapping of pipeline parameters to values."
             )
-    output = args.output or str(source_root() / COMPILED_FILE)
-    compile_pipeline(output, image=args.image, parameters=parameters)
+    if args.output:
+        output = args.output
+    elif args.teacher_serving == "cache":
+        output = str(source_root() / COMPILED_FILE)
+    else:
+        output = "distill-served.yaml"
+    compile_pipeline(
+        output, image=args.image, parameters=parameters, teacher_serving=args.teacher_serving
+    )
     sys.stdout.write(f"compiled {output}\n")
     return 0
 

@@ -47,6 +47,10 @@ TOP_LEVEL = (
 )
 """RunConfig keys that are pipeline parameters of their own (so is ``train.steps``: ``steps``);
 the rest go into ``options``."""
+TEACHER_SERVING = {"cache": "distill", "server": "distill_served"}
+"""``--teacher-serving``: the pipeline function of ``pipelines/distill.py`` for each choice
+(``cache``: teachers scored into caches; ``server``: a teacher server per teacher, started for
+training and stopped after it)."""
 LOCAL_JOB = {"cpu": "1", "memory": "2Gi", "grace_seconds": 30, "env": {"OMP_NUM_THREADS": "1"}}
 """The local executor's PyTorchJob settings (one CPU process, no GPU)."""
 
@@ -63,11 +67,15 @@ def source_root() -> Path:
     )
 
 
-def load_pipeline(image: str | None = None) -> Callable[..., Any]:
+def load_pipeline(image: str | None = None, teacher_serving: str = "cache") -> Callable[..., Any]:
     """The pipeline function of ``pipelines/distill.py`` (the checkout's root is put first on
     ``sys.path``); ``image`` replaces the components' image (``CROSSKD_IMAGE``, and
     ``<image>-cuda`` for the GPU steps): the components are imported afresh, since they read
-    it when imported."""
+    it when imported; ``teacher_serving`` picks the pipeline (:data:`TEACHER_SERVING`)."""
+    if teacher_serving not in TEACHER_SERVING:
+        raise ConfigError(
+            f"teacher_serving is {teacher_serving!r}; choose one of {', '.join(TEACHER_SERVING)}."
+        )
     root = str(source_root())
     if image:
         os.environ["CROSSKD_IMAGE"] = image
@@ -76,19 +84,24 @@ def load_pipeline(image: str | None = None) -> Callable[..., Any]:
             del sys.modules[name]
     if root not in sys.path:
         sys.path.insert(0, root)
-    return importlib.import_module("pipelines.distill").distill
+    return getattr(importlib.import_module("pipelines.distill"), TEACHER_SERVING[teacher_serving])
 
 
 def compile_pipeline(
-    output: str, *, image: str | None = None, parameters: dict[str, Any] | None = None
+    output: str,
+    *,
+    image: str | None = None,
+    parameters: dict[str, Any] | None = None,
+    teacher_serving: str = "cache",
 ) -> str:
-    """Compile the pipeline into ``output`` (YAML), with ``parameters`` as the defaults of those
-    pipeline parameters; returns ``output``."""
+    """Compile the pipeline (``teacher_serving``: :data:`TEACHER_SERVING`) into ``output``
+    (YAML), with ``parameters`` as the defaults of those pipeline parameters; returns
+    ``output``."""
     # lazy: kfp is an optional extra (crosskd[kfp]); crosskd pipeline graph and submit import this
     # module for COMPILED_FILE and source_root
     from kfp import compiler
 
-    pipeline = load_pipeline(image)
+    pipeline = load_pipeline(image, teacher_serving)
     compiler.Compiler().compile(pipeline, output, pipeline_parameters=parameters or None)
     Path(output).write_text(canonical_header(Path(output).read_text()))
     return output

@@ -3,7 +3,9 @@
 
 validate_inputs -> init_student -> plan_tables -> per teacher: build_tables -> validate_tables;
 prepare_data -> plan_scoring -> score_teacher (per teacher and shard range) -> merge_caches ->
-plan_training -> train (per variant) -> evaluate_run (in domain and out of domain) -> report.
+plan_training -> train (per variant) -> evaluate_run (in domain and out of domain) -> report; or,
+with teacher servers instead of caches, start_teacher_servers -> plan_training -> train ->
+stop_teacher_servers.
 The ``plan_*`` steps make self-contained items for the fan-outs (each item carries what its
 step needs).
 
@@ -25,6 +27,7 @@ from crosskd.steps.inputs import validate_inputs
 from crosskd.steps.locations import content_uri, run_folder
 from crosskd.steps.prepare import prepare_data
 from crosskd.steps.score import merge_caches, plan_scoring, score_teacher
+from crosskd.steps.serve import start_teacher_servers, stop_teacher_servers
 from crosskd.steps.student import init_student
 from crosskd.steps.tables import build_tables, plan_tables, validate_tables
 from crosskd.steps.train import plan_training, train
@@ -48,6 +51,8 @@ __all__ = [
     "run_config_from_parameters",
     "run_folder",
     "score_teacher",
+    "start_teacher_servers",
+    "stop_teacher_servers",
     "train",
     "validate_inputs",
     "validate_tables",

@@ -35,9 +35,12 @@ def plan_training(
 ) -> list[dict[str, Any]]:
     """One item per training run (:func:`crosskd.steps.inputs.variants`): ``{"variant",
     "train": crosskd train keys}`` with the output ``<run_dir>/<variant>``; ``tables`` and
-    ``caches`` (any order) are matched to teachers by their ``index``."""
+    ``caches`` (any order) are matched to teachers by their ``index``. Each of ``caches`` gives
+    its teacher's ``cache`` URI (:func:`crosskd.steps.merge_caches`) or the ``server`` URL of a
+    teacher server (:func:`crosskd.steps.serve.start_teacher_servers`), the run's
+    ``teachers`` entry."""
     by_index = {int(t["index"]): t for t in tables}
-    cache_of = {int(c["index"]): c["cache"] for c in caches}
+    cache_of = {int(c["index"]): c["server"] if "server" in c else c["cache"] for c in caches}
     n = len(plan["teachers"])
     if sorted(by_index) != list(range(n)) or sorted(cache_of) != list(range(n)):
         raise ConfigError(
