@@ -169,6 +169,10 @@ class TeacherServer(ThreadingHTTPServer):
         self.metrics = ServeMetrics()
         self.in_flight = _InFlight(config.max_in_flight, config.retry_after_s)
         self.loaded: _Loaded | None = None
+        # the listen backlog (socketserver's default is 5): past it, connections that arrive
+        # together are dropped and retried by the client's TCP a second or more later, or reset
+        # (benchmarks/serve_load.py saw a reset at 32 clients); beyond max_in_flight: 429
+        self.request_queue_size = config.max_in_flight
         try:
             super().__init__((config.host, config.port), _Handler)
         except OSError as exc:
