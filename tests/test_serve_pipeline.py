@@ -148,6 +148,8 @@ def test_the_training_runs_read_the_servers(fake) -> None:
         ({"serve": {"batch": 1}}, JOB, "cluster", "unknown server.serve key(s) batch"),
         ({"serve": {"max_wait_ms": -1}}, JOB, "cluster", "max_wait_ms is -1"),
         ({"replicas": 0}, JOB, "cluster", "replicas is 0"),
+        ({"ready_timeout_s": 0}, JOB, "cluster", "server.ready_timeout_s is 0; give seconds > 0"),
+        ({"ready_timeout_s": "1h"}, JOB, "cluster", "server.ready_timeout_s is '1h'"),
     ],
 )
 def test_bad_settings_are_refused_before_anything_is_created(

@@ -31,7 +31,7 @@ step can run twice (after training, and again in the exit handler).
 
 The service account needs exactly ``manifests/serve/launcher-rbac.yaml``: create and get on
 deployments, configmaps, services, poddisruptionbudgets (and podmonitors), delete on
-deployments only, get and list on pods (for the diagnosis). Tested against
+deployments only, list on pods (for the diagnosis). Tested against
 ``tests/k8s_fake.py``.
 """
 

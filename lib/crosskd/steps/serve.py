@@ -20,13 +20,8 @@ from crosskd.steps.train import job_run_id
 log = logging.getLogger(__name__)
 
 SERVER_PREFIX = "crosskd-teacher"
-STEP_KEYS = ("serve", "pod_monitor", "ready_timeout_s")
-"""The ``server`` keys the start step reads itself (every other one is a
-:class:`~crosskd.k8s.serve.TeacherServerConfig` key): ``serve``, ``crosskd serve`` keys
-(batching, queue, dtype, auth, ...) beside the run's; ``pod_monitor``, also create a
-PodMonitor (default false); ``ready_timeout_s``, seconds to wait for every server's replicas
-(default :data:`READY_TIMEOUT_S`)."""
 READY_TIMEOUT_S = 3600
+"""Seconds the start step waits for the servers by default (``server.ready_timeout_s``)."""
 RUN_KEYS = ("teacher", "k", "tau", "encoding", "port", "drain_timeout_s")
 """``crosskd serve`` keys ``server.serve`` may not set: the run's (teacher, k, tau, encoding)
 and the server config's (port, drain time)."""
@@ -60,8 +55,13 @@ def start_teacher_servers(
         plan: :func:`crosskd.steps.validate_inputs`'s plan (``teachers``: ``index``, ``ref``).
         scoring: The run's ``k``, ``tau``, ``encoding``, ``device``
             (:meth:`crosskd.steps.RunConfig.scoring`).
-        server: :class:`~crosskd.k8s.serve.TeacherServerConfig` keys for every server, and
-            :data:`STEP_KEYS`. Without ``image``: ``image`` (``image-cuda`` when ``gpus`` > 0).
+        server: :class:`~crosskd.k8s.serve.TeacherServerConfig` keys for every server (not
+            ``name``, ``serve_config_map``, ``namespace``: set here; without ``image``:
+            ``image``, or ``image-cuda`` when ``gpus`` > 0), and three keys of this step's:
+            ``serve``, ``crosskd serve`` keys beside the run's (batching, queue, dtype, auth,
+            ...; not :data:`RUN_KEYS`); ``pod_monitor``, also create a PodMonitor (default
+            false); ``ready_timeout_s``, seconds to wait for every replica of every server
+            (default :data:`READY_TIMEOUT_S`).
         job: The training job's JobConfig keys: its ``namespace`` (default: this pod's) is the
             servers' too, and it must name ``teacher_token_secret`` unless the servers run
             with ``auth: none``.
@@ -91,7 +91,12 @@ def start_teacher_servers(
     settings = dict(server)
     serve = dict(settings.pop("serve", None) or {})
     pod_monitor = bool(settings.pop("pod_monitor", False))
-    ready_timeout = float(settings.pop("ready_timeout_s", READY_TIMEOUT_S))
+    ready_timeout = settings.pop("ready_timeout_s", READY_TIMEOUT_S)
+    number = isinstance(ready_timeout, int | float) and not isinstance(ready_timeout, bool)
+    if not number or not ready_timeout > 0:
+        raise ConfigError(
+            f"server.ready_timeout_s is {server.get('ready_timeout_s')!r}; give seconds > 0."
+        )
     if serve.get("auth", "bearer") == "bearer" and not job.get("teacher_token_secret"):
         secret = settings.get("token_secret", "crosskd-serve-token")
         raise ConfigError(
