@@ -285,3 +285,35 @@ def test_a_record_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
         write_whole(fs, second, b'{"rows": 4}')
     assert not Path(second).exists()
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["part-000000.parquet.json"]
+
+
+def test_writers_of_the_same_record_at_once_never_take_each_others_temporary(tmp_path):
+    """Processes that write the same file at once (a cache's scoring pods each write its
+    ``run.json``) each rename their own temporary: none fails, and the file is one writer's
+    whole payload."""
+    import threading
+
+    import fsspec
+
+    from crosskd.artifacts import write_whole
+
+    fs, path = fsspec.filesystem("file"), f"{tmp_path}/run.json"
+    payloads = [json.dumps({"writer": i, "pad": "x" * 4096}).encode() for i in range(8)]
+    failures, start = [], threading.Barrier(len(payloads))
+
+    def writer(payload: bytes) -> None:
+        start.wait()
+        for _ in range(50):
+            try:
+                write_whole(fs, path, payload)
+            except OSError as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(p,)) for p in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert Path(path).read_bytes() in payloads
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]

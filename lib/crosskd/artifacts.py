@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+import uuid
 from collections import OrderedDict
 from collections.abc import Collection
 
@@ -129,10 +130,14 @@ def _read_run(payload: bytes, where: str, keys: list[str], activity: str) -> dic
 def write_whole(fs: fsspec.AbstractFileSystem, path: str, payload: bytes) -> None:
     """Write ``payload`` to the file ``path`` on ``fs`` so that a reader finds all of it or no
     file at all, even when the writer is killed part way: written under a hidden temporary name
-    beside it (``.<name>.tmp``, which no ``*.<suffix>`` glob of the folder matches), then
-    renamed (one rename on a local filesystem; on an object store the write itself is whole)."""
+    beside it (``.<name>.<random>.tmp``, which no ``*.<suffix>`` glob of the folder matches),
+    then renamed (one rename on a local filesystem; on an object store the write itself is
+    whole). The temporary name is the writer's own, so processes that write the same file at
+    once (the scoring pods of one cache, each writing its ``run.json``) never rename each
+    other's temporary; the last rename wins. A writer killed before its rename leaves its
+    hidden temporary behind."""
     folder, name = posixpath.split(path)
-    tmp = f"{folder}/.{name}.tmp"
+    tmp = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
     fs.pipe_file(tmp, payload)
     fs.mv(tmp, path)
 
