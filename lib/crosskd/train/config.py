@@ -26,6 +26,66 @@ from crosskd.zoo.models import check_shape
 INIT = "init"
 """The ``student`` value of a random-init student (``student_tokenizer`` + ``student_shape``)."""
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+SCORED_ONLINE = ("online:", "http://", "https://")
+"""The ``teachers`` entries that score text as it comes (a teacher run here or a server)."""
+
+
+@dataclass
+class OnPolicyConfig:
+    """On-policy distillation (GKD style): rows of each step that are the student's own
+    answers to prompts, sampled in the training process with the current weights, scored by
+    the teachers online and trained on with the loss on the answer only
+    (:mod:`crosskd.train.rollout`)."""
+
+    prompts: str
+    """Chat data rows (any URI :func:`crosskd.data.records.read_records` reads, a
+    ``messages`` column): each record's messages before its first assistant message are a
+    prompt the student continues."""
+    fraction: float = 0.25
+    """The share of each step's rows on a rank that are rollouts, in (0, 1): the step's
+    prepared rows stay as they are (so the data order and resuming are unchanged) and
+    ``round(fraction * R / (1 - fraction))`` rollout rows are added to the ``R`` prepared rows
+    of the step on each data-parallel rank (at least 1)."""
+    max_new_tokens: int = 128
+    """Longest answer sampled, in student tokens (less where the prompt leaves less of the
+    student's capacity)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0; 1: the student's own distribution, as GKD samples)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens holding this much probability, in (0, 1]
+    (1: no cut)."""
+    seed: int = 0
+    """Seed of the sampling: step ``s`` on data-parallel rank ``r`` samples from a seed made
+    of this, ``s`` and ``r`` (and takes its prompts from a permutation seeded by this), so a
+    resumed run samples what an uninterrupted one does."""
+
+    @classmethod
+    def from_mapping(cls, values: Any) -> OnPolicyConfig:
+        """The config of a training config's ``on_policy:`` mapping, refusing unknown keys and
+        a missing ``prompts`` by name (``on_policy.KEY``)."""
+        _mapping_of("on_policy", values, cls)
+        if "prompts" not in values:
+            raise ConfigError("on_policy.prompts is not set; give the chat data of the prompts.")
+        return cls(**values)
+
+    def check(self) -> None:
+        """Refuse bad values naming the key (``on_policy.KEY``)."""
+        _str("on_policy.prompts", self.prompts)
+        _int("on_policy.max_new_tokens", self.max_new_tokens, 1)
+        _int("on_policy.seed", self.seed, 0)
+        for key, low, high, closed in (
+            ("fraction", 0.0, 1.0, False),
+            ("temperature", 0.0, math.inf, False),
+            ("top_p", 0.0, 1.0, True),
+        ):
+            value = getattr(self, key)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (low < value < high or (closed and value == high))
+            ):
+                span = f"({low}, {high}{']' if closed else ')'}"
+                raise ConfigError(f"on_policy.{key} is {value!r}; it must be a number in {span}.")
 
 
 @dataclass
@@ -151,12 +211,20 @@ class TrainConfig:
     """Seconds a collective (an all-reduce, or the wait while rank 0 publishes a checkpoint or
     writes a model folder to object storage) may take before the process group gives up
     (torch's NCCL default is 600)."""
+    on_policy: OnPolicyConfig | None = None
+    """On-policy distillation (a mapping of :class:`OnPolicyConfig` keys: ``prompts``,
+    ``fraction``, ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``): a share of each
+    step's rows are the student's own answers, scored online. Every teacher must be online
+    (``online:REF`` or a server), ``parallel.tp``, ``parallel.cp`` and ``parallel.dp_shard``
+    1. None: off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
             self.loss = loss_from_mapping(self.loss)
         if isinstance(self.parallel, dict):
             self.parallel = ParallelLayout.from_mapping(self.parallel)
+        if isinstance(self.on_policy, dict):
+            self.on_policy = OnPolicyConfig.from_mapping(self.on_policy)
         self.check()
 
     def check(self) -> None:
@@ -260,6 +328,35 @@ class TrainConfig:
                 f"teachers lists {len(self.teachers)} source(s) but loss.teachers has "
                 f"{len(self.loss.teachers)} entr(y/ies); give one of each per teacher."
             )
+        if self.on_policy is not None:
+            self._check_on_policy()
+
+    def _check_on_policy(self) -> None:
+        """Refuse on-policy settings the trainer cannot sample or score, naming the key."""
+        if not isinstance(self.on_policy, OnPolicyConfig):
+            raise ConfigError(f"on_policy is {self.on_policy!r}; it must be a mapping.")
+        self.on_policy.check()
+        for i, ref in enumerate(self.teachers):
+            if not ref.startswith(SCORED_ONLINE):
+                raise ConfigError(
+                    f"teachers[{i}] is {ref!r}, a cache, but on_policy is set: a cache cannot "
+                    f"score text the student writes during training; give online:REF or a "
+                    f"teacher server URL."
+                )
+        for key in ("tp", "cp"):
+            if getattr(self.parallel, key) > 1:
+                raise ConfigError(
+                    f"parallel.{key} is {getattr(self.parallel, key)} with on_policy: sampling "
+                    f"runs the whole student on each rank (generate cannot run a vocabulary "
+                    f"slice of the head or a window of positions); use parallel.{key}: 1."
+                )
+        if self.parallel.dp_shard > 1:
+            raise ConfigError(
+                f"parallel.dp_shard is {self.parallel.dp_shard} with on_policy: under FSDP2 "
+                f"every forward pass of the sampler is a collective of the shard's ranks, which "
+                f"on-policy sampling does not keep in step yet; use data parallelism "
+                f"(parallel.dp_replicate) or on_policy: null."
+            )
 
     def batch_layout(self, dp: int) -> tuple[int, int]:
         """``(global_batch_rows, grad_accum)`` on ``dp`` data-parallel ranks, refusing a global
@@ -287,14 +384,7 @@ class TrainConfig:
 
 def loss_from_mapping(values: dict[str, Any]) -> LossConfig:
     """A :class:`LossConfig` from a mapping, refusing unknown keys by name (as ``loss.KEY``)."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"loss is {values!r}; it must be a mapping of loss keys.")
-    known = set(LossConfig.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(
-            f"loss: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
-        )
+    _mapping_of("loss", values, LossConfig)
     try:
         return LossConfig(**values)
     except ConfigError as exc:
@@ -303,6 +393,19 @@ def loss_from_mapping(values: dict[str, Any]) -> LossConfig:
         raise ConfigError(
             f"loss: {exc}; give loss keys as a mapping, loss.teachers as a list of mappings."
         ) from exc
+
+
+def _mapping_of(key: str, values: Any, cls: type) -> None:
+    """Refuse ``values`` for the nested config ``key`` unless it is a mapping of the fields of
+    the dataclass ``cls``, naming the unknown keys (as ``key: ...``)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{key} is {values!r}; it must be a mapping of {key} keys.")
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"{key}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}."
+        )
 
 
 def _int(key: str, value: Any, minimum: int) -> None:

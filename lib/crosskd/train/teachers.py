@@ -110,7 +110,7 @@ def load_teachers(
             f"for {len(models) - 1}; give one teachers[] entry per prepared teacher."
         )
     entries = [models[f"teacher{i}"] for i in range(len(config.teachers))]
-    tokenizers = [_prepared_tokenizer(config.data, entry) for entry in entries]
+    tokenizers = [prepared_tokenizer(config.data, entry) for entry in entries]
     check_teachers(config.loss, student, tokenizers)
     pairs: list[TablePair | None] = []
     for i, (entry, tok) in enumerate(zip(config.loss.teachers, tokenizers, strict=True)):
@@ -179,7 +179,7 @@ def _source(
     return TeacherSource(cache, None, k, tau)
 
 
-def _prepared_tokenizer(uri: str, entry: dict) -> LoadedTokenizer:
+def prepared_tokenizer(uri: str, entry: dict) -> LoadedTokenizer:
     """The tokenizer the prepared data recorded for one model, checked against its recorded
     fingerprint."""
     tok = load_tokenizer(entry["tokenizer"], vocab_size=entry["vocab_size"])

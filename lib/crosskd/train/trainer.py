@@ -15,7 +15,10 @@ this rank's micro-batches; for each micro-batch the data side of the loss is pla
 online), the plans' counts are summed over the micro-batches and all-reduced over the ranks,
 then every micro-batch's forward and backward run with those step totals (so the summed
 gradients are the step's mean), gradients are clipped, AdamW steps, and the warmup + cosine
-schedule moves on. Packed rows get the attention inputs their attention implementation needs
+schedule moves on. With ``on_policy``, the step's extra micro-batches of the student's own
+answers (sampled here with the step's weights, scored online: :mod:`crosskd.train.rollout`) are
+planned in the main thread before the counts and trained on with the prepared ones. Packed rows
+get the attention inputs their attention implementation needs
 (:mod:`crosskd.parallel.attention`). bf16 autocast on GPU, float32 on CPU (``compute_dtype``; the
 held-out evaluation runs under the same). A NaN or infinite loss
 (or gradient norm) stops the run with an error naming the step and the term, before the
@@ -86,6 +89,7 @@ from crosskd.train.config import INIT, TrainConfig
 from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
+from crosskd.train.rollout import Rollouts, Sampler, rollout_preparation, rollout_rows
 from crosskd.train.teachers import TrainingTeachers, load_teachers
 from crosskd.train.trainable import freeze_except
 from crosskd.zoo.models import new_llama
@@ -201,6 +205,7 @@ class Trainer:
             if source.cache is not None:
                 source.cache.keep_shards = 2 * cfg.window_shards
         self.global_batch, self.accum = cfg.batch_layout(self.layout.dp)
+        self.rollouts = self._rollouts()
         self._student()
         self.state_bytes: dict[str, int] | None = None
         self.best: dict | None = None
@@ -228,6 +233,20 @@ class Trainer:
         if cfg.metrics_port is not None:
             port = self._together("serve its metrics", self._serve_metrics)
             log.info("rank %d serves /metrics on port %d", self.rank, port)
+
+    def _rollouts(self) -> Rollouts | None:
+        """The on-policy rows of this rank (``on_policy``; None when off)."""
+        cfg = self.config.on_policy
+        if cfg is None:
+            return None
+        return Rollouts(
+            cfg,
+            rollout_preparation(self.data, self.student_tok),
+            rows=rollout_rows(cfg.fraction, self.global_batch // self.layout.dp),
+            micro_batch_rows=self.config.micro_batch_rows,
+            dp_rank=self.mesh.dp_rank,
+            dp=self.layout.dp,
+        )
 
     def _serve_metrics(self) -> int:
         cfg = self.config
@@ -439,8 +458,15 @@ class Trainer:
 
     def _plan(self, rows: list[int]) -> tuple[Batch, LossPlan]:
         """Read, collate and plan one micro-batch of packed rows (global numbers)."""
+        return self.plan_rows(*self.read_rows(rows))
+
+    def plan_rows(
+        self, packed: list[list[dict]], where: list[tuple[int, int]] | None = None
+    ) -> tuple[Batch, LossPlan]:
+        """Collate and plan one micro-batch of ``packed`` rows (each a list of prepared
+        samples); ``where``: per row its shard and first sample there (for a cache; None for
+        rows that are not in the prepared data, which online teachers score)."""
         sources = self.teachers.sources
-        packed, where = self.read_rows(rows)
         batch = collate(packed, n_teachers=len(sources), student_multiple=self.layout.cp)
         teachers = [
             TeacherBatch(
@@ -535,6 +561,13 @@ class Trainer:
         then raises the same error (:meth:`_counts`)."""
         cfg = self.config
         planned = [] if failure else self.step_inputs(step) if inputs is None else inputs
+        rollouts: dict[str, float] = {}
+        if self.rollouts is not None and failure is None:
+            try:
+                extra, rollouts = self.rollouts.step(step, self._sampler(), self.plan_rows)
+                planned = [*planned, *extra]
+            except Exception as exc:  # every rank raises it after the step's all-reduce
+                planned, failure = [], exc
         counts = self._counts(step, [plan for _, plan in planned], failure)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -573,7 +606,14 @@ class Trainer:
             "lr": lr_at(step, cfg),
             "grad_norm": float(grad_norm),
             "tokens": float(counts.tokens),
+            **rollouts,
         } | summarize(sums)
+
+    def _sampler(self) -> Sampler:
+        """How the rollouts of a step sample: the student module (never DDP's wrapper: a
+        sampling pass is no training step), the step's autocast; every rank in each forward
+        pass where the parameters are sharded (FSDP2)."""
+        return Sampler(self.model, self.device, self.compute_dtype, self.layout.dp_shard > 1)
 
     def _read_reported(
         self, step: int, reported: list[tuple[torch.Tensor, ReportLayout]]
