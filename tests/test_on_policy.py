@@ -2,7 +2,9 @@
 trains on exactly the answer tokens the student sampled (re-tokenised: the rollout rows' loss
 mask is the answer's student tokens and its end-of-turn token) and counts them in CE and KD;
 the same seed samples the same (two runs, and a run resumed from a checkpoint, give the same
-losses); a cache teacher, tp > 1, dp_shard > 1 and a bad fraction are refused in one line.
+losses); FSDP2 on two gloo ranks samples with every rank in each forward pass (answers of
+other lengths per rank) and trains as DDP does; a cache teacher, tp > 1 and a bad fraction
+are refused in one line.
 Tiny random-init student and teacher (``tests/train_inputs.py``), an ``online:`` teacher."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from test_teacher_remote import SERVE_TOKEN, _serve, _stop
 from train_inputs import train_config
+from train_workers import run_ddp
 
 from crosskd.config import load_config
 from crosskd.errors import ConfigError
@@ -141,13 +144,45 @@ def test_the_same_seed_gives_the_same_losses_and_a_resume_too(train_inputs, prom
     assert [m["loss"] for m in other] != [m["loss"] for m in first]
 
 
+def test_fsdp2_samples_in_step_on_two_ranks_and_trains_as_ddp(train_inputs, tmp_path):
+    """Two gloo ranks, one prepared and one rollout row each per step: a long prompt leaves 6
+    tokens of room, a short one 20, so the ranks' answers end at other lengths and the FSDP2
+    ranks run each other's extra forward passes (``synced_gpus``; without it they hang). The
+    same losses as DDP, which samples on the unwrapped module."""
+    path = tmp_path / "prompts.jsonl"
+    contents = ["Pack my box.", "Once upon a time there was a little fox.", "Water boils at"]
+    answer = {"role": "assistant", "content": "x"}
+    rows = [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": c}, answer]}
+        for i, c in enumerate(contents)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    on_policy = {"prompts": str(path), "fraction": 0.5, "max_new_tokens": 20, "seed": 3}
+    keys = {"on_policy": on_policy, "micro_batch_rows": 1, "global_batch_rows": 2}
+    runs = [
+        (name, _config(train_inputs, tmp_path / name, str(path), **keys, parallel=layout), None)
+        for name, layout in (("ddp", {}), ("fsdp", {"dp_shard": 2}))
+    ]
+    run_ddp(runs, tmp_path, timeout=120)
+    seen = {
+        (name, rank): json.loads((tmp_path / f"{name}-rank{rank}.json").read_text())["history"]
+        for name in ("ddp", "fsdp")
+        for rank in (0, 1)
+    }
+    lengths = [[m["rollout_generated_tokens"] for m in seen["fsdp", r]] for r in (0, 1)]
+    assert lengths[0] != lengths[1]  # the ranks sampled answers of other lengths
+    for rank in (0, 1):
+        for got, want in zip(seen["fsdp", rank], seen["ddp", rank], strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+            assert got["rollout_generated_tokens"] == want["rollout_generated_tokens"]
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"teachers": ["CACHE"]}, r"^teachers\[0\] is '.*', a cache, but on_policy is set"),
         ({"parallel": {"tp": 2}}, r"^parallel.tp is 2 with on_policy"),
         ({"parallel": {"cp": 2}}, r"^parallel.cp is 2 with on_policy"),
-        ({"parallel": {"dp_shard": 2}}, r"^parallel.dp_shard is 2 with on_policy"),
         ({"fraction": 1.0}, r"^on_policy.fraction is 1.0; it must be a number in \(0.0, 1.0\)"),
         ({"fraction": 0}, r"^on_policy.fraction is 0;"),
         ({"temperature": 0.0}, r"^on_policy.temperature is 0.0;"),

@@ -215,8 +215,7 @@ class TrainConfig:
     """On-policy distillation (a mapping of :class:`OnPolicyConfig` keys: ``prompts``,
     ``fraction``, ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``): a share of each
     step's rows are the student's own answers, scored online. Every teacher must be online
-    (``online:REF`` or a server), ``parallel.tp``, ``parallel.cp`` and ``parallel.dp_shard``
-    1. None: off."""
+    (``online:REF`` or a server), ``parallel.tp`` and ``parallel.cp`` 1. None: off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
@@ -350,13 +349,6 @@ class TrainConfig:
                     f"runs the whole student on each rank (generate cannot run a vocabulary "
                     f"slice of the head or a window of positions); use parallel.{key}: 1."
                 )
-        if self.parallel.dp_shard > 1:
-            raise ConfigError(
-                f"parallel.dp_shard is {self.parallel.dp_shard} with on_policy: under FSDP2 "
-                f"every forward pass of the sampler is a collective of the shard's ranks, which "
-                f"on-policy sampling does not keep in step yet; use data parallelism "
-                f"(parallel.dp_replicate) or on_policy: null."
-            )
 
     def batch_layout(self, dp: int) -> tuple[int, int]:
         """``(global_batch_rows, grad_accum)`` on ``dp`` data-parallel ranks, refusing a global
