@@ -126,17 +126,13 @@ class Rollouts:
         leave the student no room for an answer are dropped (logged); none left is an
         error."""
         self.config, self.preparation = config, preparation
-        self.rows, self.micro_batch_rows, self.dp_rank, self.dp = (
-            rows,
-            micro_batch_rows,
-            dp_rank,
-            dp,
-        )
+        self.rows, self.micro_batch_rows = rows, micro_batch_rows
+        self.dp_rank, self.dp = dp_rank, dp
         self.student = preparation.models[0]
         self.capacity = preparation.capacities[0]
         self.stops = stop_ids(self.student)
         pad = self.student.hf.pad_token_id
-        self.pad = next(iter(sorted(self.stops))) if pad is None else pad
+        self.pad = min(self.stops) if pad is None else pad
         self.prompts: list[Record] = []
         self.ids: list[np.ndarray] = []
         long = 0
