@@ -77,6 +77,24 @@ def measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
     return statistics.median(times), max(peaks)
 
 
+def measure_cuda(step: Callable[[], None], repeat: int) -> tuple[float, int]:
+    """:func:`measure` on a CUDA device: median seconds of ``repeat`` calls (synchronised,
+    after one untimed warm-up call) and the largest rise of the allocator's peak over what was
+    allocated before a call, bytes."""
+    step()
+    times, peaks = [], []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    return statistics.median(times), max(peaks)
+
+
 def real_batch(student: str, teacher: str, rows: int, length: int, work: Path) -> Batch:
     """The ``rows`` longest packed rows of benchmark text (:func:`benchmark_corpus`, 200 kB)
     prepared by :func:`prepare` for zoo tokenizers ``student`` and one ``teacher`` (rows of at

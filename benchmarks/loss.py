@@ -45,7 +45,13 @@ Peak memory is measured as above: on top of the inputs, so it includes the weigh
 (``V x H`` floats, printed as ``dW MB``) in every row. Goals: ``fused csd`` peak memory at most
 0.2x and time at most 1.2x ``linear+ce``.
 
-    python benchmarks/loss.py --fused [--repeat 3] [--rows 4] [--length 512]
+    python benchmarks/loss.py --fused [--repeat 3] [--rows 4] [--length 512] [--device cuda]
+
+With ``--device cuda`` the hidden states and the weight live on the GPU (float32), times are
+synchronised and peak memory is the CUDA allocator's peak above what was allocated before the
+step (:func:`inputs.measure_cuda`). ``--bf16``: every step under bfloat16 autocast, as the
+trainer runs the head (the baseline's logits bfloat16; the fused layer's products in
+bfloat16, as the trainer captures them).
 
 Zoo tokenizers are built into ``$CROSSKD_CACHE_DIR`` (default ``~/.cache/crosskd``).
 """
@@ -53,13 +59,22 @@ Zoo tokenizers are built into ``$CROSSKD_CACHE_DIR`` (default ``~/.cache/crosskd
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from inputs import csd_plan, measure, real_batch, sample_signal, teacher_logits, zoo_pair
+from inputs import (
+    csd_plan,
+    measure,
+    measure_cuda,
+    real_batch,
+    sample_signal,
+    teacher_logits,
+    zoo_pair,
+)
 
 from crosskd.loss import (
     LocalLogProbs,
@@ -167,32 +182,47 @@ def _run_fused(
     s_ids = batch.models["student"].input_ids
     gen = torch.Generator().manual_seed(0)
     vocab = student.vocab_size
-    hidden = torch.randn(*s_ids.shape, hidden_size, generator=gen).requires_grad_(True)
-    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).requires_grad_()
+    device = torch.device(args.device)
+    hidden = torch.randn(*s_ids.shape, hidden_size, generator=gen).to(device).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(device)
+    weight.requires_grad_()
     mask = batch.loss_mask
-    targets = torch.where(mask[:, 1:], s_ids[:, 1:], -100)
+    targets = torch.where(mask[:, 1:], s_ids[:, 1:], -100).to(device)
     signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, gen)
     config, plan = csd_plan(batch, signal, pair, FUSED_K, vocab)
     hot_signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, gen, tau=2.0)
     hot, hot_plan = csd_plan(batch, hot_signal, pair, FUSED_K, vocab, tau=2.0)
 
+    compute_dtype = torch.bfloat16 if args.bf16 else None
+
+    def amp() -> contextlib.AbstractContextManager:
+        if compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=compute_dtype)
+
     def clear() -> None:
         hidden.grad = weight.grad = None
 
     def ce_step() -> None:
-        logits = torch.nn.functional.linear(hidden, weight)
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100
-        )
+        with amp():
+            logits = torch.nn.functional.linear(hidden, weight)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100
+            )
         loss.backward()
         clear()
 
     def csd_step() -> None:
-        compute_loss(torch.nn.functional.linear(hidden, weight), plan, config).loss.backward()
+        with amp():
+            loss = compute_loss(torch.nn.functional.linear(hidden, weight), plan, config).loss
+        loss.backward()
         clear()
 
     def fused_step(plan=plan, config=config) -> None:
-        compute_loss(OutputLayer(hidden, weight), plan, config).loss.backward()
+        with amp():
+            layer = OutputLayer(hidden, weight, None, compute_dtype)
+            loss = compute_loss(layer, plan, config).loss
+        loss.backward()
         clear()
 
     steps = [
@@ -203,7 +233,7 @@ def _run_fused(
     ]
     results = []
     for loss, step in steps:
-        seconds, peak = measure(step, args.repeat)
+        seconds, peak = (measure_cuda if device.type == "cuda" else measure)(step, args.repeat)
         results.append({"student": name, "loss": loss, "seconds": seconds, "peak": peak})
     shape = f"{tuple(s_ids.shape)} V={vocab} H={hidden_size}"
     for row in results:
@@ -249,6 +279,8 @@ def main() -> None:
     parser.add_argument(
         "--students", nargs="*", default=None, help="--fused: only these zoo students"
     )
+    parser.add_argument("--device", default="cpu", help="--fused: cpu or cuda")
+    parser.add_argument("--bf16", action="store_true", help="--fused: under bfloat16 autocast")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
