@@ -15,7 +15,8 @@ import pytest
 
 from crosskd.alignment import ChatOptions
 from crosskd.data.collate import collate, load_prepared
-from crosskd.data.prepare import Preparation, PrepareConfig, prepare
+from crosskd.data.preparation import Preparation
+from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.data.records import Record, read_records
 from crosskd.data.rollout import (
     answer_text,

@@ -13,7 +13,7 @@ The way through, for one chat data record (:class:`~crosskd.data.records.Record`
    (cut at the first of :func:`stop_ids`, special tokens dropped, surrounding whitespace
    stripped: ``crosskd generate``'s decoding, which uses it too).
 4. :func:`continued`: the prompt followed by the answer as an assistant message.
-5. :func:`rollout_samples`: each conversation through :func:`crosskd.data.prepare.prepare_row`
+5. :func:`rollout_samples`: each conversation through :func:`crosskd.data.preparation.prepare_row`
    (normalised, clipped to the capacities as prepare clips it: an answer too long is cut, and
    then has no end-of-turn token; rendered with each model's chat template; aligned with every
    cross-tokenizer teacher by :func:`~crosskd.alignment.align_chat`), returned as a reader
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from crosskd.alignment import render, split_reasoning
-from crosskd.data.prepare import Preparation, prepare_row
+from crosskd.data.preparation import Preparation, prepare_row
 from crosskd.data.records import Record
 from crosskd.data.shards import shard_table
 from crosskd.errors import DataError
@@ -75,7 +75,7 @@ def rollout_prompt(record: Record) -> Record:
 
 def prompt_ids(prompt: Record, preparation: Preparation) -> np.ndarray:
     """The student token ids (int64 ``[P]``) a sampler continues for ``prompt``
-    (:func:`rollout_prompt`): normalised as :func:`crosskd.data.prepare.prepare_row` normalises
+    (:func:`rollout_prompt`): normalised as :func:`crosskd.data.preparation.prepare_row` normalises
     it, rendered with the student's chat template followed by its generation prompt. An
     answer is clipped by :func:`rollout_samples` where it outgrows a capacity: the student's
     room is its capacity less ``P`` tokens, its end-of-turn token included."""

@@ -158,7 +158,7 @@ def _teacher_columns(cols: dict, name: str, aligned: AlignedSample | SameTokeniz
 
 
 def shard_table(rows: list[dict], bins: list[np.ndarray]) -> pa.Table:
-    """The shard of prepared samples ``rows`` (:func:`crosskd.data.prepare.prepare_row`) grouped
+    """The shard of prepared samples ``rows`` (:func:`crosskd.data.preparation.prepare_row`) grouped
     by ``bins`` (packed rows: int arrays of sample indices in row order), as an Arrow table of
     :func:`schema`: one row per sample, in packed-row order, ``bin`` numbering the packed rows
     0.. within the shard."""

@@ -42,7 +42,7 @@ import torch
 
 from crosskd.alignment import ChatOptions
 from crosskd.data.collate import Batch, PreparedData
-from crosskd.data.prepare import Preparation
+from crosskd.data.preparation import Preparation
 from crosskd.data.records import Record, read_records
 from crosskd.data.rollout import (
     answer_text,

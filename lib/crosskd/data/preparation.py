@@ -1,0 +1,245 @@
+"""One row as ``crosskd prepare`` stores it: normalised, clipped, rendered by every model and
+aligned with every cross-tokenizer teacher (:func:`prepare_row`, with the run's fixed
+:class:`Preparation`). ``crosskd prepare`` (:mod:`crosskd.data.prepare`) runs it over windows of
+input rows; on-policy training (:mod:`crosskd.data.rollout`) over the student's own answers.
+Normalisation, clipping and the masks are described in :mod:`crosskd.data.prepare`.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from crosskd.alignment import (
+    AlignedSample,
+    ChatOptions,
+    align_chat,
+    align_text,
+    harmonize_reasoning,
+    render,
+    render_text,
+)
+from crosskd.alignment.own import student_tokens
+from crosskd.data.clipping import clip_text
+from crosskd.data.records import Record
+from crosskd.data.shards import SameTokenizerSample, same_tokenizer_sample
+from crosskd.errors import ConfigError, DataError
+from crosskd.tokenization import LoadedTokenizer
+
+
+@dataclass(frozen=True, eq=False)
+class Preparation:
+    """What :func:`prepare_row` needs besides the row, fixed for a run: the models (student
+    first, then the teachers in order), their capacities (max tokens per model), the chat
+    options, which teachers share the student's tokenizer (``same[k]``: teacher ``k`` is not
+    aligned), and the normalisations the models call for (``nfc``: NFC-normalise once; ``strip``:
+    strip message content once; module docstring). Build it with :meth:`of`."""
+
+    models: list[LoadedTokenizer]
+    capacities: list[int]
+    options: ChatOptions
+    same: list[bool]
+    nfc: bool
+    strip: bool
+
+    @classmethod
+    def of(
+        cls,
+        student: LoadedTokenizer,
+        teachers: Sequence[LoadedTokenizer],
+        capacities: Sequence[int],
+        options: ChatOptions,
+        same: Sequence[bool] | None = None,
+    ) -> Preparation:
+        """The preparation for ``student`` and ``teachers`` with ``capacities`` (one per model,
+        student first, in tokens). ``same`` (one per teacher; None: from the fingerprints) must
+        agree with the fingerprints, as ``crosskd prepare`` decides it."""
+        models = [student, *teachers]
+        if len(capacities) != len(models):
+            raise ConfigError(
+                f"capacities {list(capacities)} give {len(capacities)} lengths for "
+                f"{len(models)} models; give one per model, the student's first."
+            )
+        shared = [t.fingerprint == student.fingerprint for t in teachers]
+        if same is not None and list(same) != shared:
+            raise ConfigError(
+                f"same-tokenizer teachers {list(same)} disagree with the tokenizer fingerprints "
+                f"({shared}: teacher k shares the student's tokenizer iff its fingerprint is "
+                f"the student's); pass the flags of the prepared data's manifest."
+            )
+        return cls(
+            models,
+            list(capacities),
+            options,
+            shared,
+            any(t.normalizes_nfc for t in models),
+            any(_template_strips(t) for t in models),
+        )
+
+    def normalized(self, record: Record) -> Record:
+        """``record`` as every model reads it: NFC-normalised when :attr:`nfc`, message content
+        and reasoning stripped when :attr:`strip`."""
+        if self.nfc:
+            record = _nfc(record)
+        if self.strip and record.messages is not None:
+            record = _stripped(record)
+        return record
+
+
+def _template_strips(tok: LoadedTokenizer) -> bool:
+    """Whether ``tok``'s chat template strips whitespace around message content (Llama-3's
+    ``| trim``): then content is stripped once for every model, so all read what their own
+    template would show."""
+    if not tok.hf.chat_template:
+        return False
+    probe = [{"role": "user", "content": " \ue002 "}, {"role": "assistant", "content": " \ue003 "}]
+    rendered = tok.hf.apply_chat_template(probe, tokenize=False)
+    return " \ue003 " not in rendered
+
+
+def _stripped(record: Record) -> Record:
+    messages = [
+        {**m, **{k: m[k].strip() for k in ("content", "reasoning_content") if m.get(k)}}
+        for m in record.messages
+    ]
+    return Record(record.sample_id, record.text, messages, record.source, record.row)
+
+
+def _nfc(record: Record) -> Record:
+    def fold(text: str | None) -> str | None:
+        return None if text is None else unicodedata.normalize("NFC", text)
+
+    messages = None
+    if record.messages is not None:
+        messages = [
+            {**m, **{k: fold(m[k]) for k in ("content", "reasoning_content") if m.get(k)}}
+            for m in record.messages
+        ]
+    return Record(record.sample_id, fold(record.text), messages, record.source, record.row)
+
+
+def prepare_row(record: Record, preparation: Preparation) -> dict:
+    """One row normalised (:meth:`Preparation.normalized`), clipped (text: :func:`clip_text`;
+    chat: the longest conversation prefix every model holds, then the first answer cut),
+    rendered by every model and aligned with every cross-tokenizer teacher, as
+    :func:`crosskd.data.shards.write_shard` takes it: ``record`` (normalised), ``text`` /
+    ``messages`` (as kept), ``clipped``, ``clip_reason`` (None, ``text``, ``turns`` or
+    ``message``), ``original_lengths`` (tokens per model before clipping), ``lengths`` (after),
+    ``student`` (its :class:`~crosskd.alignment.Rendered`), ``student_loss_mask`` (bool
+    ``[n_student]``, CE targets) and ``aligned`` (per teacher an
+    :class:`~crosskd.alignment.AlignedSample`, or a
+    :class:`~crosskd.data.shards.SameTokenizerSample` for a same-tokenizer teacher)."""
+    record = preparation.normalized(record)
+    models, capacities, options = preparation.models, preparation.capacities, preparation.options
+    same = preparation.same
+    student, teachers = models[0], models[1:]
+    if record.text is not None:
+        clip = clip_text(record.text, models, capacities)
+        text, clipped, original = clip.text, clip.clipped, clip.original_lengths
+        messages, cut = None, None
+        s_view = render_text(student, text)
+    else:
+        messages, clipped, original, cut = _fit_chat(record, models, capacities)
+        s_view = render(student, messages, sample_id=record.sample_id)
+        text = None
+    own = student_tokens(
+        student, s_view, messages, options, sample_id=record.sample_id, clipped_message=cut
+    )
+    aligned: list[AlignedSample | SameTokenizerSample] = []
+    for k, t in enumerate(teachers):
+        if same[k]:
+            aligned.append(same_tokenizer_sample(student, s_view, own))
+        elif messages is None:
+            aligned.append(align_text(student, t, text, student=s_view))
+        else:
+            aligned.append(
+                align_chat(
+                    student,
+                    t,
+                    messages,
+                    sample_id=record.sample_id,
+                    options=options,
+                    student=s_view,
+                    clipped_message=cut,
+                )
+            )
+    lengths = [len(s_view.tokens), *(len(a.teacher.tokens) for a in aligned)]
+    return {
+        "record": record,
+        "text": text,
+        "messages": messages,
+        "clipped": clipped,
+        "clip_reason": None
+        if not clipped
+        else ("text" if messages is None else "turns" if cut is None else "message"),
+        "original_lengths": list(original),
+        "lengths": lengths,
+        "student": s_view,
+        "student_loss_mask": own.loss_mask,
+        "aligned": aligned,
+    }
+
+
+def _chat_lengths(messages: list[dict], models: list[LoadedTokenizer], sample_id: str) -> list:
+    return [len(render(tok, messages, sample_id=sample_id).tokens) for tok in models]
+
+
+def _fit_chat(
+    record: Record, models: list[LoadedTokenizer], capacities: list[int]
+) -> tuple[list[dict], bool, list[int], int | None]:
+    """The longest conversation prefix (ending with an assistant message) every model holds.
+    If even the first assistant turn is too long, its answer is clipped by bisection, and if an
+    empty answer is still too long, its reasoning is. Returns the messages, whether they were
+    clipped, the original lengths, and the index of a message whose text was cut (or None)."""
+    messages = harmonize_reasoning(models, record.messages)
+    sid = record.sample_id
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise DataError(
+            f"sample {sid}: the conversation has no assistant message, so nothing would be "
+            f"distilled; drop the sample or add the assistant's answer."
+        )
+    original = _chat_lengths(messages, models, sid)
+    if all(n <= c for n, c in zip(original, capacities, strict=True)):
+        return messages, False, original, None
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for end in reversed(ends):
+        if _fits(messages[:end], models, capacities, sid):
+            return messages[:end], True, original, None
+    first = messages[: ends[0]]
+    last = len(first) - 1
+    for key in ("content", "reasoning_content"):
+        if not first[last].get(key):
+            continue
+        cut = _longest_prefix(first, key, models, capacities, sid)
+        if cut is not None:
+            return cut, True, original, last
+        first = [*first[:last], {**first[last], key: ""}]
+    raise DataError(
+        f"sample {sid} ({record.source}, row {record.row}): even with an empty first answer the "
+        f"conversation needs {_chat_lengths(first, models, sid)} tokens, over the capacities "
+        f"{capacities}; raise --max-length or drop the sample."
+    )
+
+
+def _longest_prefix(
+    messages: list[dict], key: str, models: list, capacities: list[int], sid: str
+) -> list[dict] | None:
+    """``messages`` with the last message's ``key`` cut to its longest fitting prefix (at
+    least one character), or None."""
+    text = messages[-1][key]
+    lo, hi = 0, len(text)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fits([*messages[:-1], {**messages[-1], key: text[:mid]}], models, capacities, sid):
+            lo = mid
+        else:
+            hi = mid
+    if lo == 0:
+        return None
+    return [*messages[:-1], {**messages[-1], key: text[:lo]}]
+
+
+def _fits(messages: list[dict], models: list, capacities: list[int], sample_id: str) -> bool:
+    lengths = _chat_lengths(messages, models, sample_id)
+    return all(n <= c for n, c in zip(lengths, capacities, strict=True))
