@@ -22,6 +22,7 @@ from typing import Any
 from crosskd.errors import ConfigError
 from crosskd.loss.divergence import DIVERGENCES
 from crosskd.loss.events import CsdOptions
+from crosskd.loss.kernels import KERNELS
 from crosskd.tokenization import LoadedTokenizer, fingerprint_fields
 
 TEACHER_MODES = ("sum", "select", "average")
@@ -110,6 +111,13 @@ class LossConfig:
     teachers sharing one tokenizer only)."""
     teachers: list[TeacherLossConfig] = field(default_factory=lambda: [TeacherLossConfig()])
     """One entry per teacher, in teacher order (``teacher0``, ``teacher1``, ...)."""
+    kernels: str = "eager"
+    """How the per-block elementwise work over the student's logits runs (the log-normalisers
+    and the logits' gradient; :mod:`crosskd.loss.kernels`): ``eager`` (torch operations, each a
+    pass over the block) or ``compiled`` (``torch.compile``: one pass over each block; compiled
+    on the first step, tens of seconds on a CPU; needs a C compiler where the loss runs, and
+    on a GPU Triton and the Python headers, which the CUDA image lacks). The values agree to
+    float rounding."""
 
     def __post_init__(self) -> None:
         self.teachers = [_teacher(t, f"teachers[{i}]") for i, t in enumerate(self.teachers)]
@@ -119,6 +127,8 @@ class LossConfig:
         """Refuse any bad value with a message naming its key."""
         if self.kd not in KD_METHODS:
             raise ConfigError(f"kd is {self.kd!r}; choose one of {', '.join(KD_METHODS)}.")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels is {self.kernels!r}; choose one of {', '.join(KERNELS)}.")
         if self.divergence not in DIVERGENCES:
             raise ConfigError(
                 f"divergence is {self.divergence!r}; choose one of {', '.join(DIVERGENCES)}."

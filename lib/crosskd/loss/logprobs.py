@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from crosskd.loss.kernels import EAGER, BlockKernels
 from crosskd.output_layer import OutputLayer
 from crosskd.transfer import to_device
 
@@ -105,7 +106,8 @@ class LocalLogProbs:
     V]`` first), or over an :class:`~crosskd.output_layer.OutputLayer` ``[R, H]`` (fused: the
     logits are computed a block at a time). ``tau``: the temperature of :meth:`log_prob` and
     :meth:`log_normalizer`; ``block_rows``: rows per block of the row-wise passes (bounds the
-    float32 temporary to ``block_rows x V``).
+    float32 temporary to ``block_rows x V``); ``kernels``: how each block's elementwise work
+    runs (eager or compiled, :mod:`crosskd.loss.kernels`).
 
     :meth:`log_probs_at` is one fused autograd operation: the forward pass computes the
     log-normaliser of every row at every temperature asked for in blocks and gathers the
@@ -119,16 +121,17 @@ class LocalLogProbs:
     logits: Tensor | OutputLayer
     tau: float = 1.0
     block_rows: int = 1024
+    kernels: BlockKernels = EAGER
 
     def log_normalizer(self, rows: np.ndarray) -> Tensor:
         """``logsumexp(logits[row] / tau)`` for ``rows`` (int64 ``[M]``, numpy;
         differentiable)."""
         if isinstance(self.logits, OutputLayer):
             pairs = Requests.of([(np.zeros(0, dtype=np.int64),) * 2 + (self.tau,)])
-            normalizer, _ = row_pieces(self.logits, pairs, None, self.block_rows)
+            normalizer, _ = row_pieces(self.logits, pairs, None, self.block_rows, self.kernels)
             return normalizer[0, to_device(rows, self.logits.device)]
         rows = to_device(rows, self.logits.device)
-        return torch.logsumexp(_scaled(self.logits[rows], self.tau, _arith(self.logits)), dim=-1)
+        return self.kernels.normalizers(self.logits[rows], (self.tau,), _arith(self.logits))[0]
 
     def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` (int64 ``[M]``, numpy) at temperature
@@ -141,7 +144,7 @@ class LocalLogProbs:
         """Log probabilities of each request ``(rows, ids, tau)`` at its temperature, in one
         pass; float ``[M_i]`` each."""
         pairs = Requests.of(requests)
-        normalizer, picked = row_pieces(self.logits, pairs, None, self.block_rows)
+        normalizer, picked = row_pieces(self.logits, pairs, None, self.block_rows, self.kernels)
         device = self.logits.device
         values = picked - normalizer[to_device(pairs.which, device), to_device(pairs.rows, device)]
         return list(values.split(pairs.sizes))
@@ -152,6 +155,7 @@ def row_pieces(
     pairs: Requests,
     owned: np.ndarray | None,
     block: int,
+    kernels: BlockKernels = EAGER,
 ) -> tuple[Tensor, Tensor]:
     """The two pieces every log probability is made of, as one fused autograd operation.
 
@@ -191,6 +195,7 @@ def row_pieces(
         (0, *np.cumsum(per_block).tolist()),
         pairs.taus,
         block,
+        kernels,
     )
     if isinstance(logits, OutputLayer):
         vocab = logits.shape[-1]
@@ -224,41 +229,6 @@ def _head_vocab_block(rows: int, vocab: int, device: torch.device) -> int:
 def _arith(logits: Tensor) -> torch.dtype:
     """The arithmetic dtype of ``logits``: float64 for float64, else float32."""
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
-def _scaled(values: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
-    """``values / tau`` in ``dtype`` (no copy of float32 values at tau = 1)."""
-    values = values.to(dtype)
-    return values if tau == 1 else values / tau
-
-
-def _block_forward(raw: Tensor, taus: tuple[float, ...], dtype: torch.dtype) -> Tensor:
-    """The log-normalisers ``[T, rows]`` of a block of logits ``raw`` ``[rows, V]`` at each
-    temperature."""
-    return torch.stack([torch.logsumexp(_scaled(raw, tau, dtype), dim=-1) for tau in taus])
-
-
-def _block_gradient(
-    raw: Tensor,
-    normalizer: Tensor,
-    per_row: Tensor,
-    taus: tuple[float, ...],
-    dtype: torch.dtype,
-    own: bool,
-) -> Tensor:
-    """``sum over tau of softmax(raw / tau) * per_row[tau]`` ``[rows, V]`` in ``dtype`` for a
-    block of logits ``raw`` with its log-normalisers ``[T, rows]`` and per-row gradients
-    ``per_row`` ``[T, rows]`` (already divided by tau). ``own``: ``raw`` is a temporary the
-    result may be written over."""
-    out = None
-    for t, tau in enumerate(taus):
-        scaled = _scaled(raw, tau, dtype)
-        # write in place over a fresh copy, or over raw itself at its last use when it is ours
-        writable = scaled is not raw or (own and t == len(taus) - 1)
-        term = scaled.sub_(normalizer[t, :, None]) if writable else scaled - normalizer[t, :, None]
-        term = term.exp_().mul_(per_row[t, :, None])
-        out = term if out is None else out.add_(term)
-    return out
 
 
 def _pair_setup(taus, rows, ids, which, kept, size, dtype, device):
@@ -310,19 +280,20 @@ class _RowPieces(torch.autograd.Function):
         bounds: tuple[int, ...],
         taus: tuple[float, ...],
         block: int,
+        kernels: BlockKernels,
     ):
         dtype = _arith(logits)
         normalizer = torch.empty(len(taus), logits.shape[0], dtype=dtype, device=logits.device)
         for start in range(0, logits.shape[0], block):
             raw = logits[start : start + block]
-            normalizer[:, start : start + block] = _block_forward(raw, taus, dtype)
+            normalizer[:, start : start + block] = kernels.normalizers(raw, taus, dtype)
         rows, ids, which, place, scale = _pair_setup(
             taus, rows, ids, which, kept, size, dtype, logits.device
         )
         values = logits[rows, ids].to(dtype) / scale[which]
         picked = values.new_zeros(size).index_copy_(0, place, values)
         ctx.save_for_backward(logits, normalizer, rows, ids, which, place, scale)
-        ctx.bounds, ctx.taus, ctx.block = bounds, taus, block
+        ctx.bounds, ctx.taus, ctx.block, ctx.kernels = bounds, taus, block, kernels
         return normalizer, picked
 
     @staticmethod
@@ -336,18 +307,18 @@ class _RowPieces(torch.autograd.Function):
         out = torch.empty_like(logits)
         for i, start in enumerate(range(0, logits.shape[0], block)):
             stop = min(start + block, logits.shape[0])
-            chunk = _block_gradient(
+            chunk = ctx.kernels.gradient(
                 logits[start:stop],
                 normalizer[:, start:stop],
                 per_row[:, start:stop],
                 taus,
-                normalizer.dtype,
-                own=False,
+                logits.dtype,
             )
             lo, hi = bounds[i], bounds[i + 1]
-            chunk.index_put_((rows[lo:hi] - start, ids[lo:hi]), grad[lo:hi], accumulate=True)
+            where = (rows[lo:hi] - start, ids[lo:hi])
+            chunk.index_put_(where, grad[lo:hi].to(chunk.dtype), accumulate=True)
             out[start:stop] = chunk
-        return out, None, None, None, None, None, None, None, None
+        return out, *(None,) * 9
 
 
 class _HeadPieces(torch.autograd.Function):
@@ -376,6 +347,7 @@ class _HeadPieces(torch.autograd.Function):
         bounds: tuple[int, ...],
         taus: tuple[float, ...],
         block: int,
+        kernels: BlockKernels,
         vocab_block: int,
         vocab_bounds: tuple[int, ...],
     ):
@@ -388,12 +360,12 @@ class _HeadPieces(torch.autograd.Function):
         picked = torch.zeros(size, dtype=dtype, device=hidden.device)
         for i, start in enumerate(range(0, hidden.shape[0], block)):
             raw = F.linear(hidden[start : start + block].to(w.dtype), w, b)
-            normalizer[:, start : start + block] = _block_forward(raw, taus, dtype)
+            normalizer[:, start : start + block] = kernels.normalizers(raw, taus, dtype)
             lo, hi = bounds[i], bounds[i + 1]
             values = raw[rows[lo:hi] - start, ids[lo:hi]].to(dtype) / scale[which[lo:hi]]
             picked[place[lo:hi]] = values
         ctx.save_for_backward(hidden, weight, bias, normalizer, rows, ids, which, place, scale)
-        ctx.compute_dtype, ctx.taus, ctx.block = compute_dtype, taus, block
+        ctx.compute_dtype, ctx.taus, ctx.kernels = compute_dtype, taus, kernels
         ctx.vocab_block, ctx.vocab_bounds = vocab_block, vocab_bounds
         return normalizer, picked
 
@@ -427,17 +399,17 @@ class _HeadPieces(torch.autograd.Function):
         for i, first in enumerate(range(0, weight.shape[0], width)):
             last = min(first + width, weight.shape[0])
             # the block's logits are this function's own: the gradient is written over them
-            chunk = _block_gradient(
+            g_logits = ctx.kernels.gradient(
                 F.linear(h, w[first:last], None if b is None else b[first:last]),
                 normalizer,
                 per_row,
                 taus,
-                dtype,
+                w.dtype,
                 own=True,
             )
             lo, hi = ctx.vocab_bounds[i], ctx.vocab_bounds[i + 1]
-            chunk.index_put_((rows[lo:hi], ids[lo:hi] - first), grad[lo:hi], accumulate=True)
-            g_logits = chunk.to(w.dtype)
+            where = (rows[lo:hi], ids[lo:hi] - first)
+            g_logits.index_put_(where, grad[lo:hi].to(w.dtype), accumulate=True)
             if g_logits.dtype == dtype:  # float32 (float64): no temporaries
                 g_hidden.addmm_(g_logits, w[first:last])
                 if g_weight is not None:
@@ -447,12 +419,12 @@ class _HeadPieces(torch.autograd.Function):
                 if g_weight is not None:
                     g_weight[first:last] = g_logits.T @ h
             if g_bias is not None:
-                g_bias[first:last] = chunk.sum(0)
+                g_bias[first:last] = g_logits.sum(0, dtype=dtype)
         return (
             g_hidden.to(hidden.dtype),
             None if g_weight is None else g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype),
-            *(None,) * 11,
+            *(None,) * 12,
         )
 
 

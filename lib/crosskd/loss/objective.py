@@ -40,6 +40,7 @@ from crosskd.errors import ConfigError, DataError
 from crosskd.loss.config import LossConfig
 from crosskd.loss.csd import kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
+from crosskd.loss.kernels import BlockKernels
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
 from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize, term_sums
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
@@ -398,8 +399,9 @@ def compute_loss(
     ownership = None
     if reduce is not None:
         ownership = replace(Ownership.everything(plan), reduce=reduce)
+    student = LocalLogProbs(flat, kernels=BlockKernels.named(config.kernels))
     return loss_from_logprobs(
-        LocalLogProbs(flat), plan, config, counts, device=flat.device, ownership=ownership
+        student, plan, config, counts, device=flat.device, ownership=ownership
     )
 
 

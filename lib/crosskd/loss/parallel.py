@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from crosskd.config import require_positive_ints
 from crosskd.errors import ConfigError
 from crosskd.loss.config import LossConfig
+from crosskd.loss.kernels import EAGER, BlockKernels
 from crosskd.loss.logprobs import Request, Requests, row_pieces
 from crosskd.loss.objective import (
     LossOutput,
@@ -170,6 +171,8 @@ class ShardedLogProbs:
     block_rows: int = 1024
     vocab_size: int | None = None
     """The whole vocabulary ``V`` (checked against ``tp`` equal slices when given)."""
+    kernels: BlockKernels = EAGER
+    """How each block's elementwise work runs (:mod:`crosskd.loss.kernels`)."""
 
     def __post_init__(self) -> None:
         _, window, vocab = self.logits.shape
@@ -232,7 +235,7 @@ class ShardedLogProbs:
         local_ids = pairs.ids - self.vocab_start
         owned = here & (local_ids >= 0) & (local_ids < self.flat.shape[1])
         local = replace(pairs, rows=local_rows, ids=local_ids)
-        normalizer, picked = row_pieces(self.flat, local, owned, self.block_rows)
+        normalizer, picked = row_pieces(self.flat, local, owned, self.block_rows, self.kernels)
         if self.mesh.config.tp > 1:
             picked = all_reduce_sum(picked, group=self.mesh.tp_group)
         where = (to_device(pairs.which, picked.device), to_device(local_rows, picked.device))
@@ -245,7 +248,9 @@ class ShardedLogProbs:
         here, local_rows = self._local(rows)
         empty = np.zeros(0, dtype=np.int64)
         none = Requests.of([(empty, empty, self.tau)])
-        normalizer, _ = row_pieces(self.flat, none, empty.astype(bool), self.block_rows)
+        normalizer, _ = row_pieces(
+            self.flat, none, empty.astype(bool), self.block_rows, self.kernels
+        )
         local = self._normalizer(normalizer)[0, to_device(local_rows, normalizer.device)]
         return self._exchange(here, local)
 
@@ -285,7 +290,13 @@ def sharded_loss(
             f"loss does not support: ULD sorts every paired row's whole distribution, which no "
             f"shard holds. Use kd: csd, or train data-parallel only."
         )
-    student = ShardedLogProbs(logits, mesh, plan.width, vocab_size=plan.vocab)
+    student = ShardedLogProbs(
+        logits,
+        mesh,
+        plan.width,
+        vocab_size=plan.vocab,
+        kernels=BlockKernels.named(config.kernels),
+    )
     return loss_from_logprobs(
         student,
         plan,
