@@ -7,10 +7,11 @@ SOURCES := lib tests benchmarks components pipelines
 DEMO_OUT ?= demo-out
 CHAT_OUT ?= chat-demo-out
 TRANSFER_OUT ?= transfer-demo-out
+ON_POLICY_OUT ?= on-policy-demo-out
 CONVERSATIONS ?= 240
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv demo chat-demo transfer-demo test bench lint
+.PHONY: venv demo chat-demo on-policy-demo transfer-demo test bench lint
 
 venv: $(STAMP)
 
@@ -37,6 +38,17 @@ chat-demo: venv
 	$(VENV)/bin/crosskd generate --output $(CHAT_OUT)/conversations.jsonl \
 		--conversations $(CONVERSATIONS) batch_size=16
 	$(VENV)/bin/crosskd pipeline run-local --preset chat-demo output=$(CHAT_OUT) \
+		train_data=$(abspath $(CHAT_OUT))/conversations.jsonl
+
+# On-policy distillation on the chat demo's conversations (made as chat-demo makes them, into
+# $(CHAT_OUT)): the teacher scores online in the training process and a quarter of each step's
+# rows are the student's own answers to training prompts (preset on-policy-demo, crosskd
+# distill: the pipeline scores online through teacher servers instead).
+on-policy-demo: export OMP_NUM_THREADS = $(shell nproc 2>/dev/null || echo 1)
+on-policy-demo: venv
+	$(VENV)/bin/crosskd generate --output $(CHAT_OUT)/conversations.jsonl \
+		--conversations $(CONVERSATIONS) batch_size=16
+	$(VENV)/bin/crosskd distill --preset on-policy-demo output=$(ON_POLICY_OUT) \
 		train_data=$(abspath $(CHAT_OUT))/conversations.jsonl
 
 # Tokenizer transfer: SmolLM2-135M-Instruct moved onto the Llama-3 tokenizer (the pipeline's

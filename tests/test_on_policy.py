@@ -260,3 +260,82 @@ def test_a_server_teaches_as_the_teacher_in_the_process(
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), key
         for key in ("tokens", "rollout_rows", "rollout_generated_tokens"):
             assert got[key] == want[key], key
+
+
+def test_a_distill_run_trains_on_policy_with_online_teachers(train_inputs, tmp_path):
+    """``crosskd distill`` with ``teacher_scoring: online`` and ``on_policy.prompts: train``:
+    no teacher cache is made; the KD run's teacher is ``online:`` and its prompts are the
+    training rows after the held-out split (no held-out prompt among them); each step adds
+    rollout rows; the CE-only run learns from the data alone."""
+    from crosskd import steps
+    from crosskd.distill import distill
+    from crosskd.steps.prepare import held_out
+
+    answer = {"role": "assistant", "content": "A recorded answer, long enough to learn from."}
+    rows = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about {i}."}, answer]}
+        for i in range(24)
+    ]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = steps.RunConfig(
+        output=str(tmp_path / "run"),
+        teachers=[train_inputs["teacher"]],
+        student=train_inputs["student"],
+        train_data=str(data),
+        teacher_scoring="online",
+        heldout_fraction=0.25,
+        max_length=128,
+        k=8,
+        train={
+            "steps": 2,
+            "on_policy": {"prompts": "train", "fraction": 0.5, "max_new_tokens": 6},
+        },
+        token_budget=2048,
+        device="cpu",
+    )
+    result = distill(config, progress=False)
+    assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd", "student_ce"}
+    assert not (tmp_path / "run" / "cache").exists()
+    kd = load_config(TrainConfig, str(tmp_path / "run" / "kd" / "train.yaml"), [])
+    ce = load_config(TrainConfig, str(tmp_path / "run" / "ce" / "train.yaml"), [])
+    assert kd.teachers == [f"online:{train_inputs['teacher']}"] == ce.teachers
+    assert ce.on_policy is None and ce.loss.kd_weight == 0
+    ids = [json.loads(line)["id"] for line in Path(kd.on_policy.prompts).read_text().splitlines()]
+    assert ids == [r["id"] for r in rows if not held_out(r["id"], 0.25)]
+    assert 0 < len(ids) < len(rows)
+    history = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "kd" / "metrics-rank0.jsonl").read_text().splitlines()
+    ]
+    assert [h["rollout_rows"] > 0 for h in history if "rollout_rows" in h] == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"train": {"on_policy": {"prompts": "train"}}},
+            r"^train.on_policy is set but teacher_scoring is cache: .* Set teacher_scoring: online",
+        ),
+        ({"teacher_scoring": "server"}, r"^teacher_scoring is 'server'; choose one of cache, on"),
+    ],
+)
+def test_a_run_config_refuses_on_policy_without_online_teachers(change, message):
+    from crosskd import steps
+
+    with pytest.raises(ConfigError, match=message):
+        steps.RunConfig(output="out", **change)
+
+
+def test_the_on_policy_demo_preset_is_a_distill_run_the_pipeline_refuses(tmp_path):
+    from crosskd.pipeline.run import preset_arguments
+    from crosskd.steps import load_run_config
+
+    config = load_run_config(None, "on-policy-demo", [f"output={tmp_path}"])
+    assert config.teacher_scoring == "online"
+    assert config.train["on_policy"]["prompts"] == "train"
+    with pytest.raises(
+        ConfigError, match=r"^teacher_scoring is online, .* --teacher-serving server"
+    ):
+        preset_arguments(config)

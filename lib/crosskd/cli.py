@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         config="crosskd.steps.config:RunConfig",
     )
     dist.add_argument(
-        "--preset", help="a shipped preset to start from: tiny, demo, chat-demo, transfer"
+        "--preset",
+        help="a shipped preset to start from: tiny, demo, chat-demo, transfer, on-policy-demo",
     )
 
     commands.add_parser(

@@ -3,9 +3,11 @@
 
 validate inputs -> the student (moved onto ``student_tokenizer`` first when ``transplant``
 is set) -> tables (built and validated, per teacher) -> prepare (train, held-out and
-out-of-domain rows) -> score each teacher -> train the student with CSD (and, to compare, with
-CE only on the same budget) -> evaluate (held-out bits per byte of the teachers and of the
-student before and after, in domain and, with ``ood_data``, out of domain) -> report
+out-of-domain rows) -> score each teacher (``teacher_scoring: online``: no scoring, the
+training steps score their rows with the teachers in process) -> train the student with CSD
+(and, to compare, with CE only on the same budget) -> evaluate (held-out bits per byte of the
+teachers and of the student before and after, in domain and, with ``ood_data``, out of
+domain) -> report
 (``metrics.json``, ``loss_curves.png``, ``index.html``, ``summary.md`` under
 ``output/report``).
 
@@ -61,7 +63,12 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     plan = steps.init_student(steps.validate_inputs(config))
     tables = checked_tables(plan, progress=progress)
     prepared = steps.prepare_data(plan, **config.preparing(), progress=progress)
-    caches = teacher_caches(plan, prepared, config.scoring(), config.score_pods, progress=progress)
+    if config.teacher_scoring == "online":
+        caches = steps.online_teachers(plan)
+    else:
+        caches = teacher_caches(
+            plan, prepared, config.scoring(), config.score_pods, progress=progress
+        )
     items = steps.plan_training(config, plan, prepared, tables, caches, root)
     runs = [steps.train(item, executor="inprocess", progress=progress) for item in items]
     evaluation = steps.evaluate_run(

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from crosskd.errors import ConfigError, CrosskdError
-from crosskd.steps.config import RunConfig
+from crosskd.steps.config import RunConfig, check_pipeline_scoring
 from crosskd.steps.locations import is_local
 from crosskd.steps.runtime import ERRORS_ENV
 from crosskd.train.config import TrainConfig
@@ -146,6 +146,7 @@ def preset_arguments(config: RunConfig) -> dict[str, Any]:
     machine's environment has S3 credentials (``AWS_ACCESS_KEY_ID``), the training job reads
     them as a pod would read its Secret (the local executor takes ``secretKeyRef`` values from
     the environment)."""
+    check_pipeline_scoring(config)
     values = {k: v for k, v in asdict(config).items() if v is not None}
     output = values.pop("output")
     arguments = {key: values.pop(key) for key in TOP_LEVEL}

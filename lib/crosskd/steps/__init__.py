@@ -5,7 +5,8 @@ validate_inputs -> init_student -> plan_tables -> per teacher: build_tables -> v
 prepare_data -> plan_scoring -> score_teacher (per teacher and shard range) -> merge_caches ->
 plan_training -> train (per variant) -> evaluate_run (in domain and out of domain) -> report; or,
 with teacher servers instead of caches, start_teacher_servers -> plan_training -> train ->
-stop_teacher_servers.
+stop_teacher_servers; or, with the teachers in the training process (``crosskd distill`` with
+``teacher_scoring: online``), online_teachers -> plan_training.
 The ``plan_*`` steps make self-contained items for the fan-outs (each item carries what its
 step needs).
 
@@ -26,7 +27,7 @@ from crosskd.steps.evaluate import evaluate_models, evaluate_run, models_to_eval
 from crosskd.steps.inputs import validate_inputs
 from crosskd.steps.locations import content_uri, run_folder
 from crosskd.steps.prepare import prepare_data
-from crosskd.steps.score import merge_caches, plan_scoring, score_teacher
+from crosskd.steps.score import merge_caches, online_teachers, plan_scoring, score_teacher
 from crosskd.steps.serve import start_teacher_servers, stop_teacher_servers
 from crosskd.steps.student import init_student
 from crosskd.steps.tables import build_tables, plan_tables, validate_tables
@@ -42,6 +43,7 @@ __all__ = [
     "load_run_config",
     "merge_caches",
     "models_to_evaluate",
+    "online_teachers",
     "plan_scoring",
     "plan_tables",
     "plan_training",

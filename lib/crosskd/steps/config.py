@@ -17,7 +17,12 @@ from crosskd.train.config import TrainConfig
 from crosskd.transplant import TransplantConfig
 from crosskd.zoo.models import check_shape
 
-PRESETS = ("tiny", "demo", "chat-demo", "transfer")
+PRESETS = ("tiny", "demo", "chat-demo", "transfer", "on-policy-demo")
+TRAIN_ROWS = "train"
+"""``train.on_policy.prompts`` meaning the run's own training rows after the held-out split
+(so that the student never answers, and is never taught on, a held-out prompt)."""
+TEACHER_SCORING = ("cache", "online")
+"""Values of ``RunConfig.teacher_scoring``."""
 EXECUTORS = ("inprocess", "local", "cluster")
 """Where training runs: ``inprocess``: the Trainer in this process; ``local``: the rendered
 PyTorchJob on this machine (:mod:`crosskd.k8s.local`); ``cluster``: the PyTorchJob on the
@@ -108,6 +113,14 @@ class RunConfig:
     """Distillation temperature."""
     encoding: str = "lossless"
     """Teacher cache encoding: ``lossless`` or ``lossy``."""
+    teacher_scoring: str = "cache"
+    """How the teachers' signal reaches training: ``cache`` (each teacher scores the prepared
+    training rows once, step ``score_teacher``, into a cache every training run reads) or
+    ``online`` (no cache: each training step scores its rows with the teachers in the training
+    process, ``online:REF``; what ``train.on_policy`` needs, since the student's own answers
+    exist only while it trains). ``online`` runs under ``crosskd distill``; the pipeline scores
+    online through teacher servers instead (``crosskd pipeline compile --teacher-serving
+    server``)."""
     score_pods: int = 1
     """Scoring of each teacher is split over this many shard ranges (pods in the pipeline)."""
     seed: int = 0
@@ -168,6 +181,11 @@ class RunConfig:
                 raise ConfigError(f"{key} is {getattr(self, key)!r}; write true or false.")
         for key in ("teacher_shape", "student_shape"):
             check_shape(key, getattr(self, key))
+        if self.teacher_scoring not in TEACHER_SCORING:
+            raise ConfigError(
+                f"teacher_scoring is {self.teacher_scoring!r}; choose one of "
+                f"{', '.join(TEACHER_SCORING)}."
+            )
         self._check_train()
         self._check_transplant()
 
@@ -210,14 +228,21 @@ class RunConfig:
                     f"train.loss.{key} is set; the run sets it from the top-level keys (tau, k "
                     f"and the built tables). Remove train.loss.{key}."
                 )
+        if self.train.get("on_policy") is not None and self.teacher_scoring == "cache":
+            raise ConfigError(
+                "train.on_policy is set but teacher_scoring is cache: a cache holds the "
+                "teachers' signal of the prepared rows only, not of the answers the student "
+                "writes while it trains. Set teacher_scoring: online."
+            )
         n = len(self.teachers)
+        placeholder = "online:-" if self.teacher_scoring == "online" else "-"
         try:
             TrainConfig(
                 **self.train_values(
                     student="-",
                     data="-",
                     output="-",
-                    caches=["-"] * n,
+                    caches=[placeholder] * n,
                     tables=[None] * n,
                     kd=True,
                 )
@@ -234,15 +259,21 @@ class RunConfig:
         caches: list[str],
         tables: list[dict | None],
         kd: bool,
+        train_rows: str = "-",
     ) -> dict[str, Any]:
         """The ``crosskd train`` keys of one training run: ``train`` with what the run sets
         (the resolved ``student`` folder, prepared ``data``, run ``output``, teacher ``caches``
         and ``tables`` (``{"s2t", "t2s"}`` URIs, None for a same-tokenizer teacher), ``seed``,
         and the loss's ``tau`` and teacher entries); ``kd`` False: the CE-only run
-        (``kd_weight`` 0)."""
-        loss = dict(self.train.get("loss", {}))
+        (``kd_weight`` 0, and no on-policy rows: it learns from the data alone).
+        ``train_rows``: the raw training rows, the prompts of ``on_policy.prompts: train``."""
+        values = dict(self.train)
+        loss = dict(values.get("loss", {}))
         if not kd:
             loss.update(kd_weight=0.0, dynamic_kd_scale=False)
+            values.pop("on_policy", None)
+        elif (values.get("on_policy") or {}).get("prompts") == TRAIN_ROWS:
+            values["on_policy"] = {**values["on_policy"], "prompts": train_rows}
         loss["tau"] = self.tau
         loss["teachers"] = [
             {
@@ -253,7 +284,7 @@ class RunConfig:
             for t in tables
         ]
         return {
-            **self.train,
+            **values,
             "student": student,
             "data": data,
             "output": output,
@@ -310,7 +341,20 @@ def run_config_from_parameters(parameters: dict[str, Any], options: dict[str, An
             f"options sets {', '.join(twice)}, which the pipeline takes as "
             f"parameter(s) of their own; set them there."
         )
-    return load_config(RunConfig, None, [], flags=merged(options, parameters))
+    config = load_config(RunConfig, None, [], flags=merged(options, parameters))
+    check_pipeline_scoring(config)
+    return config
+
+
+def check_pipeline_scoring(config: RunConfig) -> None:
+    """Refuse ``teacher_scoring: online`` for the pipeline, whose training pods score online
+    through teacher servers, not with the teachers in their own process."""
+    if config.teacher_scoring != "cache":
+        raise ConfigError(
+            f"teacher_scoring is {config.teacher_scoring}, which runs the teachers in the "
+            f"training process (crosskd distill); the pipeline scores online through teacher "
+            f"servers: compile it with --teacher-serving server, or run crosskd distill."
+        )
 
 
 def _overlap(first: dict[str, Any], second: dict[str, Any], prefix: str = "") -> list[str]:

@@ -43,10 +43,11 @@ def prepare_data(
     (teachers get ``2 * max_length``) under ``<root>/prepared/<key>/{train,heldout}`` and
     ``<root>/prepared/<ood key>/ood`` (a key of its own: adding out-of-domain rows to a run
     prepares nothing else again); returns ``{"uri", "train", "heldout", "ood" (with
-    out-of-domain rows), "train_shards", "rows": {split: n}, "data_fingerprint": {split:
-    sha256}}``. ``pack`` false: one sample per row (part of the key only then, so packed data
-    keeps the key it always had). A split whose manifest exists is not prepared again.
-    ``metrics_port``: serve the rows prepared and clipped
+    out-of-domain rows), "train_shards", "train_rows", "rows": {split: n}, "data_fingerprint":
+    {split: sha256}}`` (``train_rows``: the raw training rows after the held-out split, the
+    source of on-policy prompts that are not held out). ``pack`` false: one sample per row
+    (part of the key only then, so packed data keeps the key it always had). A split whose
+    manifest exists is not prepared again. ``metrics_port``: serve the rows prepared and clipped
     (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it runs (0: a free port; None:
     not served), ``final_scrape_s`` seconds at most for a last scrape."""
     student = model_tokenizer(plan["student"])
@@ -71,7 +72,12 @@ def prepare_data(
         sources[OOD] = plan["ood_data"]
         ood_key = {"data": {OOD: data_fingerprint(plan["ood_data"])}, **options}
         targets[OOD] = f"{content_uri(plan['root'], 'prepared', ood_key)}/{OOD}"
-    result: dict[str, Any] = {"uri": uri, "rows": {}, "data_fingerprint": {}}
+    result: dict[str, Any] = {
+        "uri": uri,
+        "train_rows": sources["train"],
+        "rows": {},
+        "data_fingerprint": {},
+    }
     with served(PrepareMetrics(), metrics_port, "prepare", final_scrape_s) as metrics:
         for split, target in targets.items():
             fs, path = fsspec.core.url_to_fs(target)

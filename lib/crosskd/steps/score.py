@@ -47,6 +47,13 @@ def plan_scoring(
     ]
 
 
+def online_teachers(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The teachers of ``plan`` for training without a cache (``teacher_scoring: online``):
+    ``{"index", "online": "online:<ref>"}`` each, the ``teachers`` entry of a training run that
+    scores each step's rows with that teacher in the training process."""
+    return [{"index": t["index"], "online": f"online:{t['ref']}"} for t in plan["teachers"]]
+
+
 def cache_uri(
     root: str,
     data: str,

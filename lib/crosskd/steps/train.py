@@ -36,11 +36,11 @@ def plan_training(
     """One item per training run (:func:`crosskd.steps.inputs.variants`): ``{"variant",
     "train": crosskd train keys}`` with the output ``<run_dir>/<variant>``; ``tables`` and
     ``caches`` (any order) are matched to teachers by their ``index``. Each of ``caches`` gives
-    its teacher's ``cache`` URI (:func:`crosskd.steps.merge_caches`) or the ``server`` URL of a
-    teacher server (:func:`crosskd.steps.serve.start_teacher_servers`), the run's
-    ``teachers`` entry."""
+    its teacher's ``cache`` URI (:func:`crosskd.steps.merge_caches`), the ``server`` URL of a
+    teacher server (:func:`crosskd.steps.serve.start_teacher_servers`) or an ``online:REF``
+    teacher (:func:`crosskd.steps.online_teachers`), the run's ``teachers`` entry."""
     by_index = {int(t["index"]): t for t in tables}
-    cache_of = {int(c["index"]): c["server"] if "server" in c else c["cache"] for c in caches}
+    cache_of = {int(c["index"]): _source(c) for c in caches}
     n = len(plan["teachers"])
     if sorted(by_index) != list(range(n)) or sorted(cache_of) != list(range(n)):
         raise ConfigError(
@@ -56,9 +56,21 @@ def plan_training(
             caches=[cache_of[i] for i in range(n)],
             tables=[None if by_index[i]["same_tokenizer"] else by_index[i] for i in range(n)],
             kd=variant == "kd",
+            train_rows=prepared.get("train_rows", "-"),
         )
         items.append({"variant": variant, "train": values})
     return items
+
+
+def _source(entry: dict[str, Any]) -> str:
+    """The ``teachers`` entry of one of :func:`plan_training`'s ``caches``."""
+    for key in ("server", "online", "cache"):
+        if key in entry:
+            return entry[key]
+    raise ConfigError(
+        f"plan_training: teacher entry {entry!r} has none of server, online, cache; pass the "
+        f"output of merge_caches, start_teacher_servers or online_teachers."
+    )
 
 
 def train(
