@@ -16,7 +16,9 @@ steps, learning rate and seed in every arm):
 
 The figure is the held-out bits per byte of the answers of the held-out conversations (10 %,
 by id); the teacher and the untrained student are printed for reference, with each run's
-seconds. Everything is written under ``--out``.
+seconds and, from the on-policy run's step log, where its step time goes (mean seconds per
+step: the whole step, sampling the answers, preparing and scoring them). Everything is written
+under ``--out``.
 
     python benchmarks/on_policy.py [--conversations FILE] [--seeds 1] [--steps 50]
         [--fraction 0.25] [--out DIR]
@@ -68,6 +70,17 @@ def _run(
     return result["bits_per_byte"], time.perf_counter() - started
 
 
+def step_times(run: Path) -> dict[str, float]:
+    """Mean seconds per step of the training run in ``run`` (its ``metrics-rank0.jsonl``): the
+    whole step and, where it has rollouts, ``rollout_sample_s`` and ``rollout_score_s``; and
+    the mean rollout rows and sampled tokens per step."""
+    lines = (run / "metrics-rank0.jsonl").read_text().splitlines()
+    history = [h for h in map(json.loads, lines) if "seconds" in h]
+    keys = ("seconds", "rollout_sample_s", "rollout_score_s", "rollout_rows")
+    keys += ("rollout_generated_tokens",)
+    return {key: statistics.mean(h[key] for h in history) for key in keys if key in history[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", help="chat data (default: generate 240)")
@@ -102,6 +115,9 @@ def main() -> None:
         print(f"{name:14} {mean:8.4f} {sd:8.4f} {mean / off_mean:7.3f}")
     for name, values in seconds.items():
         print(f"seconds, {name}: {statistics.mean(values):.0f}")
+    for name, run in (("on-policy", out / "on-0" / "kd"), ("off-policy", out / "off-0" / "kd")):
+        means = ", ".join(f"{k} {v:.3f}" for k, v in step_times(run).items())
+        print(f"per step, {name} (seed 0): {means}")
 
 
 if __name__ == "__main__":

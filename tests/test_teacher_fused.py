@@ -326,3 +326,44 @@ def test_an_output_layer_of_another_width_is_refused_on_both_paths(tmp_path):
     for head in (teacher.head, None):
         with pytest.raises(SignalError, match="returned 300 logits per row, its output layer has"):
             score_sequences(dataclasses.replace(wrong, head=head), SEQUENCES, k=4, tau=1.0)
+
+
+def test_threads_sharing_a_teacher_take_turns(tmp_path):
+    """A trainer's input thread and its on-policy rollouts score with one teacher: each forward
+    pass and its signal hold the teacher's lock, so passes never overlap (a fused head cannot
+    capture two at once) and both threads get the signal one thread alone gets."""
+    import threading
+    import time
+
+    teacher = load_teacher(str(save_tiny(tmp_path / "llama", "llama")), device="cpu")
+    alone = score_sequences(teacher, SEQUENCES, k=4, tau=1.0)
+    inside, most = [0], [0]
+    forward = teacher.model.forward
+
+    def slow_forward(*args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    teacher.model.forward = slow_forward
+    results, errors = [None, None], []
+
+    def score(i: int) -> None:
+        try:
+            results[i] = score_sequences(teacher, SEQUENCES, k=4, tau=1.0)
+        except Exception as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=score, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and most[0] == 1
+    for got in results:
+        for g, w in zip(got, alone, strict=True):
+            assert (g.ids == w.ids).all() and (g.log_probs == w.log_probs).all()

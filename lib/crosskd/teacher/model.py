@@ -24,8 +24,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -51,7 +52,9 @@ class LoadedTeacher:
     (the reference), ``folder`` (local), ``fingerprint`` and ``vocab_size`` (output rows);
     ``lockstep``: for a teacher sharded over processes, called before every forward pass
     (:class:`crosskd.parallel.parallelize.Lockstep`); ``head``: the model's output head when
-    scoring may take its input instead of the logits (:func:`fused_head`), else None."""
+    scoring may take its input instead of the logits (:func:`fused_head`), else None;
+    ``lock``: held for each forward pass and its signal, so that threads sharing the teacher
+    (a trainer's input thread and its on-policy rollouts) take turns."""
 
     name: str
     folder: Path
@@ -62,6 +65,7 @@ class LoadedTeacher:
     dtype: torch.dtype
     lockstep: Callable[[], None] | None = None
     head: OutputHead | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 def default_device() -> torch.device:

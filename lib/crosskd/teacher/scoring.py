@@ -149,18 +149,19 @@ def score_sequences(
         ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         mask[b, : len(seq)] = 1
     ids, mask = ids.to(teacher.device), mask.to(teacher.device)
-    if teacher.lockstep is not None:
-        teacher.lockstep()
-    if teacher.head is None:
-        logits = teacher.model(input_ids=ids, attention_mask=mask).logits
-        _check_vocab(teacher, logits.shape[-1])
-        signal = signal_from_logits(logits, ids, k=k, tau=tau)
-    else:
-        with teacher.head.capture() as captured:
-            teacher.model(input_ids=ids, attention_mask=mask)
-        (layer,) = captured
-        _check_vocab(teacher, layer.weight.shape[0])
-        signal = signal_from_output_layer(layer, ids, k=k, tau=tau)
+    with teacher.lock:
+        if teacher.lockstep is not None:
+            teacher.lockstep()
+        if teacher.head is None:
+            logits = teacher.model(input_ids=ids, attention_mask=mask).logits
+            _check_vocab(teacher, logits.shape[-1])
+            signal = signal_from_logits(logits, ids, k=k, tau=tau)
+        else:
+            with teacher.head.capture() as captured:
+                teacher.model(input_ids=ids, attention_mask=mask)
+            (layer,) = captured
+            _check_vocab(teacher, layer.weight.shape[0])
+            signal = signal_from_output_layer(layer, ids, k=k, tau=tau)
     return signal_samples(signal, [len(s) for s in sequences])
 
 
