@@ -154,7 +154,7 @@ def test_overlay_is_the_generated_job(overlay):
 def test_train_config_is_a_train_config():
     from crosskd.train import TrainConfig
 
-    config = load_config(TrainConfig, str(ROOT / "base" / "train.yaml"))
+    config = load_config(TrainConfig, str(ROOT / "train-config" / "train.yaml"))
     assert config.metrics_port is None  # the job's command line sets it
 
 

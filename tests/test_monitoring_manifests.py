@@ -22,6 +22,7 @@ from kube_tools import kustomize, strict_schema
 from monitoring import relabel
 
 from crosskd.k8s.job import JobConfig, job_manifest
+from crosskd.k8s.trainjob import PROCS_LABEL, runtime_manifest, trainjob_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "manifests" / "monitoring"
@@ -31,6 +32,8 @@ CRDS = {
     "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
 }
 STEP_PORT = 9400
+JOBSET_LABELS = ("jobset.sigs.k8s.io/jobset-name", "jobset.sigs.k8s.io/job-index")
+"""What JobSet labels a TrainJob's pods with (its JobSet's name, the TrainJob's; the node)."""
 OPERATOR_LABELS = (
     "training.kubeflow.org/job-name",
     "training.kubeflow.org/replica-type",
@@ -100,6 +103,7 @@ def test_the_build_is_the_monitors_the_rule_and_the_dashboards():
     assert [k for k in kinds if k[0] != "ConfigMap"] == [
         ("PodMonitor", "crosskd-steps"),
         ("PodMonitor", "crosskd-training"),
+        ("PodMonitor", "crosskd-trainjob"),
         ("PrometheusRule", "crosskd"),
     ]
     dashboards = [d for d in _built() if d["kind"] == "ConfigMap"]
@@ -131,7 +135,8 @@ def test_training_monitor_spec():
         "matchLabels": {
             "app.kubernetes.io/name": "crosskd",
             "app.kubernetes.io/component": "trainer",
-        }
+        },
+        "matchExpressions": [{"key": PROCS_LABEL, "operator": "DoesNotExist"}],
     }
     assert spec["jobLabel"] == "training.kubeflow.org/job-name"
     assert spec["podTargetLabels"] == [
@@ -176,6 +181,46 @@ def test_training_monitor_selects_the_training_pods_and_scrapes_every_rank(name)
         assert {t["endpoint"]: t["__address__"] for t in kept} == {
             name: f"10.0.0.5:{port}" for name, port in ports.items()
         }
+
+
+@pytest.mark.parametrize("procs", [1, 3, 8])
+def test_trainjob_monitor_selects_trainjob_pods_and_scrapes_exactly_their_ranks(procs):
+    """A TrainJob's pod (its runtime's ports metrics-0 .. metrics-7, its patch's labels, and
+    JobSet's labels) is selected by crosskd-trainjob alone and scraped on metrics-0 ..
+    metrics-{procs - 1}, however many ports the runtime declares."""
+    config = JobConfig(run_id="run-1", image="crosskd:test", cpu_procs_per_node=procs)
+    job = trainjob_manifest(config)
+    (patch,) = job["spec"]["runtimePatches"]
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    labels = dict(replicated["template"]["spec"]["template"]["metadata"]["labels"])
+    labels |= {JOBSET_LABELS[0]: job["metadata"]["name"], JOBSET_LABELS[1]: "0"}
+    monitors = _monitors()
+    assert [m for m, monitor in monitors.items() if _selects(monitor, labels)] == [
+        "crosskd-trainjob"
+    ]
+    spec = monitors["crosskd-trainjob"]["spec"]
+    assert spec["jobLabel"] == JOBSET_LABELS[0] and set(spec["podTargetLabels"]) <= set(labels)
+    (container,) = _runtime_pod()["containers"]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", PROCS_LABEL)
+    targets = [
+        {
+            "__address__": f"10.0.0.5:{p['containerPort']}",
+            "__meta_kubernetes_pod_container_port_name": p["name"],
+            meta: labels[PROCS_LABEL],
+        }
+        for p in container["ports"]
+    ]
+    kept = [t for t in (relabel(t, endpoint["relabelings"]) for t in targets) if t]
+    assert {t["endpoint"]: t["__address__"] for t in kept} == {
+        f"metrics-{i}": f"10.0.0.5:{9400 + i}" for i in range(procs)
+    }
+
+
+def _runtime_pod() -> dict:
+    """The pod spec of the crosskd TrainingRuntime's ``node`` job."""
+    (replicated,) = runtime_manifest()["spec"]["template"]["spec"]["replicatedJobs"]
+    return replicated["template"]["spec"]["template"]["spec"]
 
 
 def test_steps_monitor_selects_the_scoring_and_prepare_pods():

@@ -73,6 +73,20 @@ def test_rendezvous_from_the_operators_environment():
     assert alone["rdzv_endpoint"].startswith("127.0.0.1:") and alone["max_nodes"] == 1
     with pytest.raises(Exception, match=r"PET_NNODES is 4 but PET_NODE_RANK is not set"):
         rendezvous({k: v for k, v in master.items() if k != "PET_NODE_RANK"})
+    # Kubeflow Trainer v2's torch plugin (a TrainJob's node pods): PET_* only
+    trainjob = {
+        "PET_MASTER_ADDR": "run-node-0-0.run",
+        "PET_MASTER_PORT": "29400",
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "8",
+        "PET_NODE_RANK": "1",
+    }
+    got = rendezvous(trainjob)
+    assert (got["rdzv_endpoint"], got["rdzv_configs"], got["max_nodes"]) == (
+        "run-node-0-0.run:29400",
+        {"rank": 1},
+        2,
+    )
     assert shutdown_timeout({"CROSSKD_GRACE_SECONDS": "120"}) == 115
     assert shutdown_timeout({}) == 25
 

@@ -490,7 +490,7 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
         ),
         spec=k8s.V1PodSpec(
             containers=[_container(config)],
-            volumes=_volumes(config),
+            volumes=pod_volumes(config),
             termination_grace_period_seconds=config.grace_seconds,
             node_selector=dict(config.node_selector) or None,
             tolerations=pod_tolerations(config.tolerations),
@@ -508,15 +508,7 @@ def _pod_template(config: JobConfig, labels: dict[str, str]) -> k8s.V1PodTemplat
 
 def _container(config: JobConfig) -> k8s.V1Container:
     """The ``pytorch`` container: the train command, its ports, resources and mounts."""
-    limits = {"memory": config.memory_limit or config.memory}
-    if config.gpus_per_node:
-        limits[config.gpu_resource] = str(config.gpus_per_node)
     ports = [k8s.V1ContainerPort(name="pytorchjob-port", container_port=OPERATOR_PORT)]
-    config_mount = (
-        []
-        if config.train_config_uri
-        else [k8s.V1VolumeMount(name="train-config", mount_path=TRAIN_CONFIG_DIR, read_only=True)]
-    )
     ports += [
         k8s.V1ContainerPort(name=f"metrics-{i}", container_port=config.metrics_port + i)
         for i in range(config.procs_per_node)
@@ -526,29 +518,53 @@ def _container(config: JobConfig) -> k8s.V1Container:
         image=config.image,
         image_pull_policy=config.image_pull_policy,
         command=train_command(config),
-        env=_env(config),
+        env=container_env(config),
         ports=ports,
-        resources=k8s.V1ResourceRequirements(
-            requests={"cpu": config.cpu, "memory": config.memory}, limits=limits
-        ),
-        volume_mounts=[
-            k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
-            *config_mount,
-            k8s.V1VolumeMount(name="home", mount_path=HOME),
-            k8s.V1VolumeMount(name="cache", mount_path=CACHE),
-            k8s.V1VolumeMount(name="node-cache", mount_path=NODE_CACHE),
-        ],
-        security_context=k8s.V1SecurityContext(
-            allow_privilege_escalation=False,
-            run_as_non_root=True,
-            capabilities=k8s.V1Capabilities(
-                drop=["ALL"], add=["IPC_LOCK"] if config.ipc_lock else None
-            ),
+        resources=node_resources(config),
+        volume_mounts=container_mounts(config),
+        security_context=container_security(config),
+    )
+
+
+def node_resources(config: JobConfig) -> k8s.V1ResourceRequirements:
+    """A training pod's requests (``cpu``, ``memory``) and limits (memory, the GPUs)."""
+    limits = {"memory": config.memory_limit or config.memory}
+    if config.gpus_per_node:
+        limits[config.gpu_resource] = str(config.gpus_per_node)
+    return k8s.V1ResourceRequirements(
+        requests={"cpu": config.cpu, "memory": config.memory}, limits=limits
+    )
+
+
+def container_mounts(config: JobConfig) -> list[k8s.V1VolumeMount]:
+    """Where the training container mounts :func:`pod_volumes`."""
+    config_mount = (
+        []
+        if config.train_config_uri
+        else [k8s.V1VolumeMount(name="train-config", mount_path=TRAIN_CONFIG_DIR, read_only=True)]
+    )
+    return [
+        k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+        *config_mount,
+        k8s.V1VolumeMount(name="home", mount_path=HOME),
+        k8s.V1VolumeMount(name="cache", mount_path=CACHE),
+        k8s.V1VolumeMount(name="node-cache", mount_path=NODE_CACHE),
+    ]
+
+
+def container_security(config: JobConfig) -> k8s.V1SecurityContext:
+    """The training container's security context: no privilege escalation, non-root, every
+    capability dropped (``IPC_LOCK`` added back with ``ipc_lock``)."""
+    return k8s.V1SecurityContext(
+        allow_privilege_escalation=False,
+        run_as_non_root=True,
+        capabilities=k8s.V1Capabilities(
+            drop=["ALL"], add=["IPC_LOCK"] if config.ipc_lock else None
         ),
     )
 
 
-def _volumes(config: JobConfig) -> list[k8s.V1Volume]:
+def pod_volumes(config: JobConfig) -> list[k8s.V1Volume]:
     """The pod's volumes: ``/dev/shm`` in memory, the train config's ConfigMap (unless it comes
     from ``train_config_uri``), and the emptyDirs of home, cache and node cache."""
     return [
@@ -580,7 +596,7 @@ def _volumes(config: JobConfig) -> list[k8s.V1Volume]:
     ]
 
 
-def _env(config: JobConfig) -> list[k8s.V1EnvVar]:
+def container_env(config: JobConfig) -> list[k8s.V1EnvVar]:
     plain = {
         "HOME": HOME,
         "CROSSKD_CACHE_DIR": f"{CACHE}/crosskd",

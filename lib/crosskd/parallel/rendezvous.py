@@ -4,7 +4,9 @@ how long the agent waits for its workers after SIGTERM. Used by the training pod
 (:mod:`crosskd.train.launch`) and by the sharded teacher (:mod:`crosskd.teacher.sharded`).
 
 Static, from what the Training Operator injects (``MASTER_ADDR``, ``MASTER_PORT``,
-``PET_NNODES``, ``PET_NODE_RANK``; Master + Workers); c10d when ``PET_RDZV_BACKEND`` and
+``PET_NNODES``, ``PET_NODE_RANK``; Master + Workers) or Kubeflow Trainer v2's torch plugin
+(``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_NNODES``, ``PET_NODE_RANK``: a TrainJob);
+c10d when ``PET_RDZV_BACKEND`` and
 ``PET_RDZV_ENDPOINT`` are set (the job's elastic policy); on one machine with neither, a static
 rendezvous on a free loopback port. The agent's ``shutdown_timeout`` (how long it waits for the
 workers after forwarding SIGTERM, then SIGKILL) is ``CROSSKD_GRACE_SECONDS`` (the pod's
@@ -37,16 +39,19 @@ def rendezvous(env: dict[str, str]) -> dict:
             "max_nodes": int(high or low),
             "run_id": env.get("PET_RDZV_ID", "crosskd"),
         }
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+    address = env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR")
+    port = env.get("MASTER_PORT") or env.get("PET_MASTER_PORT")
+    if address and port:
         nodes = int(env.get("PET_NNODES", "1"))
         if "PET_NODE_RANK" not in env and nodes > 1:
             raise ConfigError(
-                f"PET_NNODES is {nodes} but PET_NODE_RANK is not set; the Training Operator sets "
-                "it for every replica (a Master and Workers), so run the pod under a PyTorchJob."
+                f"PET_NNODES is {nodes} but PET_NODE_RANK is not set; the Training Operator "
+                "(a PyTorchJob's Master and Workers) and Kubeflow Trainer's torch runtime (a "
+                "TrainJob's nodes) set it for every pod, so run the pod under one of them."
             )
         return {
             "rdzv_backend": "static",
-            "rdzv_endpoint": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+            "rdzv_endpoint": f"{address}:{port}",
             "rdzv_configs": {"rank": int(env.get("PET_NODE_RANK", "0"))},
             "min_nodes": nodes,
             "max_nodes": nodes,
