@@ -16,9 +16,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from crosskd.errors import ConfigError
 from crosskd.k8s.job import JobConfig, job_manifest, job_name
-from crosskd.k8s.local import _replicas, pod_processes, run_local, run_local_job
+from crosskd.k8s.local import (
+    _replicas,
+    _trainjob_replicas,
+    pod_processes,
+    run_local,
+    run_local_job,
+)
 from crosskd.k8s.result import FINAL_MODEL_URI_ANNOTATION, JobTimeout
+from crosskd.k8s.trainjob import runtime_manifest, trainjob_manifest
 
 STEPS = 30
 
@@ -271,3 +279,74 @@ def test_the_local_mode_answers_as_the_launcher_does(tmp_path):
         run_local_job(_shell_job(["sleep", "60"]), tmp_path / "slow", wait_timeout=0.5)
     assert info.value.result.timed_out and info.value.result.condition == "Failed"
     assert not info.value.result.succeeded and info.value.result.final_model_uri is None
+
+
+def _trainjob_documents(train_inputs: dict, output: Path, **train) -> list[dict]:
+    """The same run as a 2-node TrainJob on the crosskd-torch runtime (with the ConfigMap)."""
+    config_map = _documents(train_inputs, output, **train)[0]
+    job = trainjob_manifest(
+        JobConfig(
+            run_id="local-test",
+            image="crosskd:test",
+            nodes=2,
+            env={"OMP_NUM_THREADS": "1"},
+            grace_seconds=60,
+        )
+    )
+    return [config_map, runtime_manifest(), job]
+
+
+def test_a_two_node_trainjob_trains_like_one_process(train_inputs, reference, tmp_path):
+    """The TrainJob's own command line with exactly the torch plugin's environment (PET_*,
+    no MASTER_ADDR): the nodes find each other through PET_MASTER_ADDR / PET_MASTER_PORT and
+    train as one process does; the job succeeds once both nodes exited 0."""
+    documents = _trainjob_documents(train_inputs, tmp_path / "run")
+    replicas, _ = _trainjob_replicas(
+        documents[2], documents, {"crosskd-train": documents[0]}, tmp_path / "env"
+    )
+    for rank, replica in enumerate(replicas):
+        assert replica.name == f"node-{rank}"
+        env = replica.env
+        assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"], env["PET_NODE_RANK"]) == (
+            "2",
+            "1",
+            str(rank),
+        )
+        assert env["PET_MASTER_ADDR"] == "127.0.0.1" and "MASTER_ADDR" not in env
+    result = run_local(documents, tmp_path / "work", timeout=600)
+    assert result.succeeded, (result, (tmp_path / "work/node-0/log.txt").read_text()[-3000:])
+    assert result.exit_codes == {"node-0": [0], "node-1": [0]}
+    _assert_curve(tmp_path / "run", reference)
+
+
+def test_a_trainjob_fails_on_the_runtimes_permanent_code_and_needs_its_runtime(
+    train_inputs, tmp_path
+):
+    documents = _trainjob_documents(train_inputs, tmp_path / "run", steps=0)
+    result = run_local(documents, tmp_path / "work", timeout=300)
+    assert result.condition == "Failed"
+    failed = {name: codes for name, codes in result.exit_codes.items() if codes}
+    assert failed and all(codes == [2] for codes in failed.values()), result
+    assert "exited 2 (a FailJob exit code of TrainingRuntime crosskd-torch)" in result.message
+    with pytest.raises(ConfigError, match=r"runs on TrainingRuntime 'crosskd-torch', which the"):
+        run_local([documents[0], documents[2]], tmp_path / "work2")
+
+
+def test_a_retryable_exit_restarts_every_node_of_a_trainjob(tmp_path):
+    """JobSet's rule: a node that exits retryably (here 200 once) recreates every node, the
+    others included; the job succeeds once every node exited 0."""
+    job = trainjob_manifest(
+        JobConfig(run_id="local-shell", image="crosskd:test", nodes=2, train_config_uri="s3://b")
+    )
+    script = (
+        'test "$PET_NODE_RANK" = 1 && test ! -e "$MARK" && touch "$MARK" && exit 200; '
+        "sleep 0.5; exit 0"
+    )
+    job["spec"]["trainer"]["command"] = ["sh", "-c", script]
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+    node = patch["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    node["env"].append({"name": "MARK", "value": str(tmp_path / "failed-once")})
+    result = run_local([runtime_manifest(), job], tmp_path / "work", timeout=60)
+    assert result.succeeded, result
+    assert result.exit_codes["node-1"] == [200, 0]
+    assert result.exit_codes["node-0"][-1] == 0 and len(result.exit_codes["node-0"]) <= 2

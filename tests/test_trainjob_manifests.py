@@ -28,6 +28,8 @@ from crosskd.k8s.trainjob import (
     NODE,
     PROCS_LABEL,
     RUNTIME,
+    permanent_exit_codes,
+    trainer_pod,
     trainjob_manifest,
 )
 from crosskd.train.launch import EXIT_RETRYABLE, EXIT_SIGTERM, PERMANENT
@@ -146,6 +148,7 @@ def test_the_failure_policy_follows_the_exit_code_table():
     (rule,) = template["podFailurePolicy"]["rules"]
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["containerName"] == NODE
     failing = set(rule["onExitCodes"]["values"])
+    assert permanent_exit_codes(runtime) == failing
     assert set(PERMANENT) <= failing == set(range(1, 128))
     assert not {EXIT_RETRYABLE, EXIT_SIGTERM, 137} & failing
     assert template["backoffLimit"] == 0
@@ -154,27 +157,6 @@ def test_the_failure_policy_follows_the_exit_code_table():
     assert [(r["action"], r["onJobFailureReasons"]) for r in policy["rules"]] == [
         ("FailJobSet", ["PodFailurePolicy"])
     ]
-
-
-def _trainer_pod(job: dict, runtime: dict) -> dict:
-    """The pod the Trainer makes of the runtime's pod template: the TrainJob's patch merged in
-    (lists of named items by name), then the trainer's image, command and resources on the
-    ``node`` container."""
-    pod = copy.deepcopy(_runtime_job(runtime)["template"]["spec"]["template"])
-    patch = _pod_patch(job)
-    pod.setdefault("metadata", {}).update(copy.deepcopy(patch["metadata"]))
-    spec = pod["spec"]
-    for key, value in patch["spec"].items():
-        if key != "containers":
-            spec[key] = copy.deepcopy(value)
-    for change in patch["spec"]["containers"]:
-        (container,) = [c for c in spec["containers"] if c["name"] == change["name"]]
-        container.update(copy.deepcopy(change))
-    (node,) = [c for c in spec["containers"] if c["name"] == NODE]
-    trainer = job["spec"]["trainer"]
-    node.update(image=trainer["image"], command=trainer["command"])
-    node["resources"] = trainer["resourcesPerNode"]
-    return {"apiVersion": "v1", "kind": "Pod", **pod}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -193,15 +175,17 @@ def test_the_pod_the_trainer_makes_is_a_valid_crosskd_pod(overlay):
     assert trainer["resourcesPerNode"]["limits"].get("nvidia.com/gpu") == (
         str(gpus) if gpus else None
     )
-    pod = _trainer_pod(job, runtime)
+    pod = {"apiVersion": "v1", "kind": "Pod", **trainer_pod(job, runtime)}
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    (container,) = pod["spec"]["containers"]
+    assert (container["image"], container["command"]) == (trainer["image"], trainer["command"])
+    assert container["imagePullPolicy"] == "IfNotPresent"  # the runtime's, kept
     labels = pod["metadata"]["labels"]
     assert labels[PROCS_LABEL] == str(procs)
     assert labels["app.kubernetes.io/component"] == "trainer"
     spec = pod["spec"]
     assert spec["automountServiceAccountToken"] is False
     assert spec["securityContext"]["runAsNonRoot"] is True
-    (container,) = spec["containers"]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}

@@ -106,7 +106,9 @@ def _add_render(actions: argparse._SubParsersAction) -> None:
 def _add_manifests(actions: argparse._SubParsersAction) -> None:
     """``crosskd job manifests``."""
     gen = actions.add_parser(
-        "manifests", help="regenerate manifests/base/pytorchjob.yaml and the overlay patches"
+        "manifests",
+        help="regenerate manifests/base/pytorchjob.yaml, manifests/trainjob/*.yaml and the "
+        "overlay patches",
     )
     gen.add_argument("--root", default="manifests", help="the kustomize tree (default: manifests)")
     gen.add_argument(
@@ -186,10 +188,14 @@ def _add_submit(actions: argparse._SubParsersAction) -> None:
 def _add_run_local(actions: argparse._SubParsersAction) -> None:
     """``crosskd job run-local``."""
     local = actions.add_parser(
-        "run-local", help="run rendered PyTorchJob manifests on this machine like the operator"
+        "run-local",
+        help="run a rendered PyTorchJob (or TrainJob) on this machine like its controller",
     )
     local.add_argument(
-        "files", nargs="+", metavar="FILE", help="YAML: one PyTorchJob and its ConfigMaps"
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="YAML: one PyTorchJob, or one TrainJob and its TrainingRuntime, and ConfigMaps",
     )
     local.add_argument(
         "--train-config",
@@ -428,10 +434,11 @@ def _run_local(args: argparse.Namespace) -> int:
     from crosskd.k8s.local import load_documents, run_local_job, train_config_map
 
     documents = [d for path in args.files for d in load_documents(path)]
-    jobs = [d for d in documents if d.get("kind") == "PyTorchJob"]
+    jobs = [d for d in documents if d.get("kind") in ("PyTorchJob", "TrainJob")]
     if len(jobs) != 1:
         raise ConfigError(
-            f"{', '.join(args.files)} hold {len(jobs)} PyTorchJob objects; give exactly one."
+            f"{', '.join(args.files)} hold {len(jobs)} PyTorchJob and TrainJob objects; give "
+            f"exactly one."
         )
     if args.train_config:
         documents.append(train_config_map(jobs[0], args.train_config))
@@ -441,7 +448,7 @@ def _run_local(args: argparse.Namespace) -> int:
         documents, args.workdir, wait_timeout=args.timeout, max_recreations=args.max_recreations
     )
     sys.stdout.write(
-        f"PyTorchJob {result.name} succeeded locally in {result.elapsed_s:.0f} s: "
+        f"{jobs[0]['kind']} {result.name} succeeded locally in {result.elapsed_s:.0f} s: "
         f"{result.message}\n"
     )
     return 0

@@ -46,7 +46,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ import yaml
 from crosskd.errors import ConfigError
 from crosskd.k8s.job import TRAIN_CONFIG_KEY
 from crosskd.k8s.result import FINAL_MODEL_URI_ANNOTATION, JobFailed, JobResult, JobTimeout
+from crosskd.k8s.trainjob import NODE, permanent_exit_codes, trainer_pod
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +146,19 @@ def load_documents(path: str) -> list[dict]:
 
 
 def train_config_map(job: Mapping[str, Any], path: str) -> dict:
-    """The ConfigMap the job mounts as its train config (the ``configMap`` volume of the
-    Master's, else the first Worker's, pod), holding the file at ``path`` under the mount's key
-    (``train.yaml``): what ``kubectl create configmap NAME --from-file=train.yaml=PATH`` makes."""
-    specs = job["spec"]["pytorchReplicaSpecs"]
-    template = specs.get("Master", specs.get("Worker"))["template"]
-    names = [
-        v["configMap"]["name"] for v in template["spec"].get("volumes", []) if "configMap" in v
-    ]
+    """The ConfigMap the job mounts as its train config (the ``configMap`` volume of a
+    PyTorchJob's Master's, else first Worker's, pod; of a TrainJob's patched ``node`` pod),
+    holding the file at ``path`` under the mount's key (``train.yaml``): what ``kubectl create
+    configmap NAME --from-file=train.yaml=PATH`` makes."""
+    if job["kind"] == "TrainJob":
+        (patch,) = job["spec"]["runtimePatches"]
+        replicated = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        (node,) = [r for r in replicated if r["name"] == NODE]
+        pod = node["template"]["spec"]["template"]["spec"]
+    else:
+        specs = job["spec"]["pytorchReplicaSpecs"]
+        pod = specs.get("Master", specs.get("Worker"))["template"]["spec"]
+    names = [v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v]
     if len(names) != 1:
         raise ConfigError(
             f"the job mounts {len(names)} ConfigMaps; --train-config needs exactly "
@@ -190,13 +196,13 @@ def run_local_job(
     if outcome.succeeded:
         return result
     name = outcome.name
-    where = Path(workdir) / "master-0" / "log.txt"
+    kind = "TrainJob" if any(d.get("kind") == "TrainJob" for d in documents) else "PyTorchJob"
+    first = "node-0" if kind == "TrainJob" else "master-0"
+    where = Path(workdir) / first / "log.txt"
     if outcome.timed_out:
-        raise JobTimeout(
-            f"PyTorchJob {name} (local): {outcome.message}; logs under {workdir}", result
-        )
+        raise JobTimeout(f"{kind} {name} (local): {outcome.message}; logs under {workdir}", result)
     raise JobFailed(
-        f"PyTorchJob {name} (local) failed: {outcome.message}; the Master's log is {where}", result
+        f"{kind} {name} (local) failed: {outcome.message}; {first}'s log is {where}", result
     )
 
 
@@ -221,13 +227,26 @@ def run_local(
         succeeded.
     """
     started = time.monotonic()
-    job = _only(documents, "PyTorchJob")
     config_maps = {d["metadata"]["name"]: d for d in documents if d.get("kind") == "ConfigMap"}
-    replicas = _replicas(job, config_maps, Path(workdir))
+    if any(d.get("kind") == "TrainJob" for d in documents):
+        job = _only(documents, "TrainJob")
+        replicas, rules = _trainjob_replicas(job, documents, config_maps, Path(workdir))
+    else:
+        job = _only(documents, "PyTorchJob")
+        replicas = _replicas(job, config_maps, Path(workdir))
+        rules = _Rules(
+            permanent={r.kind: _permanent_under(_restart_policy(job, r.kind)) for r in replicas},
+            restart_all=False,
+            done_when_master=True,
+            why="permanent under "
+            + "/".join(sorted({_restart_policy(job, r.kind) for r in replicas})),
+        )
     for replica in replicas:
         replica.start()
     try:
-        condition, message, timed_out = _supervise(job, replicas, max_recreations, timeout, settle)
+        condition, message, timed_out = _supervise(
+            replicas, rules, max_recreations, timeout, settle
+        )
         log.info("job %s: %s", condition, message)
     finally:
         _stop(replicas)
@@ -247,19 +266,33 @@ def run_local(
     )
 
 
+@dataclass(frozen=True)
+class _Rules:
+    """How the controller treats the replicas' exits: ``permanent[kind]`` tells whether an
+    exit code fails the job; ``restart_all``: a retryable exit recreates every replica (a
+    JobSet restart) rather than the one that exited; ``done_when_master``: the job succeeds
+    when the Master exits 0 (the Training Operator), else when every replica has (JobSet)."""
+
+    permanent: dict[str, Callable[[int], bool]]
+    restart_all: bool
+    done_when_master: bool
+    why: str
+    """Why a permanent code is one, for the message (``permanent under ExitCode``)."""
+
+
 def _supervise(
-    job: dict,
     replicas: list[Replica],
+    rules: _Rules,
     max_recreations: int,
     timeout: float | None,
     settle: float,
 ) -> tuple[str, str, bool]:
-    """Watch the started ``replicas`` by the operator's rules (module docstring), recreating
-    those that exit retryably, until the job's condition is known; returns ``(condition,
-    message, timed_out)``."""
-    policy = {r.kind: _restart_policy(job, r.kind) for r in replicas}
+    """Watch the started ``replicas`` by ``rules`` (module docstring), recreating those that
+    exit retryably, until the job's condition is known; returns ``(condition, message,
+    timed_out)``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     recreations = 0
+    done: set[str] = set()
     while True:
         for replica in replicas:
             code = None if replica.process is None else replica.process.poll()
@@ -269,22 +302,39 @@ def _supervise(
             replica.process = None
             replica.kill_all()  # the container ends with its main process
             if code == 0:
-                if replica.kind == "Master":
+                done.add(replica.name)
+                if rules.done_when_master and replica.kind == "Master":
                     _wait(replicas, settle)
                     return "Succeeded", "the Master exited 0", False
+                if not rules.done_when_master and len(done) == len(replicas):
+                    return "Succeeded", "every node exited 0", False
                 continue
-            if not _retryable(policy[replica.kind], code):
-                permanent = f"permanent under {policy[replica.kind]}"
-                return "Failed", f"{replica.name} exited {code} ({permanent})", False
+            if rules.permanent[replica.kind](code):
+                return "Failed", f"{replica.name} exited {code} ({rules.why})", False
             recreations += 1
             if recreations > max_recreations:
                 return "Failed", f"more than {max_recreations} recreations", False
-            log.info("%s exited %d: recreating it", replica.name, code)
-            replica.recreated += 1
-            replica.start()
+            again = replicas if rules.restart_all else [replica]
+            log.info("%s exited %d: recreating %s", replica.name, code, _names(again))
+            if rules.restart_all:
+                _stop(replicas)
+                done.clear()
+            for other in again:
+                other.recreated += 1
+                other.start()
+            break
         if deadline is not None and time.monotonic() > deadline:
             return "Failed", f"not finished after {timeout} s", True
         time.sleep(0.2)
+
+
+def _names(replicas: list[Replica]) -> str:
+    return ", ".join(r.name for r in replicas)
+
+
+def _permanent_under(policy: str) -> Callable[[int], bool]:
+    """Whether an exit code fails a PyTorchJob replica under the restart ``policy``."""
+    return lambda code: not _retryable(policy, code)
 
 
 def _retryable(policy: str, code: int) -> bool:
@@ -407,6 +457,60 @@ def _replicas(job: dict, config_maps: dict[str, dict], workdir: Path) -> list[Re
     return replicas
 
 
+def _trainjob_replicas(
+    job: dict, documents: list[dict], config_maps: dict[str, dict], workdir: Path
+) -> tuple[list[Replica], _Rules]:
+    """The nodes of a TrainJob as Kubeflow Trainer's torch plugin starts them: ``numNodes``
+    pods of its runtime's ``node`` pod with the job's patches and trainer fields
+    (:func:`crosskd.k8s.trainjob.trainer_pod`), each with ``PET_NNODES``,
+    ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` (its index), ``PET_MASTER_ADDR`` (127.0.0.1
+    here, for ``<job>-node-0-0.<job>``) and ``PET_MASTER_PORT`` (a free port here, for the
+    plugin's 29400). The runtime's ``FailJob`` exit codes fail the job, any other failure
+    recreates every node (a JobSet restart), and the job succeeds once every node exited 0."""
+    name = job["metadata"]["name"]
+    ref = job["spec"].get("runtimeRef") or {}
+    kind = ref.get("kind", "ClusterTrainingRuntime")
+    runtimes = [
+        d for d in documents if d.get("kind") == kind and d["metadata"]["name"] == ref.get("name")
+    ]
+    if len(runtimes) != 1:
+        raise ConfigError(
+            f"TrainJob {name} runs on {kind} {ref.get('name')!r}, which the job files do not "
+            f"hold; add it (`kubectl kustomize manifests/trainjob-overlays/NAME` has it, or "
+            f"manifests/trainjob/runtime.yaml)."
+        )
+    runtime = runtimes[0]
+    trainer = job["spec"].get("trainer") or {}
+    nodes = int(trainer.get("numNodes") or runtime["spec"]["mlPolicy"].get("numNodes") or 1)
+    per_node = int(trainer.get("numProcPerNode") or 1)
+    pod = trainer_pod(job, runtime)
+    plugin = {
+        "PYTHONUNBUFFERED": "1",
+        "PET_NNODES": str(nodes),
+        "PET_NPROC_PER_NODE": str(per_node),
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(_free_port()),
+    }
+    replicas = []
+    for index in range(nodes):
+        folder = workdir / f"node-{index}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        env = plugin | {"PET_NODE_RANK": str(index)}
+        replicas.append(
+            _replica("Node", index, index, pod, env, config_maps, folder, index * per_node, NODE)
+        )
+    codes = permanent_exit_codes(runtime)
+    rules = _Rules(
+        permanent={"Node": lambda code: code in codes},
+        restart_all=True,
+        done_when_master=False,
+        why=f"a FailJob exit code of {kind} {ref.get('name')}",
+    )
+    return replicas, rules
+
+
 def _replica(
     kind: str,
     index: int,
@@ -416,11 +520,14 @@ def _replica(
     config_maps: dict[str, dict],
     folder: Path,
     port_shift: int,
+    container_name: str = CONTAINER,
 ) -> Replica:
     pod = template["spec"]
-    containers = [c for c in pod["containers"] if c["name"] == CONTAINER]
+    containers = [c for c in pod["containers"] if c["name"] == container_name]
     if not containers:
-        raise ConfigError(f"{kind} has no container named {CONTAINER!r} (the operator needs it).")
+        raise ConfigError(
+            f"{kind} has no container named {container_name!r} (the controller needs it)."
+        )
     container = containers[0]
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     mounts: dict[str, Path] = {}

@@ -45,6 +45,8 @@ pull secrets, and nothing else. What the crosskd pod needs beyond that is in the
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -297,3 +299,65 @@ def runtime_manifest() -> dict[str, Any]:
 def _serialized(obj: Any) -> Any:
     """A Kubernetes client object as its camelCase mapping."""
     return k8s.ApiClient().sanitize_for_serialization(obj)
+
+
+def trainer_pod(job: Mapping[str, Any], runtime: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod template the Trainer makes for each node of the TrainJob manifest ``job`` on its
+    TrainingRuntime manifest ``runtime``: the runtime's ``node`` pod template with each of the
+    job's ``runtimePatches`` merged in (mappings key by key; lists of named items, such as
+    containers, volumes and env, item by item by name; other lists replaced), then the trainer's
+    ``image``, ``command``, ``args`` and ``resourcesPerNode`` on the ``node`` container."""
+    (replicated,) = [
+        r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == NODE
+    ]
+    pod = copy.deepcopy(replicated["template"]["spec"]["template"])
+    for patch in job["spec"].get("runtimePatches") or []:
+        spec = patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {})
+        for change in spec.get("replicatedJobs") or []:
+            if change["name"] == NODE:
+                template = change.get("template", {}).get("spec", {}).get("template", {})
+                pod = _merged(pod, template)
+    trainer = job["spec"].get("trainer") or {}
+    (node,) = [c for c in pod["spec"]["containers"] if c["name"] == NODE]
+    for key, field_name in (("image", "image"), ("command", "command"), ("args", "args")):
+        if key in trainer:
+            node[field_name] = copy.deepcopy(trainer[key])
+    if "resourcesPerNode" in trainer:
+        node["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
+    return pod
+
+
+def permanent_exit_codes(runtime: Mapping[str, Any]) -> set[int]:
+    """The exit codes of the ``node`` container that fail the run under ``runtime``: the values
+    of its ``FailJob`` ``In`` rules (any other failure of the Job restarts the JobSet)."""
+    (replicated,) = [
+        r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == NODE
+    ]
+    policy = replicated["template"]["spec"].get("podFailurePolicy") or {}
+    codes: set[int] = set()
+    for rule in policy.get("rules") or []:
+        exits = rule.get("onExitCodes") or {}
+        if rule.get("action") == "FailJob" and exits.get("operator") == "In":
+            codes |= set(exits.get("values") or [])
+    return codes
+
+
+def _merged(base: Any, patch: Any) -> Any:
+    """``patch`` merged into ``base`` (see :func:`trainer_pod`)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            out[key] = _merged(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    named = isinstance(base, list) and isinstance(patch, list)
+    named = named and all(isinstance(i, dict) and "name" in i for i in [*base, *patch])
+    if named:
+        out = list(base)
+        for item in patch:
+            where = [i for i, old in enumerate(out) if old["name"] == item["name"]]
+            if where:
+                out[where[0]] = _merged(out[where[0]], item)
+            else:
+                out.append(copy.deepcopy(item))
+        return out
+    return copy.deepcopy(patch)
