@@ -29,6 +29,14 @@ from crosskd.k8s.result import FINAL_MODEL_URI_ANNOTATION, JobTimeout
 from crosskd.k8s.trainjob import runtime_manifest, trainjob_manifest
 
 STEPS = 30
+LOCAL_JOB = JobConfig(
+    run_id="local-test",
+    image="crosskd:test",
+    nodes=2,
+    env={"OMP_NUM_THREADS": "1"},
+    grace_seconds=60,
+)
+"""The job of every run here: 2 nodes of 1 CPU worker each."""
 
 
 def _documents(train_inputs: dict, output: Path, **train) -> list[dict]:
@@ -60,16 +68,7 @@ def _documents(train_inputs: dict, output: Path, **train) -> list[dict]:
         "metadata": {"name": "crosskd-train"},
         "data": {"train.yaml": yaml.safe_dump(values)},
     }
-    job = job_manifest(
-        JobConfig(
-            run_id="local-test",
-            image="crosskd:test",
-            nodes=2,
-            env={"OMP_NUM_THREADS": "1"},
-            grace_seconds=60,
-        )
-    )
-    return [config_map, job]
+    return [config_map, job_manifest(LOCAL_JOB)]
 
 
 @pytest.fixture(scope="module")
@@ -284,16 +283,7 @@ def test_the_local_mode_answers_as_the_launcher_does(tmp_path):
 def _trainjob_documents(train_inputs: dict, output: Path, **train) -> list[dict]:
     """The same run as a 2-node TrainJob on the crosskd-torch runtime (with the ConfigMap)."""
     config_map = _documents(train_inputs, output, **train)[0]
-    job = trainjob_manifest(
-        JobConfig(
-            run_id="local-test",
-            image="crosskd:test",
-            nodes=2,
-            env={"OMP_NUM_THREADS": "1"},
-            grace_seconds=60,
-        )
-    )
-    return [config_map, runtime_manifest(), job]
+    return [config_map, runtime_manifest(), trainjob_manifest(LOCAL_JOB)]
 
 
 def test_a_two_node_trainjob_trains_like_one_process(train_inputs, reference, tmp_path):
