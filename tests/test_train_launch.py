@@ -76,14 +76,14 @@ def test_rendezvous_from_the_operators_environment():
     # Kubeflow Trainer v2's torch plugin (a TrainJob's node pods): PET_* only
     trainjob = {
         "PET_MASTER_ADDR": "run-node-0-0.run",
-        "PET_MASTER_PORT": "29400",
+        "PET_MASTER_PORT": "29500",
         "PET_NNODES": "2",
         "PET_NPROC_PER_NODE": "8",
         "PET_NODE_RANK": "1",
     }
     got = rendezvous(trainjob)
     assert (got["rdzv_endpoint"], got["rdzv_configs"], got["max_nodes"]) == (
-        "run-node-0-0.run:29400",
+        "run-node-0-0.run:29500",
         {"rank": 1},
         2,
     )

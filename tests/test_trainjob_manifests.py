@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from pathlib import Path
 
 import jsonschema
@@ -120,6 +121,33 @@ def test_the_cel_rules_we_depend_on_by_hand(overlay):
     (rule,) = _runtime_job(runtime)["template"]["spec"]["podFailurePolicy"]["rules"]
     codes = rule["onExitCodes"]
     assert codes["operator"] == "In" and 0 not in codes["values"] and len(codes["values"]) <= 255
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_trainer_webhook_rules_by_hand(overlay):
+    """Rules of Trainer v2's admission webhook that no schema states (kubeflow/trainer
+    pkg/runtime/framework/plugins/jobset/jobset.go, torch/torch.go): a patch's ``manager`` is a
+    domain-prefixed path; it patches only replicated jobs and containers the runtime has (a
+    patch cannot add a container); it sets no ``env`` on the ``node`` container (that goes in
+    ``spec.trainer.env``); and ``spec.trainer.env`` uses none of the names the torch plugin
+    injects."""
+    docs = _build(overlay)
+    job, runtime = _one(docs, "TrainJob"), _one(docs, "TrainingRuntime")
+    replicated = {r["name"]: r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+    for patch in job["spec"]["runtimePatches"]:
+        prefix, _, path = patch["manager"].partition("/")
+        assert path and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9-]+)+", prefix)
+        for change in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            assert change["name"] in replicated
+            pod = replicated[change["name"]]["template"]["spec"]["template"]["spec"]
+            names = {c["name"] for c in pod["containers"]}
+            for container in change["template"]["spec"]["template"]["spec"]["containers"]:
+                assert container["name"] in names
+                assert not (container["name"] == NODE and "env" in container)
+    injected = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR"}
+    injected.add("PET_MASTER_PORT")
+    env = {e["name"] for e in job["spec"]["trainer"]["env"]}
+    assert {"HOME", "CROSSKD_GRACE_SECONDS"} <= env and not env & injected
 
 
 def test_the_runtime_has_what_the_stock_torch_runtime_has():

@@ -465,7 +465,7 @@ def _trainjob_replicas(
     (:func:`crosskd.k8s.trainjob.trainer_pod`), each with ``PET_NNODES``,
     ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` (its index), ``PET_MASTER_ADDR`` (127.0.0.1
     here, for ``<job>-node-0-0.<job>``) and ``PET_MASTER_PORT`` (a free port here, for the
-    plugin's 29400). The runtime's ``FailJob`` exit codes fail the job, any other failure
+    plugin's 29500). The runtime's ``FailJob`` exit codes fail the job, any other failure
     recreates every node (a JobSet restart), and the job succeeds once every node exited 0."""
     name = job["metadata"]["name"]
     ref = job["spec"].get("runtimeRef") or {}

@@ -132,9 +132,10 @@ def check_trainjob(config: JobConfig) -> None:
 
 def build_trainjob(config: JobConfig) -> tr.TrainerV1alpha1TrainJob:
     """The TrainJob of ``config`` on the :data:`RUNTIME` runtime: ``spec.trainer`` holds the
-    image, the train command, ``nodes``, the processes per node and each node's resources;
-    ``runtimePatches`` the pods' labels, volumes, env, mounts, security contexts, tolerations,
-    node selector, service account and image pull secrets."""
+    image, the train command, its environment (Trainer's webhook refuses ``env`` in a patch of
+    the ``node`` container), ``nodes``, the processes per node and each node's resources;
+    ``runtimePatches`` the pods' labels, volumes, mounts, security contexts, tolerations, node
+    selector, service account and image pull secrets."""
     check_trainjob(config)
     name = config.name or job_name(config.run_id)
     labels = {**NAME_LABELS, RUN_LABEL: config.run_id, **config.labels}
@@ -144,7 +145,6 @@ def build_trainjob(config: JobConfig) -> tr.TrainerV1alpha1TrainJob:
     pod_labels = {**labels, PROCS_LABEL: str(config.procs_per_node)}
     container = k8s.V1Container(
         name=NODE,
-        env=container_env(config),
         volume_mounts=container_mounts(config),
         security_context=container_security(config),
     )
@@ -197,6 +197,9 @@ def build_trainjob(config: JobConfig) -> tr.TrainerV1alpha1TrainJob:
             trainer=tr.TrainerV1alpha1Trainer(
                 image=config.image,
                 command=train_command(config),
+                env=[
+                    tr.IoK8sApiCoreV1EnvVar.from_dict(_serialized(e)) for e in container_env(config)
+                ],
                 num_nodes=config.nodes,
                 num_proc_per_node=config.procs_per_node,
                 resources_per_node=tr.IoK8sApiCoreV1ResourceRequirements.from_dict(
@@ -306,7 +309,9 @@ def trainer_pod(job: Mapping[str, Any], runtime: Mapping[str, Any]) -> dict[str,
     TrainingRuntime manifest ``runtime``: the runtime's ``node`` pod template with each of the
     job's ``runtimePatches`` merged in (mappings key by key; lists of named items, such as
     containers, volumes and env, item by item by name; other lists replaced), then the trainer's
-    ``image``, ``command``, ``args`` and ``resourcesPerNode`` on the ``node`` container."""
+    ``image``, ``command``, ``args``, ``env`` (upserted by name) and ``resourcesPerNode`` on the
+    ``node`` container. Lists merge by the strategic-merge keys of their Go types: volume mounts
+    by ``mountPath``, other lists of named items by ``name``; tolerations are replaced."""
     (replicated,) = [
         r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == NODE
     ]
@@ -322,6 +327,8 @@ def trainer_pod(job: Mapping[str, Any], runtime: Mapping[str, Any]) -> dict[str,
     for key, field_name in (("image", "image"), ("command", "command"), ("args", "args")):
         if key in trainer:
             node[field_name] = copy.deepcopy(trainer[key])
+    if "env" in trainer:
+        node["env"] = _merged(node.get("env") or [], trainer["env"])
     if "resourcesPerNode" in trainer:
         node["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
     return pod
@@ -342,22 +349,30 @@ def permanent_exit_codes(runtime: Mapping[str, Any]) -> set[int]:
     return codes
 
 
-def _merged(base: Any, patch: Any) -> Any:
-    """``patch`` merged into ``base`` (see :func:`trainer_pod`)."""
+def _merged(base: Any, patch: Any, key: str = "") -> Any:
+    """``patch`` merged into ``base`` (see :func:`trainer_pod`); ``key``: the field holding
+    them."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = dict(base)
-        for key, value in patch.items():
-            out[key] = _merged(base[key], value) if key in base else copy.deepcopy(value)
+        for name, value in patch.items():
+            out[name] = _merged(base[name], value, name) if name in base else copy.deepcopy(value)
         return out
-    named = isinstance(base, list) and isinstance(patch, list)
-    named = named and all(isinstance(i, dict) and "name" in i for i in [*base, *patch])
-    if named:
+    merge_key = _MERGE_KEYS.get(key, "name")
+    keyed = isinstance(base, list) and isinstance(patch, list) and key not in _REPLACED
+    keyed = keyed and all(isinstance(i, dict) and merge_key in i for i in [*base, *patch])
+    if keyed:
         out = list(base)
         for item in patch:
-            where = [i for i, old in enumerate(out) if old["name"] == item["name"]]
+            where = [i for i, old in enumerate(out) if old[merge_key] == item[merge_key]]
             if where:
                 out[where[0]] = _merged(out[where[0]], item)
             else:
                 out.append(copy.deepcopy(item))
         return out
     return copy.deepcopy(patch)
+
+
+_MERGE_KEYS = {"volumeMounts": "mountPath"}
+"""Lists whose strategic-merge key is not ``name``."""
+_REPLACED = ("tolerations",)
+"""Lists a strategic merge replaces whole."""
