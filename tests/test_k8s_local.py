@@ -333,9 +333,7 @@ def test_a_retryable_exit_restarts_every_node_of_a_trainjob(tmp_path):
         "sleep 0.5; exit 0"
     )
     job["spec"]["trainer"]["command"] = ["sh", "-c", script]
-    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
-    node = patch["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
-    node["env"].append({"name": "MARK", "value": str(tmp_path / "failed-once")})
+    job["spec"]["trainer"]["env"].append({"name": "MARK", "value": str(tmp_path / "failed-once")})
     result = run_local([runtime_manifest(), job], tmp_path / "work", timeout=60)
     assert result.succeeded, result
     assert result.exit_codes["node-1"] == [200, 0]
