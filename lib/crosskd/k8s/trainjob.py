@@ -9,8 +9,9 @@ are the camelCase mappings the API server takes.
 **Why a runtime of crosskd's own** (``crosskd-torch``, namespaced, installed once per
 namespace), not the stock ``torch-distributed`` ClusterTrainingRuntime: a TrainJob may change
 its runtime's pods only through ``runtimePatches``, which reach labels, annotations, volumes,
-env, volume mounts, security contexts, tolerations, node selectors, service accounts and image
-pull secrets, and nothing else. What the crosskd pod needs beyond that is in the runtime:
+volume mounts, security contexts, tolerations, node selectors, service accounts and image pull
+secrets (and env, but not the ``node`` container's: that goes in ``spec.trainer.env``), and
+nothing else. What the crosskd pod needs beyond that is in the runtime:
 
 * the **exit-code contract** (:mod:`crosskd.train.launch`): each node's Job has
   ``backoffLimit: 0`` and a ``podFailurePolicy`` that fails the Job on the permanent codes
