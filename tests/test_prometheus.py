@@ -265,7 +265,8 @@ def scraped(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prometheus")
     train_labels, train_ports = _training_pod_labels()
     assert train_ports[:2] == ["metrics-0", "metrics-1"]
-    step_monitor = next(m for m in _podmonitors().values() if not _selects(m, train_labels))
+    step_monitor = _podmonitors()["crosskd-steps"]
+    assert not _selects(step_monitor, train_labels)
     job_label = step_monitor["spec"]["jobLabel"]
     step_ports = {"prepare": free_port(), "score-teacher": free_port()}
     base = free_ports(2)

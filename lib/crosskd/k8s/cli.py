@@ -307,6 +307,8 @@ def _trainjob_files(root: Path) -> dict[Path, str]:
     """The TrainJob tree's generated files: ``trainjob/runtime.yaml`` (the crosskd
     TrainingRuntime), ``trainjob/trainjob.yaml`` (from ``job.yaml``) and, per
     ``trainjob-overlays/<name>/job.yaml``, its ``trainjob-patch.yaml``."""
+    # lazy: kubernetes and the Trainer API models take about 1 s to import, and `crosskd`
+    # builds this module's parser for every command
     from crosskd.k8s.job import load_job_config
     from crosskd.k8s.trainjob import runtime_manifest, trainjob_manifest
 
