@@ -338,3 +338,30 @@ def test_a_retryable_exit_restarts_every_node_of_a_trainjob(tmp_path):
     assert result.succeeded, result
     assert result.exit_codes["node-1"] == [200, 0]
     assert result.exit_codes["node-0"][-1] == 0 and len(result.exit_codes["node-0"]) <= 2
+
+
+def test_the_cli_runs_a_rendered_trainjob_with_its_train_config(tmp_path, capsys):
+    """``crosskd job run-local FILE --train-config PATH`` on a rendered TrainJob and its runtime:
+    the train config becomes the ConfigMap the patched pod mounts (its name from the patch's
+    volume), the node's command sees the file at its mount path, and success is one line; a
+    file with a TrainJob and a PyTorchJob is refused in one line."""
+    from crosskd.k8s.cli import main
+
+    job = trainjob_manifest(JobConfig(run_id="local-cli", image="crosskd:test"))
+    job["spec"]["trainer"]["command"] = ["test", "-s", "/etc/crosskd/train.yaml"]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump_all([runtime_manifest(), job]))
+    config = tmp_path / "train.yaml"
+    config.write_text("steps: 1\n")
+    work = tmp_path / "work"
+    args = ["run-local", str(path), "--train-config", str(config), "--workdir", str(work)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"TrainJob {job['metadata']['name']} succeeded locally in ")
+    assert (work / "node-0/volumes/train-config/train.yaml").read_text() == "steps: 1\n"
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump_all([runtime_manifest(), job, job_manifest(LOCAL_JOB)]))
+    assert main(["run-local", str(both), "--workdir", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("crosskd: error: ") and err.count("\n") == 1
+    assert "hold 2 PyTorchJob and TrainJob objects; give exactly one." in err
