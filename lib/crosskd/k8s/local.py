@@ -38,6 +38,7 @@ gives (namespace ``local``, each replica's exit codes); :func:`run_local_job` is
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -234,13 +235,7 @@ def run_local(
     else:
         job = _only(documents, "PyTorchJob")
         replicas = _replicas(job, config_maps, Path(workdir))
-        rules = _Rules(
-            permanent={r.kind: _permanent_under(_restart_policy(job, r.kind)) for r in replicas},
-            restart_all=False,
-            done_when_master=True,
-            why="permanent under "
-            + "/".join(sorted({_restart_policy(job, r.kind) for r in replicas})),
-        )
+        rules = _operator_rules(job, replicas)
     for replica in replicas:
         replica.start()
     try:
@@ -332,16 +327,27 @@ def _names(replicas: list[Replica]) -> str:
     return ", ".join(r.name for r in replicas)
 
 
-def _permanent_under(policy: str) -> Callable[[int], bool]:
-    """Whether an exit code fails a PyTorchJob replica under the restart ``policy``."""
-    return lambda code: not _retryable(policy, code)
+def _operator_rules(job: dict, replicas: list[Replica]) -> _Rules:
+    """The Training Operator's rules: each replica type's restart policy says which codes are
+    permanent (:func:`_permanent`), a retryable exit recreates that replica alone, and the job
+    succeeds when the Master exits 0."""
+    policies = {r.kind: _restart_policy(job, r.kind) for r in replicas}
+    return _Rules(
+        permanent={
+            kind: functools.partial(_permanent, policy) for kind, policy in policies.items()
+        },
+        restart_all=False,
+        done_when_master=True,
+        why="permanent under " + "/".join(sorted(set(policies.values()))),
+    )
 
 
-def _retryable(policy: str, code: int) -> bool:
-    """Whether a replica that exited ``code`` is recreated under the restart ``policy``."""
+def _permanent(policy: str, code: int) -> bool:
+    """Whether a replica that exited ``code`` fails the job under the restart ``policy`` (else
+    it is recreated)."""
     if policy == "ExitCode":
-        return code >= 128 or code < 0  # negative: killed by a signal (a pod would see 128+n)
-    return policy in ("OnFailure", "Always")
+        return 0 < code < 128  # negative: killed by a signal (a pod would see 128+n)
+    return policy not in ("OnFailure", "Always")
 
 
 def _wait(replicas: list[Replica], seconds: float) -> None:
