@@ -56,42 +56,35 @@ def write_benchmark_jsonl(
     return total
 
 
-def measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
+def measure(step: Callable[[], None], repeat: int, device: str = "cpu") -> tuple[float, int]:
     """Median seconds of ``repeat`` calls of ``step`` (after one untimed warm-up call), and the
-    largest peak-memory rise, bytes.
+    largest peak-memory rise, bytes: of the process's resident set on the CPU, of the CUDA
+    allocator's peak over what was allocated before the call on ``device`` ``cuda`` (times
+    synchronised).
 
-    Before each call the heap's free memory goes back to the system (``malloc_trim``), so memory
-    an earlier step freed but the allocator kept does not hide this step's peak."""
+    On the CPU, before each call the heap's free memory goes back to the system
+    (``malloc_trim``), so memory an earlier step freed but the allocator kept does not hide this
+    step's peak."""
+    cuda = torch.device(device).type == "cuda"
     step()
     times, peaks = [], []
     libc = ctypes.CDLL("libc.so.6")
     for _ in range(repeat):
-        gc.collect()
-        libc.malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-        before, _ = rss()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            gc.collect()
+            libc.malloc_trim(0)
+            Path("/proc/self/clear_refs").write_text("5")
+            before, _ = rss()
         start = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        peaks.append(rss()[1] - before)
-    return statistics.median(times), max(peaks)
-
-
-def measure_cuda(step: Callable[[], None], repeat: int) -> tuple[float, int]:
-    """:func:`measure` on a CUDA device: median seconds of ``repeat`` calls (synchronised,
-    after one untimed warm-up call) and the largest rise of the allocator's peak over what was
-    allocated before a call, bytes."""
-    step()
-    times, peaks = [], []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        peaks.append(torch.cuda.max_memory_allocated() - before)
+        peaks.append((torch.cuda.max_memory_allocated() if cuda else rss()[1]) - before)
     return statistics.median(times), max(peaks)
 
 

@@ -53,7 +53,7 @@ Peak memory is measured as above: on top of the inputs, so it includes the weigh
 
 With ``--device cuda`` the hidden states and the weight live on the GPU (float32), times are
 synchronised and peak memory is the CUDA allocator's peak above what was allocated before the
-step (:func:`inputs.measure_cuda`). ``--bf16``: every step under bfloat16 autocast, as the
+step (:func:`inputs.measure` on ``cuda``). ``--bf16``: every step under bfloat16 autocast, as the
 trainer runs the head (the baseline's logits bfloat16; the fused layer's products in
 bfloat16, as the trainer captures them).
 
@@ -75,7 +75,6 @@ import torch
 from inputs import (
     csd_plan,
     measure,
-    measure_cuda,
     real_batch,
     sample_signal,
     teacher_logits,
@@ -241,7 +240,7 @@ def _run_fused(
         ]
     results = []
     for loss, kernels, step in steps:
-        seconds, peak = (measure_cuda if device.type == "cuda" else measure)(step, args.repeat)
+        seconds, peak = measure(step, args.repeat, device.type)
         results.append(
             {"student": name, "loss": loss, "kernels": kernels, "seconds": seconds, "peak": peak}
         )
