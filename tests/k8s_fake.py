@@ -1,13 +1,16 @@
 """FakeKubernetesApi: a fake speaking the subset of the Kubernetes REST API the launcher uses.
 
 It is **not** an API server and runs no controller: an ``http.server`` on 127.0.0.1 (one
-thread per request) that keeps PyTorchJobs and pods in memory and answers, with the shapes
-the real API server uses, exactly these requests:
+thread per request) that keeps jobs of one kind (:data:`PYTORCHJOB` by default, or
+:data:`TRAINJOB`) and pods in memory and answers, with the shapes the real API server uses,
+exactly these requests:
 
 * ``POST /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs`` (201; 409 ``AlreadyExists``,
   400 ``BadRequest`` for a namespace mismatch, 422 ``Invalid`` for a bad name/kind),
 * ``GET``/``DELETE /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/{name}`` (404
-  ``NotFound``), ``GET .../pytorchjobs`` (a ``PyTorchJobList``),
+  ``NotFound``; ``DELETE`` records its ``propagationPolicy``), ``GET .../pytorchjobs`` (a
+  ``PyTorchJobList``); for :data:`TRAINJOB` the same under
+  ``/apis/trainer.kubeflow.org/v1alpha1/namespaces/{ns}/trainjobs``,
 * ``POST``, ``GET``, ``DELETE`` of the teacher server's objects (:data:`OBJECTS`): ``apps/v1``
   Deployments, ``v1`` ConfigMaps and Services, ``policy/v1`` PodDisruptionBudgets,
   ``monitoring.coreos.com/v1`` PodMonitors (201; 409 ``AlreadyExists``; 404 ``NotFound``;
@@ -21,13 +24,19 @@ the real API server uses, exactly these requests:
   as the API server reads them, so the client's ``follow=True`` counts).
 
 Errors are ``Status`` objects (``kind: Status``, ``status: Failure``, ``reason``, ``code``,
-``details``). Job conditions are shaped as in the vendored CRD (``type``, ``status: "True"``,
-``reason``, ``message``, ``lastTransitionTime``, ``lastUpdateTime``) and replaced the way the
-Training Operator does (a new ``Succeeded``/``Failed`` turns ``Running`` to ``"False"``).
+``details``). Job conditions are shaped as in the vendored CRDs (``type``, ``status: "True"``,
+``reason``, ``message``, ``lastTransitionTime``, and a PyTorchJob's ``lastUpdateTime``) and
+replaced the way the Training Operator does (a new ``Succeeded``/``Failed`` turns ``Running`` to
+``"False"``). A new PyTorchJob gets ``Created`` at once (``auto_created``); a new TrainJob gets
+no condition (Trainer v2 has none until ``Suspended``, ``Complete`` or ``Failed``, which it
+copies from its JobSet). A TrainJob's pods are the JobSet's: named
+``<job>-node-0-<index>-<suffix>`` and labelled with the JobSet's name, replicated job, Job index
+and completion index, container ``node``; a restarted JobSet makes pods of new names.
 
 The test drives a timeline: :meth:`FakeKubernetesApi.on_get` runs an action when a job has
 been read N times (before that read is answered), :meth:`FakeKubernetesApi.on_read` when an
-object of another kind has, and the actions (:meth:`set_condition`, :meth:`start_master`,
+object of another kind has, and the actions (:meth:`set_condition`, :meth:`set_status`,
+:meth:`start_master`,
 :meth:`log`, :meth:`restart_container`, :meth:`recreate_pod`, :meth:`finish_master`,
 :meth:`remove_job`, :meth:`set_deployment_status`, :meth:`add_pod`) change the state as the
 operator, the Deployment controller and the kubelet would. Actions that end a container first
@@ -52,8 +61,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-GROUP_VERSION = "kubeflow.org/v1"
-_JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/([^/]+))?$")
 _PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
 _POD_LOG = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -75,13 +82,66 @@ _OBJECT = re.compile(
     r"^(/api/v1|/apis/[^/]+/v1)/namespaces/([^/]+)/"
     r"(deployments|configmaps|services|poddisruptionbudgets|podmonitors)(?:/([^/]+))?$"
 )
-_CONDITION_REASONS = {
-    "Created": ("PyTorchJobCreated", "PyTorchJob {ns}/{name} is created."),
-    "Running": ("PyTorchJobRunning", "PyTorchJob {ns}/{name} is running."),
-    "Restarting": ("PyTorchJobRestarting", "PyTorchJob {ns}/{name} is restarting."),
-    "Succeeded": ("PyTorchJobSucceeded", "PyTorchJob {ns}/{name} successfully completed."),
-    "Failed": ("PyTorchJobFailed", "PyTorchJob {ns}/{name} has failed."),
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResource:
+    """A job API the fake serves: its paths, the conditions its controller sets, its pods."""
+
+    api_version: str
+    plural: str
+    kind: str
+    pod_label: str
+    """The label naming the job on its pods (deleting the job deletes them)."""
+    container: str
+    """The container of its pods."""
+    reasons: dict[str, tuple[str, str]]
+    """Condition type -> (reason, message format with ``{ns}`` and ``{name}``)."""
+    initial: str | None
+    """The condition a new job gets at once (with ``auto_created``), if any."""
+    final: tuple[str, ...]
+    """The condition types that end the job."""
+
+    @property
+    def group(self) -> str:
+        return self.api_version.split("/")[0]
+
+    def base(self, namespace: str) -> str:
+        return f"/apis/{self.api_version}/namespaces/{namespace}/{self.plural}"
+
+
+PYTORCHJOB = JobResource(
+    api_version="kubeflow.org/v1",
+    plural="pytorchjobs",
+    kind="PyTorchJob",
+    pod_label="training.kubeflow.org/job-name",
+    container="pytorch",
+    reasons={
+        "Created": ("PyTorchJobCreated", "PyTorchJob {ns}/{name} is created."),
+        "Running": ("PyTorchJobRunning", "PyTorchJob {ns}/{name} is running."),
+        "Restarting": ("PyTorchJobRestarting", "PyTorchJob {ns}/{name} is restarting."),
+        "Succeeded": ("PyTorchJobSucceeded", "PyTorchJob {ns}/{name} successfully completed."),
+        "Failed": ("PyTorchJobFailed", "PyTorchJob {ns}/{name} has failed."),
+    },
+    initial="Created",
+    final=("Succeeded", "Failed"),
+)
+"""The Training Operator's PyTorchJob (reasons and messages as its controller writes them)."""
+TRAINJOB = JobResource(
+    api_version="trainer.kubeflow.org/v1alpha1",
+    plural="trainjobs",
+    kind="TrainJob",
+    pod_label="jobset.sigs.k8s.io/jobset-name",
+    container="node",
+    reasons={  # the JobSet's conditions, copied by the Trainer (JobSet's constants)
+        "Suspended": ("Suspended", "TrainJob is suspended"),
+        "Complete": ("AllJobsCompleted", "jobset completed successfully"),
+        "Failed": ("FailedJobs", "jobset failed due to one or more job failures"),
+    },
+    initial=None,
+    final=("Complete", "Failed"),
+)
+"""Kubeflow Trainer v2's TrainJob."""
 
 
 def _now() -> str:
@@ -186,10 +246,21 @@ class FakeKubernetesApi:
     ``kubernetes.client.Configuration``.
     """
 
-    def __init__(self, *, auto_created: bool = True, delivery_timeout: float = 10.0) -> None:
-        """``auto_created``: a new job gets the ``Created`` condition at once (as the operator
-        gives it within a reconcile); ``delivery_timeout``: seconds an action waits for a log
-        follower to be sent a container's lines before it records an error and goes on."""
+    def __init__(
+        self,
+        *,
+        job: JobResource = PYTORCHJOB,
+        auto_created: bool = True,
+        delivery_timeout: float = 10.0,
+    ) -> None:
+        """``job``: the kind of job served; ``auto_created``: a new job gets its kind's initial
+        condition at once (a PyTorchJob's ``Created``, as the operator gives it within a
+        reconcile); ``delivery_timeout``: seconds an action waits for a log follower to be sent
+        a container's lines before it records an error and goes on."""
+        self.job = job
+        self._jobs_path = re.compile(
+            rf"^/apis/{re.escape(job.api_version)}/namespaces/([^/]+)/{job.plural}(?:/([^/]+))?$"
+        )
         self.auto_created = auto_created
         self.delivery_timeout = delivery_timeout
         self.cond = threading.Condition(threading.RLock())
@@ -247,7 +318,7 @@ class FakeKubernetesApi:
             return self._gets[(namespace, name)]
 
     def job_path(self, namespace: str, name: str | None = None) -> str:
-        base = f"/apis/kubeflow.org/v1/namespaces/{namespace}/pytorchjobs"
+        base = self.job.base(namespace)
         return f"{base}/{name}" if name else base
 
     def object_path(self, plural: str, namespace: str, name: str | None = None) -> str:
@@ -358,10 +429,12 @@ class FakeKubernetesApi:
         reason: str | None = None,
         message: str | None = None,
     ) -> None:
-        """Give the job the condition ``kind`` (status "True") as the operator's setCondition."""
+        """Give the job the condition ``kind`` (status "True") as its controller's
+        setCondition (a TrainJob's: ``meta.SetStatusCondition``, no ``lastUpdateTime``)."""
         with self.cond:
             job = self.jobs[(namespace, name)]
-            default_reason, default_message = _CONDITION_REASONS[kind]
+            default_reason, default_message = self.job.reasons[kind]
+            pytorchjob = self.job is PYTORCHJOB
             now = _now()
             kept = []
             for c in job.setdefault("status", {}).get("conditions", []):
@@ -378,21 +451,32 @@ class FakeKubernetesApi:
                     "status": "True",
                     "reason": reason or default_reason,
                     "message": message or default_message.format(ns=namespace, name=name),
-                    "lastUpdateTime": now,
+                    **({"lastUpdateTime": now} if pytorchjob else {}),
                     "lastTransitionTime": now,
                 }
             )
             job["status"]["conditions"] = kept
-            if kind in ("Succeeded", "Failed"):
+            if kind in self.job.final and pytorchjob:
                 job["status"]["completionTime"] = now
+            self._bump(job)
+
+    def set_status(self, namespace: str, name: str, **fields: Any) -> None:
+        """Set fields of the job's ``status`` besides its conditions (a TrainJob's
+        ``jobsStatus``, ``trainerStatus``; a PyTorchJob's ``replicaStatuses``)."""
+        with self.cond:
+            job = self.jobs[(namespace, name)]
+            job.setdefault("status", {}).update(json.loads(json.dumps(fields)))
             self._bump(job)
 
     def start_master(
         self, namespace: str, name: str, lines: Iterable[str] = (), *, replica_type: str = "master"
     ) -> str:
-        """Create the job's rank-0 pod, its container running with ``lines`` logged: the
-        Master's (plus a worker-1 pod the launcher must not follow), or worker 0's for a
-        Worker-only job (``replica_type="worker"``, which then has ``job-role=master``)."""
+        """Create the job's rank-0 pod, its container running with ``lines`` logged, and return
+        its name: the Master's (plus a worker-1 pod the launcher must not follow), or worker 0's
+        for a Worker-only job (``replica_type="worker"``, which then has ``job-role=master``);
+        a TrainJob's node 0 (and node 1)."""
+        if self.job is TRAINJOB:
+            return self._start_nodes(namespace, name, lines)
         pod_name = f"{name}-{replica_type}-0"
         labels = {
             "training.kubeflow.org/job-name": name,
@@ -417,6 +501,52 @@ class FakeKubernetesApi:
             self.pods[(namespace, other.name)] = other
             self.cond.notify_all()
         return pod_name
+
+    def _start_nodes(
+        self, namespace: str, name: str, lines: Iterable[str], restart_attempt: int = 0
+    ) -> str:
+        """A TrainJob's pods as JobSet makes them: node 0 (returned) logging ``lines``, and
+        node 1 (whose log the launcher must not show), of the given restart attempt."""
+        names = []
+        with self.cond:
+            for index in (1, 0):  # node 1 first: a selector without the index would pick it
+                labels = {
+                    "jobset.sigs.k8s.io/jobset-name": name,
+                    "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                    "jobset.sigs.k8s.io/job-index": "0",
+                    "jobset.sigs.k8s.io/restart-attempt": str(restart_attempt),
+                    "batch.kubernetes.io/job-completion-index": str(index),
+                    "trainer.kubeflow.org/trainjob-ancestor-step": "trainer",
+                }
+                pod = _Pod(
+                    f"{name}-node-0-{index}-{uuid.uuid4().hex[:5]}",
+                    namespace,
+                    labels,
+                    container=self.job.container,
+                    state="running",
+                )
+                pod.current.lines.extend(lines if index == 0 else ["node 1: not shown"])
+                self.pods[(namespace, pod.name)] = pod
+                names.append(pod.name)
+            self.cond.notify_all()
+        return names[-1]
+
+    def restart_jobset(
+        self, namespace: str, name: str, lines: Iterable[str] = (), *, exit_code: int = 200
+    ) -> str:
+        """A node exits with a retryable ``exit_code`` once its lines were streamed; the JobSet
+        is restarted: every node's pod is deleted and made anew under a new name (restart
+        attempt + 1), node 0 then logging ``lines``. Returns node 0's new pod name."""
+        old = [p for p in self.pods.values() if p.labels.get(self.job.pod_label) == name]
+        for pod in old:
+            if pod.labels["batch.kubernetes.io/job-completion-index"] == "0":
+                self.wait_delivered(namespace, pod.name)  # node 1's log is never followed
+        with self.cond:
+            attempt = 1 + max(int(p.labels["jobset.sigs.k8s.io/restart-attempt"]) for p in old)
+            for pod in old:
+                pod.current.ended, pod.current.exit_code = True, exit_code
+                del self.pods[(namespace, pod.name)]
+        return self._start_nodes(namespace, name, lines, attempt)
 
     def log(self, namespace: str, pod: str, *lines: str) -> None:
         """The pod's running container writes ``lines``."""
@@ -515,19 +645,19 @@ class FakeKubernetesApi:
         self._bump(job)
         self.jobs[(namespace, meta["name"])] = job
         self.created_total += 1
-        if self.auto_created:
-            self.set_condition(namespace, meta["name"], "Created")
+        if self.auto_created and self.job.initial:
+            self.set_condition(namespace, meta["name"], self.job.initial)
         return job
 
     def _delete_pods(self, namespace: str, name: str) -> None:
         for key, pod in list(self.pods.items()):
-            if key[0] == namespace and pod.labels.get("training.kubeflow.org/job-name") == name:
+            if key[0] == namespace and pod.labels.get(self.job.pod_label) == name:
                 pod.current.ended = True
                 del self.pods[key]
         self.cond.notify_all()
 
-    def _run_hooks(self, namespace: str, name: str, plural: str = "pytorchjobs") -> None:
-        key = (namespace, name) if plural == "pytorchjobs" else (plural, namespace, name)
+    def _run_hooks(self, namespace: str, name: str, plural: str | None = None) -> None:
+        key = (namespace, name) if plural is None else (plural, namespace, name)
         with self.cond:
             self._gets[key] += 1
             n = self._gets[key]
@@ -584,8 +714,8 @@ class FakeKubernetesApi:
             self._send(req, fault[2], status_object(fault[2], reason, f"injected {fault[2]}"))
             return
         try:
-            if m := _JOBS.match(url.path):
-                self._jobs(req, method, m.group(1), m.group(2), raw)
+            if m := self._jobs_path.match(url.path):
+                self._jobs(req, method, m.group(1), m.group(2), raw, query)
             elif (m := _OBJECT.match(url.path)) and OBJECTS[m.group(3)][0] == m.group(1):
                 self._objects(req, method, m.group(3), m.group(2), m.group(4), raw, query)
             elif (m := _PODS.match(url.path)) and method == "GET":
@@ -615,15 +745,19 @@ class FakeKubernetesApi:
         req.end_headers()
         req.wfile.write(data)
 
-    def _jobs(self, req, method: str, ns: str, name: str | None, raw: bytes) -> None:
+    def _jobs(
+        self, req, method: str, ns: str, name: str | None, raw: bytes, query: dict[str, str]
+    ) -> None:
         key = (ns, name or "")
+        res = self.job
+        resource = f"{res.plural}.{res.group}"
         gone = status_object(
             404,
             "NotFound",
-            f'pytorchjobs.kubeflow.org "{name}" not found',
+            f'{resource} "{name}" not found',
             name=name,
-            group="kubeflow.org",
-            kind="pytorchjobs",
+            group=res.group,
+            kind=res.plural,
         )
         if method == "POST" and name is None:
             body = json.loads(raw or b"{}")
@@ -631,22 +765,22 @@ class FakeKubernetesApi:
             invalid = status_object(
                 422,
                 "Invalid",
-                f'PyTorchJob.kubeflow.org "{job_name}" is invalid',
+                f'{res.kind}.{res.group} "{job_name}" is invalid',
                 name=job_name,
-                group="kubeflow.org",
-                kind="PyTorchJob",
+                group=res.group,
+                kind=res.kind,
             )
-            if self._refused(req, ns, body, (GROUP_VERSION, "PyTorchJob"), invalid):
+            if self._refused(req, ns, body, (res.api_version, res.kind), invalid):
                 return
             with self.cond:
                 if (ns, job_name) in self.jobs:
                     exists = status_object(
                         409,
                         "AlreadyExists",
-                        f'pytorchjobs.kubeflow.org "{job_name}" already exists',
+                        f'{resource} "{job_name}" already exists',
                         name=job_name,
-                        group="kubeflow.org",
-                        kind="pytorchjobs",
+                        group=res.group,
+                        kind=res.plural,
                     )
                     self._send(req, 409, exists)
                     return
@@ -660,8 +794,8 @@ class FakeKubernetesApi:
                     req,
                     200,
                     {
-                        "apiVersion": GROUP_VERSION,
-                        "kind": "PyTorchJobList",
+                        "apiVersion": res.api_version,
+                        "kind": f"{res.kind}List",
                         "items": items,
                         "metadata": {"resourceVersion": str(self._resource_version)},
                     },
@@ -674,11 +808,15 @@ class FakeKubernetesApi:
                 self._send(req, *((200, job) if job else (404, gone)))
             return
         if method == "DELETE" and name is not None:
+            policy = query.get("propagationPolicy")
+            if policy is None and raw:
+                policy = json.loads(raw).get("propagationPolicy")
             with self.cond:
                 job = self.jobs.pop(key, None)
                 if job is None:
                     self._send(req, 404, gone)
                     return
+                self.deletions.append((res.plural, ns, name, policy))
                 self._delete_pods(ns, name)
                 self._send(
                     req,
@@ -688,8 +826,8 @@ class FakeKubernetesApi:
                         "status": "Success",
                         "details": {
                             "name": name,
-                            "group": "kubeflow.org",
-                            "kind": "pytorchjobs",
+                            "group": res.group,
+                            "kind": res.plural,
                             "uid": job["metadata"]["uid"],
                         },
                     },

@@ -45,6 +45,7 @@ import yaml
 
 from crosskd.config import CommandParser, config_flags
 from crosskd.errors import ConfigError, CrosskdError
+from crosskd.k8s import JOB_KINDS
 
 log = logging.getLogger("crosskd")
 
@@ -53,7 +54,6 @@ JOB_FILE = "job.yaml"
 BASE_FILE = "base/pytorchjob.yaml"
 PATCH_FILE = "pytorchjob-patch.yaml"
 TRAINJOB_OVERLAYS = "trainjob-overlays"
-JOB_KINDS = ("pytorchjob", "trainjob")
 TRAINJOB_FILE = "trainjob/trainjob.yaml"
 RUNTIME_FILE = "trainjob/runtime.yaml"
 TRAINJOB_PATCH_FILE = "trainjob-patch.yaml"

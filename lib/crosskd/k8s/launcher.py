@@ -1,25 +1,34 @@
-"""Submit a PyTorchJob, wait for it, stream its master's logs: a launcher that never lies.
+"""Submit a PyTorchJob or a TrainJob, wait for it, stream rank 0's log: a launcher that never
+lies.
 
 :func:`submit` is what ``crosskd job submit`` and the KFP training component call. It composes
 modules of one concern each, whose docstrings hold their part of the contract:
 
-* :mod:`crosskd.k8s.manifest`: the job is checked (a ``kubeflow.org/v1`` PyTorchJob with a
-  fixed DNS-1035 name, no field the SDK would drop) and its manifest (camelCase, as ``kubectl``
-  would read it) is written to ``manifest_path`` before submission when one is given.
+* :mod:`crosskd.k8s.kinds`: the two job APIs, ``kubeflow.org/v1`` PyTorchJob (the Training
+  Operator, through ``kubeflow-training``'s ``TrainingClient``) and
+  ``trainer.kubeflow.org/v1alpha1`` TrainJob (Kubeflow Trainer v2, through
+  :class:`~crosskd.k8s.trainjob_api.TrainJobClient`), and what differs between them; the
+  contract below holds for both.
+* :mod:`crosskd.k8s.manifest`, :mod:`crosskd.k8s.trainjob_api`: the job is checked (a fixed
+  DNS-1035 name, no field the client library would drop) and its manifest (camelCase, as
+  ``kubectl`` would read it) is written to ``manifest_path`` before submission when one is
+  given.
 * :mod:`crosskd.k8s.create`: **one job per run**: the job is created under its own name, and a
   retried launcher whose job exists (409) reattaches to it instead of starting a second.
-* :mod:`crosskd.k8s.logs`: the master's log is streamed line by line, across container
-  restarts and recreated pods.
+* :mod:`crosskd.k8s.logs`: rank 0's log (a PyTorchJob's Master, a TrainJob's node 0) is
+  streamed line by line, across container restarts and recreated pods.
 * :mod:`crosskd.k8s.wait`: **one explicit deadline** (``wait_timeout``, queueing included),
-  **never a false success** (only the condition ``Succeeded`` returns), and **cancellation**
+  **never a false success** (only the kind's success condition returns: ``Succeeded``,
+  ``Complete``), and **cancellation**
   (SIGTERM deletes the job unless ``delete_on_sigterm=False``). A launcher that merely dies
   (SIGKILL, OOM, a lost node) leaves the job alone: the retried launcher reattaches.
 * :mod:`crosskd.k8s.result`: the :class:`~crosskd.k8s.result.JobResult` returned, and the
   :class:`~crosskd.k8s.result.LauncherError` raised otherwise (a
   :class:`~crosskd.errors.CrosskdError`, so the CLI prints one line and exits non-zero).
 
-**Cleanup** is left to the job's ``runPolicy.ttlSecondsAfterFinished`` unless
-``delete_when_done=True`` asks to delete the job once it has finished.
+**Cleanup** is left to the job's ``runPolicy.ttlSecondsAfterFinished`` (a TrainJob's: its
+runtime's JobSet's ``ttlSecondsAfterFinished``) unless ``delete_when_done=True`` asks to delete
+the job once it has finished.
 
 Everything here is tested against ``tests/k8s_fake.py``, a fake that speaks the subset of the
 Kubernetes REST API used here (no API server runs in the tests).
@@ -35,22 +44,21 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubeflow.training import KubeflowOrgV1PyTorchJob, TrainingClient
-
 from crosskd.errors import ConfigError
 from crosskd.k8s.create import create_or_reattach, delete_finished
-from crosskd.k8s.logs import LogFollower, follow_master_log, log_to_pod_logger
-from crosskd.k8s.manifest import job_to_submit, write_manifest
+from crosskd.k8s.kinds import check_client, kind_of
+from crosskd.k8s.logs import LogFollower, log_to_pod_logger
+from crosskd.k8s.manifest import write_manifest
 from crosskd.k8s.result import JobResult
 from crosskd.k8s.wait import JobWatch, SigtermFlag, wait_for_job
 
 
 def submit(
-    job: Mapping[str, Any] | KubeflowOrgV1PyTorchJob,
+    job: Mapping[str, Any] | Any,
     *,
     namespace: str,
     wait_timeout: float,
-    client: TrainingClient | None = None,
+    client: Any | None = None,
     manifest_path: str | os.PathLike[str] | None = None,
     delete_on_sigterm: bool = True,
     delete_when_done: bool = False,
@@ -64,15 +72,18 @@ def submit(
     """Submit ``job`` (or reattach to it) and wait until it succeeds; see the module docstring.
 
     Args:
-        job: The PyTorchJob: a camelCase manifest (``apiVersion: kubeflow.org/v1``, ``kind:
-            PyTorchJob``) or a ``KubeflowOrgV1PyTorchJob``. Its ``metadata.name`` must be set
-            and deterministic for the run (a DNS-1035 label, at most 63 characters).
+        job: The job: a camelCase manifest of a PyTorchJob (``apiVersion: kubeflow.org/v1``)
+            or a TrainJob (``apiVersion: trainer.kubeflow.org/v1alpha1``), or the client
+            library's model of one (``KubeflowOrgV1PyTorchJob``, ``TrainerV1alpha1TrainJob``).
+            Its ``metadata.name`` must be set and deterministic for the run (a DNS-1035 label,
+            at most 63 characters).
         namespace: The namespace to run it in; ``metadata.namespace``, when set, must match.
         wait_timeout: Seconds the whole call may take, submission included, before
             :class:`~crosskd.k8s.result.JobTimeout` (``math.inf`` waits for ever). Queueing
             counts.
-        client: The ``TrainingClient`` to use; by default one built from the kube-config or
-            the in-cluster service account.
+        client: The client of the job's API (``TrainingClient`` for a PyTorchJob,
+            :class:`~crosskd.k8s.trainjob_api.TrainJobClient` for a TrainJob); by default one
+            built from the kube-config or the in-cluster service account.
         manifest_path: Where to keep the submitted manifest as YAML (written before submission).
         delete_on_sigterm: Delete the job when the launcher gets SIGTERM.
         delete_when_done: Delete the job once it has succeeded or failed (else its
@@ -80,16 +91,16 @@ def submit(
         poll_interval: Seconds between two reads of the job's status (the log follower looks
             for a restarted container every ``min(poll_interval, 2)`` seconds).
         request_timeout: Seconds one API request may take (not the wait).
-        log_sink: Called with each line (no newline) of the master's log; by default the
+        log_sink: Called with each line (no newline) of rank 0's log; by default the
             ``crosskd.k8s.pod`` logger at INFO.
-        stream_logs: Stream the master's log at all.
+        stream_logs: Stream rank 0's log at all.
         log_drain_timeout: Seconds the log stream may go on after the job has finished.
         final_model_uri: The final model's URI, returned in the result (else the job's
             :data:`~crosskd.k8s.result.FINAL_MODEL_URI_ANNOTATION` annotation, if any).
 
     Returns:
-        The :class:`~crosskd.k8s.result.JobResult` of a job that has the condition
-        ``Succeeded``.
+        The :class:`~crosskd.k8s.result.JobResult` of a job that has its kind's success
+        condition (``Succeeded``, ``Complete``).
 
     Raises:
         JobFailed: The job has the condition ``Failed``.
@@ -98,21 +109,34 @@ def submit(
         JobCancelled: SIGTERM came (the job deleted unless ``delete_on_sigterm=False``).
         LauncherError: The API refused the job or the access (e.g. 403, 422), or the job of that
             name is being deleted.
-        ConfigError: The job or the arguments are malformed.
+        ConfigError: The job or the arguments are malformed, or ``client`` does not speak the
+            job's API.
     """
     started = time.monotonic()
     _check_seconds(wait_timeout, poll_interval, request_timeout)
-    model = job_to_submit(job, namespace)
+    kind = kind_of(job)
+    model = kind.to_submit(job, namespace)
+    if client is None:
+        client = kind.new_client(namespace)
+    check_client(kind, client)
     if manifest_path is not None:
-        write_manifest(manifest_path, model)
-    client = TrainingClient(namespace=namespace) if client is None else client
+        write_manifest(manifest_path, kind.to_manifest(model))
     with SigtermFlag() as cancel, contextlib.ExitStack() as cleanup:
-        reattached = create_or_reattach(client, model, request_timeout)
-        watch = JobWatch.of(client, model, started, reattached, final_model_uri)
+        reattached = create_or_reattach(client, model, kind, request_timeout)
+        watch = JobWatch.of(client, kind, model, started, reattached, final_model_uri)
         follower: LogFollower | None = None
         if stream_logs:
-            sink = log_sink or log_to_pod_logger
-            follower = follow_master_log(client, model, sink, poll_interval, request_timeout)
+            follower = LogFollower(
+                client,
+                watch.name,
+                watch.namespace,
+                log_sink or log_to_pod_logger,
+                poll_interval,
+                request_timeout,
+                kind.log_selector(model),
+                kind.container,
+            )
+            follower.start()
             cleanup.callback(follower.stop)
         return wait_for_job(
             watch,
@@ -132,7 +156,7 @@ def _finished(watch: JobWatch, follower: LogFollower | None, drain_s: float, del
     if follower is not None:
         follower.finish(drain_s)
     if delete:
-        delete_finished(watch.client, watch.name, watch.namespace)
+        delete_finished(watch.client, watch.name, watch.namespace, watch.kind)
 
 
 def _check_seconds(wait_timeout: float, poll_interval: float, request_timeout: float) -> None:

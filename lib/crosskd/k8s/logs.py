@@ -1,12 +1,15 @@
-"""Following the master pod's log while the launcher waits on its job.
+"""Following rank 0's pod's log while the launcher waits on its job.
 
-Once the master pod's container runs (pods labelled ``training.kubeflow.org/job-name=<name>``
-and ``training.kubeflow.org/replica-type=master``; in a Worker-only elastic job, which has no
-Master, ``replica-type=worker`` and ``replica-index=0``) its log is streamed with
+Once that pod's container runs its log is streamed with
 ``CoreV1Api.read_namespaced_pod_log(follow=True, _preload_content=False)``, line by line, to a
 sink (the ``crosskd.k8s.pod`` logger by default), in a background thread; nothing is kept but
-the line being assembled. Container restarts (a higher ``restartCount``) and recreated pods (a
-new pod ``uid``, the ``ExitCode`` restart policy) are followed, each container instance
+the line being assembled. The pod is found by labels: a PyTorchJob's Master
+(``training.kubeflow.org/job-name=<name>``, ``training.kubeflow.org/replica-type=master``; in a
+Worker-only elastic job, which has no Master, ``replica-type=worker`` and ``replica-index=0``),
+container ``pytorch``; a TrainJob's node 0 (:func:`crosskd.k8s.trainjob_api.node0_selector`),
+container ``node``. Container restarts (a higher ``restartCount``) and recreated pods (a new pod
+``uid``: the PyTorchJob's ``ExitCode`` restart policy, a restarted JobSet) are followed, each
+container instance
 streamed once; a stream that breaks while its container still runs is reopened and the lines
 already given are skipped. A container instance that starts and ends between two pod polls
 (``poll_interval``, at most 2 s) is not seen, and log lines the kubelet rotated away cannot be
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kubeflow.training import KubeflowOrgV1PyTorchJob, TrainingClient
+    from kubeflow.training import KubeflowOrgV1PyTorchJob
 
 logger = logging.getLogger(__name__)
 pod_logger = logging.getLogger("crosskd.k8s.pod")
@@ -62,55 +65,42 @@ def log_to_pod_logger(line: str) -> None:
     pod_logger.info("%s", line)
 
 
-def follow_master_log(
-    client: TrainingClient,
-    job: KubeflowOrgV1PyTorchJob,
-    sink: Callable[[str], None],
-    poll_s: float,
-    request_timeout: float,
-) -> LogFollower:
-    """Start following the log of ``job``'s master (worker 0 of a Worker-only job) into
-    ``sink``; ``poll_s`` seconds (at most 2) between looks for a new container instance,
-    ``request_timeout`` seconds per API request."""
+def pytorchjob_log_selector(job: KubeflowOrgV1PyTorchJob) -> str:
+    """The selector of the pod whose log the launcher follows for the PyTorchJob ``job``: its
+    Master's, or worker 0's when it has no Master (:func:`master_pod_selector`)."""
     replicas = (job.spec.pytorch_replica_specs if job.spec else None) or {}
-    follower = LogFollower(
-        client,
-        job.metadata.name,
-        job.metadata.namespace,
-        sink,
-        poll_s,
-        request_timeout,
-        master_pod_selector(job.metadata.name, has_master="Master" in replicas or not replicas),
-    )
-    follower.start()
-    return follower
+    return master_pod_selector(job.metadata.name, has_master="Master" in replicas or not replicas)
 
 
 class LogFollower:
-    """Streams the master container's log to a sink in a daemon thread, across restarts.
+    """Streams rank 0's container's log to a sink in a daemon thread, across restarts.
 
     Args:
-        client: The ``TrainingClient`` whose ``core_api`` lists the pods and reads their logs.
+        client: The job's client (``TrainingClient``, ``TrainJobClient``), whose ``core_api``
+            lists the pods and reads their logs.
         name: The job's name (the thread's name; log messages).
         namespace: The job's namespace.
         sink: Called with each line of the log (no newline).
         poll_s: Seconds between two looks for a new container instance (at most 2).
         request_timeout: Seconds one pod-listing request, or the opening of a stream, may take.
         selector: The label selector of the pod(s) to follow (:func:`master_pod_selector`).
+        container: The container whose log is streamed (when the pod has it; else its first).
     """
 
     def __init__(
         self,
-        client: TrainingClient,
+        client: Any,
         name: str,
         namespace: str,
         sink: Callable[[str], None],
         poll_s: float,
         request_timeout: float,
         selector: str,
+        container: str = MASTER_CONTAINER,
     ) -> None:
         self._core = client.core_api
         self._selector = selector
+        self._container = container
         self._name = name
         self._namespace = namespace
         self._sink = sink
@@ -181,7 +171,7 @@ class LogFollower:
         pod = max(stamped, key=lambda c: c.metadata.creation_timestamp, default=candidates[-1])
         statuses = (pod.status.container_statuses if pod.status else None) or []
         names = [c.name for c in (pod.spec.containers if pod.spec else None) or []]
-        container = MASTER_CONTAINER if MASTER_CONTAINER in names or not names else names[0]
+        container = self._container if self._container in names or not names else names[0]
         status = next((s for s in statuses if s.name == container), None)
         if status is None or status.state is None:
             return None

@@ -1,5 +1,7 @@
-"""The job the launcher submits: a manifest or an SDK model checked and turned into the
-``KubeflowOrgV1PyTorchJob`` it creates, and that job as the camelCase manifest it keeps as YAML.
+"""The PyTorchJob the launcher submits: a manifest or an SDK model checked and turned into the
+``KubeflowOrgV1PyTorchJob`` it creates, that job as the camelCase manifest it keeps as YAML, and
+the checks every job kind shares (:func:`check_name`, :func:`dropped_keys`,
+:func:`write_manifest`; the TrainJob's own are in :mod:`crosskd.k8s.trainjob_api`).
 
 A manifest with fields the ``kubeflow.org/v1`` model does not know is refused (the SDK would
 drop them silently), and so is a job without a fixed DNS-1035 name or one that names another
@@ -48,29 +50,40 @@ def job_to_submit(
             namespace.
     """
     model = _as_model(job)
-    if model.metadata is None or not model.metadata.name:
-        raise ConfigError("the PyTorchJob has no metadata.name; the launcher needs a fixed one.")
-    name = model.metadata.name
-    if len(name) > 63 or not _DNS1035_LABEL.match(name):
-        raise ConfigError(
-            f"the PyTorchJob name {name!r} is not a DNS-1035 label (lower-case letters, digits "
-            "and '-', starting with a letter, at most 63 characters)."
-        )
-    if model.metadata.namespace and model.metadata.namespace != namespace:
-        raise ConfigError(
-            f"the PyTorchJob {name} names namespace {model.metadata.namespace!r} but is "
-            f"submitted to {namespace!r}; drop metadata.namespace or make them agree."
-        )
+    meta = model.metadata
+    named = meta.namespace if meta else None
+    check_name("PyTorchJob", meta.name if meta else None, named, namespace)
     model.metadata.namespace = namespace
     return model
 
 
-def write_manifest(path: str | os.PathLike[str], job: KubeflowOrgV1PyTorchJob) -> Path:
-    """Write the manifest of ``job`` (:func:`to_manifest`) as YAML to ``path`` atomically;
-    returns the path."""
+def check_name(kind: str, name: str | None, named: str | None, namespace: str) -> None:
+    """Refuse a job of ``kind`` without a DNS-1035 ``metadata.name`` ``name`` (at most 63
+    characters), or whose ``metadata.namespace`` ``named`` is not ``namespace``.
+
+    Raises:
+        ConfigError: Naming the job, what is wrong and what to do.
+    """
+    if not name:
+        raise ConfigError(f"the {kind} has no metadata.name; the launcher needs a fixed one.")
+    if len(name) > 63 or not _DNS1035_LABEL.match(name):
+        raise ConfigError(
+            f"the {kind} name {name!r} is not a DNS-1035 label (lower-case letters, digits "
+            "and '-', starting with a letter, at most 63 characters)."
+        )
+    if named and named != namespace:
+        raise ConfigError(
+            f"the {kind} {name} names namespace {named!r} but is submitted to {namespace!r}; "
+            "drop metadata.namespace or make them agree."
+        )
+
+
+def write_manifest(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> Path:
+    """Write ``manifest`` (a job as :func:`to_manifest` gives it) as YAML to ``path``
+    atomically; returns the path."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(to_manifest(job), sort_keys=False, default_flow_style=False)
+    text = yaml.safe_dump(dict(manifest), sort_keys=False, default_flow_style=False)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -79,8 +92,9 @@ def write_manifest(path: str | os.PathLike[str], job: KubeflowOrgV1PyTorchJob) -
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    meta = manifest["metadata"]
     logger.info(
-        "PyTorchJob %s/%s: manifest kept in %s", job.metadata.namespace, job.metadata.name, target
+        "%s %s/%s: manifest kept in %s", manifest["kind"], meta["namespace"], meta["name"], target
     )
     return target
 
@@ -104,7 +118,7 @@ def _as_model(job: Mapping[str, Any] | KubeflowOrgV1PyTorchJob) -> KubeflowOrgV1
         model = TrainingApiClient().deserialize(FakeResponse(body), "KubeflowOrgV1PyTorchJob")
     except ValueError as exc:  # a required field is missing (spec.pytorchReplicaSpecs, ...)
         raise ConfigError(f"the PyTorchJob manifest is incomplete: {exc}") from exc
-    dropped = _dropped_keys(body, to_manifest(model))
+    dropped = dropped_keys(body, to_manifest(model))
     if dropped:
         raise ConfigError(
             "the PyTorchJob manifest has fields the kubeflow.org/v1 model does not know, which "
@@ -113,7 +127,7 @@ def _as_model(job: Mapping[str, Any] | KubeflowOrgV1PyTorchJob) -> KubeflowOrgV1
     return model
 
 
-def _dropped_keys(given: Any, kept: Any, path: str = "") -> list[str]:
+def dropped_keys(given: Any, kept: Any, path: str = "") -> list[str]:
     """The key paths of ``given`` (a manifest) that are missing from ``kept`` (its round trip)."""
     out: list[str] = []
     if isinstance(given, Mapping):
@@ -126,8 +140,8 @@ def _dropped_keys(given: Any, kept: Any, path: str = "") -> list[str]:
                 out.append(where)
             # Free-form maps (labels, limits, ...) round-trip by construction.
             else:
-                out.extend(_dropped_keys(value, kept_map[key], where))
+                out.extend(dropped_keys(value, kept_map[key], where))
     elif isinstance(given, list) and isinstance(kept, list):
         for index, (item, kept_item) in enumerate(zip(given, kept, strict=False)):
-            out.extend(_dropped_keys(item, kept_item, f"{path}[{index}]"))
+            out.extend(dropped_keys(item, kept_item, f"{path}[{index}]"))
     return out

@@ -1,13 +1,14 @@
-"""Waiting on a submitted PyTorchJob until it has a final condition, within one deadline, until
-SIGTERM.
+"""Waiting on a submitted job (a PyTorchJob or a TrainJob) until it has a final condition, within
+one deadline, until SIGTERM.
 
 * **One explicit deadline.** ``wait_timeout`` (seconds) bounds the whole wait, from submission
   to a final condition; there is no separate "until Running" deadline, since GPU clusters may
-  keep a job Created/Pending (queued) for a long time. ``request_timeout`` bounds each API call
-  only. Transient API errors (5xx, 429, a per-request timeout, a refused connection) are logged
-  and retried at the next poll; 401/403 end the wait at once.
-* **Never a false success.** A result is returned only when the job has the condition
-  ``Succeeded`` with status ``"True"``. ``Failed`` raises :class:`~crosskd.k8s.result.JobFailed`
+  keep a job Created/Pending or Suspended (queued) for a long time. ``request_timeout`` bounds
+  each API call only. Transient API errors (5xx, 429, a per-request timeout, a refused
+  connection) are logged and retried at the next poll; 401/403 end the wait at once.
+* **Never a false success.** A result is returned only when the job has its kind's success
+  condition (a PyTorchJob's ``Succeeded``, a TrainJob's ``Complete``) with status ``"True"``.
+  ``Failed`` raises :class:`~crosskd.k8s.result.JobFailed`
   (its message names the job and the condition's reason and message), the deadline raises
   :class:`~crosskd.k8s.result.JobTimeout` (the job is left running, for a retried launcher to
   reattach), a job that is deleted while the launcher waits (404) raises
@@ -42,7 +43,7 @@ from crosskd.k8s.result import (
 from crosskd.k8s.status import condition, http_status, is_transient, latest_condition
 
 if TYPE_CHECKING:
-    from kubeflow.training import KubeflowOrgV1PyTorchJob, TrainingClient
+    from crosskd.k8s.kinds import JobKind
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,10 @@ class SigtermFlag:
 class JobWatch:
     """The job being waited on, and what its results say besides its conditions."""
 
-    client: TrainingClient
-    """The ``TrainingClient`` that reads (and on SIGTERM deletes) the job."""
+    client: Any
+    """The client of the job's API that reads (and on SIGTERM deletes) the job."""
+    kind: JobKind
+    """The job's API."""
     name: str
     """The job's ``metadata.name``."""
     namespace: str
@@ -105,17 +108,20 @@ class JobWatch:
     @classmethod
     def of(
         cls,
-        client: TrainingClient,
-        job: KubeflowOrgV1PyTorchJob,
+        client: Any,
+        kind: JobKind,
+        job: Any,
         started: float,
         reattached: bool,
         final_model_uri: str | None,
     ) -> JobWatch:
-        """The watch of ``job`` (its name and namespace set); ``final_model_uri``, when not
-        given, from the job's :data:`~crosskd.k8s.result.FINAL_MODEL_URI_ANNOTATION`."""
+        """The watch of ``job`` (``kind``'s model, its name and namespace set);
+        ``final_model_uri``, when not given, from the job's
+        :data:`~crosskd.k8s.result.FINAL_MODEL_URI_ANNOTATION`."""
         annotations = job.metadata.annotations or {}
         return cls(
             client,
+            kind,
             job.metadata.name,
             job.metadata.namespace,
             started,
@@ -125,8 +131,13 @@ class JobWatch:
 
     @property
     def where(self) -> str:
-        """``namespace/name``, as messages name the job."""
-        return f"{self.namespace}/{self.name}"
+        """``Kind namespace/name``, as messages name the job."""
+        return f"{self.kind.kind} {self.namespace}/{self.name}"
+
+    @property
+    def delete_command(self) -> str:
+        """The ``kubectl`` command that deletes the job."""
+        return f"kubectl -n {self.namespace} delete {self.kind.resource} {self.name}"
 
     def result(
         self,
@@ -176,14 +187,14 @@ def wait_for_job(
             or :class:`JobFailed` raised (the launcher drains the log, deletes the job).
 
     Returns:
-        The :class:`JobResult` of the job that has the condition ``Succeeded``.
+        The :class:`JobResult` of the job that has its kind's success condition.
 
     Raises:
         JobFailed, JobTimeout, JobDisappeared, JobCancelled: As the module docstring says.
         LauncherError: Reading the job failed for good (e.g. 401, 403).
     """
     deadline = watch.started + wait_timeout
-    last_seen: tuple[str | None, str | None] | None = None
+    last_seen: tuple[str | None, str | None, str] | None = None
     while True:
         if cancel.requested:
             raise _cancelled(watch, delete_on_sigterm)
@@ -198,10 +209,9 @@ def wait_for_job(
             state = f"{last_seen[0]} ({last_seen[1]})" if last_seen else "unknown"
             detail = f"; the last read failed: {last_error}" if last_error else ""
             raise JobTimeout(
-                f"PyTorchJob {watch.where} did not finish within wait_timeout={wait_timeout:g} s "
+                f"{watch.where} did not finish within wait_timeout={wait_timeout:g} s "
                 f"(last condition: {state}{detail}); it is left running: submit again to "
-                f"reattach, or delete it (kubectl -n {watch.namespace} delete pytorchjob "
-                f"{watch.name}).",
+                f"reattach, or delete it ({watch.delete_command}).",
                 watch.result(current, "wait_timeout passed", timed_out=True),
             )
         sleep_unless_cancelled(min(poll_interval, remaining), cancel)
@@ -220,32 +230,34 @@ def _read(watch: JobWatch, request_timeout: float) -> tuple[Any | None, BaseExce
         status = http_status(exc)
         if status == 404:
             raise JobDisappeared(
-                f"PyTorchJob {watch.where} was deleted while the launcher waited on it "
+                f"{watch.where} was deleted while the launcher waited on it "
                 "(404); it did not finish. Resubmit to run it again.",
                 watch.result(None, "deleted while waiting"),
             ) from exc
         if not is_transient(exc):
             raise LauncherError(
-                f"reading PyTorchJob {watch.where} failed: {exc}", watch.result(None, str(exc))
+                f"reading {watch.where} failed: {exc}", watch.result(None, str(exc))
             ) from exc
-        logger.warning("reading PyTorchJob %s failed (retrying): %s", watch.where, exc)
+        logger.warning("reading %s failed (retrying): %s", watch.where, exc)
         return None, exc
 
 
 def _log_change(
-    watch: JobWatch, job: Any, last_seen: tuple[str | None, str | None] | None
-) -> tuple[str | None, str | None]:
-    """Log the job's latest condition when it differs from ``last_seen``; returns it as
-    ``(type, reason)``."""
+    watch: JobWatch, job: Any, last_seen: tuple[str | None, str | None, str] | None
+) -> tuple[str | None, str | None, str]:
+    """Log the job's latest condition and progress (:attr:`JobKind.progress`) when they differ
+    from ``last_seen``; returns them as ``(type, reason, progress)``."""
     latest = latest_condition(job)
-    seen = (getattr(latest, "type", None), getattr(latest, "reason", None))
+    progress = watch.kind.progress(job)
+    seen = (getattr(latest, "type", None), getattr(latest, "reason", None), progress)
     if seen != last_seen:
         logger.info(
-            "PyTorchJob %s: %s%s%s",
+            "%s: %s%s%s%s",
             watch.where,
             seen[0] or "no condition yet",
             f" ({seen[1]})" if seen[1] else "",
             f": {latest.message}" if getattr(latest, "message", None) else "",
+            f" [{seen[2]}]" if seen[2] else "",
         )
     return seen
 
@@ -260,7 +272,7 @@ def _finished(watch: JobWatch, job: Any, on_finished: Callable[[], None]) -> Job
     if failed is not None:
         on_finished()
         raise JobFailed(
-            f"PyTorchJob {watch.where} failed: {failed.reason or 'no reason given'}: "
+            f"{watch.where} failed: {failed.reason or 'no reason given'}: "
             f"{failed.message or 'no message'}",
             dataclasses.replace(
                 watch.result(job),
@@ -269,17 +281,17 @@ def _finished(watch: JobWatch, job: Any, on_finished: Callable[[], None]) -> Job
                 message=failed.message or "",
             ),
         )
-    succeeded = condition(job, "Succeeded")
+    succeeded = condition(job, watch.kind.success)
     if succeeded is None:
         return None
     on_finished()
     done = dataclasses.replace(
         watch.result(job, succeeded=True),
-        condition="Succeeded",
+        condition=watch.kind.success,
         reason=succeeded.reason,
         message=succeeded.message or "",
     )
-    logger.info("PyTorchJob %s succeeded after %.0f s", watch.where, done.elapsed_s)
+    logger.info("%s succeeded after %.0f s", watch.where, done.elapsed_s)
     return done
 
 
@@ -288,19 +300,19 @@ def _cancelled(watch: JobWatch, delete: bool) -> JobCancelled:
     ``delete``."""
     if not delete:
         return JobCancelled(
-            f"SIGTERM: stopped waiting on PyTorchJob {watch.where}, which is left running "
+            f"SIGTERM: stopped waiting on {watch.where}, which is left running "
             "(delete_on_sigterm is off).",
             watch.result(None, "cancelled; job left running"),
         )
-    problem = delete_job(watch.client, watch.name, watch.namespace)
+    problem = delete_job(watch.client, watch.name, watch.namespace, watch.kind)
     if problem:
         return JobCancelled(
-            f"SIGTERM: deleting PyTorchJob {watch.where} failed ({problem}); it may still hold "
-            f"GPUs: kubectl -n {watch.namespace} delete pytorchjob {watch.name}",
+            f"SIGTERM: deleting {watch.where} failed ({problem}); it may still hold "
+            f"GPUs: {watch.delete_command}",
             watch.result(None, "cancelled; deletion failed"),
         )
     return JobCancelled(
-        f"SIGTERM: PyTorchJob {watch.where} was deleted (the run was cancelled).",
+        f"SIGTERM: {watch.where} was deleted (the run was cancelled).",
         watch.result(None, "cancelled; job deleted"),
     )
 
