@@ -1,7 +1,8 @@
 """The distillation pipeline (KFP v2): validate inputs -> init student (moved onto the student
 tokenizer first for tokenizer transfer) -> prepare -> per teacher: tables ->
 validate; scoring fanned out over teachers x shard ranges -> merge -> per run (kd, ce): train as
-a PyTorchJob -> evaluate -> report. ``crosskd pipeline compile`` writes ``distill.yaml``.
+a PyTorchJob (or, ``job_kind: trainjob``, a Kubeflow Trainer v2 TrainJob) -> evaluate ->
+report. ``crosskd pipeline compile`` writes ``distill.yaml``.
 
 Per-task settings: caching on for the pure steps (init_student, plan_tables, build_tables,
 validate_tables, prepare, plan_scoring, score_teacher, merge_cache: their outputs are
@@ -11,7 +12,7 @@ merge_cache, report) and on the training launcher (it reattaches to its job), no
 GPU-bound steps; the GPU steps (score_teacher, evaluate) get the accelerator, node selector and
 tolerations from parameters, ``/dev/shm`` in memory and a timeout; every step gets the S3
 credentials from the Secret named by ``s3_secret``. The training task is a CPU-only launcher:
-its GPUs, nodes, tolerations and node selector go into the PyTorchJob it renders (``job``). The
+its GPUs, nodes, tolerations and node selector go into the job it renders (``job``). The
 defaults are a CPU smoke run (random-init models, standard-library text) that runs on the
 project image anywhere; ``params/*.yaml`` are parameter sets for real runs.
 
@@ -66,7 +67,7 @@ SMOKE_SERVER = {"gpus": 0, "cpu": "2", "memory": "8Gi", "shm_size": "1Gi", "cach
 """``distill_served``'s default ``server``: one CPU replica for the smoke run (never mutated)."""
 DESCRIPTION = (
     "Cross-tokenizer distillation (Common-Support Distillation): tables, data, "
-    "teacher scoring, student training as a PyTorchJob, evaluation and report."
+    "teacher scoring, student training as a PyTorchJob or TrainJob, evaluation and report."
 )
 
 
@@ -148,6 +149,7 @@ def _prepare(
         score_pods=p["score_pods"],
         options=p["options"],
         executor=p["executor"],
+        job_kind=p["job_kind"],
         image=p["image"],
         gpus_per_node=p["gpus_per_node"],
         nodes=p["nodes"],
@@ -182,7 +184,7 @@ def _train(
     caches: PipelineChannel,
 ) -> dsl.PipelineTask:
     """plan_training on ``caches`` (merged caches, or the started servers), then per run (kd,
-    ce): train as a PyTorchJob. Returns the (looped) train task."""
+    ce): train as a PyTorchJob or a TrainJob (``job_kind``). Returns the (looped) train task."""
     runs = plan_training(
         run_config=inputs.outputs["run_config"],
         plan=plan,
@@ -196,6 +198,7 @@ def _train(
         trained = train(
             item=run,
             executor=p["executor"],
+            job_kind=p["job_kind"],
             image=p["image"],
             gpus_per_node=p["gpus_per_node"],
             nodes=p["nodes"],
@@ -204,7 +207,7 @@ def _train(
             pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
             task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
         )
-        # A CPU-only launcher: create or reattach to the PyTorchJob and wait for it.
+        # A CPU-only launcher: create or reattach to the job and wait for it.
         _secrets(_cpu(trained, "1", "2Gi", cache=False), p["s3_secret"])
         trained.set_retry(
             3, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration=TRAIN_WAIT
@@ -271,6 +274,7 @@ def distill(
     score_node_selector: dict = {},  # noqa: B006
     score_tolerations: list = [],  # noqa: B006
     executor: str = "cluster",
+    job_kind: str = "pytorchjob",
     image: str = "ghcr.io/crosskd/crosskd:0.1.0",
     gpus_per_node: int = 0,
     nodes: int = 1,
@@ -280,9 +284,12 @@ def distill(
 ) -> dict:
     """One distillation run. ``steps``: the RunConfig's ``train.steps``; ``options``: any other
     RunConfig key (``docs/config.md``; its ``train`` mapping any other training key);
-    ``job``: any other JobConfig key of the training PyTorchJob (tolerations, node selector,
+    ``job``: any other JobConfig key of the training job (tolerations, node selector,
     ...; its pods get ``s3_secret`` unless ``job`` names another); ``executor``: ``cluster`` (a
-    PyTorchJob), ``local`` (the local executor, this machine) or ``inprocess``; ``score_gpus``
+    job on the cluster), ``local`` (the local executor, this machine) or ``inprocess``;
+    ``job_kind``: the cluster API the training job is for, ``pytorchjob`` (the Training
+    Operator) or ``trainjob`` (Kubeflow Trainer v2, on the ``crosskd-torch`` TrainingRuntime of
+    ``manifests/trainjob/runtime.yaml``, installed in the namespace); ``score_gpus``
     GPUs per scoring and evaluation pod (0: CPU; > 1: each teacher sharded over the pod's GPUs,
     :mod:`crosskd.teacher.sharded`); ``metrics_port``: the port the prepare and
     scoring pods serve ``/metrics`` on (the step PodMonitor of ``manifests/monitoring`` scrapes
@@ -328,6 +335,7 @@ def distill_served(
     score_node_selector: dict = {},  # noqa: B006
     score_tolerations: list = [],  # noqa: B006
     executor: str = "cluster",
+    job_kind: str = "pytorchjob",
     image: str = "ghcr.io/crosskd/crosskd:0.1.0",
     gpus_per_node: int = 0,
     nodes: int = 1,

@@ -96,6 +96,7 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
         score_pods=args["score_pods"],
         options=args["options"],
         executor="inprocess",
+        job_kind="pytorchjob",
         image="i",
         gpus_per_node=0,
         nodes=1,
@@ -149,6 +150,7 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
             c["train"](
                 item=run,
                 executor="inprocess",
+                job_kind="pytorchjob",
                 image="i",
                 gpus_per_node=0,
                 nodes=1,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from k8s_fake import FakeKubernetesApi
+from k8s_fake import PYTORCHJOB, TRAINJOB, FakeKubernetesApi, JobResource
 
 from crosskd.k8s.job import job_name
 
@@ -76,6 +76,7 @@ def test_section_2_runs_as_written(tmp_path):
         ["crosskd", "job", "render"],
         ["crosskd", "job", "run-local"],
         ["crosskd", "job", "submit"],
+        ["crosskd", "job", "submit"],
     ]
     outputs = [_run(c, tmp_path, _env()).stdout for c in commands]
     # The job trained the train config's steps, both replicas, and the final model is there.
@@ -89,6 +90,9 @@ def test_section_2_runs_as_written(tmp_path):
     assert "succeeded locally" in outputs[2]
     # The launcher's local mode found the finished run: it succeeds at once, nothing retrained.
     assert "succeeded" in outputs[3]
+    # ... and so did the same job as a TrainJob on its runtime, as two nodes.
+    assert outputs[4].startswith("TrainJob local/") and "succeeded" in outputs[4]
+    assert {p.name for p in (tmp_path / "local-trainjob").iterdir()} == {"node-0", "node-1"}
     assert len((tmp_path / "tiny/job-run/metrics-rank0.jsonl").read_text().splitlines()) == 8
 
 
@@ -107,21 +111,28 @@ def test_section_1_crosskd_commands_run_as_written(tmp_path):
 
     assert submit.startswith("crosskd job submit --config job.yaml --namespace ml")
     shutil.copy(ROOT / "manifests" / "job.yaml", tree / "job.yaml")
+    done = _submit_to_fake(submit, tree, tmp_path, PYTORCHJOB)
     name = job_name(yaml.safe_load((tree / "job.yaml").read_text())["run_id"])
-    with FakeKubernetesApi() as fake:
-        fake.on_get(
-            "ml",
-            name,
-            1,
-            lambda f: (
-                f.set_condition("ml", name, "Running"),
-                f.start_master("ml", name, ["step 1/1000 loss 10.1"]),
-            ),
-        )
+    assert f"PyTorchJob ml/{name} succeeded" in done.stdout
+    assert "step 1/1000 loss 10.1" in done.stderr  # the Master's log, streamed
+    kept = yaml.safe_load((tree / "submitted.yaml").read_text())
+    assert kept["kind"] == "PyTorchJob" and kept["metadata"]["namespace"] == "ml"
+
+
+def _submit_to_fake(
+    command: str, tree: Path, tmp_path: Path, kind: JobResource
+) -> subprocess.CompletedProcess:
+    """Run the ``crosskd job submit`` ``command`` in ``tree`` (its ``job.yaml``) against
+    FakeKubernetesApi serving ``kind`` in namespace ``ml``, through a kube-config: rank 0 logs
+    a step, then the job succeeds. Returns the finished command."""
+    name = job_name(yaml.safe_load((tree / "job.yaml").read_text())["run_id"])
+    with FakeKubernetesApi(job=kind) as fake:
+        pods: list[str] = []
+        fake.on_get("ml", name, 1, lambda f: pods.append(f.start_master("ml", name, [STEP])))
 
         def finish(f: FakeKubernetesApi) -> None:
-            f.finish_master("ml", f"{name}-master-0")
-            f.set_condition("ml", name, "Succeeded")
+            f.finish_master("ml", pods[0])
+            f.set_condition("ml", name, kind.final[0])
 
         fake.on_get("ml", name, 2, finish)
         kubeconfig = tmp_path / "kubeconfig"
@@ -137,10 +148,29 @@ def test_section_1_crosskd_commands_run_as_written(tmp_path):
                 }
             )
         )
-        done = _run(submit, tree, _env(KUBECONFIG=str(kubeconfig)))
+        done = _run(command, tree, _env(KUBECONFIG=str(kubeconfig)))
         assert fake.errors == []
         assert fake.count("POST", fake.job_path("ml")) == 1
-    assert f"PyTorchJob ml/{name} succeeded" in done.stdout
-    assert "step 1/1000 loss 10.1" in done.stderr  # the Master's log, streamed
-    kept = yaml.safe_load((tree / "submitted.yaml").read_text())
-    assert kept["kind"] == "PyTorchJob" and kept["metadata"]["namespace"] == "ml"
+    return done
+
+
+STEP = "step 1/1000 loss 10.1"
+
+
+def test_section_8_crosskd_commands_run_as_written(tmp_path):
+    section = _section("8. Kubeflow Trainer v2: the same run as a TrainJob")
+    commands = [
+        c for _, b in _blocks(section, "sh") for c in _commands(b) if c.startswith("crosskd ")
+    ]
+    render, submit = commands
+    assert render == "crosskd job render --config manifests/job.yaml --kind trainjob"
+    rendered = yaml.safe_load(_run(render, ROOT, _env()).stdout)
+    assert rendered["kind"] == "TrainJob" and rendered["spec"]["runtimeRef"]["name"]
+    assert submit.startswith("crosskd job submit --config job.yaml --namespace ml --kind trainjob")
+    tree = tmp_path / "repo"
+    tree.mkdir()
+    shutil.copy(ROOT / "manifests" / "job.yaml", tree / "job.yaml")
+    done = _submit_to_fake(submit, tree, tmp_path, TRAINJOB)
+    name = job_name(yaml.safe_load((tree / "job.yaml").read_text())["run_id"])
+    assert f"TrainJob ml/{name} succeeded" in done.stdout
+    assert STEP in done.stderr  # node 0's log, streamed

@@ -34,7 +34,9 @@ OVERLAYS = {  # overlay: (Master replicas, Worker replicas, nprocPerNode, GPUs p
 }
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 LAUNCHER_RULES = {
-    ("kubeflow.org", "pytorchjobs", verb) for verb in ("create", "get", "list", "watch", "delete")
+    (group, jobs, verb)
+    for group, jobs in (("kubeflow.org", "pytorchjobs"), ("trainer.kubeflow.org", "trainjobs"))
+    for verb in ("create", "get", "list", "watch", "delete")
 } | {("", "pods", "get"), ("", "pods", "list"), ("", "pods/log", "get")}
 
 

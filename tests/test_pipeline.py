@@ -240,11 +240,17 @@ def test_tiny_preset_runs_the_whole_pipeline_on_s3(tiny_run, s3, capfd, caplog):
 def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, capfd, caplog):
     _, hits = _run(tiny_run, capfd, caplog)
     assert hits == set(PURE)
-    result, hits = _run(tiny_run, capfd, caplog, k=8)
-    # k changes the teacher caches (and what follows), not the tables or the prepared data.
+    # k changes the teacher caches (and what follows), not the tables or the prepared data; the
+    # runs train again, now as Trainer v2 TrainJobs (one parameter switches the cluster API).
+    root = Path(tiny_run["local_root"])
+    before = set(root.rglob("replicas/*"))
+    result, hits = _run(tiny_run, capfd, caplog, k=8, job_kind="trainjob")
     assert {"init-student", "build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
     assert "score-teacher" not in hits and "merge-cache" not in hits
     assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd", "student_ce"}
+    replicas = set(root.rglob("replicas/*")) - before
+    assert sorted(p.name for p in replicas) == ["node-0", "node-0"]  # kd and ce, one node each
+    assert all(p.name == "master-0" for p in before)
 
 
 def test_a_failing_step_fails_the_pipeline_with_its_own_message(tiny_run, capsys):

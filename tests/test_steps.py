@@ -227,6 +227,13 @@ def test_validate_inputs_fails_fast_naming_the_input(tmp_path):
         steps.validate_inputs(config, executor="kubernetes")
     with pytest.raises(ConfigError, match="gpus_per_node is -1"):
         steps.validate_inputs(config, job={"image": "i", "gpus_per_node": -1}, executor="local")
+    with pytest.raises(ConfigError, match="job_kind is 'mpijob'; choose one of pytorchjob, train"):
+        steps.validate_inputs(config, job={"image": "i"}, executor="local", job_kind="mpijob")
+    # What a TrainJob cannot carry is refused before any work, as the job_kind it is for.
+    with pytest.raises(ConfigError, match="metrics_port is 9500; the crosskd-torch runtime"):
+        steps.validate_inputs(
+            config, job={"image": "i", "metrics_port": 9500}, executor="local", job_kind="trainjob"
+        )
     # The training layout must fit the job's workers (or the one in-process worker).
     sharded = replace(config, train={"parallel": {"dp_shard": 4}})
     with pytest.raises(
@@ -324,27 +331,43 @@ def test_the_machine_licence_text_is_resolved_once_under_a_content_address(tmp_p
         steps.validate_inputs(replace(config, ood_data=str(tmp_path / "nowhere.jsonl")))
 
 
-def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch):
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob"])
+def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch, kind):
+    import dataclasses
     import importlib
 
-    train_step = importlib.import_module("crosskd.steps.train")  # the module, not the function
-    (job,) = train_step.job_documents("s3://b/t.yaml", {"image": "i", "gpus_per_node": 8}, "r")
-    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    assert container["command"][:4] == ["crosskd", "train", "--config", "s3://b/t.yaml"]
-    import crosskd.k8s.job as job_module
+    from crosskd.k8s import kinds
 
-    real = job_module.job_manifest
+    train_step = importlib.import_module("crosskd.steps.train")  # the module, not the function
+    settings = {"image": "i", "gpus_per_node": 8}
+    job, *support = train_step.job_documents("s3://b/t.yaml", settings, "r", kind=kind)
+    if kind == "trainjob":  # the runtime comes along, for the local executor
+        assert [d["kind"] for d in support] == ["TrainingRuntime"]
+        trainer = job["spec"]["trainer"]
+        assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "8"
+        assert trainer["command"][:4] == ["crosskd", "train", "--config", "s3://b/t.yaml"]
+    else:
+        assert support == []
+        spec = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        (container,) = spec["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert container["command"][:4] == ["crosskd", "train", "--config", "s3://b/t.yaml"]
+    real = kinds.KINDS[kind].render
 
     def without_gpus(config):
         manifest = real(config)
-        for spec in manifest["spec"]["pytorchReplicaSpecs"].values():
+        if kind == "trainjob":
+            manifest["spec"]["trainer"]["resourcesPerNode"]["limits"].pop("nvidia.com/gpu")
+        for spec in manifest["spec"].get("pytorchReplicaSpecs", {}).values():
             spec["template"]["spec"]["containers"][0]["resources"]["limits"].pop("nvidia.com/gpu")
         return manifest
 
-    monkeypatch.setattr(job_module, "job_manifest", without_gpus)
+    broken = dataclasses.replace(kinds.KINDS[kind], render=without_gpus)
+    monkeypatch.setitem(kinds.KINDS, kind, broken)
     with pytest.raises(ConfigError, match="gpus_per_node is 8 but the rendered job requests"):
-        train_step.job_documents("s3://b/t.yaml", {"image": "i", "gpus_per_node": 8}, "r")
+        train_step.job_documents("s3://b/t.yaml", settings, "r", kind=kind)
+    with pytest.raises(ConfigError, match="job_kind is 'tfjob'; choose one of"):
+        train_step.job_documents("s3://b/t.yaml", settings, "r", kind="tfjob")
 
 
 def test_distill_on_user_inputs(train_inputs, tmp_path):

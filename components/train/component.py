@@ -1,5 +1,5 @@
-"""KFP component ``train``: :func:`crosskd.steps.train` through the PyTorchJob launcher (a
-CPU-only pod; the GPUs go to the job)."""
+"""KFP component ``train``: :func:`crosskd.steps.train` through the job launcher (a CPU-only
+pod; the GPUs go to the PyTorchJob or TrainJob)."""
 
 import os
 
@@ -13,6 +13,7 @@ IMAGE = os.environ.get("CROSSKD_IMAGE", "ghcr.io/crosskd/crosskd:0.1.0")
 def train(
     item: dict,
     executor: str,
+    job_kind: str,
     image: str,
     gpus_per_node: int,
     nodes: int,
@@ -23,9 +24,10 @@ def train(
     model: dsl.Output[dsl.Model],
     figures: dsl.Output[dsl.Metrics],
 ) -> dict:
-    """Train one run as a PyTorchJob named after the pipeline job and this task (so a retried
-    launcher reattaches) and wait for it; its pods read S3 credentials from the Secret
-    ``s3_secret`` (unless ``job`` names another; empty: none)."""
+    """Train one run as a ``job_kind`` job (a PyTorchJob or a Trainer v2 TrainJob) named after
+    the pipeline job and this task (so a retried launcher reattaches) and wait for it; its pods
+    read S3 credentials from the Secret ``s3_secret`` (unless ``job`` names another; empty:
+    none)."""
     from pathlib import Path
 
     from crosskd.steps import train
@@ -41,7 +43,13 @@ def train(
         settings.setdefault("s3_secret", s3_secret)
     workdir = str(Path(figures.path).parent / "replicas")
     result = train(
-        item, executor=executor, job=settings, run_id=run_id, workdir=workdir, progress=False
+        item,
+        executor=executor,
+        job=settings,
+        job_kind=job_kind,
+        run_id=run_id,
+        workdir=workdir,
+        progress=False,
     )
     model.metadata.update(
         write_pointer(

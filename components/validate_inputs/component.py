@@ -24,6 +24,7 @@ def validate_inputs(
     score_pods: int,
     options: dict,
     executor: str,
+    job_kind: str,
     image: str,
     gpus_per_node: int,
     nodes: int,
@@ -59,7 +60,7 @@ def validate_inputs(
     }
     config = run_config_from_parameters(parameters, options)
     settings = {**job, "image": image, "gpus_per_node": gpus_per_node, "nodes": nodes}
-    plan = validate_inputs(config, job=settings, executor=executor)
+    plan = validate_inputs(config, job=settings, executor=executor, job_kind=job_kind)
     inputs.metadata.update(write_pointer(inputs.path, plan["root"], {"plan": plan}))
     outputs = namedtuple("Outputs", ["plan", "preparing", "scoring", "run_config"])
     return outputs(*drop_none([plan, config.preparing(), config.scoring(), asdict(config)]))

@@ -1,9 +1,12 @@
-"""``crosskd job ...``: the PyTorchJob of a job config, and the generated files of ``manifests/``.
+"""``crosskd job ...``: the PyTorchJob (or TrainJob) of a job config, and the generated files of
+``manifests/``.
 
-``crosskd job render --config job.yaml [key=value ...] [--output FILE] [--train-config FILE]``
-prints (or writes) the job's manifest YAML (:func:`crosskd.k8s.job.job_manifest`); with the train
-config, its ``parallel:`` layout (under the job's ``parallel.*`` train overrides) is checked
-against the job's ``nodes * procs per node`` workers (:func:`crosskd.k8s.job.job_layout`).
+``crosskd job render --config job.yaml [key=value ...] [--output FILE] [--train-config FILE]
+[--kind pytorchjob|trainjob]`` prints (or writes) the job's manifest YAML
+(:func:`crosskd.k8s.job.job_manifest`, :func:`crosskd.k8s.trainjob.trainjob_manifest`); with
+the train config, its ``parallel:`` layout (under the job's ``parallel.*`` train overrides) is
+checked against the job's ``nodes * procs per node`` workers
+(:func:`crosskd.k8s.job.job_layout`).
 ``crosskd job manifests [--root manifests] [--check]`` regenerates the files of the kustomize
 tree from its job configs:
 
@@ -20,13 +23,14 @@ server's files (:mod:`crosskd.k8s.serve`) from ``<root>/server.yaml``: ``deploym
 
 ``--check`` writes nothing and exits 1 naming the stale files.
 
-``crosskd job submit --config job.yaml [key=value ...]`` submits the job of a config to the
-cluster of the kube-config (or the pod's service account) and waits for it
-(:func:`crosskd.k8s.launcher.submit`: reattaches to a job of the same name, streams the Master's
-log, exits 0 only when the job succeeded); ``--local --train-config train.yaml`` runs the same
-job on this machine instead (:func:`crosskd.k8s.local.run_local_job`). ``crosskd job run-local
-FILE ...`` runs rendered manifests (``crosskd job render`` or ``kubectl kustomize`` output) on
-this machine the way the Training Operator would (:mod:`crosskd.k8s.local`).
+``crosskd job submit --config job.yaml [key=value ...] [--kind pytorchjob|trainjob]`` submits
+the job of a config to the cluster of the kube-config (or the pod's service account) and waits
+for it (:func:`crosskd.k8s.launcher.submit`: reattaches to a job of the same name, streams rank
+0's log, exits 0 only when the job succeeded); ``--local --train-config train.yaml`` runs the
+same job on this machine instead (:func:`crosskd.k8s.local.run_local_job`). ``crosskd job
+run-local FILE ...`` runs rendered manifests (``crosskd job render`` or ``kubectl kustomize``
+output) on this machine the way the Training Operator (or the Trainer) would
+(:mod:`crosskd.k8s.local`).
 
 Bad config: one line, exit 2. A job that failed, timed out or disappeared: one line, exit 1.
 SIGTERM to ``submit``: its job is deleted (unless ``--keep-on-sigterm``), exit 143.
@@ -89,17 +93,22 @@ def _add_render(actions: argparse._SubParsersAction) -> None:
         config="crosskd.k8s.job:JobConfig",
     )
     render.add_argument("--output", help="write the YAML here instead of stdout")
+    _add_kind(render)
     render.add_argument(
+        "--train-config",
+        metavar="FILE",
+        help="the train config the job will run: its parallel layout must fit the job's workers",
+    )
+
+
+def _add_kind(parser: argparse.ArgumentParser) -> None:
+    """The ``--kind`` option: which cluster API the job is for."""
+    parser.add_argument(
         "--kind",
         choices=JOB_KINDS,
         default=JOB_KINDS[0],
         help="pytorchjob (the Training Operator) or trainjob (Kubeflow Trainer v2, on the "
         "crosskd-torch TrainingRuntime of manifests/trainjob/runtime.yaml)",
-    )
-    render.add_argument(
-        "--train-config",
-        metavar="FILE",
-        help="the train config the job will run: its parallel layout must fit the job's workers",
     )
 
 
@@ -137,12 +146,13 @@ def _add_submit(actions: argparse._SubParsersAction) -> None:
     """``crosskd job submit``: JobConfig's fields and the launcher's own options."""
     sub = actions.add_parser(
         "submit",
-        help="submit the PyTorchJob of a config (or reattach to it) and wait for it",
-        description="Submit the PyTorchJob of a config (or reattach to it) and wait for it, in "
-        "the job's namespace (--namespace), else the kube-config context's (the pod's own in a "
-        "cluster), else 'default'.",
+        help="submit the PyTorchJob (or TrainJob) of a config, or reattach to it, and wait",
+        description="Submit the PyTorchJob (--kind trainjob: the Trainer v2 TrainJob) of a "
+        "config, or reattach to it, and wait for it, in the job's namespace (--namespace), else "
+        "the kube-config context's (the pod's own in a cluster), else 'default'.",
         config="crosskd.k8s.job:JobConfig",
     )
+    _add_kind(sub)
     sub.add_argument(
         "--wait-timeout",
         type=float,
@@ -347,14 +357,13 @@ def serve_generated_files(root: Path) -> dict[Path, str]:
 def _render(args: argparse.Namespace) -> int:
     # lazy: kubernetes and kubeflow take about 1 s to import, and `crosskd` builds this
     # module's parser for every command
-    from crosskd.k8s.job import JobConfig, job_layout, job_manifest, load_job_config
-    from crosskd.k8s.trainjob import trainjob_manifest
+    from crosskd.k8s.job import JobConfig, job_layout, load_job_config
+    from crosskd.k8s.kinds import KINDS
 
     config = load_job_config(args.config, args.overrides, values=config_flags(args, JobConfig))
     if args.train_config:
         job_layout(config, train_layout(args.train_config))
-    manifest = trainjob_manifest if args.kind == "trainjob" else job_manifest
-    text = manifest_yaml(manifest(config))
+    text = manifest_yaml(KINDS[args.kind].render(config))
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         log.info("wrote %s", args.output)
@@ -376,12 +385,14 @@ def train_layout(path: str) -> dict[str, Any]:
 def _submit(args: argparse.Namespace) -> int:
     # lazy: kubernetes and kubeflow take about 1 s to import, and `crosskd` builds this
     # module's parser for every command
-    from crosskd.k8s.job import JobConfig, job_layout, job_manifest, load_job_config
+    from crosskd.k8s.job import JobConfig, job_layout, load_job_config
+    from crosskd.k8s.kinds import KINDS
     from crosskd.k8s.launcher import submit
     from crosskd.k8s.local import run_local_job, train_config_map
 
     config = load_job_config(args.config, args.overrides, values=config_flags(args, JobConfig))
-    manifest = job_manifest(config)
+    kind = KINDS[args.kind]
+    manifest = kind.render(config)
     if args.local:
         if not args.train_config:
             raise ConfigError("--local needs --train-config FILE (the ConfigMap's train.yaml).")
@@ -389,7 +400,7 @@ def _submit(args: argparse.Namespace) -> int:
         if args.manifest:
             Path(args.manifest).write_text(manifest_yaml(manifest), encoding="utf-8")
         wait = None if args.wait_timeout == float("inf") else args.wait_timeout
-        documents = [train_config_map(manifest, args.train_config), manifest]
+        documents = [*kind.support(), train_config_map(manifest, args.train_config), manifest]
         result = run_local_job(documents, args.workdir, wait_timeout=wait)
     else:
         namespace = args.namespace or config.namespace or current_namespace()
@@ -405,7 +416,7 @@ def _submit(args: argparse.Namespace) -> int:
         )
     final = args.final_model_uri or result.final_model_uri
     sys.stdout.write(
-        f"PyTorchJob {result.namespace}/{result.name} succeeded in {result.elapsed_s:.0f} s"
+        f"{kind.kind} {result.namespace}/{result.name} succeeded in {result.elapsed_s:.0f} s"
         f"{' (reattached)' if result.reattached else ''}"
         f"{f'; final model: {final}' if final else ''}\n"
     )

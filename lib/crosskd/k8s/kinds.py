@@ -1,9 +1,10 @@
-"""The two job APIs the launcher speaks, and what differs between them.
+"""The two job APIs a training run can go to, and what differs between them.
 
 The launcher's contract (:mod:`crosskd.k8s.launcher`) is the same for both; a :class:`JobKind`
-holds the rest: how the job is checked and kept as YAML, the condition that means success, the
-pod and container whose log is followed, what its status says of progress, the client that
-speaks its API.
+holds the rest: how the job is rendered from a :class:`~crosskd.k8s.job.JobConfig`, what else
+it needs in the namespace, how it is checked and kept as YAML, the condition that means
+success, the pod and container whose log is followed, what its status says of progress, the
+client that speaks its API.
 
 =================  ==================================  ========================================
                    PyTorchJob (Training Operator v1)   TrainJob (Kubeflow Trainer v2)
@@ -30,10 +31,11 @@ from kubeflow.training import KubeflowOrgV1PyTorchJob, TrainingClient
 from kubeflow_trainer_api import models as tr
 
 from crosskd.errors import ConfigError
+from crosskd.k8s.job import JobConfig, job_manifest
 from crosskd.k8s.logs import MASTER_CONTAINER, pytorchjob_log_selector
 from crosskd.k8s.manifest import job_to_submit, to_manifest
 from crosskd.k8s.trainjob import API_VERSION as TRAINJOB_API_VERSION
-from crosskd.k8s.trainjob import NODE
+from crosskd.k8s.trainjob import NODE, runtime_manifest, trainjob_manifest
 from crosskd.k8s.trainjob_api import (
     TrainJobClient,
     node0_selector,
@@ -69,6 +71,12 @@ class JobKind:
     """The model -> the label selector of the pod whose log is followed (rank 0's)."""
     progress: Callable[[Any], str]
     """The job as read -> what its status says besides conditions (``""``: nothing yet)."""
+    render: Callable[[JobConfig], dict[str, Any]]
+    """A :class:`~crosskd.k8s.job.JobConfig` -> the job's manifest."""
+    support: Callable[[], list[dict[str, Any]]]
+    """The objects the job needs in its namespace besides its ConfigMap and Secrets (a
+    TrainJob's ``crosskd-torch`` TrainingRuntime), installed once per namespace
+    (``manifests/``); ``crosskd job run-local`` reads them."""
 
     def new_client(self, namespace: str) -> Any:
         """A client of this API for ``namespace`` from the kube-config, or the pod's service
@@ -102,6 +110,8 @@ PYTORCHJOB = JobKind(
     to_manifest=to_manifest,
     log_selector=pytorchjob_log_selector,
     progress=_pytorchjob_progress,
+    render=job_manifest,
+    support=lambda: [],
 )
 """The Training Operator's PyTorchJob (:mod:`crosskd.k8s.job`)."""
 
@@ -117,6 +127,8 @@ TRAINJOB = JobKind(
     to_manifest=trainjob_to_manifest,
     log_selector=node0_selector,
     progress=trainjob_progress,
+    render=trainjob_manifest,
+    support=lambda: [runtime_manifest()],
 )
 """Kubeflow Trainer v2's TrainJob (:mod:`crosskd.k8s.trainjob`)."""
 

@@ -26,6 +26,7 @@ from crosskd.alignment.corpus import benchmark_corpus, licence_documents
 from crosskd.data.prepare import PrepareConfig
 from crosskd.data.records import read_records
 from crosskd.errors import ConfigError, CrosskdError
+from crosskd.k8s import JOB_KINDS
 from crosskd.parallel.attention import layer_windows, refuse_state_mixers
 from crosskd.parallel.layout import ParallelLayout
 from crosskd.steps.config import EXECUTORS, INIT, LICENCES, STDLIB, RunConfig
@@ -55,10 +56,14 @@ def model_tokenizer(ref: str) -> str:
 
 
 def validate_inputs(
-    config: RunConfig, job: dict[str, Any] | None = None, executor: str = "inprocess"
+    config: RunConfig,
+    job: dict[str, Any] | None = None,
+    executor: str = "inprocess",
+    job_kind: str = "pytorchjob",
 ) -> dict[str, Any]:
     """Check ``config``, the training ``executor`` (:data:`crosskd.steps.config.EXECUTORS`)
-    and, for a job, its PyTorchJob settings ``job`` (JobConfig keys), and resolve its
+    and, for a job, its settings ``job`` (JobConfig keys) as the ``job_kind``
+    (:data:`crosskd.k8s.JOB_KINDS`) it is rendered as, and resolve its
     references; returns the run's plan: ``{"root", "student", "student_fingerprint",
     "teachers": [{"index", "ref", "fingerprint", "same_tokenizer"}], "train_data",
     "heldout_data", "heldout_fraction", "ood_data", "transplant"}`` (URIs;
@@ -69,7 +74,9 @@ def validate_inputs(
     of ``student_tokenizer``)."""
     if executor not in EXECUTORS:
         raise ConfigError(f"executor is {executor!r}; choose one of {', '.join(EXECUTORS)}.")
-    _check_step_configs(config, job if executor != "inprocess" else None)
+    if job_kind not in JOB_KINDS:
+        raise ConfigError(f"job_kind is {job_kind!r}; choose one of {', '.join(JOB_KINDS)}.")
+    _check_step_configs(config, job if executor != "inprocess" else None, job_kind)
     root = config.output.rstrip("/")
     train_data, heldout_data = config.train_data, config.heldout_data
     if train_data == STDLIB:
@@ -218,10 +225,11 @@ def _check_student_packs(student: str) -> None:
     )
 
 
-def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
+def _check_step_configs(config: RunConfig, job: dict[str, Any] | None, job_kind: str) -> None:
     """Build every later step's config from ``config`` so a value they would refuse is refused
-    now, naming the key (the training keys were checked when ``config`` was built), and check
-    the training layout against the job's workers (or the one in-process worker)."""
+    now, naming the key (the training keys were checked when ``config`` was built), render the
+    training job as ``job_kind`` (what that API cannot carry is refused), and check the
+    training layout against the job's workers (or the one in-process worker)."""
     n = len(config.teachers)
     PrepareConfig(
         data="-",
@@ -244,13 +252,14 @@ def _check_step_configs(config: RunConfig, job: dict[str, Any] | None) -> None:
     ).check()
     if job is not None:
         # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline
-        # step imports this module through crosskd.steps, and only rendering or running a PyTorchJob
+        # step imports this module through crosskd.steps, and only rendering or running a job
         # needs them
         from crosskd.k8s.job import job_layout, load_job_config
+        from crosskd.k8s.kinds import KINDS
 
-        job_layout(
-            load_job_config(values={"run_id": "validate", **job}), config.train.get("parallel")
-        )
+        job_config = load_job_config(values={"run_id": "validate", **job})
+        KINDS[job_kind].render(job_config)
+        job_layout(job_config, config.train.get("parallel"))
     else:
         try:
             ParallelLayout.from_mapping(config.train.get("parallel", {})).resolved(1)

@@ -78,14 +78,16 @@ def train(
     *,
     executor: str = "inprocess",
     job: dict[str, Any] | None = None,
+    job_kind: str = "pytorchjob",
     run_id: str | None = None,
     workdir: str | None = None,
     wait_timeout: float | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the training item of :func:`plan_training` with ``executor``
-    (:data:`crosskd.steps.config.EXECUTORS`); ``job`` (JobConfig keys) and ``run_id`` (the job's
-    name derives from it, so a retried launcher reattaches) for ``local`` and ``cluster``;
+    (:data:`crosskd.steps.config.EXECUTORS`); ``job`` (JobConfig keys), ``job_kind`` (the
+    cluster API: :data:`crosskd.k8s.JOB_KINDS`) and ``run_id`` (the job's name derives from it,
+    so a retried launcher reattaches) for ``local`` and ``cluster``;
     ``workdir``: the local executor's replica folders. The train config is written to
     ``<output>/train.yaml`` first. Returns ``{"variant", "output", "model", "steps", "last"}``
     (``last``: rank 0's metrics of the last step; the whole curve stays in the run's
@@ -105,9 +107,12 @@ def train(
     elif executor == "inprocess":
         _train_here(config, progress)
     else:
-        _train_as_job(
-            config_uri, executor, job or {}, run_id, workdir, wait_timeout, values.get("parallel")
+        if not run_id:
+            raise ConfigError("a training job needs a run id (its name derives from it).")
+        documents = job_documents(
+            config_uri, _local_ports(job or {}, executor), run_id, values.get("parallel"), job_kind
         )
+        _train_as_job(documents, executor, job or {}, workdir, wait_timeout)
     history = run_history(output)
     return {
         "variant": item["variant"],
@@ -138,34 +143,49 @@ def run_history(output: str) -> list[dict[str, Any]]:
 
 
 def job_documents(
-    config_uri: str, job: dict[str, Any], run_id: str, parallel: dict[str, Any] | None = None
+    config_uri: str,
+    job: dict[str, Any],
+    run_id: str,
+    parallel: dict[str, Any] | None = None,
+    kind: str = "pytorchjob",
 ) -> list[dict[str, Any]]:
-    """The PyTorchJob of one training run: the JobConfig keys ``job`` with ``run_id`` and the
-    train config read from ``config_uri`` (whose ``parallel`` layout must fit the job's
-    workers). A job that asks for GPUs (``gpus_per_node``) but whose rendered pods request none
-    is refused."""
+    """The job of one training run, first, and what else it needs in its namespace (a
+    TrainJob's TrainingRuntime): the JobConfig keys ``job`` with ``run_id`` and the train
+    config read from ``config_uri`` (whose ``parallel`` layout must fit the job's workers), as
+    a ``kind`` (:data:`crosskd.k8s.JOB_KINDS`). A job that asks for GPUs (``gpus_per_node``)
+    but whose rendered pods request none is refused."""
     # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline step
-    # imports this module through crosskd.steps, and only rendering or running a PyTorchJob needs
-    # them
-    from crosskd.k8s.job import job_layout, job_manifest, load_job_config
+    # imports this module through crosskd.steps, and only rendering or running a job needs them
+    from crosskd.k8s.job import job_layout, load_job_config
+    from crosskd.k8s.kinds import KINDS
 
+    if kind not in KINDS:
+        raise ConfigError(f"job_kind is {kind!r}; choose one of {', '.join(KINDS)}.")
     config = load_job_config(values={**job, "run_id": run_id, "train_config_uri": config_uri})
     job_layout(config, parallel)
-    manifest = job_manifest(config)
+    manifest = KINDS[kind].render(config)
     if config.gpus_per_node:
-        specs = manifest["spec"]["pytorchReplicaSpecs"].values()
-        limits = [
-            c.get("resources", {}).get("limits", {}).get(config.gpu_resource)
-            for s in specs
-            for c in s["template"]["spec"]["containers"]
-        ]
+        limits = _gpu_limits(manifest, config.gpu_resource)
         if any(limit != str(config.gpus_per_node) for limit in limits):
             raise ConfigError(
                 f"gpus_per_node is {config.gpus_per_node} but the rendered job "
                 f"requests {limits} {config.gpu_resource}; fix the job "
                 f"config."
             )
-    return [manifest]
+    return [manifest, *KINDS[kind].support()]
+
+
+def _gpu_limits(manifest: dict[str, Any], resource: str) -> list[str | None]:
+    """The ``resource`` limit of each container of the rendered job (a TrainJob: of each
+    node)."""
+    if manifest["kind"] == "TrainJob":
+        limits = manifest["spec"]["trainer"].get("resourcesPerNode", {}).get("limits", {})
+        return [limits.get(resource)]
+    return [
+        c.get("resources", {}).get("limits", {}).get(resource)
+        for s in manifest["spec"]["pytorchReplicaSpecs"].values()
+        for c in s["template"]["spec"]["containers"]
+    ]
 
 
 def _train_here(config: Any, progress: bool) -> None:
@@ -178,37 +198,42 @@ def _train_here(config: Any, progress: bool) -> None:
         trainer.close()
 
 
+def _local_ports(job: dict[str, Any], executor: str) -> dict[str, Any]:
+    """``job`` for ``executor``: several local jobs may run at once, so a local job's trainers
+    serve ``/metrics`` on any free port."""
+    if executor != "local":
+        return job
+    return {**job, "train_overrides": [*job.get("train_overrides", []), "metrics_port=0"]}
+
+
 def _train_as_job(
-    config_uri: str,
+    documents: list[dict[str, Any]],
     executor: str,
     job: dict[str, Any],
-    run_id: str | None,
     workdir: str | None,
     wait_timeout: float | None,
-    parallel: dict[str, Any] | None,
 ) -> None:
-    if not run_id:
-        raise ConfigError("a training job needs a run id (its name derives from it).")
-    if executor == "local":  # several local jobs may run at once: any free metrics port
-        job = {**job, "train_overrides": [*job.get("train_overrides", []), "metrics_port=0"]}
-    documents = job_documents(config_uri, job, run_id, parallel)
+    """Run the job of :func:`job_documents` on this machine (``local``) or submit it to the
+    cluster and wait for it (``cluster``)."""
     if executor == "local":
         # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline
-        # step imports this module through crosskd.steps, and only rendering or running a PyTorchJob
-        # needs them
+        # step imports this module through crosskd.steps, and only running a job needs them
         from crosskd.k8s.local import run_local_job
 
         folder = Path(workdir or "crosskd-local-job")
         result = run_local_job(documents, folder, wait_timeout=wait_timeout)
     else:
         # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline
-        # step imports this module through crosskd.steps, and only rendering or running a PyTorchJob
-        # needs them
+        # step imports this module through crosskd.steps, and only submitting a job needs them
         from crosskd.k8s.cli import current_namespace
         from crosskd.k8s.launcher import submit
 
         namespace = job.get("namespace") or current_namespace()
         result = submit(documents[0], namespace=namespace, wait_timeout=wait_timeout or math.inf)
     log.info(
-        "PyTorchJob %s/%s succeeded in %.0f s", result.namespace, result.name, result.elapsed_s
+        "%s %s/%s succeeded in %.0f s",
+        documents[0]["kind"],
+        result.namespace,
+        result.name,
+        result.elapsed_s,
     )
