@@ -57,6 +57,12 @@ def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPr
     return done
 
 
+def _crosskd_commands(title: str) -> list[str]:
+    """The ``crosskd`` commands of the sh blocks of the section ``title``, in order."""
+    blocks = _blocks(_section(title), "sh")
+    return [c for _, b in blocks for c in _commands(b) if c.startswith("crosskd ")]
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
@@ -97,11 +103,7 @@ def test_section_2_runs_as_written(tmp_path):
 
 
 def test_section_1_crosskd_commands_run_as_written(tmp_path):
-    section = _section("1. From an empty namespace to a finished job")
-    commands = [
-        c for _, b in _blocks(section, "sh") for c in _commands(b) if c.startswith("crosskd ")
-    ]
-    manifests, submit = commands
+    manifests, submit = _crosskd_commands("1. From an empty namespace to a finished job")
     assert manifests == "crosskd job manifests"
     tree = tmp_path / "repo"
     shutil.copytree(ROOT / "manifests", tree / "manifests")
@@ -114,7 +116,7 @@ def test_section_1_crosskd_commands_run_as_written(tmp_path):
     done = _submit_to_fake(submit, tree, tmp_path, PYTORCHJOB)
     name = job_name(yaml.safe_load((tree / "job.yaml").read_text())["run_id"])
     assert f"PyTorchJob ml/{name} succeeded" in done.stdout
-    assert "step 1/1000 loss 10.1" in done.stderr  # the Master's log, streamed
+    assert STEP in done.stderr  # the Master's log, streamed
     kept = yaml.safe_load((tree / "submitted.yaml").read_text())
     assert kept["kind"] == "PyTorchJob" and kept["metadata"]["namespace"] == "ml"
 
@@ -158,11 +160,7 @@ STEP = "step 1/1000 loss 10.1"
 
 
 def test_section_8_crosskd_commands_run_as_written(tmp_path):
-    section = _section("8. Kubeflow Trainer v2: the same run as a TrainJob")
-    commands = [
-        c for _, b in _blocks(section, "sh") for c in _commands(b) if c.startswith("crosskd ")
-    ]
-    render, submit = commands
+    render, submit = _crosskd_commands("8. Kubeflow Trainer v2: the same run as a TrainJob")
     assert render == "crosskd job render --config manifests/job.yaml --kind trainjob"
     rendered = yaml.safe_load(_run(render, ROOT, _env()).stdout)
     assert rendered["kind"] == "TrainJob" and rendered["spec"]["runtimeRef"]["name"]

@@ -4,21 +4,17 @@ The launcher's contract (:mod:`crosskd.k8s.launcher`) is the same for both; a :c
 holds the rest: how the job is rendered from a :class:`~crosskd.k8s.job.JobConfig`, what else
 it needs in the namespace, how it is checked and kept as YAML, the condition that means
 success, the pod and container whose log is followed, what its status says of progress, the
-client that speaks its API.
+client that speaks its API. Each line below: the PyTorchJob's | the TrainJob's.
 
-=================  ==================================  ========================================
-                   PyTorchJob (Training Operator v1)   TrainJob (Kubeflow Trainer v2)
-=================  ==================================  ========================================
-API                ``kubeflow.org/v1`` ``pytorchjobs``  ``trainer.kubeflow.org/v1alpha1``
-                                                       ``trainjobs``
-client             ``kubeflow-training``'s             :class:`~crosskd.k8s.trainjob_api.
-                   ``TrainingClient``                  TrainJobClient`
-success            condition ``Succeeded``             condition ``Complete``
-failure            condition ``Failed``                condition ``Failed`` (the JobSet's)
-log of             the Master (worker 0 when there is  node 0 (JobSet's labels), container
-                   none), container ``pytorch``        ``node``
-progress           ``replicaStatuses``                 ``jobsStatus``, ``trainerStatus``
-=================  ==================================  ========================================
+* API: ``kubeflow.org/v1`` ``pytorchjobs`` | ``trainer.kubeflow.org/v1alpha1`` ``trainjobs``;
+* client: ``kubeflow-training``'s ``TrainingClient`` |
+  :class:`~crosskd.k8s.trainjob_api.TrainJobClient`;
+* success: the condition ``Succeeded`` | ``Complete``; failure: ``Failed`` for both (a
+  TrainJob's copied from its JobSet);
+* log of: the Master (worker 0 when there is none), container ``pytorch`` | node 0 (found by
+  JobSet's labels), container ``node``;
+* progress: ``status.replicaStatuses`` | ``status.jobsStatus`` and ``status.trainerStatus``;
+* also in the namespace: nothing | the ``crosskd-torch`` TrainingRuntime.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from typing import Any
 
 from crosskd.errors import ConfigError
 from crosskd.k8s.create import create_or_reattach, delete_finished
-from crosskd.k8s.kinds import check_client, kind_of
+from crosskd.k8s.kinds import JobKind, check_client, kind_of
 from crosskd.k8s.logs import LogFollower, log_to_pod_logger
 from crosskd.k8s.manifest import write_manifest
 from crosskd.k8s.result import JobResult
@@ -72,11 +72,9 @@ def submit(
     """Submit ``job`` (or reattach to it) and wait until it succeeds; see the module docstring.
 
     Args:
-        job: The job: a camelCase manifest of a PyTorchJob (``apiVersion: kubeflow.org/v1``)
-            or a TrainJob (``apiVersion: trainer.kubeflow.org/v1alpha1``), or the client
-            library's model of one (``KubeflowOrgV1PyTorchJob``, ``TrainerV1alpha1TrainJob``).
-            Its ``metadata.name`` must be set and deterministic for the run (a DNS-1035 label,
-            at most 63 characters).
+        job: A PyTorchJob (``kubeflow.org/v1``) or TrainJob (``trainer.kubeflow.org/v1alpha1``),
+            a camelCase manifest or the client library's model, its ``metadata.name`` set and
+            deterministic for the run (a DNS-1035 label, at most 63 characters).
         namespace: The namespace to run it in; ``metadata.namespace``, when set, must match.
         wait_timeout: Seconds the whole call may take, submission included, before
             :class:`~crosskd.k8s.result.JobTimeout` (``math.inf`` waits for ever). Queueing
@@ -89,7 +87,7 @@ def submit(
         delete_when_done: Delete the job once it has succeeded or failed (else its
             ``ttlSecondsAfterFinished`` does).
         poll_interval: Seconds between two reads of the job's status (the log follower looks
-            for a restarted container every ``min(poll_interval, 2)`` seconds).
+            for a new container every ``min(poll_interval, 2)`` seconds).
         request_timeout: Seconds one API request may take (not the wait).
         log_sink: Called with each line (no newline) of rank 0's log; by default the
             ``crosskd.k8s.pod`` logger at INFO.
@@ -109,16 +107,11 @@ def submit(
         JobCancelled: SIGTERM came (the job deleted unless ``delete_on_sigterm=False``).
         LauncherError: The API refused the job or the access (e.g. 403, 422), or the job of that
             name is being deleted.
-        ConfigError: The job or the arguments are malformed, or ``client`` does not speak the
-            job's API.
+        ConfigError: The job or the arguments are malformed, or ``client`` does not speak its API.
     """
     started = time.monotonic()
     _check_seconds(wait_timeout, poll_interval, request_timeout)
-    kind = kind_of(job)
-    model = kind.to_submit(job, namespace)
-    if client is None:
-        client = kind.new_client(namespace)
-    check_client(kind, client)
+    kind, model, client = _to_submit(job, namespace, client)
     if manifest_path is not None:
         write_manifest(manifest_path, kind.to_manifest(model))
     with SigtermFlag() as cancel, contextlib.ExitStack() as cleanup:
@@ -126,17 +119,8 @@ def submit(
         watch = JobWatch.of(client, kind, model, started, reattached, final_model_uri)
         follower: LogFollower | None = None
         if stream_logs:
-            follower = LogFollower(
-                client,
-                watch.name,
-                watch.namespace,
-                log_sink or log_to_pod_logger,
-                poll_interval,
-                request_timeout,
-                kind.log_selector(model),
-                kind.container,
-            )
-            follower.start()
+            sink = log_sink or log_to_pod_logger
+            follower = _follow(watch, model, sink, poll_interval, request_timeout)
             cleanup.callback(follower.stop)
         return wait_for_job(
             watch,
@@ -149,6 +133,42 @@ def submit(
                 _finished, watch, follower, log_drain_timeout, delete_when_done
             ),
         )
+
+
+def _to_submit(job: Any, namespace: str, client: Any | None) -> tuple[JobKind, Any, Any]:
+    """``job``'s kind, ``job`` as that kind's model to create (checked, in ``namespace``), and
+    the client of its API (``client``, else one from the kube-config).
+
+    Raises:
+        ConfigError: The job is malformed, or ``client`` does not speak its API.
+    """
+    kind = kind_of(job)
+    model = kind.to_submit(job, namespace)
+    client = kind.new_client(namespace) if client is None else client
+    check_client(kind, client)
+    return kind, model, client
+
+
+def _follow(
+    watch: JobWatch,
+    job: Any,
+    sink: Callable[[str], None],
+    poll_s: float,
+    request_timeout: float,
+) -> LogFollower:
+    """Start following rank 0's log of ``job`` (its kind's model) into ``sink``."""
+    follower = LogFollower(
+        watch.client,
+        watch.name,
+        watch.namespace,
+        sink,
+        poll_s,
+        request_timeout,
+        watch.kind.log_selector(job),
+        watch.kind.container,
+    )
+    follower.start()
+    return follower
 
 
 def _finished(watch: JobWatch, follower: LogFollower | None, drain_s: float, delete: bool) -> None:

@@ -1,4 +1,4 @@
-"""How a PyTorchJob ended, and the errors of a job that did not succeed.
+"""How a job (a PyTorchJob or a TrainJob) ended, and the errors of a job that did not succeed.
 
 :class:`JobResult` is the one answer of both executors of a job: the cluster launcher
 (:func:`crosskd.k8s.launcher.submit`) and the local executor (:mod:`crosskd.k8s.local`). A job
@@ -17,22 +17,23 @@ FINAL_MODEL_URI_ANNOTATION = "crosskd/final-model-uri"
 
 @dataclasses.dataclass(frozen=True)
 class JobResult:
-    """How a PyTorchJob ended (or stood when its executor stopped waiting)."""
+    """How a job ended (or stood when its executor stopped waiting)."""
 
     name: str
     """The job's ``metadata.name``."""
     namespace: str
     """The job's namespace (``local`` for a job run on this machine)."""
     condition: str | None
-    """The job's latest condition whose status is ``"True"`` (``Succeeded``, ``Failed``,
-    ``Running``, ``Created``, ``Restarting``), or ``None`` when it has none yet."""
+    """The job's latest condition whose status is ``"True"`` (a PyTorchJob's ``Succeeded``,
+    ``Failed``, ``Running``, ``Created``, ``Restarting``; a TrainJob's ``Complete``, ``Failed``,
+    ``Suspended``), or ``None`` when it has none yet."""
     reason: str | None
     """That condition's ``reason`` (e.g. ``PyTorchJobFailed``), or ``None``."""
     message: str
     """That condition's ``message``, or a sentence of the executor's own."""
     succeeded: bool
-    """``True`` only when the job has the condition ``Succeeded`` = ``"True"`` (locally: the
-    Master exited 0)."""
+    """``True`` only when the job has its kind's success condition (``Succeeded``,
+    ``Complete``) = ``"True"`` (locally: the Master, or every node, exited 0)."""
     reattached: bool = False
     """``True`` when the job existed already (409) and the launcher reattached to it."""
     final_model_uri: str | None = None

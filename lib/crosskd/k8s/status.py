@@ -1,5 +1,6 @@
 """Reading the Kubernetes API's answers: the HTTP status behind an SDK error (and whether the
-call may be retried), and a PyTorchJob's conditions."""
+call may be retried), and a job's conditions (a PyTorchJob's or a TrainJob's: both list
+``type``, ``status``, ``reason``, ``message``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 def http_status(exc: BaseException) -> int | None:
     """The HTTP status behind an SDK error (``ApiException`` or the ``RuntimeError`` around it,
-    as ``TrainingClient`` raises), or ``None`` when there is none (a connection error)."""
+    as ``TrainingClient`` and ``TrainJobClient`` raise), or ``None`` when there is none (a
+    connection error)."""
     for candidate in (exc, exc.__cause__):
         status = getattr(candidate, "status", None)
         if isinstance(status, int):
@@ -26,8 +28,8 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def true_conditions(job: Any) -> list[Any]:
-    """The conditions of ``job`` (a ``KubeflowOrgV1PyTorchJob``) whose status is ``"True"``, in
-    the order the operator lists them."""
+    """The conditions of ``job`` (a ``KubeflowOrgV1PyTorchJob`` or ``TrainerV1alpha1TrainJob``)
+    whose status is ``"True"``, in the order its controller lists them."""
     status = getattr(job, "status", None)
     conditions = getattr(status, "conditions", None) or []
     return [c for c in conditions if str(getattr(c, "status", "")) == "True"]
