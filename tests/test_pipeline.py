@@ -264,6 +264,8 @@ def test_a_failing_step_fails_the_pipeline_with_its_own_message(tiny_run, capsys
             "tiny",
             "--local-root",
             tiny_run["local_root"],
+            "--job-kind",
+            "trainjob",
             "output=s3://crosskd-test/pipeline-bad",
             "teachers=[s3://crosskd-test/no-such-teacher]",
         ]

@@ -8,8 +8,9 @@
   default ``distill-served.yaml`` here); ``--params`` makes a parameter set (YAML mapping) the
   compiled defaults.
 * ``run-local (--preset NAME | --config FILE) [--FIELD VALUE ...] [key=value ...]
-  [--local-root DIR] [--no-cache]``: the whole DAG on this machine under ``kfp.local``, the
-  training step through the local PyTorchJob executor; prints the held-out bits-per-byte table
+  [--local-root DIR] [--no-cache] [--job-kind pytorchjob|trainjob]``: the whole DAG on this
+  machine under ``kfp.local``, the training step through the local executor (as a PyTorchJob,
+  or a TrainJob: the pipeline's ``job_kind``); prints the held-out bits-per-byte table
   and the report path. The options of :class:`crosskd.steps.config.RunConfig`'s fields are
   ``crosskd distill``'s (:func:`crosskd.config.add_config_options`).
 * ``submit --host URL [--namespace NS] [--experiment NAME] [--run-name NAME] [--package FILE]
@@ -30,6 +31,7 @@ import yaml
 
 from crosskd.config import CommandParser, config_flags
 from crosskd.errors import ConfigError
+from crosskd.k8s import JOB_KINDS
 from crosskd.pipeline.graph import pipeline_svg
 from crosskd.pipeline.progress import steps_to_log
 from crosskd.pipeline.submit import run_failed, submit_pipeline
@@ -64,6 +66,13 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
         help="kfp.local's own files (default: <output>/kfp-local for a local output)",
     )
     local.add_argument("--no-cache", action="store_true", help="run every step again")
+    local.add_argument(
+        "--job-kind",
+        choices=JOB_KINDS,
+        default=JOB_KINDS[0],
+        help="the training runs as this job, through the local executor: pytorchjob (the "
+        "Training Operator's) or trainjob (Kubeflow Trainer v2's, on its crosskd-torch runtime)",
+    )
     local.add_argument(
         "--log",
         help="the steps' whole output goes here; the terminal gets a "
@@ -150,7 +159,7 @@ def _run_local(args: argparse.Namespace) -> int:
         raise ConfigError("run-local needs --preset NAME or --config FILE (and output=DIR).")
     given = config_flags(args, RunConfig)
     config = load_run_config(args.config, args.preset, args.overrides, flags=given)
-    arguments = preset_arguments(config)
+    arguments = {**preset_arguments(config), "job_kind": args.job_kind}
     local_root = args.local_root or local_root_of(arguments["output_root"])
     if args.log == "-":
         result = run_local(arguments, local_root=local_root, cache=not args.no_cache)
