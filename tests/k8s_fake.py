@@ -104,9 +104,11 @@ class JobResource:
 
     @property
     def group(self) -> str:
+        """The API group (``kubeflow.org``, ``trainer.kubeflow.org``)."""
         return self.api_version.split("/")[0]
 
     def base(self, namespace: str) -> str:
+        """The path of the jobs of ``namespace``."""
         return f"/apis/{self.api_version}/namespaces/{namespace}/{self.plural}"
 
 
@@ -133,7 +135,7 @@ TRAINJOB = JobResource(
     kind="TrainJob",
     pod_label="jobset.sigs.k8s.io/jobset-name",
     container="node",
-    reasons={  # the JobSet's conditions, copied by the Trainer (JobSet's constants)
+    reasons={  # Complete and Failed: the JobSet's, copied by the Trainer (JobSet's constants)
         "Suspended": ("Suspended", "TrainJob is suspended"),
         "Complete": ("AllJobsCompleted", "jobset completed successfully"),
         "Failed": ("FailedJobs", "jobset failed due to one or more job failures"),

@@ -261,7 +261,7 @@ def test_a_success_condition_that_is_not_true_is_no_success(each: FakeKubernetes
         )
 
     each.on_get(NS, name, 1, false_success)
-    with pytest.raises(JobTimeout):
+    with pytest.raises(JobTimeout) as info:
         submit(
             job_for(each, name),
             namespace=NS,
@@ -270,6 +270,7 @@ def test_a_success_condition_that_is_not_true_is_no_success(each: FakeKubernetes
             stream_logs=False,
             **FAST,
         )
+    assert info.value.result.condition == other  # the status was read, and not taken as success
 
 
 def test_timeout_raises_and_leaves_the_job(each: FakeKubernetesApi) -> None:
@@ -290,7 +291,9 @@ def test_timeout_raises_and_leaves_the_job(each: FakeKubernetesApi) -> None:
     assert "wait_timeout=0.6" in str(info.value) and "left running" in str(info.value)
     assert f"kubectl -n {NS} delete {each.job.kind.lower()} {name}" in str(info.value)
     if each.job is PYTORCHJOB:
-        assert "Running" in str(info.value)
+        assert "last condition: Running (PyTorchJobRunning)" in str(info.value)
+    else:  # a running TrainJob has no condition: its Jobs' counts say how it stands
+        assert "last condition: no condition yet [jobs node: 1 active, 1 ready]" in str(info.value)
     assert info.value.result.timed_out and not info.value.result.succeeded
     assert (NS, name) in each.jobs and each.count("DELETE") == 0
 
@@ -480,7 +483,8 @@ def test_trainjob_log_follows_node_0_across_restarts_and_progress_is_logged(
     assert len(set(pods)) == 2 and pods[0] != pods[1]  # the JobSet's restart renamed node 0
     progress = [r.getMessage() for r in caplog.records if "[" in r.getMessage()]
     assert any("jobs node: 1 active, 1 ready" in m for m in progress), progress
-    assert any("trainer 40% done, about 90 s left" in m for m in progress), progress
+    assert any(m.endswith("[jobs node: 1 active, 1 ready; trainer 40% done]") for m in progress)
+    assert not any("90" in m for m in progress)  # the time estimate: a line at every read
     assert f"TrainJob {NS}/{name}: Complete (AllJobsCompleted)" in caplog.text
     logs = [p for m, p in api.requests if "/log" in p]
     assert logs and all("-node-0-0-" in p and "container=node" in p for p in logs)
@@ -672,3 +676,36 @@ def test_bad_trainjobs_are_refused_before_submission() -> None:
     trainjobs = TrainJobClient(NS, client_configuration=Configuration(host="http://127.0.0.1:9"))
     with pytest.raises(ConfigError, match="PyTorchJob is submitted with a TrainingClient"):
         submit(manifest(), namespace=NS, wait_timeout=1, client=trainjobs)
+
+
+def test_a_trainjob_the_model_cannot_read_is_an_error_not_a_retry() -> None:
+    # A status the installed kubeflow_trainer_api cannot read (a newer Trainer's, say) would
+    # read the same at every poll: one clear error, not a wait until wait_timeout.
+    name = "crosskd-unreadable"
+    with FakeKubernetesApi(job=TRAINJOB) as api:
+        api.on_get(NS, name, 2, lambda f: f.set_status(NS, name, jobsStatus=[{"name": 7}]))
+        with pytest.raises(LauncherError, match=f"reading TrainJob {NS}/{name} failed: .*model"):
+            submit(
+                trainjob(name),
+                namespace=NS,
+                wait_timeout=math.inf,
+                client=client_for(api),
+                stream_logs=False,
+                **FAST,
+            )
+        assert api.gets(NS, name) == 2 and api.errors == []
+
+
+def test_a_trainjob_model_gets_its_api_version_and_kind() -> None:
+    from kubeflow_trainer_api import models as tr
+
+    from crosskd.k8s.trainjob_api import trainjob_to_submit
+
+    given = tr.TrainerV1alpha1TrainJob.from_dict(trainjob())
+    given.api_version = given.kind = None
+    model = trainjob_to_submit(given, NS)
+    assert (model.api_version, model.kind) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert given.kind is None  # the caller's object is not changed
+    given.kind = "PyTorchJob"
+    with pytest.raises(ConfigError, match=r"TrainJob model has apiVersion .* kind 'PyTorchJob'"):
+        trainjob_to_submit(given, NS)

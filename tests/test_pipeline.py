@@ -250,7 +250,7 @@ def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, c
     assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd", "student_ce"}
     replicas = set(root.rglob("replicas/*")) - before
     assert sorted(p.name for p in replicas) == ["node-0", "node-0"]  # kd and ce, one node each
-    assert all(p.name == "master-0" for p in before)
+    assert before and all(p.name == "master-0" for p in before)
 
 
 def test_a_failing_step_fails_the_pipeline_with_its_own_message(tiny_run, capsys):

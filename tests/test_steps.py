@@ -340,7 +340,7 @@ def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch, kind)
 
     train_step = importlib.import_module("crosskd.steps.train")  # the module, not the function
     settings = {"image": "i", "gpus_per_node": 8}
-    job, *support = train_step.job_documents("s3://b/t.yaml", settings, "r", kind=kind)
+    job, *support = train_step.job_documents("s3://b/t.yaml", settings, "r", job_kind=kind)
     if kind == "trainjob":  # the runtime comes along, for the local executor
         assert [d["kind"] for d in support] == ["TrainingRuntime"]
         trainer = job["spec"]["trainer"]
@@ -365,9 +365,9 @@ def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch, kind)
     broken = dataclasses.replace(kinds.KINDS[kind], render=without_gpus)
     monkeypatch.setitem(kinds.KINDS, kind, broken)
     with pytest.raises(ConfigError, match="gpus_per_node is 8 but the rendered job requests"):
-        train_step.job_documents("s3://b/t.yaml", settings, "r", kind=kind)
+        train_step.job_documents("s3://b/t.yaml", settings, "r", job_kind=kind)
     with pytest.raises(ConfigError, match="job_kind is 'tfjob'; choose one of"):
-        train_step.job_documents("s3://b/t.yaml", settings, "r", kind="tfjob")
+        train_step.job_documents("s3://b/t.yaml", settings, "r", job_kind="tfjob")
 
 
 def test_distill_on_user_inputs(train_inputs, tmp_path):

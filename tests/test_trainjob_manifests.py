@@ -190,6 +190,15 @@ def test_the_failure_policy_follows_the_exit_code_table():
     ]
 
 
+def test_nothing_deletes_the_jobset_under_its_trainjob():
+    """No TTL on the runtime's JobSet or its Jobs: Trainer v2.1+ recreates a TrainJob's JobSet
+    that disappears, so a TTL-deleted JobSet would train again (kubeflow/trainer#2981)."""
+    runtime = _one(_build("cpu-smoke"), "TrainingRuntime")
+    jobset = runtime["spec"]["template"]["spec"]
+    assert "ttlSecondsAfterFinished" not in jobset
+    assert "ttlSecondsAfterFinished" not in _runtime_job(runtime)["template"]["spec"]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_pod_the_trainer_makes_is_a_valid_crosskd_pod(overlay):
     nodes, procs, gpus = OVERLAYS[overlay]
@@ -239,7 +248,7 @@ def test_the_pod_the_trainer_makes_is_a_valid_crosskd_pod(overlay):
         ("priority_class", "high", r"^priority_class is set, .* Kueue"),
         ("restart_policy", "Never", r"^restart_policy is 'Never'; under a TrainJob the crosskd"),
         ("backoff_limit", 5, r"^backoff_limit is 5; under a TrainJob"),
-        ("ttl_seconds_after_finished", 60, r"^ttl_seconds_after_finished is 60;"),
+        ("ttl_seconds_after_finished", 60, r"^ttl_seconds_after_finished is 60; Trainer v2 has no"),
         ("clean_pod_policy", "All", r"^clean_pod_policy is 'All';"),
         ("image_pull_policy", "Always", r"^image_pull_policy is 'Always'; a TrainJob cannot set"),
         ("metrics_port", 9500, r"^metrics_port is 9500; the crosskd-torch runtime declares"),

@@ -75,7 +75,7 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:
     """Add ``crosskd job render|manifests|serve-manifests|submit|run-local`` to the ``crosskd``
     parser's subcommands."""
     job = commands.add_parser(
-        "job", help="the training PyTorchJob and the teacher server's manifests (Kubernetes)"
+        "job", help="the training job (PyTorchJob, TrainJob) and the teacher server's manifests"
     )
     actions = job.add_subparsers(dest="action", required=True, parser_class=CommandParser)
     _add_render(actions)

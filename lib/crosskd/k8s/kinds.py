@@ -27,6 +27,7 @@ from kubeflow.training import KubeflowOrgV1PyTorchJob, TrainingClient
 from kubeflow_trainer_api import models as tr
 
 from crosskd.errors import ConfigError
+from crosskd.k8s import JOB_KINDS
 from crosskd.k8s.job import JobConfig, job_manifest
 from crosskd.k8s.logs import MASTER_CONTAINER, pytorchjob_log_selector
 from crosskd.k8s.manifest import job_to_submit, to_manifest
@@ -128,8 +129,8 @@ TRAINJOB = JobKind(
 )
 """Kubeflow Trainer v2's TrainJob (:mod:`crosskd.k8s.trainjob`)."""
 
-KINDS = {"pytorchjob": PYTORCHJOB, "trainjob": TRAINJOB}
-"""The kinds by their ``crosskd.k8s.JOB_KINDS`` name."""
+KINDS = dict(zip(JOB_KINDS, (PYTORCHJOB, TRAINJOB), strict=True))
+"""The kinds by their :data:`crosskd.k8s.JOB_KINDS` name."""
 
 
 def kind_of(job: Mapping[str, Any] | Any) -> JobKind:

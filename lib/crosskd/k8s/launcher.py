@@ -26,9 +26,10 @@ modules of one concern each, whose docstrings hold their part of the contract:
   :class:`~crosskd.k8s.result.LauncherError` raised otherwise (a
   :class:`~crosskd.errors.CrosskdError`, so the CLI prints one line and exits non-zero).
 
-**Cleanup** is left to the job's ``runPolicy.ttlSecondsAfterFinished`` (a TrainJob's: its
-runtime's JobSet's ``ttlSecondsAfterFinished``) unless ``delete_when_done=True`` asks to delete
-the job once it has finished.
+**Cleanup** of a PyTorchJob is left to its ``runPolicy.ttlSecondsAfterFinished`` unless
+``delete_when_done=True`` asks to delete the job once it has finished. A TrainJob has no TTL
+(:mod:`crosskd.k8s.trainjob`): it stays, its pods exited, until ``delete_when_done`` or
+someone deletes it.
 
 Everything here is tested against ``tests/k8s_fake.py``, a fake that speaks the subset of the
 Kubernetes REST API used here (no API server runs in the tests).
@@ -84,8 +85,8 @@ def submit(
             built from the kube-config or the in-cluster service account.
         manifest_path: Where to keep the submitted manifest as YAML (written before submission).
         delete_on_sigterm: Delete the job when the launcher gets SIGTERM.
-        delete_when_done: Delete the job once it has succeeded or failed (else its
-            ``ttlSecondsAfterFinished`` does).
+        delete_when_done: Delete the job once it has succeeded or failed (else a PyTorchJob's
+            ``ttlSecondsAfterFinished`` does; a TrainJob stays).
         poll_interval: Seconds between two reads of the job's status (the log follower looks
             for a new container every ``min(poll_interval, 2)`` seconds).
         request_timeout: Seconds one API request may take (not the wait).

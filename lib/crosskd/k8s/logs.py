@@ -83,7 +83,8 @@ class LogFollower:
         sink: Called with each line of the log (no newline).
         poll_s: Seconds between two looks for a new container instance (at most 2).
         request_timeout: Seconds one pod-listing request, or the opening of a stream, may take.
-        selector: The label selector of the pod(s) to follow (:func:`master_pod_selector`).
+        selector: The label selector of the pod(s) to follow (:func:`pytorchjob_log_selector`,
+            :func:`crosskd.k8s.trainjob_api.node0_selector`).
         container: The container whose log is streamed (when the pod has it; else its first).
     """
 
@@ -137,12 +138,12 @@ class LogFollower:
     # -- the thread
 
     def _run(self) -> None:
-        """The thread: find the master's current container instance, stream it, repeat."""
+        """The thread: find rank 0's current container instance, stream it, repeat."""
         while not self._abort.is_set():
             try:
                 found = self._find()
             except Exception as exc:  # logs are best effort; the wait goes on
-                logger.debug("listing the master pod of %s failed: %s", self._name, exc)
+                logger.debug("listing rank 0's pod of %s failed: %s", self._name, exc)
                 found = None
             if found is None or found[2] in self._done or found[3] == "waiting":
                 if self._final.is_set():
@@ -157,7 +158,7 @@ class LogFollower:
             self._abort.wait(self._poll_s)
 
     def _find(self) -> tuple[str, str, tuple[str, int], str] | None:
-        """(pod, container, instance key, state) of the master's current container, or None."""
+        """(pod, container, instance key, state) of rank 0's current container, or None."""
         pods = self._core.list_namespaced_pod(
             self._namespace,
             label_selector=self._selector,

@@ -23,8 +23,14 @@ nothing else. What the crosskd pod needs beyond that is in the runtime:
   container ports ``metrics-0`` .. ``metrics-7`` (patches cannot add ports; Prometheus's pod
   discovery targets declared ports). Pods carry the label ``crosskd.dev/procs-per-node`` and
   the PodMonitor ``crosskd-trainjob`` keeps the ports below it;
-* ``automountServiceAccountToken: false`` (the trainer never calls the API server), the
-  container's ``imagePullPolicy`` and its ``ttlSecondsAfterFinished``.
+* ``automountServiceAccountToken: false`` (the trainer never calls the API server) and the
+  container's ``imagePullPolicy``.
+
+**No TTL.** The runtime's JobSet has no ``ttlSecondsAfterFinished``: Trainer v2.1 and later
+recreate a TrainJob's JobSet when it disappears, so a JobSet deleted by its TTL would be made
+again and train again (kubeflow/trainer#2981, #3737), and Trainer v2 has no TTL of the TrainJob
+itself yet (kubeflow/trainer#4052). A finished TrainJob (its pods exited) stays until it is
+deleted: ``crosskd job submit --delete-when-done``, or ``kubectl delete trainjob``.
 
 **Differences from the PyTorchJob** (:mod:`crosskd.k8s.job`):
 
@@ -39,9 +45,9 @@ nothing else. What the crosskd pod needs beyond that is in the runtime:
 * refused here, as a TrainJob cannot set them per job: ``elastic``, ``gang_scheduling`` (the
   runtime's ``podGroupPolicy``), ``priority_class`` (Kueue's priority label instead), an
   ``image_pull_policy`` other than the runtime's, a ``metrics_port`` other than 9400, more than
-  :data:`MAX_PROCS` processes per node, and ``restart_policy`` / ``backoff_limit`` /
-  ``clean_pod_policy`` / ``ttl_seconds_after_finished`` other than their defaults (the runtime
-  decides those).
+  :data:`MAX_PROCS` processes per node, ``restart_policy`` / ``backoff_limit`` /
+  ``clean_pod_policy`` other than their defaults (the runtime decides those), and a
+  ``ttl_seconds_after_finished`` other than its default (no TTL applies: above).
 """
 
 from __future__ import annotations
@@ -87,14 +93,13 @@ PULL_POLICY = "IfNotPresent"
 MAX_RESTARTS = 100
 """JobSet restarts (every node recreated) before the run fails; crosskd's own budget (a
 failure without a new checkpoint in between, ``max_restarts``) usually stops it first."""
-TTL_SECONDS = 24 * 3600
 PERMANENT_CODES = range(1, 128)
 """Exit codes that fail the run (:mod:`crosskd.train.launch`: 1 .. 127; 128 and above, and
 200, are retried)."""
 MANAGER = "crosskd.dev/job"
 """``runtimePatches[].manager``: who wrote the patch."""
 _DEFAULTS = {f.name: f.default for f in fields(JobConfig)}
-_FIXED = ("restart_policy", "backoff_limit", "clean_pod_policy", "ttl_seconds_after_finished")
+_FIXED = ("restart_policy", "backoff_limit", "clean_pod_policy")
 
 
 def check_trainjob(config: JobConfig) -> None:
@@ -114,6 +119,12 @@ def check_trainjob(config: JobConfig) -> None:
                 f"{key} is {getattr(config, key)!r}; under a TrainJob the {RUNTIME} runtime "
                 f"decides it (its failure policy: docs/kubernetes.md). Leave it unset."
             )
+    if config.ttl_seconds_after_finished != _DEFAULTS["ttl_seconds_after_finished"]:
+        raise ConfigError(
+            f"ttl_seconds_after_finished is {config.ttl_seconds_after_finished!r}; Trainer v2 "
+            "has no TTL for a TrainJob (docs/kubernetes.md, section 8). Leave it unset and "
+            "delete the finished job (crosskd job submit --delete-when-done, or kubectl)."
+        )
     if config.image_pull_policy != PULL_POLICY:
         raise ConfigError(
             f"image_pull_policy is {config.image_pull_policy!r}; a TrainJob cannot set it "
@@ -253,7 +264,6 @@ def build_runtime() -> tr.TrainerV1alpha1TrainingRuntime:
         ),
     )
     jobset = {
-        "ttlSecondsAfterFinished": TTL_SECONDS,
         "failurePolicy": {
             "maxRestarts": MAX_RESTARTS,
             "rules": [

@@ -98,7 +98,7 @@ class TrainJobClient:
                 TrainJob of that name exists).
         """
         where = f"{namespace or self.namespace}/{job.metadata.name}"
-        body = k8s.ApiClient().sanitize_for_serialization(job.to_dict())
+        body = self.custom_api.api_client.sanitize_for_serialization(job.to_dict())
         try:
             self.custom_api.create_namespaced_custom_object(
                 GROUP, VERSION, namespace or self.namespace, PLURAL, body
@@ -116,6 +116,8 @@ class TrainJobClient:
         Raises:
             RuntimeError: Reading it failed; ``__cause__`` is the ``ApiException`` (404: gone),
                 or the connection's error.
+            ValueError: The API's answer is not a TrainJob the Trainer API's models can read
+                (a newer Trainer's, say): reading it again would not help.
         """
         where = f"{namespace or self.namespace}/{name}"
         try:
@@ -127,7 +129,10 @@ class TrainJobClient:
         try:
             return tr.TrainerV1alpha1TrainJob.from_dict(found)
         except ValidationError as exc:
-            raise RuntimeError(f"{KIND} {where} as the API gave it is malformed: {exc}") from exc
+            raise ValueError(
+                f"{KIND} {where} as the API gave it does not fit kubeflow_trainer_api's model "
+                f"({_first_error(exc)}); is the Trainer newer than that package?"
+            ) from exc
 
     def delete_job(self, name: str, namespace: str | None = None) -> None:
         """Delete the TrainJob ``name`` and, in the background, what it owns (its JobSet, the
@@ -154,7 +159,7 @@ def trainjob_to_submit(
     job: Mapping[str, Any] | tr.TrainerV1alpha1TrainJob, namespace: str
 ) -> tr.TrainerV1alpha1TrainJob:
     """A copy of ``job`` as the Trainer API's model with ``metadata.namespace`` set to
-    ``namespace``.
+    ``namespace`` (and, on a model that leaves them unset, ``apiVersion`` and ``kind``).
 
     Raises:
         ConfigError: ``job`` is not a ``trainer.kubeflow.org/v1alpha1`` TrainJob, is incomplete,
@@ -163,6 +168,13 @@ def trainjob_to_submit(
     """
     if isinstance(job, tr.TrainerV1alpha1TrainJob):
         model = job.model_copy(deep=True)  # the launcher sets metadata.namespace on its own copy
+        given = (model.api_version or API_VERSION, model.kind or KIND)
+        if given != (API_VERSION, KIND):
+            raise ConfigError(
+                f"the TrainJob model has apiVersion {given[0]!r} and kind {given[1]!r}; leave "
+                f"them unset or give {API_VERSION} {KIND}."
+            )
+        model.api_version, model.kind = API_VERSION, KIND
     else:
         model = _parsed(job)
     meta = model.metadata
@@ -186,8 +198,10 @@ def node0_selector(job: tr.TrainerV1alpha1TrainJob) -> str:
 
 def trainjob_progress(job: tr.TrainerV1alpha1TrainJob) -> str:
     """What the TrainJob's status says besides its conditions, as a short phrase: its child
-    Jobs (``jobsStatus``: active, ready, succeeded, failed, suspended) and, when the Trainer
-    reports it, the trainer's progress (``trainerStatus``); ``""`` when it says nothing yet."""
+    Jobs (``jobsStatus``: active, ready, succeeded, failed, suspended) and, when the training
+    code reports it to the Trainer (crosskd's does not yet), the percentage done
+    (``trainerStatus``; not its time estimate, which would change at every read); ``""`` when
+    it says nothing yet."""
     status = job.status
     if status is None:
         return ""
@@ -201,11 +215,7 @@ def trainjob_progress(job: tr.TrainerV1alpha1TrainJob) -> str:
         parts.append(f"jobs {child.name}: {counts or 'none yet'}")
     trainer = status.trainer_status
     if trainer is not None and trainer.progress_percentage is not None:
-        left = trainer.estimated_remaining_seconds
-        parts.append(
-            f"trainer {trainer.progress_percentage}% done"
-            + (f", about {left} s left" if left is not None else "")
-        )
+        parts.append(f"trainer {trainer.progress_percentage}% done")
     return "; ".join(parts)
 
 
@@ -226,11 +236,9 @@ def _parsed(job: Any) -> tr.TrainerV1alpha1TrainJob:
     try:
         model = tr.TrainerV1alpha1TrainJob.from_dict(body)
     except ValidationError as exc:  # a required field is missing or of the wrong type
-        first = exc.errors()[0]  # its place within the innermost object (the models nest)
-        where = ".".join(str(part) for part in first["loc"])
         raise ConfigError(
-            f"the TrainJob manifest is malformed: field {where!r}: {first['msg']}; compare it "
-            "with `crosskd job render --kind trainjob`."
+            f"the TrainJob manifest is malformed: {_first_error(exc)}; compare it with "
+            "`crosskd job render --kind trainjob`."
         ) from exc
     dropped = dropped_keys(body, trainjob_to_manifest(model))
     if dropped:
@@ -239,6 +247,13 @@ def _parsed(job: Any) -> tr.TrainerV1alpha1TrainJob:
             f"would be dropped on submission: {', '.join(dropped[:10])}; fix their spelling."
         )
     return model
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first of pydantic's errors: ``field 'a.b': <message>`` (the field's place within
+    the innermost object: the models nest)."""
+    first = exc.errors()[0]
+    return f"field {'.'.join(str(part) for part in first['loc'])!r}: {first['msg']}"
 
 
 def _reason(exc: BaseException) -> str:

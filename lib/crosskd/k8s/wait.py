@@ -206,7 +206,7 @@ def wait_for_job(
                 return done
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            state = f"{last_seen[0]} ({last_seen[1]})" if last_seen else "unknown"
+            state = _described(last_seen) if last_seen else "unknown"
             detail = f"; the last read failed: {last_error}" if last_error else ""
             raise JobTimeout(
                 f"{watch.where} did not finish within wait_timeout={wait_timeout:g} s "
@@ -251,15 +251,19 @@ def _log_change(
     progress = watch.kind.progress(job)
     seen = (getattr(latest, "type", None), getattr(latest, "reason", None), progress)
     if seen != last_seen:
-        logger.info(
-            "%s: %s%s%s%s",
-            watch.where,
-            seen[0] or "no condition yet",
-            f" ({seen[1]})" if seen[1] else "",
-            f": {latest.message}" if getattr(latest, "message", None) else "",
-            f" [{seen[2]}]" if seen[2] else "",
-        )
+        message = getattr(latest, "message", None)
+        logger.info("%s: %s%s", watch.where, _described(seen), f": {message}" if message else "")
     return seen
+
+
+def _described(seen: tuple[str | None, str | None, str]) -> str:
+    """``(type, reason, progress)`` as words: ``Running (PyTorchJobRunning) [Master: 1
+    active]``, ``no condition yet [jobs node: 1 active]``."""
+    kind, reason, progress = seen
+    return (
+        f"{kind or 'no condition yet'}{f' ({reason})' if reason else ''}"
+        f"{f' [{progress}]' if progress else ''}"
+    )
 
 
 def _finished(watch: JobWatch, job: Any, on_finished: Callable[[], None]) -> JobResult | None:

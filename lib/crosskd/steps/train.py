@@ -1,7 +1,7 @@
 """Steps ``plan_training`` and ``train``: the training runs of a run (``kd``: CSD; ``ce``: CE
-only on the same budget) and running one, in this process, as a PyTorchJob on the cluster (the
-launcher: create or reattach, wait, stream the master's log) or through the local executor that
-runs a rendered job the way the Training Operator would."""
+only on the same budget) and running one, in this process, as a PyTorchJob or TrainJob on the
+cluster (the launcher: create or reattach, wait, stream rank 0's log) or through the local
+executor that runs a rendered job the way the Training Operator (or the Trainer) would."""
 
 from __future__ import annotations
 
@@ -124,8 +124,8 @@ def train(
 
 
 def job_run_id(task_name: str, variant: str, pipeline_job_id: str) -> str:
-    """The run id of a training run launched by a pipeline task (the PyTorchJob's name derives
-    from it): ``<task>-<variant>-<pipeline job id>``, the same on every retry of the task so
+    """The run id of a training run launched by a pipeline task (the job's name derives from
+    it): ``<task>-<variant>-<pipeline job id>``, the same on every retry of the task so
     that a retried launcher reattaches to its job; past 63 characters (a Kubernetes name's
     limit) its first 50 and the first 12 hex digits of its sha256."""
     run_id = f"{task_name}-{variant}-{pipeline_job_id}"
@@ -147,23 +147,23 @@ def job_documents(
     job: dict[str, Any],
     run_id: str,
     parallel: dict[str, Any] | None = None,
-    kind: str = "pytorchjob",
+    job_kind: str = "pytorchjob",
 ) -> list[dict[str, Any]]:
     """The job of one training run, first, and what else it needs in its namespace (a
     TrainJob's TrainingRuntime): the JobConfig keys ``job`` with ``run_id`` and the train
     config read from ``config_uri`` (whose ``parallel`` layout must fit the job's workers), as
-    a ``kind`` (:data:`crosskd.k8s.JOB_KINDS`). A job that asks for GPUs (``gpus_per_node``)
+    a ``job_kind`` (:data:`crosskd.k8s.JOB_KINDS`). A job that asks for GPUs (``gpus_per_node``)
     but whose rendered pods request none is refused."""
     # lazy: crosskd.k8s imports the kubernetes and kubeflow clients (~0.4 s); every pipeline step
     # imports this module through crosskd.steps, and only rendering or running a job needs them
     from crosskd.k8s.job import job_layout, load_job_config
     from crosskd.k8s.kinds import KINDS
 
-    if kind not in KINDS:
-        raise ConfigError(f"job_kind is {kind!r}; choose one of {', '.join(KINDS)}.")
+    if job_kind not in KINDS:
+        raise ConfigError(f"job_kind is {job_kind!r}; choose one of {', '.join(KINDS)}.")
     config = load_job_config(values={**job, "run_id": run_id, "train_config_uri": config_uri})
     job_layout(config, parallel)
-    manifest = KINDS[kind].render(config)
+    manifest = KINDS[job_kind].render(config)
     if config.gpus_per_node:
         limits = _gpu_limits(manifest, config.gpu_resource)
         if any(limit != str(config.gpus_per_node) for limit in limits):
@@ -172,7 +172,7 @@ def job_documents(
                 f"requests {limits} {config.gpu_resource}; fix the job "
                 f"config."
             )
-    return [manifest, *KINDS[kind].support()]
+    return [manifest, *KINDS[job_kind].support()]
 
 
 def _gpu_limits(manifest: dict[str, Any], resource: str) -> list[str | None]:
