@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_fake import PYTORCHJOB, TRAINJOB, FakeKubernetesApi
-from kubernetes.client import Configuration
+from kubernetes.client import ApiClient, Configuration
 
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.k8s.launcher import submit
@@ -124,7 +124,7 @@ def client_for(api: FakeKubernetesApi):
     """The client of the kind ``api`` serves, talking to it."""
     configuration = Configuration(host=api.url)
     if api.job is TRAINJOB:
-        return TrainJobClient(NS, client_configuration=configuration)
+        return TrainJobClient(NS, api=ApiClient(configuration))
     from kubeflow.training import TrainingClient
 
     return TrainingClient(client_configuration=configuration, namespace=NS)
@@ -542,7 +542,7 @@ def test_a_job_being_deleted_is_not_reattached(each: FakeKubernetesApi) -> None:
 
 CHILD = r"""
 import json, logging, sys
-from kubernetes.client import Configuration
+from kubernetes.client import ApiClient, Configuration
 from kubeflow.training import TrainingClient
 from crosskd.k8s.launcher import submit
 from crosskd.k8s.result import LauncherError
@@ -551,7 +551,7 @@ url, ns, job, delete = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.ar
 logging.basicConfig(level=logging.INFO)
 configuration = Configuration(host=url)
 if job["kind"] == "TrainJob":
-    client = TrainJobClient(ns, client_configuration=configuration)
+    client = TrainJobClient(ns, api=ApiClient(configuration))
 else:
     client = TrainingClient(client_configuration=configuration, namespace=ns)
 try:
@@ -673,7 +673,7 @@ def test_bad_trainjobs_are_refused_before_submission() -> None:
     training = TrainingClient(client_configuration=Configuration(host="http://127.0.0.1:9"))
     with pytest.raises(ConfigError, match="TrainJob is submitted with a TrainJobClient"):
         submit(trainjob(), namespace=NS, wait_timeout=1, client=training)
-    trainjobs = TrainJobClient(NS, client_configuration=Configuration(host="http://127.0.0.1:9"))
+    trainjobs = TrainJobClient(NS, api=ApiClient(Configuration(host="http://127.0.0.1:9")))
     with pytest.raises(ConfigError, match="PyTorchJob is submitted with a TrainingClient"):
         submit(manifest(), namespace=NS, wait_timeout=1, client=trainjobs)
 

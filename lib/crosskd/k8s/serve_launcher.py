@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,6 +48,7 @@ import yaml
 from kubernetes import client as k8s
 
 from crosskd.errors import ConfigError
+from crosskd.k8s.client import api_client
 from crosskd.k8s.result import JobCancelled, LauncherError
 from crosskd.k8s.serve import (
     SERVE_CONFIG_KEY,
@@ -92,23 +92,6 @@ class TeacherServer:
     """Whether the Deployment existed already (a retried step)."""
     waited_s: float
     """Seconds waited for the replicas to be ready."""
-
-
-def api_client() -> k8s.ApiClient:
-    """A client from the pod's service account inside a cluster, else from the kube-config
-    (``$KUBECONFIG`` as it is now, else ``~/.kube/config``)."""
-    # lazy: kubernetes.config reads files only when a client is wanted
-    from kubernetes import config as kube_config
-
-    configuration = k8s.Configuration()
-    try:
-        kube_config.load_incluster_config(client_configuration=configuration)
-    except kube_config.ConfigException:
-        # the client reads $KUBECONFIG once, when imported: give it the current one
-        kube_config.load_kube_config(
-            config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
-        )
-    return k8s.ApiClient(configuration)
 
 
 def server_url(config: TeacherServerConfig, namespace: str) -> str:
@@ -171,7 +154,7 @@ def create_server(
         serve_config: The ``crosskd serve`` keys (``teacher``, ``k``, ``tau``, ...), written
             as ``serve.yaml`` into the ConfigMap.
         namespace: Where to create them.
-        client: The API client (:func:`api_client`).
+        client: The API client (:func:`crosskd.k8s.client.api_client`).
         pod_monitor: Also create the PodMonitor (needs the Prometheus Operator's CRDs).
         request_timeout: Seconds one API request may take.
 
@@ -209,7 +192,7 @@ def wait_until_ready(
         config: The server (its name, replicas, port, labels).
         namespace: Its namespace.
         deadline: ``time.monotonic()`` past which it is not waited for (``math.inf``: never).
-        client: The API client (:func:`api_client`).
+        client: The API client (:func:`crosskd.k8s.client.api_client`).
         reattached: Given back in the result (whether :func:`create_server` found it).
         poll_interval: Seconds between two reads.
         request_timeout: Seconds one API request may take.

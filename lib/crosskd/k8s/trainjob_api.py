@@ -32,17 +32,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from kubeflow_trainer_api import models as tr
 from kubernetes import client as k8s
-from kubernetes import config as kube_config
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from crosskd.errors import ConfigError
+from crosskd.k8s.client import api_client
 from crosskd.k8s.manifest import check_name, dropped_keys
 from crosskd.k8s.trainjob import API_VERSION, NODE
 
@@ -57,7 +56,6 @@ REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 """The node's rank within the replicated job ``node`` (the torch plugin's ``PET_NODE_RANK``)."""
-_SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
 class TrainJobClient:
@@ -65,27 +63,12 @@ class TrainJobClient:
 
     Args:
         namespace: The default namespace (each call names its own).
-        client_configuration: The Kubernetes client's configuration; by default the
-            kube-config's (``config_file``, ``context``), or the pod's service account inside a
-            cluster.
-        config_file: The kube-config file to load when no ``client_configuration`` is given.
-        context: The kube-config context to use.
+        api: The Kubernetes API client; by default :func:`crosskd.k8s.client.api_client` (the
+            pod's service account inside a cluster, else the kube-config).
     """
 
-    def __init__(
-        self,
-        namespace: str = "default",
-        *,
-        client_configuration: k8s.Configuration | None = None,
-        config_file: str | None = None,
-        context: str | None = None,
-    ) -> None:
-        if client_configuration is None:
-            if config_file or not _in_cluster():
-                kube_config.load_kube_config(config_file=config_file, context=context)
-            else:
-                kube_config.load_incluster_config()
-        api = k8s.ApiClient(client_configuration)
+    def __init__(self, namespace: str = "default", *, api: k8s.ApiClient | None = None) -> None:
+        api = api or api_client()
         self.namespace = namespace
         self.custom_api = k8s.CustomObjectsApi(api)
         self.core_api = k8s.CoreV1Api(api)
@@ -266,8 +249,3 @@ def _reason(exc: BaseException) -> str:
     except (ValueError, AttributeError):
         message = str(exc.body or "")
     return f"{exc.status} {exc.reason}: {message}".rstrip(": ")
-
-
-def _in_cluster() -> bool:
-    """Whether this process runs in a pod with a service account token mounted."""
-    return os.path.isfile(_SERVICE_ACCOUNT_TOKEN)

@@ -79,8 +79,9 @@ def start_teacher_servers(
     # lazy: crosskd.k8s imports the kubernetes client (~0.4 s); every pipeline step imports
     # crosskd.steps, and only these two steps need it
     from crosskd.k8s.cli import current_namespace
+    from crosskd.k8s.client import api_client
     from crosskd.k8s.result import JobCancelled
-    from crosskd.k8s.serve_launcher import api_client, create_server, wait_until_ready
+    from crosskd.k8s.serve_launcher import create_server, wait_until_ready
 
     started = time.monotonic()
     if executor != "cluster":
@@ -153,8 +154,9 @@ def stop_teacher_servers(
     # lazy: crosskd.k8s imports the kubernetes client (~0.4 s); every pipeline step imports
     # crosskd.steps, and only these two steps need it
     from crosskd.k8s.cli import current_namespace
+    from crosskd.k8s.client import api_client
     from crosskd.k8s.result import LauncherError
-    from crosskd.k8s.serve_launcher import api_client, stop_server
+    from crosskd.k8s.serve_launcher import stop_server
 
     namespace = namespace or (job or {}).get("namespace") or current_namespace()
     client = client or api_client()
