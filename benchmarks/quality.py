@@ -28,8 +28,14 @@ references are the teacher and both initialisations (``init-mean``: the piece me
 only (the moved student is the same for every seed). The table adds the fraction of the
 init-to-teacher gap each arm closes: ``(init-tuned - arm) / (init-tuned - teacher)``.
 
-    python benchmarks/quality.py [--setting scratch|transfer] [--quick] [--seeds 3]
-        [--steps 100] [--out DIR]
+``--setting compressed`` and ``--setting domain-teacher`` measure a pretrained student that its
+teacher knows more than (``benchmarks/pretrained.py``: a SmolLM2 with 20 of its 30 layers
+removed, taught by the full SmolLM2 or by a SmolLM2 adapted on 10x the student's in-domain text),
+every arm compared at its best checkpoint by a paired bootstrap over documents; ``--arms``
+picks the arms there.
+
+    python benchmarks/quality.py [--setting scratch|transfer|compressed|domain-teacher]
+        [--quick] [--seeds 3] [--steps 100] [--arms ce,kd,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import pretrained
 
 from crosskd import steps
 from crosskd.distill import checked_tables, teacher_caches
@@ -85,9 +93,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--setting",
-        choices=("scratch", "transfer"),
+        choices=("scratch", "transfer", *pretrained.SETTINGS),
         default="scratch",
-        help="scratch: a random-init student; transfer: SmolLM2 moved onto Llama-3",
+        help="scratch: a random-init student; transfer: SmolLM2 moved onto Llama-3; "
+        "compressed, domain-teacher: a pretrained student smaller than its teacher",
+    )
+    parser.add_argument(
+        "--arms",
+        default=",".join(pretrained.DEFAULT_ARMS),
+        help=f"compressed, domain-teacher: arms of {', '.join(pretrained.ARMS)}",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke check: small and short")
     parser.add_argument("--seeds", type=int, default=None)
@@ -98,6 +112,18 @@ def main() -> None:
     for name in ("crosskd", "httpx", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
     out = Path(args.out).resolve()
+    if args.setting in pretrained.SETTINGS:
+        arms = [a for a in args.arms.split(",") if a]
+        unknown = sorted(set(arms) - set(pretrained.ARMS))
+        if unknown:
+            parser.error(f"--arms: unknown arm(s) {', '.join(unknown)}")
+        results = pretrained.run(args.setting, arms, args.quick, args.seeds, out)
+        name = f"results-{args.setting}"
+        (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+        pretrained.plot(results, out / f"curves-{args.setting}.png")
+        print(pretrained.table(results))
+        print(f"wall time {results['wall_seconds'] / 60:.1f} min; {out / name}.json")
+        return
     results = (transfer if args.setting == "transfer" else scratch)(args, out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "curves.png")

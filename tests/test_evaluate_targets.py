@@ -14,7 +14,12 @@ import torch
 
 from crosskd.data.collate import load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
-from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_targets
+from crosskd.evaluate import (
+    nll_bits_and_bytes,
+    prepared_sequences,
+    prepared_targets,
+    sequence_bits_and_bytes,
+)
 
 ROWS = [
     {"id": "t1", "text": "Hello world. crosskd aligns tokens."},
@@ -104,14 +109,24 @@ def test_bits_are_those_of_the_target_tokens(chat_data, zoo, tmp_path):
     bits, n_bytes = nll_bits_and_bytes(
         model, sequences, tok.bytes.lengths, targets=targets, token_budget=64
     )
-    expected_bits = 0.0
+    expected = []
     with torch.no_grad():
         for q, t in zip(sequences, targets, strict=True):
             logits = model(input_ids=torch.as_tensor(q)[None]).logits[0].double()
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.as_tensor(q[1:])[:, None])
-            expected_bits -= lp[torch.as_tensor(t[1:])].sum().item() / math.log(2)
+            expected.append(-lp[torch.as_tensor(t[1:])].sum().item() / math.log(2))
     assert n_bytes == 35 + sum(CONTENT_BYTES.values())  # the text sample's 35 bytes after BOS
-    assert bits == pytest.approx(expected_bits, rel=1e-5)
+    assert bits == pytest.approx(sum(expected), rel=1e-5)
+    # Each sample's own terms, in the data's order (the paired comparison's inputs).
+    per_bits, per_bytes = sequence_bits_and_bytes(
+        model, sequences, tok.bytes.lengths, targets=targets, token_budget=64
+    )
+    ids = [s["sample_id"] for row in chat_data.packed_rows() for s in row]
+    assert per_bits == pytest.approx(expected, rel=1e-5)
+    assert {i: int(b) for i, b in zip(ids, per_bytes, strict=True) if i in CONTENT_BYTES} == (
+        CONTENT_BYTES
+    )
+    assert per_bits.sum() == pytest.approx(bits, rel=1e-12) and per_bytes.sum() == n_bytes
     # Without targets: every token after the first of every sample, templates included.
     all_bits, all_bytes = nll_bits_and_bytes(model, sequences, tok.bytes.lengths)
     assert all_bytes > n_bytes and all_bits > bits

@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@torch.no_grad()
 def nll_bits_and_bytes(
     model: torch.nn.Module,
     sequences: list[np.ndarray],
@@ -58,21 +57,49 @@ def nll_bits_and_bytes(
     forward pass, and its ``finish()`` at the end
     (:class:`crosskd.parallel.parallelize.Lockstep`). ``compute_dtype``: every forward pass (the
     lockstep's one-token passes included) runs under autocast to it, as the training steps do
-    (None: the parameters' dtype)."""
+    (None: the parameters' dtype). The per-sequence terms: :func:`sequence_bits_and_bytes`."""
+    bits, n_bytes = sequence_bits_and_bytes(
+        model,
+        sequences,
+        token_bytes,
+        device=device,
+        token_budget=token_budget,
+        targets=targets,
+        lockstep=lockstep,
+        compute_dtype=compute_dtype,
+    )
+    return float(bits.sum()), int(n_bytes.sum())
+
+
+@torch.no_grad()
+def sequence_bits_and_bytes(
+    model: torch.nn.Module,
+    sequences: list[np.ndarray],
+    token_bytes: np.ndarray,
+    *,
+    device: torch.device | str = "cpu",
+    token_budget: int = 4096,
+    targets: list[np.ndarray] | None = None,
+    lockstep: Lockstep | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`nll_bits_and_bytes` of each sequence alone: float64 ``[N]`` bits and int64 ``[N]``
+    UTF-8 bytes, in the order of ``sequences`` (what a paired comparison of two models over
+    documents needs, :mod:`crosskd.paired`)."""
     was_training = model.training
     model.eval()
     autocast = torch.autocast(
         torch.device(device).type, dtype=compute_dtype, enabled=compute_dtype is not None
     )
     with autocast:
-        result = _nll_bits_and_bytes(
+        result = _per_sequence(
             model, sequences, token_bytes, device, token_budget, targets, lockstep
         )
     model.train(was_training)
     return result
 
 
-def _nll_bits_and_bytes(
+def _per_sequence(
     model: torch.nn.Module,
     sequences: list[np.ndarray],
     token_bytes: np.ndarray,
@@ -80,8 +107,10 @@ def _nll_bits_and_bytes(
     token_budget: int,
     targets: list[np.ndarray] | None,
     lockstep: Lockstep | None,
-) -> tuple[float, int]:
-    bits, n_bytes = 0.0, 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 ``[N]`` bits and int64 ``[N]`` UTF-8 bytes of each sequence's target tokens."""
+    bits = np.zeros(len(sequences), dtype=np.float64)
+    n_bytes = np.zeros(len(sequences), dtype=np.int64)
     for group in budget_batches([len(s) for s in sequences], token_budget):
         batch = [sequences[i] for i in group]
         width = max(len(s) for s in batch)
@@ -102,8 +131,10 @@ def _nll_bits_and_bytes(
         picked = logits.gather(-1, ids[:, 1:, None])[..., 0].float()
         lp = picked - torch.logsumexp(logits.float(), dim=-1)
         keep = counted[:, 1:].to(lp.device)
-        bits -= lp[keep].double().sum().item() / math.log(2)
-        n_bytes += int(token_bytes[ids[:, 1:][keep].cpu().numpy()].sum())
+        row_bits = -(lp.double() * keep).sum(dim=1).cpu().numpy() / math.log(2)
+        row_bytes = (token_bytes[ids[:, 1:].cpu().numpy()] * keep.cpu().numpy()).sum(axis=1)
+        bits[group] = row_bits
+        n_bytes[group] = row_bytes
     if lockstep is not None:
         lockstep.finish()
     return bits, n_bytes
@@ -238,7 +269,9 @@ class EvaluateConfig:
 def evaluate(config: EvaluateConfig) -> dict:
     """Held-out bits per byte of every model of ``config`` on its prepared data; returns (and
     writes to ``config.output``) ``{"data": URI, "data_fingerprint": ..., "models": {name:
-    {"ref", "prepared_model", "bits_per_byte", "bits", "bytes", "sequences"}}}``."""
+    {"ref", "prepared_model", "bits_per_byte", "bits", "bytes", "sequences", "sequence_bits",
+    "sequence_bytes"}}}`` (the last two: each sample's bits and UTF-8 bytes, in the data's
+    order)."""
     data = load_prepared(config.data)
     by_fingerprint = {m["fingerprint"]: m["name"] for m in data.manifest["models"]}
     results = {}
@@ -261,7 +294,7 @@ def evaluate(config: EvaluateConfig) -> dict:
             trust_remote_code=config.trust_remote_code,
         )
         sequences = prepared_sequences(data, prepared)
-        bits, n_bytes = nll_bits_and_bytes(
+        per_bits, per_bytes = sequence_bits_and_bytes(
             loaded.model,
             sequences,
             tok.bytes.lengths,
@@ -269,6 +302,7 @@ def evaluate(config: EvaluateConfig) -> dict:
             token_budget=config.token_budget,
             targets=prepared_targets(data, prepared, tok),
         )
+        bits, n_bytes = float(per_bits.sum()), int(per_bytes.sum())
         results[name] = {
             "ref": ref,
             "prepared_model": prepared,
@@ -276,6 +310,8 @@ def evaluate(config: EvaluateConfig) -> dict:
             "bits": bits,
             "bytes": n_bytes,
             "bits_per_byte": bits / n_bytes if n_bytes else None,
+            "sequence_bits": per_bits.tolist(),
+            "sequence_bytes": per_bytes.tolist(),
         }
         log.info(
             "%s: %.4f bits per byte on %s", name, results[name]["bits_per_byte"] or 0, prepared

@@ -1,0 +1,407 @@
+"""The pretrained-student settings of ``benchmarks/quality.py``: does distilling beat fine-tuning
+where the teacher knows more than the student's data shows?
+
+Both settings start every arm from one pretrained student, the **compressed** SmolLM2: SmolLM2-
+135M-Instruct with 10 of its 30 decoder layers kept (:mod:`crosskd.shrink`: the first two and the
+last eight, 64M parameters of 135M), so the student is smaller than its teacher and has lost
+much of what the teacher knows. The settings differ in the teacher:
+
+* ``compressed``: the full SmolLM2-135M-Instruct, the model the student was cut from (the
+  student is healed by distillation);
+* ``domain-teacher``: SmolLM2-135M-Instruct first adapted (CE, every parameter, one pass) on
+  more than 10x as much in-domain text as the student gets (:func:`domain_teacher`; the student's
+  held-out documents are not in it), so it knows the domain beyond the student's data. The
+  adapted teacher is a cached step: built once under ``<out>/work/inputs/domain-teacher``.
+
+Data: the machine's Python standard-library text (``crosskd.alignment.corpus``) in documents of
+about ``3 * max_length`` bytes, every second document held out: about 31 kB to train on and
+31 kB of **in-domain** held-out text; 31 kB of licence texts as **out-of-domain** held-out text.
+Arms, each on every seed (a seed changes the data order; the student is the same):
+
+* ``ce``: the compressed student on its own tokenizer, CE only (fine-tuning);
+* ``kd``: the same student, same-tokenizer KD from the teacher's top-K (the ceiling: the
+  student keeps the teacher's tokenizer);
+* ``ce-llama3``: the compressed student moved onto the Llama-3 tokenizer
+  (:mod:`crosskd.transplant`, ``tuned``), CE only;
+* ``csd``: the moved student, CSD from the teacher;
+* ``uld``: the moved student, ULD (``--arms`` picks; not in the default set).
+
+Every arm trains ``passes`` passes over its rows with a held-out evaluation every half pass
+(``train.eval_data``: the in-domain held-out rows); the arm is compared at its best checkpoint by
+that figure (early stopping), evaluated in and out of domain with each document's bits and
+bytes kept, and compared with the CE-only arms by a paired bootstrap over documents
+(:mod:`crosskd.paired`). The CE-only arms do not read the teacher: both settings share them
+(``<out>/runs/ce-*``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from crosskd import steps
+from crosskd.distill import checked_tables, teacher_caches
+from crosskd.paired import PairedDifference, paired_bootstrap
+from crosskd.shrink import shrink
+from crosskd.steps.config import RunConfig
+from crosskd.steps.train import run_history
+
+log = logging.getLogger("quality")
+
+SETTINGS = ("compressed", "domain-teacher")
+KD = {"divergence": "forward_kl", "dynamic_kd_scale": True}
+ARMS = {  # name: (student tokenizer: own | llama3, loss changes; None: CE only)
+    "ce": ("own", None),
+    "kd": ("own", KD),
+    "ce-llama3": ("llama3", None),
+    "csd": ("llama3", KD),
+    "uld": ("llama3", {"kd": "uld", "kd_weight": 1.5, "dynamic_kd_scale": False}),
+}
+DEFAULT_ARMS = ("ce", "kd", "ce-llama3", "csd")
+FULL = {
+    "corpus_bytes": 62_000,
+    "ood_bytes": 31_000,
+    "teacher_bytes": 700_000,
+    "layers": 10,
+    "passes": 3,
+    "seeds": 3,
+    "teacher_steps": None,  # one pass over the teacher's rows
+}
+QUICK = {
+    "corpus_bytes": 6_000,
+    "ood_bytes": 3_000,
+    "teacher_bytes": 24_000,
+    "layers": 3,
+    "passes": 1,
+    "seeds": 1,
+    "teacher_steps": 2,
+}
+TRAIN = {
+    "micro_batch_rows": 4,
+    "lr": 3e-4,
+    "warmup_steps": 4,
+    "checkpoint_every": 0,
+}
+
+
+def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path) -> dict:
+    """One pretrained setting (module docstring), every arm of ``arms`` on each seed; returns
+    the results: per arm and seed the best checkpoint's held-out bits per byte in and out of
+    domain, each document's bits and bytes, the held-out curve; the references (teacher, the
+    compressed student on both tokenizers)."""
+    size = dict(QUICK if quick else FULL)
+    started = time.perf_counter()
+    work = out / "work"
+    student = _compressed_student(work, size["layers"])
+    teacher = (
+        "zoo:smollm2"
+        if setting == "compressed"
+        else domain_teacher(work, size["teacher_bytes"], size["teacher_steps"])
+    )
+    results: dict = {"setting": setting, "arms": {}, "reference": {}, "config": {**size}}
+    results["config"]["train"] = TRAIN
+    results["config"]["teacher"] = teacher
+    results["config"]["student"] = student
+    for mode in ("own", "llama3"):
+        wanted = [a for a in arms if ARMS[a][0] == mode]
+        if not wanted:
+            continue
+        base = _base(work, student, teacher, mode, size)
+        plan = steps.init_student(steps.validate_inputs(base))
+        tables = checked_tables(plan, progress=False)
+        prepared = steps.prepare_data(plan, **base.preparing(), progress=False)
+        caches = teacher_caches(plan, prepared, base.scoring(), 1, progress=False)
+        per_pass = math.ceil(prepared["rows"]["train"] / TRAIN["micro_batch_rows"])
+        results["config"][f"rows_{mode}"] = prepared["rows"]
+        results["config"]["steps_per_pass"] = per_pass
+        references = {f"student_init_{mode}": plan["student"]}
+        if mode == "own":
+            references["teacher"] = plan["teachers"][0]["ref"]
+        results["reference"] |= _evaluate(
+            prepared, references, out / "references" / setting / mode, base
+        )
+        for seed in range(seeds or size["seeds"]):
+            for arm in wanted:
+                name = arm if ARMS[arm][1] is None else f"{setting}-{arm}"
+                folder = out / "runs" / f"{name}-seed{seed}"
+                record = _arm(
+                    replace(base, seed=seed),
+                    plan,
+                    (prepared, tables, caches),
+                    ARMS[arm][1],
+                    folder,
+                    per_pass * size["passes"],
+                    math.ceil(per_pass / 2),
+                )
+                results["arms"].setdefault(arm, []).append(record)
+                log.info(
+                    "%s %s seed %d: best step %d, in-domain %.4f, out-of-domain %.4f (%.0f s)",
+                    setting,
+                    arm,
+                    seed,
+                    record["best_step"],
+                    record["in_domain"],
+                    record["ood"],
+                    record["seconds"],
+                )
+    results["wall_seconds"] = time.perf_counter() - started
+    return results
+
+
+def _base(work: Path, student: str, teacher: str, mode: str, size: dict) -> RunConfig:
+    """The run config of the arms on tokenizer ``mode`` (``own`` or ``llama3``: moved)."""
+    moved = mode == "llama3"
+    return RunConfig(
+        output=str(work),
+        teachers=[teacher],
+        student=student,
+        student_tokenizer="zoo:llama3",
+        transplant={"method": "tuned"} if moved else None,
+        corpus_bytes=size["corpus_bytes"],
+        heldout_every=2,
+        ood_data="machine:licences",
+        ood_bytes=size["ood_bytes"],
+        max_length=128,
+        k=32,
+        train={**TRAIN, "loss": {}},
+        token_budget=2048,
+        device="cpu",
+    )
+
+
+def _compressed_student(work: Path, layers: int) -> str:
+    """SmolLM2-135M-Instruct with ``layers`` decoder layers kept (:func:`crosskd.shrink.shrink`),
+    written once under ``<work>/inputs/compressed-<layers>``."""
+    folder = work / "inputs" / f"compressed-{layers}"
+    if not (folder / "config.json").exists():
+        log.info(shrink("zoo:smollm2", str(folder), layers).line())
+    return str(folder)
+
+
+def domain_teacher(work: Path, corpus_bytes: int, steps_: int | None) -> str:
+    """SmolLM2-135M-Instruct trained with CE on the training half of ``corpus_bytes`` of the
+    standard-library corpus (every second document held out, as the student's corpus is: the
+    student's corpus is this one's first documents, so its held-out documents are held out here
+    too), one pass (or ``steps_`` steps), lr 2e-4; written once under
+    ``<work>/inputs/domain-teacher``; returns the model folder."""
+    folder = work / "inputs" / "domain-teacher"
+    model = folder / "final"
+    if (model / "config.json").exists():
+        return str(model)
+    micro = 8
+    config = RunConfig(
+        output=str(work),
+        teachers=["zoo:smollm2"],
+        student="zoo:smollm2",
+        corpus_bytes=corpus_bytes,
+        heldout_every=2,
+        max_length=128,
+        k=1,
+        train={
+            "micro_batch_rows": micro,
+            "lr": 2e-4,
+            "warmup_steps": 10,
+            "checkpoint_every": 50,
+            "keep_checkpoints": 1,
+        },
+        device="cpu",
+    )
+    # The trainer reads a teacher cache even for CE only: a K = 1 one, which the run ignores.
+    plan = steps.validate_inputs(config)
+    prepared = steps.prepare_data(plan, **config.preparing(), progress=False)
+    caches = teacher_caches(plan, prepared, config.scoring(), 1, progress=False)
+    rows = prepared["rows"]["train"]
+    config = replace(config, train={**config.train, "steps": steps_ or math.ceil(rows / micro)})
+    tables = checked_tables(plan, progress=False)
+    items = steps.plan_training(config, plan, prepared, tables, caches, str(folder))
+    (item,) = [i for i in items if i["variant"] == "ce"]
+    item["train"]["output"] = str(folder)
+    log.info("domain teacher: %d rows of %d bytes of text", rows, corpus_bytes)
+    steps.train(item, executor="inprocess", progress=True)
+    (folder / "teacher.json").write_text(json.dumps({"corpus_bytes": corpus_bytes, "rows": rows}))
+    return str(model)
+
+
+def _evaluate(prepared: dict, models: dict[str, str], folder: Path, base: RunConfig) -> dict:
+    """``{name: [{"in_domain", "ood", "sequences": {split: {"bits", "bytes"}}}]}`` of each model
+    on both held-out sets."""
+    steps.evaluate_run(prepared, models, str(folder), token_budget=base.token_budget, device="cpu")
+    return {name: [_figures(folder, name)] for name in models}
+
+
+def _figures(folder: Path, name: str) -> dict:
+    """One model's bits per byte and per-document bits and bytes from ``evaluate_run``'s files
+    under ``folder``."""
+    record: dict = {"sequences": {}}
+    for split, file in (("in_domain", "evaluation.json"), ("ood", "evaluation_ood.json")):
+        entry = json.loads((folder / file).read_text())["models"][name]
+        record[split] = entry["bits_per_byte"]
+        record["sequences"][split] = {
+            "bits": entry["sequence_bits"],
+            "bytes": entry["sequence_bytes"],
+        }
+    return record
+
+
+def _arm(
+    config: RunConfig,
+    plan: dict,
+    inputs: tuple[dict, list[dict], list[dict]],
+    loss: dict | None,
+    folder: Path,
+    n_steps: int,
+    eval_every: int,
+) -> dict:
+    """Train one arm (``loss`` None: CE only) for ``n_steps`` with a held-out evaluation every
+    ``eval_every`` steps, then evaluate its best checkpoint; returns its record. A finished
+    arm's record (``<folder>/arm.json``) is read back instead."""
+    done = folder / "arm.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    prepared, tables, caches = inputs
+    train = {
+        **config.train,
+        "steps": n_steps,
+        "eval_data": prepared["heldout"],
+        "eval_every": eval_every,
+        "loss": {**config.train.get("loss", {}), **(loss or {})},
+    }
+    config = replace(config, train=train)
+    items = steps.plan_training(config, plan, prepared, tables, caches, str(folder))
+    item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
+    tick = time.perf_counter()
+    result = steps.train(item, executor="inprocess", progress=False)
+    history = run_history(result["output"])
+    curve = [
+        (h["step"], h["heldout_bits_per_byte"]) for h in history if "heldout_bits_per_byte" in h
+    ]
+    best_step = min(curve, key=lambda c: c[1])[0]
+    _evaluate(prepared, {"student": f"{result['output']}/best"}, folder / "eval", config)
+    record = {
+        "seed": config.seed,
+        **_figures(folder / "eval", "student"),
+        "best_step": best_step,
+        "curve": curve,
+        "ce": [h["ce"] for h in history],
+        "seconds": time.perf_counter() - tick,
+    }
+    done.write_text(json.dumps(record))
+    return record
+
+
+COMPARISONS = (  # (arm, against): the paired tests the report prints
+    ("kd", "ce"),
+    ("csd", "ce-llama3"),
+    ("csd", "ce"),
+    ("csd", "kd"),
+    ("uld", "ce-llama3"),
+)
+SPLITS = (("in_domain", "in domain"), ("ood", "out of domain"))
+
+
+def _init_of(arm: str) -> str:
+    return f"student_init_{ARMS[arm][0]}"
+
+
+def _mean_sd(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 else f"{mean:.4f}"
+
+
+def table(results: dict) -> str:
+    """The report as Markdown: each arm's best-checkpoint bits per byte (mean ± sample sd over
+    seeds, each seed's value) and the share of its initialisation-to-teacher gap it closes; the
+    paired bootstrap of each comparison of :data:`COMPARISONS` present; the share of
+    same-tokenizer KD's gain over CE-only that CSD keeps."""
+    arms, refs = results["arms"], results["reference"]
+    lines = [
+        f"**{results['setting']}**: best checkpoint by in-domain held-out bits per byte",
+        "",
+        "| arm | in domain | per seed | gap closed | out of domain | per seed | gap closed "
+        "| best step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in refs.items():
+        lines.append(f"| {name} | {runs[0]['in_domain']:.4f} | | | {runs[0]['ood']:.4f} | | | |")
+    for arm, runs in arms.items():
+        cells = [arm]
+        for split, _ in SPLITS:
+            values = [r[split] for r in runs]
+            init, teacher = refs[_init_of(arm)][0][split], refs["teacher"][0][split]
+            closed = (init - statistics.fmean(values)) / (init - teacher)
+            cells += [_mean_sd(values), ", ".join(f"{v:.4f}" for v in values), f"{closed:.0%}"]
+        cells.append(", ".join(str(r["best_step"]) for r in runs))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Paired bootstrap over documents (10,000 resamples, seeds averaged): difference in bits "
+        "per byte (negative: the first arm is better), relative, 95% interval, p-value.",
+        "",
+        "| comparison | in domain | out of domain |",
+        "|---|---|---|",
+    ]
+    for arm, other in COMPARISONS:
+        if arm in arms and other in arms:
+            cells = [f"{arm} vs {other}"]
+            for split, _ in SPLITS:
+                d = compare(arms[arm], arms[other], split)
+                cells.append(
+                    f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] "
+                    f"p={d.p_value:.3g}"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+    if all(a in arms for a in ("ce", "kd", "ce-llama3", "csd")):
+        kept = []
+        for split, label in SPLITS:
+            gain_kd = compare(arms["ce"], arms["kd"], split).difference
+            gain_csd = compare(arms["ce-llama3"], arms["csd"], split).difference
+            kept.append(f"{label} {gain_csd / gain_kd:.0%}" if gain_kd > 0 else f"{label} n/a")
+        lines += [
+            "",
+            f"Share of same-tokenizer KD's gain over CE-only kept by CSD: {', '.join(kept)}.",
+        ]
+    return "\n".join(lines)
+
+
+def compare(runs_a: list[dict], runs_b: list[dict], split: str) -> PairedDifference:
+    """The paired bootstrap (:func:`crosskd.paired.paired_bootstrap`) of two arms' seeds on one
+    held-out set (``in_domain`` or ``ood``), seeds matched by position."""
+    n = min(len(runs_a), len(runs_b))
+
+    def stack(runs: list[dict], key: str) -> list[list[float]]:
+        return [r["sequences"][split][key] for r in runs[:n]]
+
+    return paired_bootstrap(
+        stack(runs_a, "bits"), stack(runs_a, "bytes"), stack(runs_b, "bits"), stack(runs_b, "bytes")
+    )
+
+
+def plot(results: dict, path: Path) -> None:
+    """Each arm's in-domain held-out bits per byte against steps (mean over seeds; the
+    teacher's as a line), one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, runs in results["arms"].items():
+        steps_ = [s for s, _ in runs[0]["curve"]]
+        curves = [[b for _, b in r["curve"]] for r in runs]
+        mean = [statistics.fmean(v) for v in zip(*curves, strict=True)]
+        ax.plot(steps_, mean, marker="o", label=name)
+    ax.axhline(
+        results["reference"]["teacher"][0]["in_domain"], color="grey", ls="--", label="teacher"
+    )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("in-domain held-out bits per byte")
+    ax.set_title(f"crosskd quality, {results['setting']}: mean over seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
