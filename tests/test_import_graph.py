@@ -30,8 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("crosskd.parallel",),  # the mesh carries the sharded loss's groups
     ("crosskd.teacher",),
     ("crosskd.serve",),  # the teacher server: config, batcher, HTTP
-    ("crosskd.evaluate", "crosskd.generate"),
-    ("crosskd.transplant",),  # a model moved onto another tokenizer, measured held out
+    ("crosskd.evaluate", "crosskd.generate", "crosskd.paired"),
+    ("crosskd.transplant", "crosskd.shrink"),  # a student made from a pretrained model
     ("crosskd.train",),  # the trainer evaluates on held-out data
     ("crosskd.k8s",),
     ("crosskd.steps",),  # the training step renders and submits a job

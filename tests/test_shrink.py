@@ -4,6 +4,8 @@ copied unchanged and renumbered, saved as a folder ``AutoModelForCausalLM`` load
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +13,11 @@ from safetensors.torch import load_file
 from train_inputs import TEXTS, tiny_model
 from transformers import AutoModelForCausalLM
 
+from crosskd import steps
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.shrink import kept_layers, shrink
+from crosskd.steps.config import load_run_config
+from crosskd.tokenization import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +139,58 @@ def test_a_model_without_decoder_layers_is_refused_by_name(model, tmp_path, monk
     with pytest.raises(CrosskdError, match=r"has no model\.layers list"):
         shrink(str(model), str(tmp_path / "small"), 2)
     assert not (tmp_path / "small").exists()
+
+
+def _run(model, root, *overrides):
+    """The ``tiny`` preset with the 6-layer model as the student, cut to fewer layers."""
+    return load_run_config(
+        None,
+        "tiny",
+        [f"output={root}", f"student={model}", "corpus_bytes=6000", "train.steps=2", *overrides],
+    )
+
+
+def test_a_run_cuts_its_student_once_under_a_content_key(model, tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    plan = steps.validate_inputs(_run(model, root, "student_layers=3"))
+    student = plan["student"]
+    assert student.startswith(f"{root}/inputs/students/")
+    config = json.loads((Path(student) / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3
+    old = load_file(str(model / "model.safetensors"))
+    new = load_file(str(Path(student) / "model.safetensors"))
+    assert torch.equal(
+        new["model.layers.2.mlp.up_proj.weight"], old["model.layers.5.mlp.up_proj.weight"]
+    )
+    assert plan["student_fingerprint"] == load_tokenizer(str(model)).fingerprint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("cut again")
+
+    monkeypatch.setattr("crosskd.steps.inputs.shrink", refuse)
+    assert steps.validate_inputs(_run(model, root, "student_layers=3"))["student"] == student
+    listed = steps.validate_inputs(_run(model, root, "student_layers=[0, 1, 5]"))
+    assert listed["student"] == student  # the same layers: the same key
+    monkeypatch.undo()
+    other = steps.validate_inputs(_run(model, root, "student_layers=[0, 5]"))
+    assert other["student"] != student
+
+
+def test_a_run_refuses_layers_it_cannot_cut(model, tmp_path):
+    root = tmp_path / "root"
+    cases = {
+        "student_layers=0": "student_layers is 0; give a count of decoder layers to keep",
+        "student_layers=[]": "student_layers is []; give a count",
+        "student_layers=[1, x]": "student_layers is [1, 'x']; give a count",
+        "student_layers=true": "student_layers is True; give a count",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            _run(model, root, override)
+    with pytest.raises(ConfigError, match="student_layers is set but student is init; give a"):
+        load_run_config(None, "tiny", [f"output={root}", "student_layers=2"])
+    with pytest.raises(
+        ConfigError, match=re.escape("student_layers is 7; the model has 6: keep 1 to 6.")
+    ):
+        steps.validate_inputs(_run(model, root, "student_layers=7"))
+    assert not (root / "inputs" / "students").exists()

@@ -68,6 +68,12 @@ class RunConfig:
     (a pretrained student keeps its own)."""
     student_shape: dict = field(default_factory=dict)
     """Llama shape of an ``init`` student."""
+    student_layers: int | list[int] | None = None
+    """A compressed student: the pretrained ``student`` with only these of its decoder layers
+    (a count: the first two and the last ones; or a list of indices; :mod:`crosskd.shrink`),
+    cut once under ``<output>/inputs/students/<key>`` before anything else (and before
+    ``transplant``), then healed by distillation from the teachers (the model it was cut from,
+    for instance). None: the student whole."""
     transplant: dict | None = None
     """Tokenizer transfer: move the pretrained ``student`` onto ``student_tokenizer`` before
     training (step ``init_student``, :mod:`crosskd.transplant`), then distil it from the
@@ -188,6 +194,30 @@ class RunConfig:
             )
         self._check_train()
         self._check_transplant()
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """Refuse a ``student_layers`` that is neither a count nor a list of indices, or one
+        for an ``init`` student."""
+        layers = self.student_layers
+        if layers is None:
+            return
+        count = isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1
+        indices = (
+            isinstance(layers, list)
+            and bool(layers)
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+        )
+        if not (count or indices):
+            raise ConfigError(
+                f"student_layers is {layers!r}; give a count of decoder layers to keep (>= 1) "
+                f"or a list of layer indices, or leave it out."
+            )
+        if self.student == INIT:
+            raise ConfigError(
+                "student_layers is set but student is init; give a pretrained student to cut, "
+                "or set student_shape instead."
+            )
 
     def _check_transplant(self) -> None:
         """Refuse a ``transplant`` that is not a mapping, one for an ``init`` student, a key the

@@ -29,6 +29,7 @@ from crosskd.errors import ConfigError, CrosskdError
 from crosskd.k8s import JOB_KINDS
 from crosskd.parallel.attention import layer_windows, refuse_state_mixers
 from crosskd.parallel.layout import ParallelLayout
+from crosskd.shrink import kept_layers, shrink
 from crosskd.steps.config import EXECUTORS, INIT, LICENCES, STDLIB, RunConfig
 from crosskd.steps.locations import content_uri, exists, materialize
 from crosskd.teacher.model import model_folder
@@ -122,6 +123,8 @@ def validate_inputs(
     student = model_ref(
         config.student, config.student_tokenizer, config.student_shape, config.seed, "student"
     )
+    if config.student_layers is not None:
+        student = _compressed_student(root, student, config.student_layers)
     transplant = None
     if config.transplant is None:
         student_fp = load_tokenizer(model_tokenizer(student)).fingerprint
@@ -166,6 +169,30 @@ def validate_inputs(
         train_data,
     )
     return plan
+
+
+def _compressed_student(root: str, student: str, layers: int | list[int]) -> str:
+    """``student`` with only its decoder ``layers`` (:func:`crosskd.shrink.shrink`), written
+    once under a URI keyed by the student reference, its ``config.json`` and the kept layers."""
+    folder = model_folder(student, role="student")
+    config_json = (folder / "config.json").read_bytes()
+    total = json.loads(config_json).get("num_hidden_layers")
+    if not isinstance(total, int):
+        raise ConfigError(
+            f"student_layers is set but student {student} has no num_hidden_layers in its "
+            f"config.json; give a decoder-only causal LM of the Llama family."
+        )
+    try:
+        keep = kept_layers(total, layers)
+    except ConfigError as exc:
+        raise ConfigError(f"student_{exc} (student {student})") from exc
+    key = {
+        "student": student,
+        "config": hashlib.sha256(config_json).hexdigest(),
+        "layers": keep,
+    }
+    uri = content_uri(root, "inputs/students", key)
+    return materialize(uri, lambda out: shrink(student, str(out), keep) and None)
 
 
 def _transplant_plan(
