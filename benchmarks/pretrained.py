@@ -45,6 +45,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from crosskd import steps
+from crosskd.data.collate import load_prepared
 from crosskd.distill import checked_tables, teacher_caches
 from crosskd.paired import PairedDifference, paired_bootstrap
 from crosskd.shrink import shrink
@@ -235,13 +236,17 @@ def _evaluate(prepared: dict, models: dict[str, str], folder: Path, base: RunCon
 
 
 def _figures(folder: Path, name: str) -> dict:
-    """One model's bits per byte and per-document bits and bytes from ``evaluate_run``'s files
-    under ``folder``."""
+    """One model's bits per byte and per-document bits, bytes and sample ids (the order of
+    each prepared set's samples depends on its tokenizer's packing) from ``evaluate_run``'s
+    files under ``folder``."""
     record: dict = {"sequences": {}}
     for split, file in (("in_domain", "evaluation.json"), ("ood", "evaluation_ood.json")):
-        entry = json.loads((folder / file).read_text())["models"][name]
+        evaluation = json.loads((folder / file).read_text())
+        entry = evaluation["models"][name]
+        data = load_prepared(evaluation["data"])
         record[split] = entry["bits_per_byte"]
         record["sequences"][split] = {
+            "ids": [s["sample_id"] for row in data.packed_rows() for s in row],
             "bits": entry["sequence_bits"],
             "bytes": entry["sequence_bytes"],
         }
@@ -262,7 +267,7 @@ def _arm(
     arm's record (``<folder>/arm.json``) is read back instead."""
     done = folder / "arm.json"
     if done.exists():
-        return json.loads(done.read_text())
+        return {**json.loads(done.read_text()), **_figures(folder / "eval", "student")}
     prepared, tables, caches = inputs
     train = {
         **config.train,
@@ -284,14 +289,13 @@ def _arm(
     _evaluate(prepared, {"student": f"{result['output']}/best"}, folder / "eval", config)
     record = {
         "seed": config.seed,
-        **_figures(folder / "eval", "student"),
         "best_step": best_step,
         "curve": curve,
         "ce": [h["ce"] for h in history],
         "seconds": time.perf_counter() - tick,
     }
     done.write_text(json.dumps(record))
-    return record
+    return {**record, **_figures(folder / "eval", "student")}
 
 
 COMPARISONS = (  # (arm, against): the paired tests the report prints
@@ -370,11 +374,18 @@ def table(results: dict) -> str:
 
 def compare(runs_a: list[dict], runs_b: list[dict], split: str) -> PairedDifference:
     """The paired bootstrap (:func:`crosskd.paired.paired_bootstrap`) of two arms' seeds on one
-    held-out set (``in_domain`` or ``ood``), seeds matched by position."""
+    held-out set (``in_domain`` or ``ood``), seeds matched by position, documents by sample id
+    (two tokenizers' prepared sets hold the same documents in different orders)."""
     n = min(len(runs_a), len(runs_b))
+    order = runs_a[0]["sequences"][split]["ids"]
 
     def stack(runs: list[dict], key: str) -> list[list[float]]:
-        return [r["sequences"][split][key] for r in runs[:n]]
+        rows = []
+        for run in runs[:n]:
+            sequences = run["sequences"][split]
+            by_id = dict(zip(sequences["ids"], sequences[key], strict=True))
+            rows.append([by_id[i] for i in order])
+        return rows
 
     return paired_bootstrap(
         stack(runs_a, "bits"), stack(runs_a, "bytes"), stack(runs_b, "bits"), stack(runs_b, "bytes")
