@@ -24,7 +24,11 @@ Arms, each on every seed (a seed changes the data order; the student is the same
 * ``ce-llama3``: the compressed student moved onto the Llama-3 tokenizer
   (:mod:`crosskd.transplant`, ``tuned``), CE only;
 * ``csd``: the moved student, CSD from the teacher;
-* ``uld``: the moved student, ULD (``--arms`` picks; not in the default set).
+* ``uld``: the moved student, ULD;
+* ``kd-only``, ``csd-only``: ``kd`` and ``csd`` without the CE term (pure distillation, as
+  depth-pruned models are healed in Minitron and as ALM transfers tokenizers).
+
+``--arms`` picks; the default set is ``ce``, ``kd``, ``ce-llama3``, ``csd``.
 
 Every arm trains ``passes`` passes over its rows with a held-out evaluation every half pass
 (``train.eval_data``: the in-domain held-out rows); the arm is compared at its best checkpoint by
@@ -56,12 +60,20 @@ log = logging.getLogger("quality")
 
 SETTINGS = ("compressed", "domain-teacher")
 KD = {"divergence": "forward_kl", "dynamic_kd_scale": True}
+KD_ONLY = {
+    "divergence": "forward_kl",
+    "ce_weight": 0.0,
+    "kd_weight": 1.0,
+    "dynamic_kd_scale": False,
+}
 ARMS = {  # name: (student tokenizer: own | llama3, loss changes; None: CE only)
     "ce": ("own", None),
     "kd": ("own", KD),
     "ce-llama3": ("llama3", None),
     "csd": ("llama3", KD),
     "uld": ("llama3", {"kd": "uld", "kd_weight": 1.5, "dynamic_kd_scale": False}),
+    "kd-only": ("own", KD_ONLY),
+    "csd-only": ("llama3", KD_ONLY),
 }
 DEFAULT_ARMS = ("ce", "kd", "ce-llama3", "csd")
 FULL = {
