@@ -51,6 +51,7 @@ from pathlib import Path
 from crosskd import steps
 from crosskd.data.collate import load_prepared
 from crosskd.distill import checked_tables, teacher_caches
+from crosskd.errors import ConfigError
 from crosskd.paired import PairedDifference, paired_bootstrap
 from crosskd.shrink import shrink
 from crosskd.steps.config import RunConfig
@@ -279,7 +280,7 @@ def _arm(
     arm's record (``<folder>/arm.json``) is read back instead."""
     done = folder / "arm.json"
     if done.exists():
-        return {**json.loads(done.read_text()), **_figures(folder / "eval", "student")}
+        return {**json.loads(done.read_text()), **_outcome(folder, eval_every)}
     prepared, tables, caches = inputs
     train = {
         **config.train,
@@ -307,17 +308,44 @@ def _arm(
         "seconds": time.perf_counter() - tick,
     }
     done.write_text(json.dumps(record))
-    return {**record, **_figures(folder / "eval", "student")}
+    return {**record, **_outcome(folder, eval_every)}
 
 
-COMPARISONS = (  # (arm, against): the paired tests the report prints
+def _outcome(folder: Path, eval_every: int) -> dict:
+    """What the report reads from an arm's files: its best checkpoint's figures
+    (:func:`_figures`) and, for a cross-tokenizer run, per chunk shape (``1:1``, ``1:n``, ...)
+    its chunks and share of the KD term, mean over the last ``eval_every`` steps."""
+    (output,) = [p for p in folder.iterdir() if (p / "metrics-rank0.jsonl").exists()]
+    last = run_history(str(output))[-eval_every:]
+    shapes = sorted(
+        {k.split("/")[1] for k in last[-1] if k.startswith("teacher0/") and k.count("/") == 2}
+    )
+    per_shape = {
+        shape: {
+            stat: statistics.fmean(h.get(f"teacher0/{shape}/{stat}", 0.0) for h in last)
+            for stat in ("chunks", "kd_share")
+        }
+        for shape in shapes
+    }
+    return {**_figures(folder / "eval", "student"), "shapes": per_shape}
+
+
+COMPARISONS = (  # (arm, against): the paired tests the report prints, each on one tokenizer
     ("kd", "ce"),
     ("csd", "ce-llama3"),
-    ("csd", "ce"),
-    ("csd", "kd"),
     ("uld", "ce-llama3"),
+    ("kd-only", "ce"),
+    ("csd-only", "ce-llama3"),
 )
+"""Arms are compared only with arms on the same tokenizer: two tokenizers' prepared held-out
+sets score different bytes of the same documents (the student's ``max_length`` clips each
+document where its own tokens run out, and a tokenizer without BOS leaves its first token
+unscored), so a difference across tokenizers is partly a difference of text."""
 SPLITS = (("in_domain", "in domain"), ("ood", "out of domain"))
+KINDS = ("code", "prose", "translations")
+"""The corpus deals documents from its three streams in turn (:func:`crosskd.alignment.corpus
+.benchmark_corpus`, while all three last, as they do at these sizes): held-out document ``j``
+(every second) is corpus document ``2j``, of kind ``2j mod 3``."""
 
 
 def _init_of(arm: str) -> str:
@@ -329,11 +357,18 @@ def _mean_sd(values: list[float]) -> str:
     return f"{mean:.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 else f"{mean:.4f}"
 
 
+def _p(d: PairedDifference) -> str:
+    """The p-value, or its floor when no resample reached zero."""
+    floor = 2 / (d.samples + 1)
+    return f"p<={floor:.1g}" if d.p_value <= floor else f"p={d.p_value:.2g}"
+
+
 def table(results: dict) -> str:
     """The report as Markdown: each arm's best-checkpoint bits per byte (mean ± sample sd over
-    seeds, each seed's value) and the share of its initialisation-to-teacher gap it closes; the
-    paired bootstrap of each comparison of :data:`COMPARISONS` present; the share of
-    same-tokenizer KD's gain over CE-only that CSD keeps."""
+    seeds, each seed's value), the share of its initialisation-to-teacher gap it closes, the
+    bytes each tokenizer's held-out sets score; the paired bootstrap of each comparison of
+    :data:`COMPARISONS` present; each distilled arm's relative gain over its CE-only twin; the
+    in-domain figures by kind of text; CSD's KD term by chunk shape."""
     arms, refs = results["arms"], results["reference"]
     lines = [
         f"**{results['setting']}**: best checkpoint by in-domain held-out bits per byte",
@@ -353,48 +388,97 @@ def table(results: dict) -> str:
             cells += [_mean_sd(values), ", ".join(f"{v:.4f}" for v in values), f"{closed:.0%}"]
         cells.append(", ".join(str(r["best_step"]) for r in runs))
         lines.append("| " + " | ".join(cells) + " |")
+    scored = {
+        name: {split: sum(runs[0]["sequences"][split]["bytes"]) for split, _ in SPLITS}
+        for name, runs in refs.items()
+    }
     lines += [
         "",
-        "Paired bootstrap over documents (10,000 resamples, seeds averaged): difference in bits "
-        "per byte (negative: the first arm is better), relative, 95% interval, p-value.",
+        "Bytes scored (the teacher's: on its own tokenizer's set): "
+        + "; ".join(f"{n} {b['in_domain']} / {b['ood']}" for n, b in scored.items())
+        + ". Gap closed is measured against that teacher figure.",
+        "",
+        "Paired bootstrap over documents (10,000 resamples, seeds averaged), arms on the same "
+        "tokenizer: difference in bits per byte (negative: the first arm is better), relative, "
+        "95% interval, p-value.",
         "",
         "| comparison | in domain | out of domain |",
         "|---|---|---|",
     ]
+    gains = {}
     for arm, other in COMPARISONS:
         if arm in arms and other in arms:
             cells = [f"{arm} vs {other}"]
-            for split, _ in SPLITS:
+            for split, label in SPLITS:
                 d = compare(arms[arm], arms[other], split)
+                gains.setdefault(arm, []).append(f"{label} {-d.relative:.1%}")
                 cells.append(
-                    f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] "
-                    f"p={d.p_value:.3g}"
+                    f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] {_p(d)}"
                 )
             lines.append("| " + " | ".join(cells) + " |")
-    if all(a in arms for a in ("ce", "kd", "ce-llama3", "csd")):
-        kept = []
-        for split, label in SPLITS:
-            gain_kd = compare(arms["ce"], arms["kd"], split).difference
-            gain_csd = compare(arms["ce-llama3"], arms["csd"], split).difference
-            kept.append(f"{label} {gain_csd / gain_kd:.0%}" if gain_kd > 0 else f"{label} n/a")
-        lines += [
-            "",
-            f"Share of same-tokenizer KD's gain over CE-only kept by CSD: {', '.join(kept)}.",
-        ]
+    lines += ["", "Relative gain over the CE-only twin on the same tokenizer:"]
+    lines += [f"* {arm}: {', '.join(values)}" for arm, values in gains.items()]
+    lines += ["", "In-domain bits per byte by kind of text (mean over seeds):", ""]
+    lines += [f"* {arm}: {_by_kind(runs)}" for arm, runs in arms.items()]
+    for arm in ("csd", "csd-only"):
+        if arm in arms:
+            lines += [
+                "",
+                f"{arm} (seed {arms[arm][0]['seed']}), the last half pass: {_shapes(arms[arm][0])}",
+            ]
     return "\n".join(lines)
 
 
+def _by_kind(runs: list[dict]) -> str:
+    """In-domain bits per byte of each of :data:`KINDS`, mean over seeds."""
+    figures = []
+    for k, kind in enumerate(KINDS):
+        values = []
+        for run in runs:
+            s = run["sequences"]["in_domain"]
+            picked = [
+                (b, n)
+                for i, b, n in zip(s["ids"], s["bits"], s["bytes"], strict=True)
+                if 2 * int(i.rsplit("-", 1)[1]) % 3 == k
+            ]
+            values.append(sum(b for b, _ in picked) / sum(n for _, n in picked))
+        figures.append(f"{kind} {statistics.fmean(values):.4f}")
+    return ", ".join(figures)
+
+
+def _shapes(run: dict) -> str:
+    """Per chunk shape of a cross-tokenizer run: its share of the chunks and of the KD term,
+    mean over the steps of the last half pass."""
+    last = run["shapes"]
+    total = sum(v["chunks"] for v in last.values())
+    return "; ".join(
+        f"{shape} {v['chunks'] / total:.0%} of the chunks, {v['kd_share']:.0%} of the KD term"
+        for shape, v in last.items()
+    )
+
+
 def compare(runs_a: list[dict], runs_b: list[dict], split: str) -> PairedDifference:
-    """The paired bootstrap (:func:`crosskd.paired.paired_bootstrap`) of two arms' seeds on one
-    held-out set (``in_domain`` or ``ood``), seeds matched by position, documents by sample id
-    (two tokenizers' prepared sets hold the same documents in different orders)."""
-    n = min(len(runs_a), len(runs_b))
-    order = runs_a[0]["sequences"][split]["ids"]
+    """The paired bootstrap (:func:`crosskd.paired.paired_bootstrap`) of two arms on one
+    held-out set (``in_domain`` or ``ood``): seeds matched by position, documents by sample id.
+    Arms with different seed counts, or whose documents or bytes differ (two tokenizers' sets),
+    are a ConfigError."""
+    if len(runs_a) != len(runs_b):
+        raise ConfigError(
+            f"the arms have {len(runs_a)} and {len(runs_b)} seeds; compare runs of the same seeds."
+        )
+    first = runs_a[0]["sequences"][split]
+    order = first["ids"]
+    want = dict(zip(order, first["bytes"], strict=True))
 
     def stack(runs: list[dict], key: str) -> list[list[float]]:
         rows = []
-        for run in runs[:n]:
+        for run in runs:
             sequences = run["sequences"][split]
+            if dict(zip(sequences["ids"], sequences["bytes"], strict=True)) != want:
+                raise ConfigError(
+                    f"{split}: the arms score other documents or bytes (two tokenizers' held-out "
+                    f"sets); compare arms on the same tokenizer."
+                )
             by_id = dict(zip(sequences["ids"], sequences[key], strict=True))
             rows.append([by_id[i] for i in order])
         return rows

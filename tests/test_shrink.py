@@ -95,8 +95,9 @@ def test_keeping_every_layer_computes_what_the_model_does(model, tmp_path):
 
 
 def test_a_shrunk_model_decodes_with_its_cache_as_without(model, tmp_path):
-    """Each kept layer is renumbered for the key-value cache: greedy decoding with the cache
-    gives what recomputing the whole prefix at every token gives."""
+    """Greedy decoding with the key-value cache gives what recomputing the whole prefix at every
+    token gives (the loaded cut model's layers index the cache anew), and the cut model computes
+    something else than the whole one."""
     shrink(str(model), str(tmp_path / "small"), [0, 3, 5])
     small = AutoModelForCausalLM.from_pretrained(str(tmp_path / "small")).eval()
     prompt = torch.tensor([[5, 17, 42, 8]])
@@ -110,6 +111,23 @@ def test_a_shrunk_model_decodes_with_its_cache_as_without(model, tmp_path):
     with torch.no_grad():
         full = AutoModelForCausalLM.from_pretrained(str(model)).eval()
         assert not torch.allclose(full(prompt).logits, small(prompt).logits)
+
+
+def test_per_layer_config_lists_are_cut_and_others_kept(model, tmp_path):
+    """``layer_types`` (one entry per layer) keeps the kept layers' entries; a list of another
+    meaning that happens to have one entry per layer (``eos_token_id`` here) is left alone."""
+    folder = tmp_path / "typed"
+    values = json.loads((model / "config.json").read_text())
+    kinds = ["full_attention", "sliding_attention"] * 3
+    values |= {"layer_types": kinds, "eos_token_id": [1, 2, 3, 4, 5, 6]}
+    folder.mkdir()
+    for path in model.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / "config.json").write_text(json.dumps(values))
+    shrink(str(folder), str(tmp_path / "small"), [0, 3, 4])
+    config = json.loads((tmp_path / "small" / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
+    assert config["eos_token_id"] == [1, 2, 3, 4, 5, 6]
 
 
 def test_an_output_folder_with_files_is_refused_and_kept(model, tmp_path):
@@ -190,7 +208,7 @@ def test_a_run_refuses_layers_it_cannot_cut(model, tmp_path):
     with pytest.raises(ConfigError, match="student_layers is set but student is init; give a"):
         load_run_config(None, "tiny", [f"output={root}", "student_layers=2"])
     with pytest.raises(
-        ConfigError, match=re.escape("student_layers is 7; the model has 6: keep 1 to 6.")
+        ConfigError, match=re.escape("student_layers: layers is 7; the model has 6: keep 1 to 6.")
     ):
         steps.validate_inputs(_run(model, root, "student_layers=7"))
     assert not (root / "inputs" / "students").exists()

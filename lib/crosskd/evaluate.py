@@ -131,7 +131,7 @@ def _per_sequence(
         picked = logits.gather(-1, ids[:, 1:, None])[..., 0].float()
         lp = picked - torch.logsumexp(logits.float(), dim=-1)
         keep = counted[:, 1:].to(lp.device)
-        row_bits = -(lp.double() * keep).sum(dim=1).cpu().numpy() / math.log(2)
+        row_bits = -torch.where(keep, lp.double(), 0.0).sum(dim=1).cpu().numpy() / math.log(2)
         row_bytes = (token_bytes[ids[:, 1:].cpu().numpy()] * keep.cpu().numpy()).sum(axis=1)
         bits[group] = row_bits
         n_bytes[group] = row_bytes

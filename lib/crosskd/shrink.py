@@ -4,18 +4,18 @@ layers removed (depth pruning), to be healed by distillation from the model it c
 
 Which layers stay: an explicit list of indices, or a count ``n``: the first two layers and the
 last ``n - 2`` (removing a contiguous block after the second layer; for ``n`` of 3 or less, the
-first ``n - 1`` and the last). On SmolLM2-135M (30
-layers) kept to 10, before any training, that start measured 5.23 bits per byte on Python
-standard-library text and 2.81 on licence texts; the first 8 and last 2 7.70 / 4.31, every third
-layer 6.07 / 3.51, the first 9 and the last (the rule of Gromov et al., "The Unreasonable
-Ineffectiveness of the Deeper Layers", measured on far larger models) 7.92 / 5.62. Either way
-the cut model needs healing: the full model measured 1.35 / 1.16.
+first ``n - 1`` and the last). On SmolLM2-135M (30 layers) kept to 10, before any training, on
+10 kB of Python standard-library text and 6 kB of licence texts, that start measured 5.23 and
+2.81 bits per byte; the first 8 and last 2 7.70 / 4.31, every third layer 6.07 / 3.51, the
+first 9 and the last (the rule of Gromov et al., "The Unreasonable Ineffectiveness of the Deeper
+Layers", measured on far larger models) 7.92 / 5.62. Either way the cut model needs healing: the
+full model measured 1.35 / 1.16 on the same text.
 
 The embeddings, the final norm and the output layer are kept whole; each kept layer is copied
-unchanged and renumbered (its attention's ``layer_idx``, which indexes the key-value cache). The
-result is a normal Hugging Face folder (safetensors weights, ``config.json`` with the new
-``num_hidden_layers``, and per-layer lists such as ``layer_types`` cut to the kept layers, the
-tokenizer's files) that ``AutoModelForCausalLM`` loads.
+unchanged (loading the folder numbers the layers anew, ``layer_idx`` included). The result is a
+normal Hugging Face folder (safetensors weights, ``config.json`` with the new
+``num_hidden_layers`` and the per-layer lists of :data:`PER_LAYER_KEYS` cut to the kept layers,
+the tokenizer's files) that ``AutoModelForCausalLM`` loads.
 """
 
 from __future__ import annotations
@@ -32,8 +32,14 @@ from crosskd.teacher.model import model_folder
 
 log = logging.getLogger(__name__)
 
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
+"""Config keys holding one entry per decoder layer (Qwen2/3's and Gemma's attention kinds,
+SmolLM3's RoPE switch), cut to the kept layers."""
 _TOKENIZER_FILES = (
     "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
@@ -127,17 +133,12 @@ def shrink(
 
 
 def _keep(model: torch.nn.Module, keep: list[int]) -> None:
-    """Cut ``model.model.layers`` and the config's per-layer lists to ``keep``, renumbering."""
-    stack = model.model.layers
-    model.model.layers = torch.nn.ModuleList(stack[i] for i in keep)
-    for new, layer in enumerate(model.model.layers):
-        for module in layer.modules():
-            if hasattr(module, "layer_idx"):
-                module.layer_idx = new
+    """Cut ``model.model.layers`` and the config's :data:`PER_LAYER_KEYS` lists to ``keep``."""
+    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
     config = model.config
-    total = config.num_hidden_layers
-    for key, value in list(vars(config).items()):
-        if isinstance(value, list) and len(value) == total and key != "architectures":
+    for key in PER_LAYER_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, list) and len(value) == config.num_hidden_layers:
             setattr(config, key, [value[i] for i in keep])
     config.num_hidden_layers = len(keep)
 

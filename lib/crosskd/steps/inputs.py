@@ -185,14 +185,17 @@ def _compressed_student(root: str, student: str, layers: int | list[int]) -> str
     try:
         keep = kept_layers(total, layers)
     except ConfigError as exc:
-        raise ConfigError(f"student_{exc} (student {student})") from exc
+        raise ConfigError(f"student_layers: {exc} (student {student})") from exc
     key = {
         "student": student,
         "config": hashlib.sha256(config_json).hexdigest(),
         "layers": keep,
     }
-    uri = content_uri(root, "inputs/students", key)
-    return materialize(uri, lambda out: shrink(student, str(out), keep) and None)
+
+    def build(folder: Path) -> None:
+        shrink(student, str(folder), keep)
+
+    return materialize(content_uri(root, "inputs/students", key), build)
 
 
 def _transplant_plan(
