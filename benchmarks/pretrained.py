@@ -35,8 +35,8 @@ Every arm trains ``passes`` passes over its rows with a held-out evaluation ever
 (``train.eval_data``: the in-domain held-out rows); the arm is compared at its best checkpoint by
 that figure (early stopping), evaluated in and out of domain with each document's bits and
 bytes kept, and compared with the CE-only arm on its own tokenizer by a paired bootstrap over
-documents (:mod:`crosskd.paired`; :data:`COMPARISONS`). The CE-only arms do not read the teacher: both settings share them
-(``<out>/runs/ce-*``).
+documents (:mod:`crosskd.paired`; :data:`COMPARISONS`). The CE-only arms do not read the
+teacher: both settings share them (``<out>/runs/ce-*``).
 """
 
 from __future__ import annotations
