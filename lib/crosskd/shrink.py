@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from crosskd.errors import ConfigError, CrosskdError
-from crosskd.teacher.model import model_folder
+from crosskd.teacher.model import model_folder, write_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def shrink(
     original = sum(p.numel() for p in loaded.parameters())
     keep = kept_layers(len(stack), layers)
     _keep(loaded, keep)
-    _write(loaded, folder, out)
+    write_model_folder(loaded, out, lambda partial: _copy_tokenizer(folder, partial))
     report = ShrinkReport(
         output=str(out),
         layers=keep,
@@ -143,19 +143,9 @@ def _keep(model: torch.nn.Module, keep: list[int]) -> None:
     config.num_hidden_layers = len(keep)
 
 
-def _write(model: torch.nn.Module, source: Path, output: Path) -> None:
-    """The model and the source folder's tokenizer files saved under a temporary name beside
-    ``output``, then renamed to it (nothing is left at ``output`` if saving fails)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        model.save_pretrained(str(partial), safe_serialization=True)
-        for name in _TOKENIZER_FILES:
-            if (source / name).is_file() and not (partial / name).exists():
-                shutil.copyfile(source / name, partial / name)
-        if output.exists():
-            output.rmdir()
-        partial.rename(output)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+def _copy_tokenizer(source: Path, folder: Path) -> None:
+    """Copy the tokenizer files of ``source`` that ``folder`` lacks, unchanged (the student
+    keeps its tokenizer's fingerprint)."""
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file() and not (folder / name).exists():
+            shutil.copyfile(source / name, folder / name)

@@ -25,9 +25,7 @@ The body is untouched. The result is a normal Hugging Face folder (safetensors w
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +45,7 @@ from crosskd.errors import ConfigError, CrosskdError, DataError
 from crosskd.evaluate import bits_per_byte
 from crosskd.tables.build import build_table
 from crosskd.tables.format import Flag, SubTokenTable
-from crosskd.teacher.model import model_folder, teacher_dtype
+from crosskd.teacher.model import model_folder, teacher_dtype, write_model_folder
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -218,7 +216,7 @@ def transplant(config: TransplantConfig) -> TransplantReport:
         log.info("tuned: loss %.4f at the first step, %.4f at the last", losses[0], losses[-1])
         if texts:
             measured["tuned"] = text_bits_per_byte(model, new_tok, texts)
-    _write(model, new_tok, output)
+    write_model_folder(model, output, new_tok.hf.save_pretrained)
     lengths = table.lengths
     report = TransplantReport(
         output=str(output),
@@ -366,19 +364,3 @@ def _set_special_ids(model: torch.nn.Module, tokenizer: LoadedTokenizer) -> None
         setattr(model.config, key, value)
         if model.generation_config is not None:
             setattr(model.generation_config, key, value)
-
-
-def _write(model: torch.nn.Module, tokenizer: LoadedTokenizer, output: Path) -> None:
-    """The model and the new tokenizer saved under a temporary name beside ``output``, then
-    renamed to it (nothing is left at ``output`` if saving fails)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        model.save_pretrained(str(partial), safe_serialization=True)
-        tokenizer.hf.save_pretrained(str(partial))
-        if output.exists():
-            output.rmdir()
-        partial.rename(output)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)

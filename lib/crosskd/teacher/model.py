@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,6 +183,25 @@ def model_folder(
             f"(`huggingface-cli download {ref}`) or pass its folder."
         )
     return Path(found).parent
+
+
+def write_model_folder(
+    model: torch.nn.Module, output: Path, write_tokenizer: Callable[[Path], None]
+) -> None:
+    """Save ``model`` (safetensors) and, by ``write_tokenizer(folder)``, its tokenizer files
+    into a folder beside ``output`` under a temporary name, then rename it to ``output`` (an
+    empty folder there is replaced): nothing is left at ``output`` if saving fails."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model.save_pretrained(str(partial), safe_serialization=True)
+        write_tokenizer(partial)
+        if output.exists():
+            output.rmdir()
+        partial.rename(output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _fetch(uri: str, cache_dir: Path, role: str) -> Path:
