@@ -1,22 +1,28 @@
 """The pretrained-student settings of ``benchmarks/quality.py``: does distilling beat fine-tuning
 where the teacher knows more than the student's data shows?
 
-Both settings start every arm from one pretrained student, the **compressed** SmolLM2: SmolLM2-
-135M-Instruct with 10 of its 30 decoder layers kept (:mod:`crosskd.shrink`: the first two and the
-last eight, 64M parameters of 135M), so the student is smaller than its teacher and has lost
-much of what the teacher knows. The settings differ in the teacher:
+Every arm of a setting starts from one pretrained student. In two settings it is the
+**compressed** SmolLM2: SmolLM2-135M-Instruct with 10 of its 30 decoder layers kept
+(``student_layers``, :mod:`crosskd.shrink`: the first two and the last eight, 64M parameters of
+135M), so the student is smaller than its teacher and has lost much of what the teacher knows:
 
-* ``compressed``: the full SmolLM2-135M-Instruct, the model the student was cut from (the
-  student is healed by distillation);
-* ``domain-teacher``: SmolLM2-135M-Instruct first adapted (CE, every parameter, one pass) on
-  more than 10x as much in-domain text as the student gets (:func:`domain_teacher`; the student's
-  held-out documents are not in it), so it knows the domain beyond the student's data. The
-  adapted teacher is a cached step: built once under ``<out>/work/inputs/domain-teacher``.
+* ``compressed``: the teacher is the full SmolLM2-135M-Instruct, the model the student was cut
+  from (the student is healed by distillation);
+* ``domain-teacher``: the teacher is SmolLM2-135M-Instruct first adapted (CE, every parameter,
+  one pass) on more than 10x as much in-domain text as the student gets (:func:`domain_teacher`;
+  the student's held-out documents are not in it), so it knows the domain beyond the student's
+  data. The adapted teacher is a cached step: built once under
+  ``<out>/work/inputs/domain-teacher``.
+
+In the third, ``transfer``, the student is the whole SmolLM2-135M-Instruct moved onto the
+Llama-3 tokenizer and the teacher is the model it was: distillation restores what the move lost.
 
 Data: the machine's Python standard-library text (``crosskd.alignment.corpus``) in documents of
 about ``3 * max_length`` bytes, every second document held out: about 31 kB to train on and
-31 kB of **in-domain** held-out text (of which the 128-token limit leaves 21-23 kB scored);
-31 kB of licence texts as **out-of-domain** held-out text.
+31 kB of **in-domain** held-out text; 31 kB of licence texts as **out-of-domain** held-out text.
+Training rows hold :data:`MAX_LENGTH` tokens; the held-out sets the results are scored on are
+prepared at :data:`SCORED_LENGTH` tokens, so every document is scored whole (the set that picks
+the best checkpoint during training keeps the training length).
 Arms, each on every seed (a seed changes the data order; the student is the same):
 
 * ``ce``: the compressed student on its own tokenizer, CE only (fine-tuning);
@@ -27,16 +33,19 @@ Arms, each on every seed (a seed changes the data order; the student is the same
 * ``csd``: the moved student, CSD from the teacher;
 * ``uld``: the moved student, ULD;
 * ``kd-only``, ``csd-only``: ``kd`` and ``csd`` without the CE term (pure distillation, as
-  depth-pruned models are healed in Minitron and as ALM transfers tokenizers).
+  depth-pruned models are healed in Minitron and as ALM transfers tokenizers);
+* ``csd-mw1``: ``csd`` with ``mismatch_weight`` 1 (the spec's 5 weighs the events of the 1:n
+  n:1 and n:m chunks five times a 1:1 chunk's).
 
-``--arms`` picks; the default set is ``ce``, ``kd``, ``ce-llama3``, ``csd``.
+``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
+student on its own tokenizer is its teacher).
 
 Every arm trains ``passes`` passes over its rows with a held-out evaluation every half pass
 (``train.eval_data``: the in-domain held-out rows); the arm is compared at its best checkpoint by
 that figure (early stopping), evaluated in and out of domain with each document's bits and
 bytes kept, and compared with the CE-only arm on its own tokenizer by a paired bootstrap over
 documents (:mod:`crosskd.paired`; :data:`COMPARISONS`). The CE-only arms do not read the
-teacher: both settings share them (``<out>/runs/ce-*``).
+teacher: the two settings of the compressed student share them (``<out>/runs/ce-*``).
 """
 
 from __future__ import annotations
@@ -54,13 +63,12 @@ from crosskd.data.collate import load_prepared
 from crosskd.distill import checked_tables, teacher_caches
 from crosskd.errors import ConfigError
 from crosskd.paired import PairedDifference, paired_bootstrap
-from crosskd.shrink import shrink
 from crosskd.steps.config import RunConfig
 from crosskd.steps.train import run_history
 
 log = logging.getLogger("quality")
 
-SETTINGS = ("compressed", "domain-teacher")
+SETTINGS = ("compressed", "domain-teacher", "transfer")
 KD = {"divergence": "forward_kl", "dynamic_kd_scale": True}
 KD_ONLY = {
     "divergence": "forward_kl",
@@ -76,8 +84,18 @@ ARMS = {  # name: (student tokenizer: own | llama3, loss changes; None: CE only)
     "uld": ("llama3", {"kd": "uld", "kd_weight": 1.5, "dynamic_kd_scale": False}),
     "kd-only": ("own", KD_ONLY),
     "csd-only": ("llama3", KD_ONLY),
+    "csd-mw1": ("llama3", {**KD, "mismatch_weight": 1.0}),
 }
-DEFAULT_ARMS = ("ce", "kd", "ce-llama3", "csd")
+DEFAULT_ARMS = {
+    "compressed": ("ce", "kd", "ce-llama3", "csd"),
+    "domain-teacher": ("ce", "kd", "ce-llama3", "csd"),
+    "transfer": ("ce-llama3", "csd"),
+}
+MAX_LENGTH = 128
+"""Tokens per training row and per row of the held-out set that picks the best checkpoint."""
+SCORED_LENGTH = 512
+"""Tokens per row of the held-out sets the best checkpoints and references are scored on: every
+document (about ``3 * MAX_LENGTH`` bytes) fits whole, so all of its bytes are scored."""
 FULL = {
     "corpus_bytes": 62_000,
     "ood_bytes": 31_000,
@@ -108,46 +126,49 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
     """One pretrained setting (module docstring), every arm of ``arms`` on each seed; returns
     the results: per arm and seed the best checkpoint's held-out bits per byte in and out of
     domain, each document's bits and bytes, the held-out curve; the references (teacher, the
-    compressed student on both tokenizers)."""
+    student on each tokenizer an arm uses)."""
     size = dict(QUICK if quick else FULL)
     started = time.perf_counter()
     work = out / "work"
-    student = _compressed_student(work, size["layers"])
+    layers = None if setting == "transfer" else size["layers"]
     teacher = (
-        "zoo:smollm2"
-        if setting == "compressed"
-        else domain_teacher(work, size["teacher_bytes"], size["teacher_steps"])
+        domain_teacher(work, size["teacher_bytes"], size["teacher_steps"])
+        if setting == "domain-teacher"
+        else "zoo:smollm2"
     )
     results: dict = {"setting": setting, "arms": {}, "reference": {}, "config": {**size}}
-    results["config"]["train"] = TRAIN
-    results["config"]["teacher"] = teacher
-    results["config"]["student"] = student
+    results["config"] |= {"train": TRAIN, "teacher": teacher, "student_layers": layers}
     for mode in ("own", "llama3"):
         wanted = [a for a in arms if ARMS[a][0] == mode]
+        if not wanted and mode == "llama3":
+            continue
+        base = _base(work, teacher, mode, size, layers)
+        plan = steps.init_student(steps.validate_inputs(base))
+        prepared = steps.prepare_data(plan, **base.preparing(), progress=False)
+        scored = steps.prepare_data(
+            plan, **{**base.preparing(), "max_length": SCORED_LENGTH}, progress=False
+        )
+        references = {f"student_init_{mode}": plan["student"]} if wanted else {}
+        if mode == "own":
+            references["teacher"] = plan["teachers"][0]["ref"]
+        results["reference"] |= _evaluate(
+            scored, references, out / "references" / setting / mode, base
+        )
         if not wanted:
             continue
-        base = _base(work, student, teacher, mode, size)
-        plan = steps.init_student(steps.validate_inputs(base))
         tables = checked_tables(plan, progress=False)
-        prepared = steps.prepare_data(plan, **base.preparing(), progress=False)
         caches = teacher_caches(plan, prepared, base.scoring(), 1, progress=False)
         per_pass = math.ceil(prepared["rows"]["train"] / TRAIN["micro_batch_rows"])
         results["config"][f"rows_{mode}"] = prepared["rows"]
         results["config"]["steps_per_pass"] = per_pass
-        references = {f"student_init_{mode}": plan["student"]}
-        if mode == "own":
-            references["teacher"] = plan["teachers"][0]["ref"]
-        results["reference"] |= _evaluate(
-            prepared, references, out / "references" / setting / mode, base
-        )
         for seed in range(seeds or size["seeds"]):
             for arm in wanted:
-                name = arm if ARMS[arm][1] is None else f"{setting}-{arm}"
+                name = arm if ARMS[arm][1] is None and layers else f"{setting}-{arm}"
                 folder = out / "runs" / f"{name}-seed{seed}"
                 record = _arm(
                     replace(base, seed=seed),
                     plan,
-                    (prepared, tables, caches),
+                    (prepared, scored, tables, caches),
                     ARMS[arm][1],
                     folder,
                     per_pass * size["passes"],
@@ -168,34 +189,27 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
     return results
 
 
-def _base(work: Path, student: str, teacher: str, mode: str, size: dict) -> RunConfig:
-    """The run config of the arms on tokenizer ``mode`` (``own`` or ``llama3``: moved)."""
+def _base(work: Path, teacher: str, mode: str, size: dict, layers: int | None) -> RunConfig:
+    """The run config of the arms on tokenizer ``mode`` (``own`` or ``llama3``: moved), the
+    student SmolLM2-135M-Instruct cut to ``layers`` decoder layers (None: whole)."""
     moved = mode == "llama3"
     return RunConfig(
         output=str(work),
         teachers=[teacher],
-        student=student,
+        student="zoo:smollm2",
+        student_layers=layers,
         student_tokenizer="zoo:llama3",
         transplant={"method": "tuned"} if moved else None,
         corpus_bytes=size["corpus_bytes"],
         heldout_every=2,
         ood_data="machine:licences",
         ood_bytes=size["ood_bytes"],
-        max_length=128,
+        max_length=MAX_LENGTH,
         k=32,
         train={**TRAIN, "loss": {}},
         token_budget=2048,
         device="cpu",
     )
-
-
-def _compressed_student(work: Path, layers: int) -> str:
-    """SmolLM2-135M-Instruct with ``layers`` decoder layers kept (:func:`crosskd.shrink.shrink`),
-    written once under ``<work>/inputs/compressed-<layers>``."""
-    folder = work / "inputs" / f"compressed-{layers}"
-    if not (folder / "config.json").exists():
-        log.info(shrink("zoo:smollm2", str(folder), layers).line())
-    return str(folder)
 
 
 def domain_teacher(work: Path, corpus_bytes: int, steps_: int | None) -> str:
@@ -270,54 +284,61 @@ def _figures(folder: Path, name: str) -> dict:
 def _arm(
     config: RunConfig,
     plan: dict,
-    inputs: tuple[dict, list[dict], list[dict]],
+    inputs: tuple[dict, dict, list[dict], list[dict]],
     loss: dict | None,
     folder: Path,
     n_steps: int,
     eval_every: int,
 ) -> dict:
-    """Train one arm (``loss`` None: CE only) for ``n_steps`` with a held-out evaluation every
-    ``eval_every`` steps, then evaluate its best checkpoint; returns its record. A finished
-    arm's record (``<folder>/arm.json``) is read back instead."""
+    """Train one arm (``loss`` None: CE only) for ``n_steps`` with an evaluation on the
+    training-length held-out rows every ``eval_every`` steps, then evaluate its best checkpoint
+    on the whole-document held-out sets (``scored``); returns its record. A finished arm's
+    training record (``<folder>/arm.json``) and evaluation (``<folder>/scored``) are read back
+    instead."""
+    prepared, scored, tables, caches = inputs
     done = folder / "arm.json"
-    if done.exists():
-        return {**json.loads(done.read_text()), **_outcome(folder, eval_every)}
-    prepared, tables, caches = inputs
-    train = {
-        **config.train,
-        "steps": n_steps,
-        "eval_data": prepared["heldout"],
-        "eval_every": eval_every,
-        "loss": {**config.train.get("loss", {}), **(loss or {})},
-    }
-    config = replace(config, train=train)
-    items = steps.plan_training(config, plan, prepared, tables, caches, str(folder))
-    item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
-    tick = time.perf_counter()
-    result = steps.train(item, executor="inprocess", progress=False)
-    history = run_history(result["output"])
-    curve = [
-        (h["step"], h["heldout_bits_per_byte"]) for h in history if "heldout_bits_per_byte" in h
-    ]
-    best_step = min(curve, key=lambda c: c[1])[0]
-    _evaluate(prepared, {"student": f"{result['output']}/best"}, folder / "eval", config)
-    record = {
-        "seed": config.seed,
-        "best_step": best_step,
-        "curve": curve,
-        "ce": [h["ce"] for h in history],
-        "seconds": time.perf_counter() - tick,
-    }
-    done.write_text(json.dumps(record))
-    return {**record, **_outcome(folder, eval_every)}
+    if not done.exists():
+        train = {
+            **config.train,
+            "steps": n_steps,
+            "eval_data": prepared["heldout"],
+            "eval_every": eval_every,
+            "loss": {**config.train.get("loss", {}), **(loss or {})},
+        }
+        config = replace(config, train=train)
+        items = steps.plan_training(config, plan, prepared, tables, caches, str(folder))
+        item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
+        tick = time.perf_counter()
+        steps.train(item, executor="inprocess", progress=False)
+        history = run_history(str(_output(folder)))
+        curve = [
+            (h["step"], h["heldout_bits_per_byte"]) for h in history if "heldout_bits_per_byte" in h
+        ]
+        record = {
+            "seed": config.seed,
+            "best_step": min(curve, key=lambda c: c[1])[0],
+            "curve": curve,
+            "ce": [h["ce"] for h in history],
+            "seconds": time.perf_counter() - tick,
+        }
+        done.write_text(json.dumps(record))
+    if not (folder / "scored" / "evaluation_ood.json").exists():
+        best = {"student": str(_output(folder) / "best")}
+        _evaluate(scored, best, folder / "scored", config)
+    return {**json.loads(done.read_text()), **_outcome(folder, eval_every)}
+
+
+def _output(folder: Path) -> Path:
+    """The training run's output folder under an arm's ``folder``."""
+    (output,) = [p for p in folder.iterdir() if (p / "metrics-rank0.jsonl").exists()]
+    return output
 
 
 def _outcome(folder: Path, eval_every: int) -> dict:
     """What the report reads from an arm's files: its best checkpoint's figures
     (:func:`_figures`) and, for a cross-tokenizer run, per chunk shape (``1:1``, ``1:n``, ...)
     its chunks and share of the KD term, mean over the last ``eval_every`` steps."""
-    (output,) = [p for p in folder.iterdir() if (p / "metrics-rank0.jsonl").exists()]
-    last = run_history(str(output))[-eval_every:]
+    last = run_history(str(_output(folder)))[-eval_every:]
     shapes = sorted(
         {k.split("/")[1] for k in last[-1] if k.startswith("teacher0/") and k.count("/") == 2}
     )
@@ -328,7 +349,7 @@ def _outcome(folder: Path, eval_every: int) -> dict:
         }
         for shape in shapes
     }
-    return {**_figures(folder / "eval", "student"), "shapes": per_shape}
+    return {**_figures(folder / "scored", "student"), "shapes": per_shape}
 
 
 COMPARISONS = (  # (arm, against): the paired tests the report prints, each on one tokenizer
@@ -337,6 +358,8 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("uld", "ce-llama3"),
     ("kd-only", "ce"),
     ("csd-only", "ce-llama3"),
+    ("csd-mw1", "ce-llama3"),
+    ("csd-mw1", "csd"),
 )
 """Arms are compared only with arms on the same tokenizer: two tokenizers' prepared held-out
 sets score different bytes of the same documents (the student's ``max_length`` clips each

@@ -19,22 +19,14 @@ the student's CE curve (mean over seeds) in one plot, and the teacher and the un
 for reference. A seed changes the student's initialisation and the data order. Everything is
 written under ``--out`` (``results.json``, ``curves.png``); the table is printed.
 
-``--setting transfer`` measures tokenizer transfer instead, on the ``transfer`` preset's data and
-budget (``make transfer-demo``): the student is SmolLM2-135M-Instruct itself moved onto the
-Llama-3 tokenizer (``crosskd.transplant``, the ``tuned`` method: every arm starts from it), the
-teacher is the model it was, and the arms are ``ce``, ``uld``, ``csd-jsd`` and ``csd-fkl``. The
-references are the teacher and both initialisations (``init-mean``: the piece mean;
-``init-tuned``: the piece mean then embedding-only training); a seed changes the data order
-only (the moved student is the same for every seed). The table adds the fraction of the
-init-to-teacher gap each arm closes: ``(init-tuned - arm) / (init-tuned - teacher)``.
+The pretrained settings (``benchmarks/pretrained.py``) start every arm from a pretrained
+student and compare each at its best checkpoint by a paired bootstrap over documents:
+``--setting compressed`` and ``--setting domain-teacher``, a SmolLM2 with 20 of its 30 layers
+removed, taught by the full SmolLM2 or by a SmolLM2 adapted on 10x the student's in-domain text;
+``--setting transfer``, the whole SmolLM2 moved onto the Llama-3 tokenizer, taught by the model
+it was. ``--arms`` picks the arms there.
 
-``--setting compressed`` and ``--setting domain-teacher`` measure a pretrained student that its
-teacher knows more than (``benchmarks/pretrained.py``: a SmolLM2 with 20 of its 30 layers
-removed, taught by the full SmolLM2 or by a SmolLM2 adapted on 10x the student's in-domain text),
-every arm compared at its best checkpoint by a paired bootstrap over documents; ``--arms``
-picks the arms there.
-
-    python benchmarks/quality.py [--setting scratch|transfer|compressed|domain-teacher]
+    python benchmarks/quality.py [--setting scratch|compressed|domain-teacher|transfer]
         [--quick] [--seeds 3] [--steps 100] [--arms ce,kd,...] [--out DIR]
 """
 
@@ -52,7 +44,7 @@ import pretrained
 
 from crosskd import steps
 from crosskd.distill import checked_tables, teacher_caches
-from crosskd.steps.config import RunConfig, load_run_config
+from crosskd.steps.config import RunConfig
 from crosskd.steps.train import run_history
 
 ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
@@ -83,9 +75,6 @@ QUICK = {
     "seeds": 1,
     "shape": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
 }
-TRANSFER_ARMS = ("ce", "uld", "csd-jsd", "csd-fkl")
-TRANSFER = {"seeds": 3}  # data and budget: the transfer preset's
-TRANSFER_QUICK = {"seeds": 1, "corpus_bytes": 8_000, "ood_bytes": 3_000, "steps": 2}
 log = logging.getLogger("quality")
 
 
@@ -93,15 +82,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--setting",
-        choices=("scratch", "transfer", *pretrained.SETTINGS),
+        choices=("scratch", *pretrained.SETTINGS),
         default="scratch",
-        help="scratch: a random-init student; transfer: SmolLM2 moved onto Llama-3; "
-        "compressed, domain-teacher: a pretrained student smaller than its teacher",
+        help="scratch: a random-init student; compressed, domain-teacher: a pretrained student "
+        "smaller than its teacher; transfer: SmolLM2 moved onto Llama-3",
     )
     parser.add_argument(
         "--arms",
-        default=",".join(pretrained.DEFAULT_ARMS),
-        help=f"compressed, domain-teacher: arms of {', '.join(pretrained.ARMS)}",
+        default=None,
+        help=f"the pretrained settings: arms of {', '.join(pretrained.ARMS)} (default: "
+        + "; ".join(f"{k}: {','.join(v)}" for k, v in pretrained.DEFAULT_ARMS.items())
+        + ")",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke check: small and short")
     parser.add_argument("--seeds", type=int, default=None)
@@ -113,7 +104,8 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     out = Path(args.out).resolve()
     if args.setting in pretrained.SETTINGS:
-        arms = [a for a in args.arms.split(",") if a]
+        chosen = args.arms or ",".join(pretrained.DEFAULT_ARMS[args.setting])
+        arms = [a for a in chosen.split(",") if a]
         unknown = sorted(set(arms) - set(pretrained.ARMS))
         if unknown:
             parser.error(f"--arms: unknown arm(s) {', '.join(unknown)}")
@@ -124,7 +116,7 @@ def main() -> None:
         print(pretrained.table(results))
         print(f"wall time {results['wall_seconds'] / 60:.1f} min; {out / name}.json")
         return
-    results = (transfer if args.setting == "transfer" else scratch)(args, out)
+    results = scratch(args, out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "curves.png")
     print(table(results))
@@ -192,53 +184,6 @@ def scratch(args: argparse.Namespace, out: Path) -> dict:
                 k,
                 loss,
                 references,
-            )
-    results["wall_seconds"] = time.perf_counter() - started
-    return results
-
-
-def transfer(args: argparse.Namespace, out: Path) -> dict:
-    """The tokenizer-transfer setting (module docstring); returns the results."""
-    size = dict(TRANSFER_QUICK if args.quick else TRANSFER)
-    started = time.perf_counter()
-    overrides = [f"output={out / 'work'}", "device=cpu"]
-    overrides += [f"{key}={size[key]}" for key in ("corpus_bytes", "ood_bytes") if key in size]
-    if args.steps or "steps" in size:
-        overrides.append(f"train.steps={args.steps or size['steps']}")
-    base = load_run_config(None, "transfer", overrides)
-    seeds = list(range(args.seeds or size["seeds"]))
-    plan = steps.init_student(steps.validate_inputs(base))
-    mean = replace(base, transplant={**base.transplant, "method": "mean"})
-    mean_plan = steps.init_student(steps.validate_inputs(mean))
-    prepared, tables, caches = _inputs(base, plan, [base.k])
-    log.info("inputs ready after %.0f s", time.perf_counter() - started)
-    results: dict = {
-        "setting": "transfer",
-        "arms": {},
-        "reference": {},
-        "gap_from": "init-tuned",
-        "config": {
-            "preset": "transfer",
-            "overrides": overrides,
-            "train": base.train,
-            "transplant": base.transplant,
-            "seeds": seeds,
-            "rows": prepared["rows"],
-        },
-    }
-    for seed in seeds:
-        seeded = replace(base, seed=seed)
-        for arm in TRANSFER_ARMS:
-            references = {}
-            if arm == "ce" and seed == seeds[0]:
-                references = {
-                    "teacher": plan["teachers"][0]["ref"],
-                    "init-mean": mean_plan["student"],
-                    "init-tuned": plan["student"],
-                }
-            k, loss = ARMS[arm]
-            _arm(
-                results, out, seeded, plan, (prepared, tables, caches[k]), arm, k, loss, references
             )
     results["wall_seconds"] = time.perf_counter() - started
     return results
@@ -317,29 +262,19 @@ def _spread(values: list[float]) -> str:
 
 def table(results: dict) -> str:
     """The arms' held-out bits per byte (mean ± sample std over seeds) as a Markdown table,
-    with each CSD/ULD arm's difference from CE-only and, with ``gap_from`` (transfer), the
-    fraction of the gap from that initialisation to the teacher each closes."""
+    with each CSD/ULD arm's difference from CE-only."""
     ce = results["arms"]["ce"]
-    start = results.get("gap_from")
-    gap = f" gap closed from {start} |" if start else ""
-    header = f"| arm | in-domain bits/byte | vs ce |{gap} out-of-domain bits/byte | vs ce |{gap}"
+    header = "| arm | in-domain bits/byte | vs ce | out-of-domain bits/byte | vs ce |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, runs in {**results["reference"], **results["arms"]}.items():
         cells = [name]
         for split in ("in_domain", "ood"):
-            values = [r[split] for r in runs]
-            cells.append(_spread(values))
-            arm = name in results["arms"]
-            if arm:
+            cells.append(_spread([r[split] for r in runs]))
+            if name in results["arms"]:
                 diffs = [r[split] - c[split] for r, c in zip(runs, ce, strict=True)]
                 cells.append(f"{statistics.fmean(diffs):+.4f}")
             else:
                 cells.append("")
-            if start:
-                init = results["reference"][start][0][split]
-                teacher = results["reference"]["teacher"][0][split]
-                closed = (init - statistics.fmean(values)) / (init - teacher)
-                cells.append(f"{closed:.0%}" if arm else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
