@@ -17,6 +17,7 @@ from crosskd import steps
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.shrink import kept_layers, shrink
 from crosskd.steps.config import load_run_config
+from crosskd.teacher.model import write_model_folder
 from crosskd.tokenization import load_tokenizer
 
 
@@ -143,6 +144,31 @@ def test_a_bad_count_writes_nothing(model, tmp_path):
     with pytest.raises(ConfigError, match="layers is 9"):
         shrink(str(model), str(tmp_path / "small"), 9)
     assert not (tmp_path / "small").exists()
+
+
+def test_a_save_that_fails_leaves_no_folder_and_an_empty_one_is_filled(model, tmp_path):
+    """``write_model_folder``, which shrink and transplant publish through: a tokenizer writer
+    that fails leaves nothing at the output nor beside it; an empty output folder is
+    replaced by the whole model folder."""
+    loaded = AutoModelForCausalLM.from_pretrained(str(model))
+
+    def broken(folder: Path) -> None:
+        (folder / "tokenizer.json").write_text("{")
+        raise OSError("disk full")
+
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        write_model_folder(loaded, out, broken)
+    assert list(tmp_path.iterdir()) == []
+    out.mkdir()
+    write_model_folder(loaded, out, lambda folder: (folder / "tokenizer.json").write_text("{}"))
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_a_model_without_decoder_layers_is_refused_by_name(model, tmp_path, monkeypatch):
