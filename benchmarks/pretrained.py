@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import statistics
 import time
 from dataclasses import replace
@@ -295,7 +296,8 @@ def _arm(
     training-length held-out rows every ``eval_every`` steps, then evaluate its best checkpoint
     on the whole-document held-out sets (``scored``); returns its record. A finished arm's
     training record (``<folder>/arm.json``) and evaluation (``<folder>/scored-<length>``) are
-    read back instead."""
+    read back instead. Of the run's files the best checkpoint and the metrics are kept (the last
+    checkpoint and the final model are removed: 1 to 3 GB an arm)."""
     prepared, scored, tables, caches = inputs
     done = folder / "arm.json"
     if not done.exists():
@@ -323,6 +325,8 @@ def _arm(
             "seconds": time.perf_counter() - tick,
         }
         done.write_text(json.dumps(record))
+        for name in ("checkpoints", "final"):  # 1-3 GB an arm; the report reads best/
+            shutil.rmtree(_output(folder) / name, ignore_errors=True)
     if not (_scored(folder) / "evaluation_ood.json").exists():
         best = {"student": str(_output(folder) / "best")}
         _evaluate(scored, best, _scored(folder), config)
