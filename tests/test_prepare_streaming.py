@@ -287,6 +287,29 @@ def test_a_record_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["part-000000.parquet.json"]
 
 
+def test_a_json_record_that_fails_part_way_leaves_the_one_before(tmp_path, monkeypatch):
+    """``write_json`` (an evaluation, a step's record): a write that fails part way (a full
+    disk) leaves the earlier file whole, not a torn one that every later reader fails on."""
+    import errno
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    from crosskd.steps.locations import read_json, write_json
+
+    path = f"{tmp_path}/runs/evaluation.json"
+    write_json(path, {"models": {"teacher": 1.5}})
+    real = LocalFileSystem.pipe_file
+
+    def full(self, target, value, **kwargs):
+        real(self, target, value[:10], **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LocalFileSystem, "pipe_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_json(path, {"models": {"teacher": 1.5, "student": 2.5}})
+    assert read_json(path) == {"models": {"teacher": 1.5}}
+
+
 def test_writers_of_the_same_record_at_once_never_take_each_others_temporary(tmp_path):
     """Processes that write the same file at once (a cache's scoring pods each write its
     ``run.json``) each rename their own temporary: none fails, and the file is one writer's

@@ -15,6 +15,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from crosskd import __version__
+from crosskd.artifacts import write_whole
 from crosskd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,13 @@ def data_fingerprint(uri: str) -> str:
 
 
 def write_json(uri: str, value: Any) -> None:
-    """Write ``value`` as JSON at ``uri`` (parents created)."""
+    """Write ``value`` as JSON at ``uri`` (parents created), whole or not at all
+    (:func:`crosskd.artifacts.write_whole`): a write that fails part way (a full disk, a kill)
+    leaves the file that was there."""
     fs, path = fsspec.core.url_to_fs(uri)
     if "/" in path:
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, json.dumps(value, indent=1, default=str).encode("utf-8"))
+    write_whole(fs, path, json.dumps(value, indent=1, default=str).encode("utf-8"))
 
 
 def read_json(uri: str) -> Any:
