@@ -3,7 +3,7 @@ the KFP DAG under ``kfp.local`` (each step its own process, training through the
 PyTorchJob executor, kd and ce trained at once) and once in one process. Prints both wall times
 and their ratio, and checks the two runs give the same held-out bits per byte.
 
-    python benchmarks/pipeline.py [--preset tiny|demo] [key=value ...]
+    python benchmarks/pipeline.py [--preset tiny|demo|scratch] [key=value ...]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def run(command: list[str]) -> tuple[float, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny", choices=["tiny", "demo"])
+    parser.add_argument("--preset", default="tiny", choices=["tiny", "demo", "scratch"])
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="crosskd-bench-") as tmp:

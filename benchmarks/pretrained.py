@@ -445,7 +445,8 @@ def table(results: dict) -> str:
             cells = [f"{arm} vs {other}"]
             for split, label in SPLITS:
                 d = compare(arms[arm], arms[other], split)
-                gains.setdefault(arm, []).append(f"{label} {-d.relative:.1%}")
+                if ARMS[other][1] is None:  # the CE-only twin
+                    gains.setdefault(arm, []).append(f"{label} {-d.relative:.1%}")
                 cells.append(
                     f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] {_p(d)}"
                 )

@@ -363,7 +363,7 @@ def test_preset_arguments_for_a_local_run(monkeypatch):
     """A preset as pipeline arguments: the local executor, no GPU anywhere, every run key that is
     not a parameter of its own in ``options``, and the S3 Secret only when this machine has S3
     credentials (the local executor reads a Secret's keys from the environment)."""
-    config = load_run_config(None, "demo", ["output=out", "train.steps=7"])
+    config = load_run_config(None, "scratch", ["output=out", "train.steps=7"])
     monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
     arguments = preset_arguments(config)
     assert arguments["s3_secret"] == ""

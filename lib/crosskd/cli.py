@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dist.add_argument(
         "--preset",
-        help="a shipped preset to start from: tiny, demo, chat-demo, transfer, on-policy-demo",
+        help="a shipped preset to start from: tiny, demo, scratch, chat-demo, transfer, "
+        "on-policy-demo",
     )
 
     commands.add_parser(

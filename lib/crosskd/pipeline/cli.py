@@ -60,7 +60,9 @@ def add_pipeline_commands(commands: argparse._SubParsersAction) -> None:
         help="run the whole pipeline here under kfp.local",
         config="crosskd.steps.config:RunConfig",
     )
-    local.add_argument("--preset", help="a shipped run preset: tiny, demo, chat-demo, transfer")
+    local.add_argument(
+        "--preset", help="a shipped run preset: tiny, demo, scratch, chat-demo, transfer"
+    )
     local.add_argument(
         "--local-root",
         help="kfp.local's own files (default: <output>/kfp-local for a local output)",

@@ -17,7 +17,7 @@ from crosskd.train.config import TrainConfig
 from crosskd.transplant import TransplantConfig
 from crosskd.zoo.models import check_shape
 
-PRESETS = ("tiny", "demo", "chat-demo", "transfer", "on-policy-demo", "compressed")
+PRESETS = ("tiny", "demo", "scratch", "chat-demo", "transfer", "on-policy-demo")
 TRAIN_ROWS = "train"
 """``train.on_policy.prompts`` meaning the run's own training rows after the held-out split
 (so that the student never answers, and is never taught on, a held-out prompt)."""
