@@ -34,8 +34,8 @@ Arms, each on every seed (a seed changes the data order; the student is the same
 * ``uld``: the moved student, ULD;
 * ``kd-only``, ``csd-only``: ``kd`` and ``csd`` without the CE term (pure distillation, as
   depth-pruned models are healed in Minitron and as ALM transfers tokenizers);
-* ``csd-mw1``: ``csd`` with ``mismatch_weight`` 1 (the spec's 5 weighs the events of the 1:n
-  n:1 and n:m chunks five times a 1:1 chunk's).
+* ``csd-mw1``: ``csd`` with ``mismatch_weight`` 1 (the spec's 5 weighs the 1:n, n:1 and n:m
+  chunks five times a 1:1 chunk).
 
 ``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
 student on its own tokenizer is its teacher).
@@ -371,10 +371,10 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("csd-mw1", "ce-llama3"),
     ("csd-mw1", "csd"),
 )
-"""Arms are compared only with arms on the same tokenizer: two tokenizers' prepared held-out
-sets score different bytes of the same documents (the student's ``max_length`` clips each
-document where its own tokens run out, and a tokenizer without BOS leaves its first token
-unscored), so a difference across tokenizers is partly a difference of text."""
+"""Arms are compared only with arms on the same tokenizer: two tokenizers' held-out sets score
+different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leaves each
+document's first token unscored), so a difference across tokenizers is partly a difference of
+text."""
 SPLITS = (("in_domain", "in domain"), ("ood", "out of domain"))
 KINDS = ("code", "prose", "translations")
 """The corpus deals documents from its three streams in turn (:func:`crosskd.alignment.corpus
