@@ -35,7 +35,11 @@ Arms, each on every seed (a seed changes the data order; the student is the same
 * ``kd-only``, ``csd-only``: ``kd`` and ``csd`` without the CE term (pure distillation, as
   depth-pruned models are healed in Minitron and as ALM transfers tokenizers);
 * ``csd-mw1``: ``csd`` with ``mismatch_weight`` 1 (the spec's 5 weighs the 1:n, n:1 and n:m
-  chunks five times a 1:1 chunk).
+  chunks five times a 1:1 chunk);
+* ``csd-kd-warmup``: ``csd`` with the KD term fading in over the first pass
+  (``kd_warmup_steps``);
+* ``csd-embeddings-first``: ``csd`` with the moved student's embeddings (and its tied output
+  layer) trained alone for the first half pass (``first_trainable``, ``first_steps``).
 
 ``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
 student on its own tokenizer is its teacher).
@@ -56,7 +60,7 @@ import math
 import shutil
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from crosskd import steps
@@ -77,15 +81,32 @@ KD_ONLY = {
     "kd_weight": 1.0,
     "dynamic_kd_scale": False,
 }
-ARMS = {  # name: (student tokenizer: own | llama3, loss changes; None: CE only)
-    "ce": ("own", None),
-    "kd": ("own", KD),
-    "ce-llama3": ("llama3", None),
-    "csd": ("llama3", KD),
-    "uld": ("llama3", {"kd": "uld", "kd_weight": 1.5, "dynamic_kd_scale": False}),
-    "kd-only": ("own", KD_ONLY),
-    "csd-only": ("llama3", KD_ONLY),
-    "csd-mw1": ("llama3", {**KD, "mismatch_weight": 1.0}),
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: the student's tokenizer (``own``, or ``llama3``: moved), its loss changes (None:
+    CE only) and its train keys counted in steps, given here in passes over the training rows
+    (each rounded up to whole steps)."""
+
+    tokenizer: str
+    loss: dict | None
+    in_passes: dict[str, float] = field(default_factory=dict)
+
+
+EMBEDDINGS = ["embed_tokens", "lm_head"]
+"""The moved student's new embeddings (tied with its output layer)."""
+ARMS = {
+    "ce": Arm("own", None),
+    "kd": Arm("own", KD),
+    "ce-llama3": Arm("llama3", None),
+    "csd": Arm("llama3", KD),
+    "uld": Arm("llama3", {"kd": "uld", "kd_weight": 1.5, "dynamic_kd_scale": False}),
+    "kd-only": Arm("own", KD_ONLY),
+    "csd-only": Arm("llama3", KD_ONLY),
+    "csd-mw1": Arm("llama3", {**KD, "mismatch_weight": 1.0}),
+    "csd-kd-warmup": Arm("llama3", KD, {"kd_warmup_steps": 1.0}),
+    "csd-embeddings-first": Arm("llama3", KD, {"first_steps": 0.5}),
 }
 DEFAULT_ARMS = {
     "compressed": ("ce", "kd", "ce-llama3", "csd"),
@@ -141,7 +162,7 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
     results: dict = {"setting": setting, "arms": {}, "reference": {}, "config": {**size}}
     results["config"] |= {"train": TRAIN, "teacher": teacher, "student_layers": layers}
     for mode in ("own", "llama3"):
-        wanted = [a for a in arms if ARMS[a][0] == mode]
+        wanted = [a for a in arms if ARMS[a].tokenizer == mode]
         if not wanted and mode == "llama3":
             continue
         base = _base(work, teacher, mode, size, layers)
@@ -165,16 +186,16 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
         results["config"]["steps_per_pass"] = per_pass
         for seed in range(seeds or size["seeds"]):
             for arm in wanted:
-                name = arm if ARMS[arm][1] is None and layers else f"{setting}-{arm}"
+                name = arm if ARMS[arm].loss is None and layers else f"{setting}-{arm}"
                 folder = out / "runs" / f"{name}-seed{seed}"
                 record = _arm(
                     replace(base, seed=seed),
                     plan,
                     (prepared, scored, tables, caches),
-                    ARMS[arm][1],
+                    ARMS[arm],
                     folder,
-                    per_pass * size["passes"],
-                    math.ceil(per_pass / 2),
+                    per_pass,
+                    size["passes"],
                 )
                 results["arms"].setdefault(arm, []).append(record)
                 log.info(
@@ -287,30 +308,34 @@ def _arm(
     config: RunConfig,
     plan: dict,
     inputs: tuple[dict, dict, list[dict], list[dict]],
-    loss: dict | None,
+    arm: Arm,
     folder: Path,
-    n_steps: int,
-    eval_every: int,
+    per_pass: int,
+    passes: int,
 ) -> dict:
-    """Train one arm (``loss`` None: CE only) for ``n_steps`` with an evaluation on the
-    training-length held-out rows every ``eval_every`` steps, then evaluate its best checkpoint
+    """Train one ``arm`` for ``passes`` passes of ``per_pass`` steps with an evaluation on the
+    training-length held-out rows every half pass, then evaluate its best checkpoint
     on the whole-document held-out sets (``scored``); returns its record. A finished arm's
     training record (``<folder>/arm.json``) and evaluation (``<folder>/scored-<length>``) are
     read back instead. Of the run's files the best checkpoint and the metrics are kept (the last
     checkpoint and the final model are removed: 1 to 3 GB an arm)."""
     prepared, scored, tables, caches = inputs
+    eval_every = math.ceil(per_pass / 2)
     done = folder / "arm.json"
     if not done.exists():
         train = {
             **config.train,
-            "steps": n_steps,
+            "steps": per_pass * passes,
             "eval_data": prepared["heldout"],
             "eval_every": eval_every,
-            "loss": {**config.train.get("loss", {}), **(loss or {})},
+            "loss": {**config.train.get("loss", {}), **(arm.loss or {})},
+            **{key: math.ceil(share * per_pass) for key, share in arm.in_passes.items()},
         }
+        if "first_steps" in arm.in_passes:
+            train["first_trainable"] = EMBEDDINGS
         config = replace(config, train=train)
         items = steps.plan_training(config, plan, prepared, tables, caches, str(folder))
-        item = next(i for i in items if i["variant"] == ("ce" if loss is None else "kd"))
+        item = next(i for i in items if i["variant"] == ("ce" if arm.loss is None else "kd"))
         tick = time.perf_counter()
         steps.train(item, executor="inprocess", progress=False)
         history = run_history(str(_output(folder)))
@@ -370,6 +395,8 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("csd-only", "ce-llama3"),
     ("csd-mw1", "ce-llama3"),
     ("csd-mw1", "csd"),
+    ("csd-kd-warmup", "csd"),
+    ("csd-embeddings-first", "csd"),
 )
 """Arms are compared only with arms on the same tokenizer: two tokenizers' held-out sets score
 different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leaves each
@@ -383,7 +410,7 @@ KINDS = ("code", "prose", "translations")
 
 
 def _init_of(arm: str) -> str:
-    return f"student_init_{ARMS[arm][0]}"
+    return f"student_init_{ARMS[arm].tokenizer}"
 
 
 def _mean_sd(values: list[float]) -> str:
@@ -445,7 +472,7 @@ def table(results: dict) -> str:
             cells = [f"{arm} vs {other}"]
             for split, label in SPLITS:
                 d = compare(arms[arm], arms[other], split)
-                if ARMS[other][1] is None:  # the CE-only twin
+                if ARMS[other].loss is None:  # the CE-only twin
                     gains.setdefault(arm, []).append(f"{label} {-d.relative:.1%}")
                 cells.append(
                     f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] {_p(d)}"

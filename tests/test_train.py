@@ -41,6 +41,7 @@ from crosskd.train import (
     rank_micro_batches,
 )
 from crosskd.train.checkpoint import checkpoint_name
+from crosskd.train.schedule import group_lrs, kd_weight_at, step_loss
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +53,14 @@ def setup(train_inputs):
 _config = train_config
 
 
+def _schedule(**kw) -> TrainConfig:
+    """A config for the schedule: 10 steps, warmup 2, lr 1, down to 0.1; ``kw`` adds keys."""
+    values = {"student": "s", "data": "d", "output": "o", "teachers": ["c"]}
+    return TrainConfig(**values, steps=10, warmup_steps=2, lr=1.0, min_lr_ratio=0.1, **kw)
+
+
 def test_schedule_and_data_order():
-    config = TrainConfig(
-        student="s",
-        data="d",
-        output="o",
-        teachers=["c"],
-        steps=10,
-        warmup_steps=2,
-        lr=1.0,
-        min_lr_ratio=0.1,
-    )
+    config = _schedule()
     # Warmup: (s + 1) / 2 for s = 0, 1. Then cosine over 8 steps from 1 to 0.1: step 9 is at
     # 7/8 of it: 0.1 + 0.9 * 0.5 * (1 + cos(7 pi / 8)) = 0.1 + 0.45 * 0.0761205 = 0.1342542.
     got = [lr_at(s, config) for s in (0, 1, 2, 9)]
@@ -155,6 +153,72 @@ def test_trainable_freezes_the_rest_and_a_resume_keeps_it_frozen(setup, tmp_path
     _resume_from_step_2(config, reference)
     with pytest.raises(ConfigError, match=r"trainable: 'nothing' matches no parameter of the"):
         Trainer(dataclasses.replace(config, trainable=["embed", "nothing"]), progress=False).setup()
+
+
+def test_first_trainable_and_kd_warmup_schedules_by_hand():
+    """``first_trainable`` for 3 steps, warmup 2, lr 1, steps 10; KD fading in over 4 steps."""
+    config = _schedule(
+        first_trainable=["embed"], first_steps=3, kd_warmup_steps=4, loss={"kd_weight": 2.0}
+    )
+    # Steps 0-2: the first group on lr_at (0.5, 1, 1), the rest at 0. Step 3: the rest joins
+    # at lr_at(3) * 1/2, lr_at(3) = 0.1 + 0.45 * (1 + cos(pi / 8)) = 0.9657458; step 4:
+    # lr_at(4) * 2/2 = 0.1 + 0.45 * (1 + cos(pi / 4)) = 0.8681981.
+    got = [lr for s in range(5) for lr in group_lrs(s, config, 2)]
+    want = [0.5, 0.0, 1.0, 0.0, 1.0, 0.0, 0.9657458, 0.4828729, 0.8681981, 0.8681981]
+    assert got == pytest.approx(want, abs=1e-7)
+    assert group_lrs(3, config, 1) == [lr_at(3, config)]
+    # KD: 2 * (s + 1) / 4 to the full 2.
+    assert [kd_weight_at(s, config) for s in (0, 1, 2, 3, 9)] == [0.5, 1.0, 1.5, 2.0, 2.0]
+    assert step_loss(0, config).kd_weight == 0.5 and step_loss(0, config).tau == 1.0
+    assert step_loss(3, config) is config.loss
+
+
+def test_first_trainable_trains_alone_first_kd_fades_in_and_a_resume_follows(setup, tmp_path):
+    """``first_trainable: [embed]`` for 2 of 4 steps: after 2 steps the embedding (tied with
+    the head) has moved and nothing else has, not even by weight decay (a learning rate of 0);
+    after 4 every parameter has. KD fades in over 2 steps: the reported ``kd_weight`` is 0.5,
+    then 1, and the dynamic ``kd_scale`` is that times ``|CE| / |KD|``. A run resumed at step 2
+    ends on the same curve."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(setup["student"]).state_dict()
+    config = _config(
+        setup,
+        tmp_path / "run",
+        steps=4,
+        checkpoint_every=2,
+        first_trainable=["embed"],
+        first_steps=2,
+        kd_warmup_steps=2,
+    )
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    (first,), rest = [g["params"] for g in trainer.optimizer.param_groups]
+    assert first is trainer.model.get_input_embeddings().weight and len(rest) > 5
+    reference = trainer.train(stop_after=2)
+    state = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    moved = {k for k in start if not torch.equal(state[k], start[k])}
+    assert moved == {"model.embed_tokens.weight", "lm_head.weight"}  # one tied tensor
+    reference += trainer.train()  # steps 3 and 4
+    final = load_file(f"{trainer.save()}/model.safetensors")
+    trainer.close()
+    assert all(not torch.equal(final[k], start[k]) for k in final if "norm" not in k)
+    assert [h["kd_weight"] for h in reference] == [0.5, 1.0, 1.0, 1.0]
+    for h in reference:
+        assert h["kd_scale"] == pytest.approx(h["kd_weight"] * h["ce"] / h["kd"], rel=1e-5)
+        assert h["loss"] == pytest.approx(h["ce"] + h["kd_scale"] * h["kd"], rel=1e-5)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / checkpoint_name(4))
+    shutil.rmtree(tmp_path / "run" / "final")
+    latest = {"step": 2, "path": checkpoint_name(2)}
+    (tmp_path / "run" / "checkpoints" / "latest.json").write_text(json.dumps(latest))
+    _resume_from_step_2(config, reference)
+    for patterns, message in (
+        (["nothing"], r"first_trainable: 'nothing' matches no trained parameter"),
+        (["."], r"first_trainable: '\.' matches every trained parameter"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            Trainer(dataclasses.replace(config, first_trainable=patterns), progress=False).setup()
 
 
 def _wait_for(predicate, what: str, seconds: float = 180) -> None:
@@ -541,6 +605,13 @@ def test_inputs_that_failed_to_read_stop_every_rank_for_a_retry():
         ({"loss": {"teacher_mode": "average"}}, r"loss.teacher_mode is 'average'"),
         ({"trainable": "embed_tokens"}, r"trainable is 'embed_tokens'; give a list of regular"),
         ({"trainable": ["("]}, r"trainable: '\(' is not a regular expression"),
+        ({"first_trainable": ["embed"]}, r"first_trainable is set but first_steps is 0; give"),
+        ({"first_steps": 2}, r"first_steps is set but first_trainable is empty; give both"),
+        (
+            {"first_trainable": ["embed"], "first_steps": 10, "steps": 10},
+            r"first_steps is 10, not below steps \(10\): the parameters outside",
+        ),
+        ({"kd_warmup_steps": -1}, r"kd_warmup_steps is -1; it must be an integer >= 0"),
     ],
 )
 def test_bad_configs_are_refused_by_key(setup, tmp_path, change, message):

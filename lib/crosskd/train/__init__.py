@@ -5,7 +5,8 @@ finished model. The parallelism it uses is :mod:`crosskd.parallel`'s."""
 from crosskd.errors import NonFiniteLoss, TrainingError
 from crosskd.train.config import TrainConfig
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
-from crosskd.train.trainer import Trainer, finished_model, lr_at
+from crosskd.train.schedule import lr_at
+from crosskd.train.trainer import Trainer, finished_model
 
 __all__ = [
     "DataOrder",

@@ -164,6 +164,19 @@ class TrainConfig:
     the rest stay frozen: no gradient, no optimizer state. Empty: every parameter. For
     tokenizer transfer, ``[embed_tokens, lm_head]`` trains the embeddings alone (a tied head
     shares them). A pattern no parameter matches is an error."""
+    first_trainable: list[str] = field(default_factory=list)
+    """Parameters trained alone first: for ``first_steps`` steps only the trained parameters
+    whose name matches one of these regular expressions (as ``trainable`` matches) learn; the
+    others have a learning rate of 0, then join with a warmup of their own over
+    ``warmup_steps`` (:mod:`crosskd.train.schedule`). For a student moved onto a new tokenizer,
+    ``[embed_tokens, lm_head]`` fits the new embeddings to the pretrained body before the body
+    moves. Empty: every trained parameter from the first step."""
+    first_steps: int = 0
+    """Steps of ``first_trainable`` alone (> 0 with ``first_trainable``, below ``steps``)."""
+    kd_warmup_steps: int = 0
+    """Steps over which the KD term fades in: step ``s`` (0-based) weighs it
+    ``loss.kd_weight * min(1, (s + 1) / kd_warmup_steps)`` (a dynamic ``kd_scale`` is scaled
+    by the same factor). 0: the full weight from the first step."""
     grad_accum: int | None = None
     """Micro-batches per optimizer step per rank. None: ``global_batch_rows / (micro_batch_rows
     * data-parallel ranks)`` (1 when ``global_batch_rows`` is unset too)."""
@@ -260,8 +273,23 @@ class TrainConfig:
                 f"= 1."
             )
         _patterns("trainable", self.trainable)
+        _patterns("first_trainable", self.first_trainable)
+        _int("first_steps", self.first_steps, 0)
+        _int("kd_warmup_steps", self.kd_warmup_steps, 0)
+        if bool(self.first_trainable) != (self.first_steps > 0):
+            given = "first_trainable" if self.first_trainable else "first_steps"
+            raise ConfigError(
+                f"{given} is set but "
+                f"{'first_steps is 0' if self.first_trainable else 'first_trainable is empty'}; "
+                f"give both (the parameters to train first and for how many steps) or neither."
+            )
         for key in ("steps", "micro_batch_rows", "window_shards"):
             _int(key, getattr(self, key), 1)
+        if self.first_steps >= self.steps:
+            raise ConfigError(
+                f"first_steps is {self.first_steps}, not below steps ({self.steps}): the "
+                f"parameters outside first_trainable would never train; lower first_steps."
+            )
         _int("prefetch_steps", self.prefetch_steps, 0)
         _int("teacher_concurrency", self.teacher_concurrency, 1)
         for key in ("global_batch_rows", "grad_accum"):

@@ -67,7 +67,7 @@ from crosskd.errors import (
     Stopped,
 )
 from crosskd.evaluate import nll_bits_and_bytes, prepared_sequences, prepared_targets
-from crosskd.loss import LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
+from crosskd.loss import LossConfig, LossPlan, StepCounts, TeacherBatch, compute_loss, plan_loss
 from crosskd.loss.metrics import add_sums, summarize
 from crosskd.loss.objective import ReportLayout, term_names
 from crosskd.loss.parallel import sharded_loss
@@ -90,8 +90,9 @@ from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.rollout import Rollouts, Sampler, rollout_preparation, rollout_rows
+from crosskd.train.schedule import group_lrs, lr_at, step_loss
 from crosskd.train.teachers import TrainingTeachers, load_teachers
-from crosskd.train.trainable import freeze_except
+from crosskd.train.trainable import first_groups, freeze_except
 from crosskd.zoo.models import new_llama
 
 log = logging.getLogger(__name__)
@@ -114,17 +115,6 @@ def input_failure(step: int, reasons: list[tuple[int, str, bool]]) -> Exception:
         f"step {step + 1}: {len(reasons)} rank(s) could not read their inputs, "
         f"so every rank stopped ({named})"
     )
-
-
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup over
-    ``warmup_steps``, then cosine from ``lr`` down to ``lr * min_lr_ratio`` at ``steps``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    span = max(config.steps - config.warmup_steps, 1)
-    progress = min((step - config.warmup_steps) / span, 1.0)
-    floor = config.lr * config.min_lr_ratio
-    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def finished_model(config: TrainConfig) -> dict | None:
@@ -352,10 +342,9 @@ class Trainer:
         self.vocab = self.student.vocab
         # under tp the head is now its vocabulary slice (an OutputHead too)
         self.head: OutputHead | None = self.model.get_output_embeddings() if fused else None
+        groups = first_groups(self.model, cfg.first_trainable)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
+            [{"params": group} for group in groups], lr=cfg.lr, weight_decay=cfg.weight_decay
         )
 
     def _fused_head(self) -> bool:
@@ -569,13 +558,15 @@ class Trainer:
             except Exception as exc:  # every rank raises it after the step's all-reduce
                 planned, failure = [], exc
         counts = self._counts(step, [plan for _, plan in planned], failure)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+        groups = self.optimizer.param_groups
+        for group, lr in zip(groups, group_lrs(step, cfg, len(groups)), strict=True):
+            group["lr"] = lr
         reported = []
+        loss = step_loss(step, cfg)
         for m, (batch, plan) in enumerate(planned):
             with self.student.gradient_sync(m == len(planned) - 1):
                 logits = self._forward(batch.models["student"])
-                out = self._loss(logits, plan, counts)
+                out = self._loss(logits, plan, counts, loss)
                 # DDP and FSDP average gradients over the data-parallel ranks; each rank's
                 # loss is its share of a sum.
                 (out.loss * self.layout.dp).backward()
@@ -604,6 +595,7 @@ class Trainer:
             **totals,
             "kd_scale": scale,
             "lr": lr_at(step, cfg),
+            "kd_weight": loss.kd_weight,
             "grad_norm": float(grad_norm),
             "tokens": float(counts.tokens),
             **rollouts,
@@ -641,13 +633,20 @@ class Trainer:
             sums = add_sums(sums, more)
         return totals, scale, sums
 
-    def _loss(self, logits: torch.Tensor | OutputLayer, plan: LossPlan, counts: StepCounts):
-        """This rank's share of a micro-batch's loss (the sharded loss where the logits are a
+    def _loss(
+        self,
+        logits: torch.Tensor | OutputLayer,
+        plan: LossPlan,
+        counts: StepCounts,
+        loss: LossConfig,
+    ):
+        """This rank's share of a micro-batch's loss under the step's ``loss`` config
+        (:func:`~crosskd.train.schedule.step_loss`; the sharded loss where the logits are a
         slice of the vocabulary or of the positions)."""
         if self.mesh.loss is not None:
-            return sharded_loss(logits, plan, self.config.loss, counts, self.mesh.loss)
+            return sharded_loss(logits, plan, loss, counts, self.mesh.loss)
         return compute_loss(
-            logits, plan, self.config.loss, counts, reduce=self._reduce if self.world > 1 else None
+            logits, plan, loss, counts, reduce=self._reduce if self.world > 1 else None
         )
 
     def _forward(self, student) -> torch.Tensor | OutputLayer:
@@ -705,8 +704,9 @@ class Trainer:
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
     def train(self, *, stop_after: int | None = None) -> list[dict[str, float]]:
-        """Run the steps from the resume point to ``config.steps`` (or stop after
-        ``stop_after`` steps of this call, for tests of resuming); returns their metrics.
+        """Run the steps from where this trainer is (its resume point, or where a call with
+        ``stop_after`` stopped) to ``config.steps`` (or stop after ``stop_after`` steps of this
+        call, for tests of resuming); returns their metrics.
 
         Raises:
             Stopped: SIGTERM arrived (on any rank: the decision is all-reduced after every
@@ -714,18 +714,19 @@ class Trainer:
         """
         cfg = self.config
         history = []
-        last = cfg.steps if stop_after is None else min(cfg.steps, self.start + stop_after)
+        first = self.done
+        last = cfg.steps if stop_after is None else min(cfg.steps, first + stop_after)
         eval_every = cfg.checkpoint_every if cfg.eval_every is None else cfg.eval_every
         bar = tqdm(
             total=cfg.steps,
-            initial=self.start,
+            initial=first,
             desc="train",
             unit="step",
             disable=not self.progress or self.rank != 0,
         )
-        inputs = Prefetcher(self.step_inputs, range(self.start, last), cfg.prefetch_steps)
+        inputs = Prefetcher(self.step_inputs, range(first, last), cfg.prefetch_steps)
         with _sigterm_flag() as stop, contextlib.closing(inputs):
-            for step in range(self.start, last):
+            for step in range(first, last):
                 started = time.perf_counter()
                 try:
                     (planned, waited), failure = inputs.get(step), None
