@@ -39,7 +39,10 @@ Arms, each on every seed (a seed changes the data order; the student is the same
 * ``csd-kd-warmup``: ``csd`` with the KD term fading in over the first pass
   (``kd_warmup_steps``);
 * ``csd-embeddings-first``: ``csd`` with the moved student's embeddings (and its tied output
-  layer) trained alone for the first half pass (``first_trainable``, ``first_steps``).
+  layer) trained alone for the first half pass (``first_trainable``, ``first_steps``);
+* ``csd-on-policy``: ``csd`` with one more row per step (:data:`ON_POLICY`): the student's
+  own continuation of the first half of a training document, sampled with the step's weights
+  and scored by the teacher online (``train.on_policy``); the same steps and prepared rows.
 
 ``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
 student on its own tokenizer is its teacher).
@@ -92,8 +95,13 @@ class Arm:
     tokenizer: str
     loss: dict | None
     in_passes: dict[str, float] = field(default_factory=dict)
+    on_policy: dict | None = None
+    """``train.on_policy`` (the teacher then scores online, in the training process)."""
 
 
+ON_POLICY = {"prompts": "train", "fraction": 0.25, "max_new_tokens": 64, "text_share": 0.5}
+"""The on-policy arm's rollouts: one row of the student's own continuation of the first half of
+a training document per step, beside the step's 4 prepared rows."""
 EMBEDDINGS = ["embed_tokens", "lm_head"]
 """The moved student's new embeddings (tied with its output layer)."""
 ARMS = {
@@ -107,6 +115,7 @@ ARMS = {
     "csd-mw1": Arm("llama3", {**KD, "mismatch_weight": 1.0}),
     "csd-kd-warmup": Arm("llama3", KD, {"kd_warmup_steps": 1.0}),
     "csd-embeddings-first": Arm("llama3", KD, {"first_steps": 0.5}),
+    "csd-on-policy": Arm("llama3", KD, on_policy=ON_POLICY),
 }
 DEFAULT_ARMS = {
     "compressed": ("ce", "kd", "ce-llama3", "csd"),
@@ -333,8 +342,13 @@ def _arm(
         }
         if "first_steps" in arm.in_passes:
             train["first_trainable"] = EMBEDDINGS
+        sources = caches
+        if arm.on_policy is not None:
+            train["on_policy"] = arm.on_policy
+            config = replace(config, teacher_scoring="online")
+            sources = steps.online_teachers(plan)
         config = replace(config, train=train)
-        items = steps.plan_training(config, plan, prepared, tables, caches, str(folder))
+        items = steps.plan_training(config, plan, prepared, tables, sources, str(folder))
         item = next(i for i in items if i["variant"] == ("ce" if arm.loss is None else "kd"))
         tick = time.perf_counter()
         steps.train(item, executor="inprocess", progress=False)
@@ -397,6 +411,7 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("csd-mw1", "csd"),
     ("csd-kd-warmup", "csd"),
     ("csd-embeddings-first", "csd"),
+    ("csd-on-policy", "csd"),
 )
 """Arms are compared only with arms on the same tokenizer: two tokenizers' held-out sets score
 different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leaves each

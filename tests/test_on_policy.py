@@ -71,7 +71,8 @@ def _run(config, **train) -> tuple[list[dict], Trainer]:
         trainer.close()
 
 
-def test_a_step_trains_on_exactly_the_sampled_answers(train_inputs, prompts, tmp_path, monkeypatch):
+def _record_answers(monkeypatch) -> list[tuple[str, int]]:
+    """The list every answer the rollouts sample is appended to (text, tokens sampled)."""
     answers: list[tuple[str, int]] = []
     sample = Rollouts._sample
 
@@ -81,6 +82,11 @@ def test_a_step_trains_on_exactly_the_sampled_answers(train_inputs, prompts, tmp
         return out
 
     monkeypatch.setattr(Rollouts, "_sample", recorded)
+    return answers
+
+
+def test_a_step_trains_on_exactly_the_sampled_answers(train_inputs, prompts, tmp_path, monkeypatch):
+    answers = _record_answers(monkeypatch)
     # short answers: none outgrows the tiny capacity (48 tokens; an answer cut to fit has no
     # end-of-turn token in the loss)
     on_policy = {"prompts": prompts, "fraction": 0.5, "max_new_tokens": 6, "seed": 7}
@@ -118,6 +124,42 @@ def test_a_step_trains_on_exactly_the_sampled_answers(train_inputs, prompts, tmp
         rollout_tokens = step_metrics["tokens"] - sum(p.counts.tokens for _, p in prepared)
         assert rollout_tokens == plan.counts.tokens
         assert step_metrics["rollout_rows"] == len(kept)
+    finally:
+        trainer.close()
+
+
+def test_text_prompts_are_continued_as_text_and_trained_on_the_continuation(
+    train_inputs, tmp_path, monkeypatch
+):
+    """Text prompts (pretraining-style rows): the student continues the first half of each
+    text, and the rollout row's loss covers exactly the student tokens of what it wrote, after
+    the prompt ids it continued."""
+    path = tmp_path / "texts.jsonl"
+    texts = ["The quick brown fox jumps over the lazy dog.", "Water boils at 100 degrees."]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    answers = _record_answers(monkeypatch)
+    on_policy = {"prompts": str(path), "fraction": 0.5, "max_new_tokens": 6, "seed": 3}
+    config = _config(train_inputs, tmp_path / "run", str(path), on_policy=on_policy)
+    trainer = Trainer(config, progress=False)
+    trainer.setup()
+    try:
+        assert [p.text for p in trainer.rollouts.prompts] == ["The quick brown fox", "Water boils"]
+        extra, metrics = trainer.rollouts.step(0, trainer._sampler(), trainer.plan_rows)
+        kept = [a for a, _ in answers if a]
+        assert metrics["rollout_rows"] == len(kept) > 0
+        (batch, plan) = extra[0]
+        ids = batch.models["student"].input_ids
+        rows = [p for p, (a, _) in zip(trainer.rollouts.step_prompts(0), answers, strict=True) if a]
+        student = trainer.student_tok.hf
+        for r, (answer, prompt) in enumerate(zip(kept, rows, strict=True)):
+            start = len(trainer.rollouts.ids[prompt])
+            assert ids[r, :start].tolist() == trainer.rollouts.ids[prompt].tolist()
+            masked = np.flatnonzero(batch.loss_mask[r].numpy())
+            whole = trainer.rollouts.prompts[prompt].text + answer
+            assert ids[r, masked].tolist() == student.encode(whole)[masked[0] :]
+            assert masked.tolist() == list(range(start, masked[-1] + 1))
+        assert plan.counts.tokens == int(batch.loss_mask.sum()) > 0
+        assert all(c > 0 for c in plan.counts.chunks)
     finally:
         trainer.close()
 

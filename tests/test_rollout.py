@@ -3,7 +3,8 @@ the rollout functions, is the sample ``crosskd prepare`` stores for the same con
 (every column), with a Llama-3 student, a Qwen3 teacher and a same-tokenizer teacher; the loss
 mask and the KD chunks cover the answer and its end-of-turn token only; the rows collate; a
 long answer is clipped as prepare clips it; bad input is refused in one line naming the
-sample."""
+sample. A text is continued as text: the rollout is the sample prepare stores for the whole
+text, trained on the continuation only."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.data.records import Record, read_records
 from crosskd.data.rollout import (
     answer_text,
+    continuation_text,
     continued,
     prompt_ids,
     rollout_prompt,
@@ -194,6 +196,60 @@ def test_a_long_answer_is_clipped_as_prepare_clips_it(tmp_path, zoo_env, zoo):
     assert long["messages"][1]["content"].startswith(zoo("llama3").hf.decode(ids))
 
 
+TEXT = "Water boils at 100 degrees Celsius at sea level, and café e\u0301 sits in 12,345 cups."
+
+
+def test_a_text_is_continued_as_text_and_trained_on_its_continuation_only(tmp_path, zoo_env, zoo):
+    """A text record's prompt is its start, cut at a whitespace; the rollout (prompt + the
+    student's continuation) is the sample prepare stores for the whole text, except that the CE
+    targets and every teacher's KD chunks are the continuation's alone."""
+    (want,), data = _prepared(tmp_path, [{"id": "text", "text": TEXT}], 256)
+    (record,) = read_records(data)
+    preparation = _preparation(zoo, 256)
+    normal = preparation.normalized(record)  # NFC: the e + combining accent is one character
+    prompt = rollout_prompt(normal, 0.5)
+    # 0.5 of the 80 characters is 40, inside "sea": cut back to the space before it (37)
+    assert len(normal.text) == 80 and prompt.text == "Water boils at 100 degrees Celsius at"
+    student = zoo("llama3")
+    ids = prompt_ids(prompt, preparation)
+    assert ids.tolist() == student.hf.encode(prompt.text)  # its BOS, no end token
+    answer = normal.text[len(prompt.text) :]
+    (got,) = rollout_samples([continued(prompt, answer)], preparation, [len(prompt.text)])
+    masks = ("student_loss_mask", "teacher0_chunk_flags", "teacher1_chunk_flags")
+    for column in want:
+        if column not in masks:
+            assert got[column] == want[column], column
+    masked = np.flatnonzero(got["student_loss_mask"])
+    full = np.array(got["student_ids"])
+    assert full[: len(ids)].tolist() == ids.tolist()
+    assert masked.tolist() == list(range(len(ids), len(full)))  # the continuation, to its end
+    assert (
+        student.hf.decode(full[masked])
+        == answer
+        == " sea level, and café \u00e9 sits in 12,345 cups."
+    )
+    assert np.array(want["student_loss_mask"])[masked].all()  # prepare trains on all of it
+    kd = np.flatnonzero(np.array(got["teacher0_chunk_flags"]) & FLAG_KD)
+    s0, s1 = (np.array(got[f"teacher0_chunk_{x}"])[kd] for x in ("s0", "s1"))
+    covered = np.concatenate([np.arange(a, b) for a, b in zip(s0, s1, strict=True)])
+    assert covered.tolist() == masked.tolist()
+    t0 = np.array(got["teacher0_chunk_t0"])[kd[0]]
+    assert zoo("qwen3").hf.decode(got["teacher0_ids"][t0:]) == answer
+    same = np.flatnonzero(np.array(got["teacher1_chunk_flags"]) & FLAG_KD)
+    assert same.tolist() == masked.tolist()
+    # what the sampler adds to a prompt's decoded text: not stripped, to its stop
+    stops = stop_ids(student)
+    sampled = [*student.hf.encode(" Celsius.", add_special_tokens=False), student.role_ids["eot"]]
+    assert continuation_text(student.hf, ids.tolist(), [*sampled, 9], stops) == (" Celsius.", True)
+    assert continuation_text(student.hf, ids.tolist(), sampled[:-1], stops) == (" Celsius.", False)
+
+
+@pytest.mark.parametrize("text", ["a", "ab   ", ""])
+def test_a_text_too_short_for_a_prompt_is_refused_naming_it(text):
+    with pytest.raises(DataError, match=r"^sample bad-7 .*too short to give the student a prompt"):
+        rollout_prompt(_record(None, text))
+
+
 def _record(messages: list[dict] | None, text: str | None = None) -> Record:
     return Record("bad-7", text, messages, "rollouts.jsonl", 7)
 
@@ -211,7 +267,7 @@ ANSWER = {"role": "assistant", "content": "Hello."}
         (_record([USER, {"role": "assistant", "content": "<think></think>"}]), "answer is empty"),
         (_record([USER, ANSWER, USER, ANSWER]), "goes on after its first assistant message"),
         (_record([{"role": "system", "content": "Hi."}, ANSWER]), "has no user message"),
-        (_record(None, "plain text"), "plain text, not a conversation"),
+        (_record(None, "plain text"), "a text continuation without its answer's start"),
     ],
 )
 def test_bad_rollouts_are_refused_in_one_line_naming_the_sample(zoo, conversation, message):

@@ -1,6 +1,6 @@
 """On-policy rows (GKD style): the prompts the student continues, and its continuations
-prepared exactly as ``crosskd prepare`` stores a conversation, so that the trainer scores them
-with its teachers and trains on them with the CSD loss on the generated part only.
+prepared exactly as ``crosskd prepare`` stores a conversation or a text, so that the trainer
+scores them with its teachers and trains on them with the CSD loss on the generated part only.
 
 The way through, for one chat data record (:class:`~crosskd.data.records.Record`):
 
@@ -21,6 +21,15 @@ The way through, for one chat data record (:class:`~crosskd.data.records.Record`
    :func:`crosskd.data.shards.schema`, the dicts :func:`crosskd.data.collate.collate` takes,
    each sample its own packed row (``bin`` its index in the list).
 
+A plain-text record (pretraining-style data) is continued as text: its prompt is the start of
+its text (:func:`rollout_prompt`: ``text_share`` of its characters, cut back to a whitespace
+so the student writes the next word whole), read as :func:`crosskd.alignment.render_text`
+reads text (the tokenizer's BOS, no end token); the answer is what the sampled ids add to the
+prompt's decoded text (:func:`continuation_text`: not stripped); the rollout is the prompt's
+text followed by the answer, prepared as prepare stores a text, then masked to the answer
+(:func:`rollout_samples` with its ``answer_starts``): the student's CE targets and every
+teacher's KD chunks that start at or after the answer's first character.
+
 A rollout's only assistant message is its answer (anything else is refused), so the student's
 loss mask (CE) and the KD chunks (``FLAG_KD``) cover exactly the answer's included regions and
 its end-of-turn token: the generated part, less the text the template writes itself (as for
@@ -38,10 +47,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from crosskd.alignment import render, split_reasoning
+from crosskd.alignment import render, render_text, split_reasoning
 from crosskd.data.preparation import Preparation, prepare_row
 from crosskd.data.records import Record
-from crosskd.data.shards import shard_table
+from crosskd.data.shards import FLAG_KD, shard_table
 from crosskd.errors import DataError
 from crosskd.tokenization import LoadedTokenizer
 
@@ -49,16 +58,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def rollout_prompt(record: Record) -> Record:
-    """``record`` cut to the prompt the student continues: its messages before its first
-    assistant message (all of them if it has none), same id, source and row. Raises
-    :class:`~crosskd.errors.DataError` naming the sample for plain text and for a prompt without
-    a user message."""
+def rollout_prompt(record: Record, text_share: float = 0.5) -> Record:
+    """``record`` cut to the prompt the student continues, same id, source and row: a
+    conversation's messages before its first assistant message (all of them if it has none);
+    a text's first ``text_share`` of its characters, cut back to the last whitespace before
+    that point (where there is one after the first character). Raises
+    :class:`~crosskd.errors.DataError` naming the sample for a prompt without a user message and
+    for a text too short to leave a prompt and an answer."""
     if record.messages is None:
-        raise DataError(
-            f"{_where(record)} is plain text, not a conversation; on-policy prompts come from "
-            f"chat data (a messages column)."
-        )
+        return _text_prompt(record, text_share)
     first = next(
         (i for i, m in enumerate(record.messages) if m.get("role") == "assistant"),
         len(record.messages),
@@ -73,14 +81,33 @@ def rollout_prompt(record: Record) -> Record:
     return Record(record.sample_id, None, prompt, record.source, record.row)
 
 
+def _text_prompt(record: Record, share: float) -> Record:
+    """The start of a text record's text (:func:`rollout_prompt`)."""
+    text = record.text or ""
+    cut = int(len(text) * share)
+    space = max(text.rfind(c, 1, cut + 1) for c in " \t\n")
+    cut = space if space > 0 else cut
+    if cut < 1 or not text[cut:].strip():
+        raise DataError(
+            f"{_where(record)} is a text of {len(text)} character(s), too short to give the "
+            f"student a prompt and leave it text to write; drop it from the prompts."
+        )
+    return Record(record.sample_id, text[:cut], None, record.source, record.row)
+
+
 def prompt_ids(prompt: Record, preparation: Preparation) -> np.ndarray:
     """The student token ids (int64 ``[P]``) a sampler continues for ``prompt``
     (:func:`rollout_prompt`): normalised as :func:`crosskd.data.preparation.prepare_row` normalises
-    it, rendered with the student's chat template followed by its generation prompt. An
-    answer is clipped by :func:`rollout_samples` where it outgrows a capacity: the student's
-    room is its capacity less ``P`` tokens, its end-of-turn token included."""
+    it, rendered with the student's chat template followed by its generation prompt (a text:
+    as :func:`~crosskd.alignment.render_text` reads it, less an end token the tokenizer
+    appends). An answer is clipped by :func:`rollout_samples` where it outgrows a capacity: the
+    student's room is its capacity less ``P`` tokens, its end-of-turn token included."""
     prompt = preparation.normalized(prompt)
     student = preparation.models[0]
+    if prompt.messages is None:
+        ids = render_text(student, prompt.text).tokens.ids
+        eos = student.hf.eos_token_id
+        return ids[:-1] if len(ids) > 1 and eos is not None and ids[-1] == eos else ids
     rendered = render(
         student, prompt.messages, sample_id=prompt.sample_id, add_generation_prompt=True
     )
@@ -105,27 +132,86 @@ def answer_text(
     return tokenizer.decode(tokens, skip_special_tokens=True).strip(), ended is not None
 
 
+def continuation_text(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Sequence[int],
+    ids: Sequence[int],
+    stops: Collection[int],
+) -> tuple[str, bool]:
+    """A sampled continuation ``ids`` of a text ``prompt`` (its token ids) as the text it adds:
+    cut before the first id in ``stops``, the decoding of prompt and continuation together
+    less the prompt's own decoding (special tokens dropped, nothing stripped: a leading space
+    is the answer's), and whether a stop id ended it."""
+    ended = next((i for i, t in enumerate(ids) if t in stops), None)
+    tokens = list(ids if ended is None else ids[:ended])
+    head = tokenizer.decode(list(prompt), skip_special_tokens=True)
+    whole = tokenizer.decode([*prompt, *tokens], skip_special_tokens=True)
+    if not whole.startswith(head):  # a merge across the boundary: decode the answer alone
+        return tokenizer.decode(tokens, skip_special_tokens=True), ended is not None
+    return whole[len(head) :], ended is not None
+
+
 def continued(prompt: Record, answer: str) -> Record:
     """The conversation of ``prompt`` (:func:`rollout_prompt`) followed by the student's
-    ``answer`` as an assistant message, same id, source and row."""
+    ``answer`` as an assistant message (a text prompt: its text followed by ``answer``), same
+    id, source and row."""
+    if prompt.messages is None:
+        return Record(prompt.sample_id, prompt.text + answer, None, prompt.source, prompt.row)
     messages = [*prompt.messages, {"role": "assistant", "content": answer}]
     return Record(prompt.sample_id, None, messages, prompt.source, prompt.row)
 
 
-def rollout_samples(conversations: Sequence[Record], preparation: Preparation) -> list[dict]:
+def rollout_samples(
+    conversations: Sequence[Record],
+    preparation: Preparation,
+    answer_starts: Sequence[int | None] | None = None,
+) -> list[dict]:
     """The prepared samples of ``conversations`` (each a prompt followed by the student's
     answer, :func:`continued`), one per conversation in order, each a dict of the prepared
-    shard's columns as a reader gets them (module docstring). Raises
-    :class:`~crosskd.errors.DataError` naming the sample for a conversation that is not a
-    prompt and one assistant message, for an empty answer, and for a prompt over a capacity."""
-    rows = [prepare_row(_checked(c), preparation) for c in conversations]
+    shard's columns as a reader gets them (module docstring). ``answer_starts``: per text
+    continuation the character of its (normalised) text where the answer starts (the length of
+    its prompt's text); None for a conversation. Raises :class:`~crosskd.errors.DataError`
+    naming the sample for a conversation that is not a prompt and one assistant message, for an
+    empty answer, for a text without its answer's start, and for a prompt over a capacity."""
+    starts = list(answer_starts or [None] * len(conversations))
+    rows = [
+        prepare_row(_checked(c, a), preparation) for c, a in zip(conversations, starts, strict=True)
+    ]
     if not rows:
         return []
-    return shard_table(rows, [np.array([i]) for i in range(len(rows))]).to_pylist()
+    samples = shard_table(rows, [np.array([i]) for i in range(len(rows))]).to_pylist()
+    for sample, row, start in zip(samples, rows, starts, strict=True):
+        if start is not None:
+            _answer_only(sample, int(np.searchsorted(row["student"].starts, start)))
+    return samples
 
 
-def _checked(conversation: Record) -> Record:
-    """``conversation`` if it is a prompt followed by one non-empty assistant message."""
+def _answer_only(sample: dict, first: int) -> None:
+    """Clear, in a prepared text sample, the student's CE targets before its token ``first``
+    (the answer's first) and every teacher's KD chunks that start before it."""
+    mask = sample["student_loss_mask"]
+    sample["student_loss_mask"] = [m and i >= first for i, m in enumerate(mask)]
+    k = 0
+    while f"teacher{k}_chunk_flags" in sample:
+        flags, s0 = sample[f"teacher{k}_chunk_flags"], sample[f"teacher{k}_chunk_s0"]
+        starts = range(len(flags)) if s0 is None else s0  # same tokenizer: per student token
+        sample[f"teacher{k}_chunk_flags"] = [
+            f if at >= first else f & ~FLAG_KD for f, at in zip(flags, starts, strict=True)
+        ]
+        k += 1
+
+
+def _checked(conversation: Record, answer_start: int | None) -> Record:
+    """``conversation`` if it is a prompt followed by one non-empty assistant message (a text:
+    with an answer after ``answer_start``)."""
+    if conversation.messages is None:
+        if answer_start is None or not 0 < answer_start < len(conversation.text or ""):
+            raise DataError(
+                f"{_where(conversation)} is a text continuation without its answer's start "
+                f"({answer_start!r} of {len(conversation.text or '')} characters): give "
+                f"answer_starts, the length of its prompt's text, with an answer after it."
+            )
+        return conversation
     prompt = rollout_prompt(conversation)
     rest = conversation.messages[len(prompt.messages) :]
     roles = [m.get("role") for m in conversation.messages]

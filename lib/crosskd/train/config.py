@@ -38,9 +38,10 @@ class OnPolicyConfig:
     (:mod:`crosskd.train.rollout`)."""
 
     prompts: str
-    """Chat data rows (any URI :func:`crosskd.data.records.read_records` reads, a
-    ``messages`` column): each record's messages before its first assistant message are a
-    prompt the student continues."""
+    """Chat or text data rows (any URI :func:`crosskd.data.records.read_records` reads): each
+    record's messages before its first assistant message are a prompt the student answers; a
+    text record's first ``text_share`` of characters are a prompt the student continues as
+    text (:mod:`crosskd.data.rollout`)."""
     fraction: float = 0.25
     """The share of each step's rows on a rank that are rollouts, in (0, 1): the step's
     prepared rows stay as they are (so the data order and resuming are unchanged) and
@@ -54,6 +55,9 @@ class OnPolicyConfig:
     top_p: float = 1.0
     """Nucleus sampling: the smallest set of tokens holding this much probability, in (0, 1]
     (1: no cut)."""
+    text_share: float = 0.5
+    """Text prompts: the share of each text's characters given to the student (cut back to a
+    whitespace), in (0, 1); it writes on from there."""
     seed: int = 0
     """Seed of the sampling: step ``s`` on data-parallel rank ``r`` samples from a seed made
     of this, ``s`` and ``r`` (and takes its prompts from a permutation seeded by this), so a
@@ -65,7 +69,9 @@ class OnPolicyConfig:
         a missing ``prompts`` by name (``on_policy.KEY``)."""
         _mapping_of("on_policy", values, cls)
         if "prompts" not in values:
-            raise ConfigError("on_policy.prompts is not set; give the chat data of the prompts.")
+            raise ConfigError(
+                "on_policy.prompts is not set; give the chat or text data of the prompts."
+            )
         return cls(**values)
 
     def check(self) -> None:
@@ -75,6 +81,7 @@ class OnPolicyConfig:
         _int("on_policy.seed", self.seed, 0)
         for key, low, high, closed in (
             ("fraction", 0.0, 1.0, False),
+            ("text_share", 0.0, 1.0, False),
             ("temperature", 0.0, math.inf, False),
             ("top_p", 0.0, 1.0, True),
         ):

@@ -15,10 +15,12 @@ weights of the step, and scoring needs the samples):
    every draw from a generator forked from the seed of (``on_policy.seed``, step, rank)
    (:func:`torch.random.fork_rng`, so the training's own random state is untouched).
 3. Each answer decoded (:func:`crosskd.data.rollout.answer_text`: cut at the first end token,
-   special tokens dropped, stripped); empty answers are dropped (counted); the rest are
-   prepared as ``crosskd prepare`` stores a conversation
+   special tokens dropped, stripped; a text prompt's continuation by
+   :func:`~crosskd.data.rollout.continuation_text`, not stripped); empty answers are dropped
+   (counted); the rest are prepared as ``crosskd prepare`` stores a conversation or a text
    (:func:`crosskd.data.rollout.rollout_samples`: the student's loss mask and the KD chunks
-   cover the answer and its end-of-turn token only, re-tokenised for each teacher and aligned).
+   cover the answer and its end-of-turn token only, or a text's continuation only,
+   re-tokenised for each teacher and aligned).
 4. Each group's samples collated and planned like a prepared micro-batch (the trainer's
    ``plan_rows``: every teacher's signal from its online source), one extra micro-batch per
    group of prompts. A group whose answers were all empty still gives one micro-batch (a
@@ -46,6 +48,7 @@ from crosskd.data.preparation import Preparation
 from crosskd.data.records import Record, read_records
 from crosskd.data.rollout import (
     answer_text,
+    continuation_text,
     continued,
     prompt_ids,
     rollout_prompt,
@@ -137,7 +140,8 @@ class Rollouts:
         self.ids: list[np.ndarray] = []
         long = 0
         for record in read_records(config.prompts):
-            prompt = rollout_prompt(record)
+            # normalised first, so that a text prompt's length is where its answer starts
+            prompt = rollout_prompt(preparation.normalized(record), config.text_share)
             ids = prompt_ids(prompt, preparation)
             if len(ids) >= self.capacity:
                 long += 1
@@ -189,15 +193,15 @@ class Rollouts:
         micro_batches = []
         kept = empty = generated = 0
         for group, answers in zip(groups, sampled, strict=True):
-            conversations = [
-                continued(self.prompts[p], text)
-                for p, (text, _) in zip(group, answers, strict=True)
-                if text
+            kept_prompts = [
+                (self.prompts[p], text) for p, (text, _) in zip(group, answers, strict=True) if text
             ]
+            conversations = [continued(prompt, text) for prompt, text in kept_prompts]
+            starts = [_answer_start(prompt) for prompt, _ in kept_prompts]
             generated += sum(n for _, n in answers)
             empty += len(group) - len(conversations)
             kept += len(conversations)
-            samples = rollout_samples(conversations, self.preparation)
+            samples = rollout_samples(conversations, self.preparation, starts)
             if not samples:
                 samples = [_placeholder(self.prompts[group[0]], self.preparation)]
             micro_batches.append(plan([[s] for s in samples]))
@@ -246,8 +250,11 @@ class Rollouts:
         finally:
             model.train(was_training)
         answers = []
-        for row in out[:, width:].tolist():
-            text, _ = answer_text(self.student.hf, row, self.stops)
+        for p, row in zip(group, out[:, width:].tolist(), strict=True):
+            if self.prompts[p].messages is None:
+                text, _ = continuation_text(self.student.hf, self.ids[p], row, self.stops)
+            else:
+                text, _ = answer_text(self.student.hf, row, self.stops)
             answers.append((text, _sampled(row, self.stops)))
         return answers
 
@@ -258,9 +265,15 @@ def _sampled(row: list[int], stops: frozenset[int]) -> int:
     return next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
 
 
+def _answer_start(prompt: Record) -> int | None:
+    """Where the answer starts in a text prompt's continuation (None: a conversation)."""
+    return None if prompt.messages is not None else len(prompt.text)
+
+
 def _placeholder(prompt: Record, preparation: Preparation) -> dict:
     """A prepared row of ``prompt`` with nothing in its loss: no CE target, no KD chunk."""
-    (sample,) = rollout_samples([continued(prompt, PLACEHOLDER)], preparation)
+    rollout = continued(prompt, PLACEHOLDER)
+    (sample,) = rollout_samples([rollout], preparation, [_answer_start(prompt)])
     sample["student_loss_mask"] = [False] * len(sample["student_loss_mask"])
     for k in range(len(preparation.models) - 1):
         column = f"teacher{k}_chunk_flags"
