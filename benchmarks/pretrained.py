@@ -42,7 +42,8 @@ Arms, each on every seed (a seed changes the data order; the student is the same
   layer) trained alone for the first half pass (``first_trainable``, ``first_steps``);
 * ``csd-on-policy``: ``csd`` with one more row per step (:data:`ON_POLICY`): the student's
   own continuation of the first half of a training document, sampled with the step's weights
-  and scored by the teacher online (``train.on_policy``); the same steps and prepared rows.
+  and scored by the teacher online (``train.on_policy``); the same steps and prepared rows
+  (which the teacher then scores online too, to the values the lossless cache holds).
 
 ``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
 student on its own tokenizer is its teacher).

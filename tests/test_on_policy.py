@@ -132,10 +132,10 @@ def test_text_prompts_are_continued_as_text_and_trained_on_the_continuation(
     train_inputs, tmp_path, monkeypatch
 ):
     """Text prompts (pretraining-style rows): the student continues the first half of each
-    text, and the rollout row's loss covers exactly the student tokens of what it wrote, after
-    the prompt ids it continued."""
+    text (a text too short to split is left out), and the rollout row's loss covers exactly the
+    student tokens of what it wrote, after the prompt ids it continued."""
     path = tmp_path / "texts.jsonl"
-    texts = ["The quick brown fox jumps over the lazy dog.", "Water boils at 100 degrees."]
+    texts = ["The quick brown fox jumps over the lazy dog.", "a", "Water boils at 100 degrees."]
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     answers = _record_answers(monkeypatch)
     on_policy = {"prompts": str(path), "fraction": 0.5, "max_new_tokens": 6, "seed": 3}

@@ -250,6 +250,14 @@ def test_a_text_too_short_for_a_prompt_is_refused_naming_it(text):
         rollout_prompt(_record(None, text))
 
 
+def test_a_text_prompt_ends_before_the_whole_run_of_whitespace():
+    # 23 characters, 0.5 of them is 11: inside the indentation; the prompt ends before the
+    # newline, so the answer starts with the newline and all of the indentation
+    prompt = rollout_prompt(_record(None, "def f(x):\n    return x\n"))
+    assert prompt.text == "def f(x):" and prompt.messages is None
+    assert rollout_prompt(_record(None, "no_space_here"), 0.5).text == "no_spa"
+
+
 def _record(messages: list[dict] | None, text: str | None = None) -> Record:
     return Record("bad-7", text, messages, "rollouts.jsonl", 7)
 
@@ -278,6 +286,8 @@ def test_bad_rollouts_are_refused_in_one_line_naming_the_sample(zoo, conversatio
 
 
 def test_prompts_and_preparations_refuse_bad_input(zoo):
+    with pytest.raises(DataError, match=r"^sample bad-7 .*is a conversation but has an answer"):
+        rollout_samples([_record([USER, ANSWER])], _preparation(zoo, 256), [3])
     with pytest.raises(DataError, match=r"^sample bad-7 .*has no user message") as raised:
         rollout_prompt(_record([{"role": "system", "content": "Hi."}]))
     assert "\n" not in str(raised.value)

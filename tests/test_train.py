@@ -175,8 +175,9 @@ def test_first_trainable_and_kd_warmup_schedules_by_hand():
 
 def test_first_trainable_trains_alone_first_kd_fades_in_and_a_resume_follows(setup, tmp_path):
     """``first_trainable: [embed]`` for 2 of 4 steps: after 2 steps the embedding (tied with
-    the head) has moved and nothing else has, not even by weight decay (a learning rate of 0);
-    after 4 every parameter has. KD fades in over 2 steps: the reported ``kd_weight`` is 0.5,
+    the head) has moved and nothing else has, not even by weight decay, and only it has
+    optimizer state; after 4 every parameter has moved. Resuming without first_trainable is
+    refused naming it. KD fades in over 2 steps: the reported ``kd_weight`` is 0.5,
     then 1, and the dynamic ``kd_scale`` is that times ``|CE| / |KD|``. A run resumed at step 2
     ends on the same curve."""
     from safetensors.torch import load_file
@@ -200,11 +201,15 @@ def test_first_trainable_trains_alone_first_kd_fades_in_and_a_resume_follows(set
     state = {k: v.detach() for k, v in trainer.model.state_dict().items()}
     moved = {k for k in start if not torch.equal(state[k], start[k])}
     assert moved == {"model.embed_tokens.weight", "lm_head.weight"}  # one tied tensor
+    assert list(trainer.optimizer.state) == [first]  # the others' gradients were dropped
     reference += trainer.train()  # steps 3 and 4
     final = load_file(f"{trainer.save()}/model.safetensors")
     trainer.close()
     assert all(not torch.equal(final[k], start[k]) for k in final if "norm" not in k)
     assert [h["kd_weight"] for h in reference] == [0.5, 1.0, 1.0, 1.0]
+    # the others join at step 3 with a warmup of 2 steps of their own
+    rest = [h["lr_rest"] / h["lr"] for h in reference]
+    assert rest == pytest.approx([0.0, 0.0, 0.5, 1.0], abs=1e-12)
     for h in reference:
         assert h["kd_scale"] == pytest.approx(h["kd_weight"] * h["ce"] / h["kd"], rel=1e-5)
         assert h["loss"] == pytest.approx(h["ce"] + h["kd_scale"] * h["kd"], rel=1e-5)
@@ -212,6 +217,9 @@ def test_first_trainable_trains_alone_first_kd_fades_in_and_a_resume_follows(set
     shutil.rmtree(tmp_path / "run" / "final")
     latest = {"step": 2, "path": checkpoint_name(2)}
     (tmp_path / "run" / "checkpoints" / "latest.json").write_text(json.dumps(latest))
+    unset = dataclasses.replace(config, first_trainable=[], first_steps=0)
+    with pytest.raises(CrosskdError, match=r"2 parameter group\(s\) saved, 1 here; first_train"):
+        Trainer(unset, progress=False).setup()
     _resume_from_step_2(config, reference)
     for patterns, message in (
         (["nothing"], r"first_trainable: 'nothing' matches no trained parameter"),

@@ -2,7 +2,8 @@
 prepared exactly as ``crosskd prepare`` stores a conversation or a text, so that the trainer
 scores them with its teachers and trains on them with the CSD loss on the generated part only.
 
-The way through, for one chat data record (:class:`~crosskd.data.records.Record`):
+The way through, for one chat data record (:class:`~crosskd.data.records.Record`; a text
+record: below):
 
 1. :func:`rollout_prompt`: its messages before the first assistant message (the prompt).
 2. :func:`prompt_ids`: the prompt normalised as preparation normalises it, rendered with the
@@ -61,8 +62,8 @@ if TYPE_CHECKING:
 def rollout_prompt(record: Record, text_share: float = 0.5) -> Record:
     """``record`` cut to the prompt the student continues, same id, source and row: a
     conversation's messages before its first assistant message (all of them if it has none);
-    a text's first ``text_share`` of its characters, cut back to the last whitespace before
-    that point (where there is one after the first character). Raises
+    a text's first ``text_share`` of its characters, cut back to the last run of whitespace
+    before that point (where there is one after the first character). Raises
     :class:`~crosskd.errors.DataError` naming the sample for a prompt without a user message and
     for a text too short to leave a prompt and an answer."""
     if record.messages is None:
@@ -86,13 +87,23 @@ def _text_prompt(record: Record, share: float) -> Record:
     text = record.text or ""
     cut = int(len(text) * share)
     space = max(text.rfind(c, 1, cut + 1) for c in " \t\n")
-    cut = space if space > 0 else cut
+    if space > 0:  # before the whole run of whitespace, so the answer starts with all of it
+        cut = len(text[:space].rstrip()) or space
     if cut < 1 or not text[cut:].strip():
         raise DataError(
             f"{_where(record)} is a text of {len(text)} character(s), too short to give the "
             f"student a prompt and leave it text to write; drop it from the prompts."
         )
     return Record(record.sample_id, text[:cut], None, record.source, record.row)
+
+
+def text_prompt_fits(prompt: Record, preparation: Preparation) -> bool:
+    """Whether every model reads a text ``prompt`` (:func:`rollout_prompt`, normalised) in
+    fewer tokens than its capacity, so that some of an answer survives clipping for all."""
+    return all(
+        len(render_text(model, prompt.text).tokens) < capacity
+        for model, capacity in zip(preparation.models, preparation.capacities, strict=True)
+    )
 
 
 def prompt_ids(prompt: Record, preparation: Preparation) -> np.ndarray:
@@ -140,14 +151,15 @@ def continuation_text(
 ) -> tuple[str, bool]:
     """A sampled continuation ``ids`` of a text ``prompt`` (its token ids) as the text it adds:
     cut before the first id in ``stops``, the decoding of prompt and continuation together
-    less the prompt's own decoding (special tokens dropped, nothing stripped: a leading space
-    is the answer's), and whether a stop id ended it."""
+    less the prompt's own decoding (special tokens dropped, no clean-up of spaces, nothing
+    stripped: a leading space is the answer's), and whether a stop id ended it."""
     ended = next((i for i, t in enumerate(ids) if t in stops), None)
     tokens = list(ids if ended is None else ids[:ended])
-    head = tokenizer.decode(list(prompt), skip_special_tokens=True)
-    whole = tokenizer.decode([*prompt, *tokens], skip_special_tokens=True)
+    options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+    head = tokenizer.decode(list(prompt), **options)
+    whole = tokenizer.decode([*prompt, *tokens], **options)
     if not whole.startswith(head):  # a merge across the boundary: decode the answer alone
-        return tokenizer.decode(tokens, skip_special_tokens=True), ended is not None
+        return tokenizer.decode(tokens, **options), ended is not None
     return whole[len(head) :], ended is not None
 
 
@@ -204,6 +216,12 @@ def _answer_only(sample: dict, first: int) -> None:
 def _checked(conversation: Record, answer_start: int | None) -> Record:
     """``conversation`` if it is a prompt followed by one non-empty assistant message (a text:
     with an answer after ``answer_start``)."""
+    if conversation.messages is not None and answer_start is not None:
+        raise DataError(
+            f"{_where(conversation)} is a conversation but has an answer start "
+            f"({answer_start}); give None for a conversation (its answer is its assistant "
+            f"message)."
+        )
     if conversation.messages is None:
         if answer_start is None or not 0 < answer_start < len(conversation.text or ""):
             raise DataError(

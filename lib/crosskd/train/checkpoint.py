@@ -294,7 +294,10 @@ def _groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> list[dict]:
     """The saved hyperparameters with this optimizer's parameter indices."""
     current = optimizer.state_dict()["param_groups"]
     if len(saved) != len(current):
-        raise ValueError(f"{len(saved)} parameter group(s) saved, {len(current)} here")
+        raise ValueError(
+            f"{len(saved)} parameter group(s) saved, {len(current)} here; first_trainable makes "
+            f"two: resume with it set as the run started, or unset"
+        )
     return [{**g, "params": c["params"]} for g, c in zip(saved, current, strict=True)]
 
 

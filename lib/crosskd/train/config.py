@@ -174,8 +174,11 @@ class TrainConfig:
     first_trainable: list[str] = field(default_factory=list)
     """Parameters trained alone first: for ``first_steps`` steps only the trained parameters
     whose name matches one of these regular expressions (as ``trainable`` matches) learn; the
-    others have a learning rate of 0, then join with a warmup of their own over
-    ``warmup_steps`` (:mod:`crosskd.train.schedule`). For a student moved onto a new tokenizer,
+    others get no update (their gradients are dropped before the clipping, which so counts the
+    first ones alone), then join with a warmup of their own over ``warmup_steps``
+    (:mod:`crosskd.train.schedule`; the metric ``lr_rest`` is their learning rate). The
+    optimizer then has two parameter groups: a run resumes only with the same
+    ``first_trainable`` set or unset. For a student moved onto a new tokenizer,
     ``[embed_tokens, lm_head]`` fits the new embeddings to the pretrained body before the body
     moves. Empty: every trained parameter from the first step."""
     first_steps: int = 0

@@ -54,9 +54,10 @@ from crosskd.data.rollout import (
     rollout_prompt,
     rollout_samples,
     stop_ids,
+    text_prompt_fits,
 )
 from crosskd.data.shards import FLAG_KD
-from crosskd.errors import ConfigError
+from crosskd.errors import ConfigError, DataError
 from crosskd.loss import LossPlan
 from crosskd.tokenization import LoadedTokenizer
 from crosskd.train.config import OnPolicyConfig
@@ -138,23 +139,33 @@ class Rollouts:
         self.pad = min(self.stops) if pad is None else pad
         self.prompts: list[Record] = []
         self.ids: list[np.ndarray] = []
-        long = 0
+        long = short = 0
         for record in read_records(config.prompts):
             # normalised first, so that a text prompt's length is where its answer starts
-            prompt = rollout_prompt(preparation.normalized(record), config.text_share)
+            record = preparation.normalized(record)
+            try:
+                prompt = rollout_prompt(record, config.text_share)
+            except DataError:
+                if record.messages is not None:
+                    raise
+                short += 1
+                continue
             ids = prompt_ids(prompt, preparation)
-            if len(ids) >= self.capacity:
+            if len(ids) >= self.capacity or (
+                prompt.messages is None and not text_prompt_fits(prompt, preparation)
+            ):
                 long += 1
                 continue
             self.prompts.append(prompt)
             self.ids.append(ids)
-        if long:
+        if long or short:
             log.warning(
-                "on_policy.prompts %s: %d prompt(s) of %d student tokens or more left out "
-                "(no room for an answer)",
+                "on_policy.prompts %s: %d prompt(s) that fill a model's capacity (no room for "
+                "an answer) and %d text(s) too short to split into a prompt and an answer left "
+                "out",
                 config.prompts,
                 long,
-                self.capacity,
+                short,
             )
         if not self.prompts:
             raise ConfigError(f"on_policy.prompts {config.prompts}: no prompt to sample from.")

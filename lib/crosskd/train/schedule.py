@@ -5,10 +5,11 @@ term's weight.
   ``lr * min_lr_ratio`` at ``steps``.
 * :func:`group_lrs`: with ``first_trainable`` (two parameter groups,
   :func:`crosskd.train.trainable.first_groups`), the parameters it names follow :func:`lr_at`
-  from the first step; the others have a learning rate of 0 for ``first_steps`` steps, then
-  join with a warmup of their own: :func:`lr_at` times ``min(1, (s - first_steps + 1) /
-  warmup_steps)`` at step ``s`` (so a pretrained body is not hit at the peak rate by the
-  gradients of the embeddings' first steps).
+  from the first step; the others have a learning rate of 0 for ``first_steps`` steps (the
+  trainer also drops their gradients then: no update, no optimizer state, no part in the
+  clipping or the reported norm), then join with a warmup of their own: :func:`lr_at` times
+  ``min(1, (s - first_steps + 1) / warmup_steps)`` at step ``s`` (so a pretrained body is not
+  hit at the peak rate by the gradients of the embeddings' first steps).
 * :func:`kd_weight_at`: ``loss.kd_weight * min(1, (s + 1) / kd_warmup_steps)`` (the KD term
   fades in over ``kd_warmup_steps`` steps; a dynamic ``kd_scale`` is scaled by the same
   factor); :func:`step_loss` is the loss config of a step with it.

@@ -559,7 +559,8 @@ class Trainer:
                 planned, failure = [], exc
         counts = self._counts(step, [plan for _, plan in planned], failure)
         groups = self.optimizer.param_groups
-        for group, lr in zip(groups, group_lrs(step, cfg, len(groups)), strict=True):
+        lrs = group_lrs(step, cfg, len(groups))
+        for group, lr in zip(groups, lrs, strict=True):
             group["lr"] = lr
         reported = []
         loss = step_loss(step, cfg)
@@ -573,6 +574,9 @@ class Trainer:
             reported.append((out.reported, out.layout))
         totals, scale, sums = self._read_reported(step, reported)
         self.student.sync_copies()
+        if step < cfg.first_steps:  # the others wait: no update, and no part in the clipping
+            for param in groups[1]["params"]:
+                param.grad = None
         # The norm before clipping (an infinite max_norm measures without clipping).
         grad_norm = self.student.clip_gradients(cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
         if not math.isfinite(grad_norm):  # a finite loss can still overflow a gradient
@@ -595,6 +599,7 @@ class Trainer:
             **totals,
             "kd_scale": scale,
             "lr": lr_at(step, cfg),
+            **({"lr_rest": lrs[1]} if len(lrs) > 1 else {}),
             "kd_weight": loss.kd_weight,
             "grad_norm": float(grad_norm),
             "tokens": float(counts.tokens),
