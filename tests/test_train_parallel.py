@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,6 +126,19 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
     vocab_bytes = single.model.get_input_embeddings().weight.numel() * 4
     tp_bytes = _rank(tmp_path, "tp", 0)["state_bytes"]["parameters"]
     assert tp_bytes == whole["parameters"] - vocab_bytes // 2
+
+
+def test_a_frozen_embedding_stays_frozen_in_its_vocabulary_slices(train_inputs, tmp_path):
+    """``trainable: [layers]`` under tp = 2: the (tied) embedding and head are sliced over the
+    ranks, and their slices stay frozen: the gathered final model has the start's embedding and
+    new decoder layers."""
+    config = _config(train_inputs, tmp_path / "tp", parallel={"tp": 2}, trainable=["layers"])
+    run_ddp([("tp", replace(config, steps=2), None)], tmp_path)
+    start = load_file(f"{train_inputs['student']}/model.safetensors")
+    got = _weights(tmp_path / "tp")
+    assert torch.equal(got["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    layers = [k for k in got if "layers" in k]
+    assert layers and all(not torch.equal(got[k], start[k]) for k in layers)
 
 
 def test_fsdp2_gradient_accumulation_holds_only_gradient_shards(train_inputs, tmp_path):

@@ -399,8 +399,9 @@ def _vocab_parallel(model: nn.Module, mesh: ParallelMesh, vocab: int | None) -> 
     start = mesh.coordinate("tp") * rows
 
     def part(param: nn.Parameter) -> nn.Parameter:
+        """This rank's rows of ``param``, frozen if it is (``trainable``)."""
         with torch.no_grad():
-            return nn.Parameter(param[start : start + rows].clone())
+            return nn.Parameter(param[start : start + rows].clone(), param.requires_grad)
 
     head_weight = part(head.weight)
     bias = part(head.bias) if head.bias is not None else None
