@@ -78,13 +78,10 @@ from crosskd.steps.train import run_history
 log = logging.getLogger("quality")
 
 SETTINGS = ("compressed", "domain-teacher", "transfer")
-KD = {"divergence": "forward_kl", "dynamic_kd_scale": True}
-KD_ONLY = {
-    "divergence": "forward_kl",
-    "ce_weight": 0.0,
-    "kd_weight": 1.0,
-    "dynamic_kd_scale": False,
-}
+KD = {"divergence": "forward_kl", "dynamic_kd_scale": True, "mismatch_weight": 5.0}
+"""The distilled arms' loss: forward KL, the dynamic KD scale, the spec's ``mismatch_weight`` 5
+(what the arms were measured with; ``csd-mw1`` changes it)."""
+KD_ONLY = {**KD, "ce_weight": 0.0, "kd_weight": 1.0, "dynamic_kd_scale": False}
 
 
 @dataclass(frozen=True)
