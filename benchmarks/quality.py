@@ -147,7 +147,8 @@ def scratch(args: argparse.Namespace, out: Path) -> dict:
             "micro_batch_rows": 4,
             "lr": 3e-3,
             "warmup_steps": 10,
-            "loss": {"dynamic_kd_scale": True},
+            # the spec's 5, what docs/benchmarks.md's random-init figures were measured with
+            "loss": {"dynamic_kd_scale": True, "mismatch_weight": 5.0},
         },
         token_budget=2048,
         device="cpu",

@@ -195,8 +195,11 @@ def signal_rows(signal, rows: slice):
 
 
 def loss_config(k: int, **kw):
-    """A loss config for the case's cross-tokenizer teacher at top-K ``k`` and TAU."""
+    """A loss config for the case's cross-tokenizer teacher at top-K ``k`` and TAU, with the
+    mismatch chunks weighing 5 (the reference's default; not 1, so the weight is checked)
+    unless ``kw`` says otherwise."""
     tables = {"student_to_teacher": "s2t", "teacher_to_student": "t2s"}
+    kw = {"mismatch_weight": 5.0, **kw}
     return LossConfig(tau=TAU, teachers=[TeacherLossConfig(k=k, **tables)], **kw)
 
 

@@ -236,19 +236,11 @@ def test_loss_matches_the_reference_with_duplicate_ids(variant, k, divergence):
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(1, 4, V_S, generator=gen, dtype=torch.float64)
     ref_logits, impl_logits = base.clone().requires_grad_(), base.clone().requires_grad_()
-    ref, n_ref = reference_kd(
-        ref_logits,
-        STUDENT_IDS,
-        TEACHER_IDS,
-        signal,
-        _chunks(),
-        _pair(),
-        tau=TAU,
-        divergence=divergence,
-    )
-    got = csd_kd(
-        impl_logits, STUDENT_IDS, TEACHER_IDS, signal, _chunks(), _pair(), tau=TAU, kind=divergence
-    )
+    inputs = (STUDENT_IDS, TEACHER_IDS, signal, _chunks(), _pair())
+    ref, n_ref = reference_kd(ref_logits, *inputs, tau=TAU, divergence=divergence)
+    # mismatch_weight 5, the reference's default (not the library's 1: the weight is checked)
+    options = CsdOptions(mismatch_weight=5.0)
+    got = csd_kd(impl_logits, *inputs, tau=TAU, kind=divergence, options=options)
     assert got.n_chunks == n_ref == 2
     assert got.value.item() == pytest.approx(ref.item(), rel=1e-9)
     assert math.isfinite(ref.item()) and ref.item() > 0

@@ -18,6 +18,7 @@ def test_defaults_are_valid_and_give_the_csd_options():
     config = LossConfig()
     assert config.teachers == [TeacherLossConfig()]
     assert config.teachers[0].same_tokenizer
+    assert config.csd_options().mismatch_weight == 1.0  # the spec's 5 lost in both settings
     options = LossConfig(keep_realized=True, mismatch_weight=2.5).csd_options()
     assert options.keep_realized and options.mismatch_weight == 2.5
 

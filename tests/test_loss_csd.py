@@ -48,7 +48,9 @@ def case(request, zoo, built_table) -> CsdCase:
 def implementation_kd(
     logits, case: CsdCase, signal, *, tau=TAU, divergence="jsd", beta=0.5, **options
 ):
-    """``(KD, N)`` from ``crosskd.loss.csd.csd_kd``, called like the reference."""
+    """``(KD, N)`` from ``crosskd.loss.csd.csd_kd``, called like the reference (with its
+    default ``mismatch_weight`` 5, not the library's 1, so the weight is checked)."""
+    options = {"mismatch_weight": 5.0, **options}
     term = csd_kd(
         logits,
         case.student_ids,

@@ -163,7 +163,8 @@ def test_two_teachers_at_tau_2_match_the_slow_reference(train_inputs, tmp_path):
             teacher_to_student=train_inputs["t2s_b"],
         ),
     ]
-    loss = LossConfig(tau=2.0, teachers=teachers)
+    # mismatch_weight 5, the reference's default (not the library's 1: the weight is checked)
+    loss = LossConfig(tau=2.0, teachers=teachers, mismatch_weight=5.0)
     config = train_config(
         train_inputs,
         tmp_path,

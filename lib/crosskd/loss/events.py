@@ -61,7 +61,7 @@ class CsdOptions:
 
     keep_realized: bool = False
     min_mismatch_support: int = 2
-    mismatch_weight: float = 5.0
+    mismatch_weight: float = 1.0
     realized_only_mismatch: bool = False
     drop_unrealized_topk: bool = False
 
