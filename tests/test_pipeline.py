@@ -380,7 +380,7 @@ def test_preset_arguments_for_a_local_run(monkeypatch):
         "micro_batch_rows": 4,
         "lr": 0.003,
         "warmup_steps": 10,
-        "loss": {"dynamic_kd_scale": True, "divergence": "forward_kl"},
+        "loss": {"dynamic_kd_scale": True, "divergence": "forward_kl", "mismatch_weight": 5.0},
     }
     unset = load_run_config(None, None, ["output=out"])
     assert preset_arguments(unset)["steps"] == 100  # TrainConfig's default, not the pipeline's
