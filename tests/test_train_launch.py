@@ -110,6 +110,7 @@ def _write_config(tmp_path: Path, train_inputs: dict, **kw) -> Path:
         "teachers": [train_inputs["cache"]],
         "loss": {
             "dynamic_kd_scale": True,
+            "mismatch_weight": 5.0,  # as train_inputs.train_config
             "teachers": [
                 {
                     "k": 16,
