@@ -90,7 +90,7 @@ from crosskd.train.export import save_gathered
 from crosskd.train.loader import Prefetcher
 from crosskd.train.order import DataOrder, ShardOrder, rank_micro_batches
 from crosskd.train.rollout import Rollouts, Sampler, rollout_preparation, rollout_rows
-from crosskd.train.schedule import group_lrs, lr_at, step_loss
+from crosskd.train.schedule import group_lrs, step_loss
 from crosskd.train.teachers import TrainingTeachers, load_teachers
 from crosskd.train.trainable import first_groups, freeze_except
 from crosskd.zoo.models import new_llama
@@ -598,7 +598,7 @@ class Trainer:
         return {
             **totals,
             "kd_scale": scale,
-            "lr": lr_at(step, cfg),
+            "lr": lrs[0],
             **({"lr_rest": lrs[1]} if len(lrs) > 1 else {}),
             "kd_weight": loss.kd_weight,
             "grad_norm": float(grad_norm),
