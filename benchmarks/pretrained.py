@@ -43,7 +43,9 @@ Arms, each on every seed (a seed changes the data order; the student is the same
 * ``csd-on-policy``: ``csd`` with one more row per step (:data:`ON_POLICY`): the student's
   own continuation of the first half of a training document, sampled with the step's weights
   and scored by the teacher online (``train.on_policy``); the same steps and prepared rows
-  (which the teacher then scores online too, to the values the lossless cache holds).
+  (which the teacher then scores online too, to the values the lossless cache holds);
+* ``csd-static-scale``: ``csd`` with a static KD weight of 1 in place of the dynamic KD scale
+  (the scale alone, everything else kept).
 
 ``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
 student on its own tokenizer is its teacher).
@@ -114,6 +116,7 @@ ARMS = {
     "csd-kd-warmup": Arm("llama3", KD, {"kd_warmup_steps": 1.0}),
     "csd-embeddings-first": Arm("llama3", KD, {"first_steps": 0.5}),
     "csd-on-policy": Arm("llama3", KD, on_policy=ON_POLICY),
+    "csd-static-scale": Arm("llama3", {**KD, "dynamic_kd_scale": False, "kd_weight": 1.0}),
 }
 DEFAULT_ARMS = {
     "compressed": ("ce", "kd", "ce-llama3", "csd"),
@@ -410,6 +413,7 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("csd-kd-warmup", "csd"),
     ("csd-embeddings-first", "csd"),
     ("csd-on-policy", "csd"),
+    ("csd-static-scale", "csd"),
 )
 """Arms are compared only with arms on the same tokenizer: two tokenizers' held-out sets score
 different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leaves each

@@ -15,7 +15,7 @@ from crosskd.alignment import align_text
 from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, plan_loss
-from crosskd.tables import TablePair
+from crosskd.tables import Flag, SubTokenTable, TableMeta, TablePair
 from crosskd.teacher import signal_from_logits
 
 TEXTS = [
@@ -52,6 +52,30 @@ class CsdCase:
 
     def with_valid(self, valid: torch.Tensor) -> CsdCase:
         return replace(self, chunks=replace(self.chunks, valid=valid))
+
+
+def hand_table(chains: list[list[int]], src: str, dst: str, v_dst: int) -> SubTokenTable:
+    """A table written by hand: row ``i`` of ``src`` is spelt by the ``dst`` ids ``chains[i]``
+    (every row a normal token; fingerprints ``fp-<name>``)."""
+    offsets = np.concatenate([[0], np.cumsum([len(c) for c in chains])]).astype(np.int64)
+    meta = TableMeta(
+        src_name=src,
+        dst_name=dst,
+        src_fingerprint=f"fp-{src}",
+        dst_fingerprint=f"fp-{dst}",
+        src_len=len(chains),
+        dst_len=v_dst,
+        src_vocab_size=len(chains),
+        dst_vocab_size=v_dst,
+        src_roles="{}",
+        dst_roles="{}",
+    )
+    return SubTokenTable(
+        offsets,
+        np.asarray([i for c in chains for i in c], dtype=np.int32),
+        np.full(len(chains), Flag.NORMAL, dtype=np.uint8),
+        meta,
+    )
 
 
 def _pad(rows: list[np.ndarray]) -> torch.Tensor:

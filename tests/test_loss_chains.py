@@ -23,14 +23,13 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
+from loss_cases import hand_table
 from loss_reference import SHAPE_1_1, SHAPE_1_N, SHAPE_N_1, reference_chunks, reference_kd
 
 from crosskd.loss import CsdOptions, build_events, csd_kd
-from crosskd.tables import Flag, SubTokenTable, TablePair
-from crosskd.tables.format import TableMeta
+from crosskd.tables import TablePair
 from crosskd.teacher import signal_from_logits
 
 S2T = [[0], [1], [2], [3, 2], [0, 2], [0, 2]]
@@ -41,30 +40,10 @@ TEACHER_IDS = torch.tensor([[0, 0, 1, 2, 7]])
 TAU, K = 1.0, 3
 
 
-def _table(chains: list[list[int]], src: str, dst: str, v_dst: int) -> SubTokenTable:
-    offsets = np.concatenate([[0], np.cumsum([len(c) for c in chains])]).astype(np.int64)
-    meta = TableMeta(
-        src_name=src,
-        dst_name=dst,
-        src_fingerprint=f"fp-{src}",
-        dst_fingerprint=f"fp-{dst}",
-        src_len=len(chains),
-        dst_len=v_dst,
-        src_vocab_size=len(chains),
-        dst_vocab_size=v_dst,
-        src_roles="{}",
-        dst_roles="{}",
-    )
-    return SubTokenTable(
-        offsets,
-        np.asarray([i for c in chains for i in c], dtype=np.int32),
-        np.full(len(chains), Flag.NORMAL, dtype=np.uint8),
-        meta,
-    )
-
-
 def _pair() -> TablePair:
-    return TablePair(_table(S2T, "student", "teacher", V_T), _table(T2S, "teacher", "student", V_S))
+    return TablePair(
+        hand_table(S2T, "student", "teacher", V_T), hand_table(T2S, "teacher", "student", V_S)
+    )
 
 
 def _chunks() -> SimpleNamespace:

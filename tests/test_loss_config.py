@@ -45,7 +45,10 @@ def test_defaults_are_valid_and_give_the_csd_options():
         ({"teachers": [{}, {"k": -1}]}, r"teachers\[1\]\.k is -1; it must be an integer >= 0"),
         ({"teachers": [{"k": 2.5}]}, r"teachers\[0\]\.k is 2\.5"),
         ({"teachers": [{"weight": -1}]}, r"teachers\[0\]\.weight is -1; it must be >= 0\.0"),
-        ({"teachers": [{"kk": 1}]}, r"teachers\[0\]: unknown key\(s\) kk; known keys: k, "),
+        (
+            {"teachers": [{"kk": 1}]},
+            r"teachers\[0\]: unknown key\(s\) kk; known keys: algorithm, k, projection, ",
+        ),
         ({"teachers": ["qwen"]}, r"teachers\[0\] is 'qwen'; write a mapping with keys weight, k"),
         (
             {"teachers": [{"student_to_teacher": "a"}]},

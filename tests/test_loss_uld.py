@@ -160,7 +160,9 @@ def test_blocks_recomputed_in_backward_give_the_same_gradient(zoo, built_table):
 
 
 def test_kd_is_checked_and_the_sharded_loss_refuses_uld():
-    with pytest.raises(ConfigError, match=r"kd is 'ulD'; choose one of csd, uld"):
+    with pytest.raises(ConfigError, match=r"kd is 'ulD'; choose one of csd, uld, xtoken"):
         LossConfig(kd="ulD")
-    with pytest.raises(ConfigError, match=r"loss.kd is 'uld', which the sharded .* does not"):
+    with pytest.raises(
+        ConfigError, match=r"loss teachers\[0\] \(uld\): the sharded .* does not support it"
+    ):
         sharded_loss(torch.zeros(1, 2, 3), None, LossConfig(kd="uld"), None, None)

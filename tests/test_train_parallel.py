@@ -333,7 +333,7 @@ def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, t
     with pytest.raises(
         ConfigError,
         match=r"parallel.tp / parallel.cp split the logits, which "
-        r"loss.kd 'uld'",
+        r"loss teachers\[0\] \(uld\) cannot use",
     ):
         train_config(
             train_inputs, tmp_path / "a", parallel={"tp": 2}, loss={"kd": "uld", "teachers": [{}]}

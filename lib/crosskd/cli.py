@@ -1,6 +1,7 @@
 """The ``crosskd`` command line.
 
-``crosskd tables build|validate|inspect``, ``crosskd prepare`` (and ``prepare-merge``),
+``crosskd tables build|validate|inspect``, ``crosskd projection build|validate|inspect``
+(X-Token's projection matrix), ``crosskd prepare`` (and ``prepare-merge``),
 ``crosskd inspect pair``, ``crosskd score``, ``crosskd serve`` (the teacher answering online
 over HTTP), ``crosskd train``, ``crosskd evaluate``,
 ``crosskd distill``,
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("crosskd")
 
 
-def _tokenizer_args(parser: argparse.ArgumentParser, *sides: str) -> None:
+def tokenizer_args(parser: argparse.ArgumentParser, *sides: str) -> None:
+    """Add ``--<side>-tokenizer`` and ``--<side>-vocab-size`` for each of ``sides``."""
     for side in sides:
         parser.add_argument(
             f"--{side}-tokenizer",
@@ -66,11 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", required=True
     )
     build = tables.add_parser("build", help="build one direction source -> destination")
-    _tokenizer_args(build, "source", "destination")
+    tokenizer_args(build, "source", "destination")
     build.add_argument("--output", required=True, help="output .safetensors path or URI")
 
     validate = tables.add_parser("validate", help="validate a table pair; exit 1 on violation")
-    _tokenizer_args(validate, "student", "teacher")
+    tokenizer_args(validate, "student", "teacher")
     validate.add_argument("--student-to-teacher", required=True, help="table path or URI")
     validate.add_argument("--teacher-to-student", required=True, help="table path or URI")
     validate.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -85,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair = inspect_cmd.add_parser(
         "pair", help="how well a student and a teacher tokenizer can be compared (CSD)"
     )
-    _tokenizer_args(pair, "student", "teacher")
+    tokenizer_args(pair, "student", "teacher")
     pair.add_argument(
         "--data",
         help="JSONL/Parquet/datasets rows (default: the built-in ~1 MB benchmark corpus of this "
@@ -178,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from crosskd.k8s.cli import add_job_commands
     from crosskd.pipeline.cli import add_pipeline_commands
+    from crosskd.projection.cli import add_projection_commands
 
+    add_projection_commands(commands)
     add_job_commands(commands)
     add_pipeline_commands(commands)
     return parser
@@ -209,6 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         from crosskd.pipeline.cli import run_pipeline_command
 
         return run_pipeline_command(args)
+    if args.command == "projection":
+        from crosskd.projection.cli import run_projection_command
+
+        return run_projection_command(args)
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "prepare-merge":
@@ -236,14 +244,14 @@ def _run(args: argparse.Namespace) -> int:
     from crosskd import tables
 
     if args.action == "build":
-        src, dst = _load(args, "source"), _load(args, "destination")
+        src, dst = load_side(args, "source"), load_side(args, "destination")
         table = tables.build_table(src, dst)
         table = tables.save_table(table, args.output)
         log.info("wrote %s", args.output)
         _write(_summary(table))
         return 0
     if args.action == "validate":
-        student, teacher = _load(args, "student"), _load(args, "teacher")
+        student, teacher = load_side(args, "student"), load_side(args, "teacher")
         reports = tables.validate_pair(
             student,
             teacher,
@@ -432,7 +440,7 @@ def _inspect_pair(args: argparse.Namespace) -> int:
     from crosskd.alignment.report_text import format_report
     from crosskd.data.records import read_records
 
-    student, teacher = _load(args, "student"), _load(args, "teacher")
+    student, teacher = load_side(args, "student"), load_side(args, "teacher")
     if args.data is None:
         texts = benchmark_corpus()
     else:
@@ -456,7 +464,8 @@ def _inspect_pair(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, side: str) -> LoadedTokenizer:
+def load_side(args: argparse.Namespace, side: str) -> LoadedTokenizer:
+    """The tokenizer of ``--<side>-tokenizer`` (and ``--<side>-vocab-size``)."""
     from crosskd.tokenization import load_tokenizer
 
     return load_tokenizer(

@@ -26,8 +26,8 @@ from crosskd.loss.kernels import KERNELS
 from crosskd.tokenization import LoadedTokenizer, fingerprint_fields
 
 TEACHER_MODES = ("sum", "select", "average")
-KD_METHODS = ("csd", "uld")
-"""The KD terms ``LossConfig.kd`` can name."""
+KD_METHODS = ("csd", "uld", "xtoken")
+"""The KD terms ``LossConfig.kd`` and ``teachers[i].algorithm`` can name."""
 
 
 @dataclass
@@ -43,6 +43,13 @@ class TeacherLossConfig:
     shares the student's tokenizer (same-tokenizer top-K KD, no chunks)."""
     teacher_to_student: str | None = None
     """T->S sub-token table (path or URI)."""
+    algorithm: str | None = None
+    """This teacher's KD term: ``csd``, ``uld`` or ``xtoken`` (X-Token's P-KL through
+    ``projection``: :mod:`crosskd.loss.xtoken`); None: ``loss.kd``. Teachers of one run may
+    use different algorithms; their terms add up (``sum`` and ``select``)."""
+    projection: str | None = None
+    """The projection ``W`` student -> teacher (path or URI; ``crosskd projection build``),
+    which ``algorithm: xtoken`` compares through."""
 
     @property
     def same_tokenizer(self) -> bool:
@@ -56,6 +63,11 @@ class TeacherLossConfig:
             raise ConfigError(
                 f"{key}.k is {self.k!r}; it must be an integer >= 0 (the top-K size of the "
                 f"teacher signal; 0 = dense)."
+            )
+        if self.algorithm is not None and self.algorithm not in KD_METHODS:
+            raise ConfigError(
+                f"{key}.algorithm is {self.algorithm!r}; choose one of {', '.join(KD_METHODS)} "
+                f"(or leave it out: loss.kd)."
             )
         if (self.student_to_teacher is None) != (self.teacher_to_student is None):
             given, missing = "student_to_teacher", "teacher_to_student"
@@ -73,10 +85,12 @@ class LossConfig:
     """The student's loss: ``ce_weight * CE + kd_scale * KD``."""
 
     kd: str = "csd"
-    """The KD term: ``csd`` (Common-Support Distillation, chunk by chunk) or ``uld`` (Universal
-    Logit Distillation, the baseline: sorted probability vectors of index-paired positions
-    compared by L1; :mod:`crosskd.loss.uld`). ``divergence``, ``beta`` and the chunk options
-    (``keep_realized`` .. ``drop_unrealized_topk``) apply to ``csd`` only."""
+    """The KD term of every teacher that names no ``algorithm``: ``csd`` (Common-Support
+    Distillation, chunk by chunk), ``uld`` (Universal Logit Distillation, the baseline: sorted
+    probability vectors of index-paired positions compared by L1; :mod:`crosskd.loss.uld`) or
+    ``xtoken`` (X-Token's projected KL through the teacher's ``projection``;
+    :mod:`crosskd.loss.xtoken`). ``divergence`` and ``beta`` apply to ``csd`` and ``xtoken``,
+    the chunk options (``keep_realized`` .. ``drop_unrealized_topk``) to ``csd`` only."""
     divergence: str = "jsd"
     """``jsd`` (generalised JSD with ``beta``), ``forward_kl`` KL(T||S) or ``reverse_kl``
     KL(S||T)."""
@@ -166,14 +180,64 @@ class LossConfig:
             raise ConfigError("teachers is empty; give at least one teacher.")
         for i, teacher in enumerate(self.teachers):
             teacher.check(f"teachers[{i}]")
+            self._check_algorithm(i, teacher)
         if self.teacher_mode == "average":
             self._check_average()
+
+    def algorithm(self, index: int) -> str:
+        """The KD term of ``teachers[index]``: its ``algorithm``, else ``kd``."""
+        return self.teachers[index].algorithm or self.kd
+
+    def whole_rows(self) -> str | None:
+        """Which teachers need whole rows of the student's logits (``uld`` and ``xtoken``: no
+        fused output layer, no vocabulary or sequence sharding), as ``teachers[0] (uld)``; None
+        when every teacher uses csd."""
+        named = [
+            f"teachers[{i}] ({self.algorithm(i)})"
+            for i in range(len(self.teachers))
+            if self.algorithm(i) != "csd"
+        ]
+        return ", ".join(named) or None
+
+    def _check_algorithm(self, index: int, teacher: TeacherLossConfig) -> None:
+        key = f"teachers[{index}]"
+        algorithm = self.algorithm(index)
+        if algorithm == "xtoken":
+            if teacher.projection is None:
+                raise ConfigError(
+                    f"{key} uses algorithm xtoken, which compares through a projection, but "
+                    f"{key}.projection is not set; build one with `crosskd projection build` "
+                    f"and set {key}.projection to it."
+                )
+            if teacher.same_tokenizer:
+                raise ConfigError(
+                    f"{key} uses algorithm xtoken but has no tables, so it is a same-tokenizer "
+                    f"teacher (compared token by token); xtoken is for a teacher with another "
+                    f"tokenizer: set {key}.student_to_teacher and teacher_to_student."
+                )
+            if teacher.k == 0:
+                raise ConfigError(
+                    f"{key} uses algorithm xtoken with k 0 (a dense signal); xtoken compares "
+                    f"the teacher's top K, so give {key}.k > 0."
+                )
+        elif teacher.projection is not None:
+            raise ConfigError(
+                f"{key}.projection is set but {key} uses algorithm {algorithm}, which does not "
+                f"read it; set {key}.algorithm: xtoken, or remove the projection."
+            )
 
     def _check_average(self) -> None:
         if len(self.teachers) < 2:
             raise ConfigError(
                 "teacher_mode is 'average' with one teacher; average mixes several teachers "
                 "(use 'sum' for one)."
+            )
+        algorithms = [self.algorithm(i) for i in range(len(self.teachers))]
+        if len(set(algorithms)) > 1:
+            raise ConfigError(
+                f"teacher_mode is 'average' but the teachers use different algorithms "
+                f"({', '.join(algorithms)}); average makes one KD term against the mixture, "
+                f"so give every teacher the same algorithm, or use 'sum'."
             )
         for i, teacher in enumerate(self.teachers):
             if teacher.k != 0:

@@ -137,25 +137,41 @@ def kd_from_terms(
     """:func:`kd_from_events` from the student log probabilities of the events' terms
     (``term_lp`` float ``[M]``, differentiable, at ``tau``), for callers that gather the terms
     of several KD terms (and CE) in one pass over the logits."""
+    n_events = len(events.teacher_lp)
+    student = segment_sum(term_lp, to_device(events.term_event, term_lp.device), n_events)
+    return kd_from_event_values(events, student, tau=tau, kind=kind, beta=beta, n_total=n_total)
+
+
+def kd_from_event_values(
+    events: Events,
+    student: Tensor,
+    *,
+    tau: float,
+    kind: str = "jsd",
+    beta: float = 0.5,
+    n_total: int | None = None,
+) -> KdTerm:
+    """:func:`kd_from_terms` from the student log probability of each event (``student`` float
+    ``[E]``, differentiable, at ``tau``), for terms whose event values are not sums of token
+    log probabilities (X-Token's projected mixtures, :mod:`crosskd.loss.xtoken`)."""
     n = events.n_chunks if n_total is None else n_total
-    device = term_lp.device
+    device = student.device
 
     def tensor(array: np.ndarray) -> Tensor:
         return to_device(array, device)
 
     if events.n_chunks == 0 or n == 0:
-        empty = term_lp.new_zeros(0).detach()
+        empty = student.new_zeros(0).detach()
         return KdTerm(
-            term_lp.sum() * 0.0,
+            student.sum() * 0.0,
             events.n_chunks,
             empty,
             empty,
             empty,
             torch.zeros(0, dtype=torch.int64, device=device),
         )
-    dtype = term_lp.dtype
+    dtype = student.dtype
     n_events = len(events.teacher_lp)
-    student = segment_sum(term_lp, tensor(events.term_event), n_events)
     teacher = tensor(events.teacher_lp).to(dtype)
     starts = np.searchsorted(events.event_chunk, np.arange(events.n_chunks))
     slots = np.arange(n_events) - starts[events.event_chunk]

@@ -195,8 +195,8 @@ def build_events(
         effective[(shape == SHAPE_1_N) | (shape == SHAPE_N_1)] = SHAPE_N_M
 
     t_last = teacher_ids[b, t1 - 1]
-    in_topk = _in_top(top_ids, b, t1 - 2, t_last)
-    top1 = _top1(top_ids, top_lps, b, t0 - 1) == teacher_ids[b, t0]
+    in_topk = in_top(top_ids, b, t1 - 2, t_last)
+    top1 = top1_ids(top_ids, top_lps, b, t0 - 1) == teacher_ids[b, t0]
     flat = _Flat([], [], [], [], [])
 
     # The realized events, all at once: student terms are the chunk's tokens at the rows before
@@ -305,14 +305,14 @@ def to_numpy(value: Tensor | np.ndarray) -> np.ndarray:
     return value.cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
 
 
-def _in_top(top_ids: np.ndarray | None, b: np.ndarray, q: np.ndarray, ids: np.ndarray):
+def in_top(top_ids: np.ndarray | None, b: np.ndarray, q: np.ndarray, ids: np.ndarray):
     """Whether ``ids[c]`` is in the top K at teacher row ``(b[c], q[c])``; bool ``[C]``."""
     if top_ids is None:
         return np.ones(len(ids), dtype=bool)
     return (top_ids[b, q] == ids[:, None]).any(axis=1)
 
 
-def _top1(top_ids: np.ndarray | None, top_lps: np.ndarray, b: np.ndarray, q: np.ndarray):
+def top1_ids(top_ids: np.ndarray | None, top_lps: np.ndarray, b: np.ndarray, q: np.ndarray):
     """The teacher's most likely id at rows ``(b[c], q[c])`` (lowest id on ties); ``[C]``."""
     best = top_lps[b, q].argmax(axis=1)
     return best if top_ids is None else top_ids[b, q, best]

@@ -1,5 +1,6 @@
 """The student's whole loss: ``ce_weight * CE + kd_scale * KD`` (spec sections 5 and 6), with
-KD the CSD term or, under ``loss.kd: uld``, the ULD baseline (:mod:`crosskd.loss.uld`).
+each teacher's KD term the one its algorithm names (``LossConfig.algorithm``): CSD, X-Token's
+projected KL (:mod:`crosskd.loss.xtoken`) or the ULD baseline (:mod:`crosskd.loss.uld`).
 
 Two steps, so that everything that depends only on the data and the teacher signals happens
 before the student's forward pass (in the collator or a data-loader worker):
@@ -38,7 +39,7 @@ from torch import Tensor
 from crosskd.data.collate import ChunkBatch
 from crosskd.errors import ConfigError, DataError
 from crosskd.loss.config import LossConfig
-from crosskd.loss.csd import kd_from_terms
+from crosskd.loss.csd import kd_from_event_values, kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
 from crosskd.loss.kernels import BlockKernels
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
@@ -46,7 +47,9 @@ from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize, term
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
+from crosskd.loss.xtoken import ProjectionColumns, projected_event_log_probs, xtoken_events
 from crosskd.output_layer import OutputLayer
+from crosskd.projection import Projection
 from crosskd.tables import TablePair
 from crosskd.teacher.signal import TeacherSignal
 from crosskd.transfer import to_device
@@ -80,6 +83,9 @@ class TeacherPlan:
     chunk_flags: np.ndarray
     chunk_first_row: np.ndarray
     same_tokenizer: bool
+    columns: ProjectionColumns | None = None
+    """``algorithm: xtoken``: the columns of ``W`` the events name (the events' ``term_id``
+    index them); None: CSD (``term_id`` is a student token id)."""
 
     @property
     def n_counted(self) -> int:
@@ -107,9 +113,9 @@ class LossPlan:
     """Everything the loss of one micro-batch needs besides the student logits.
 
     ``width``: the student batch's ``L_s``; ``vocab``: ``V_S``; ``ce_rows`` / ``ce_ids`` int64
-    ``[M]``: each CE
-    target's flat row (``b * L_s + position - 1``) and token id; ``terms``: the KD terms (CSD
-    :class:`TeacherPlan` or, under ``kd: uld``, :class:`~crosskd.loss.uld.UldTerm`);
+    ``[M]``: each CE target's flat row (``b * L_s + position - 1``) and token id; ``terms``:
+    the KD terms, one per teacher (a :class:`TeacherPlan` for CSD and X-Token, a
+    :class:`~crosskd.loss.uld.UldTerm` for ULD);
     ``sums``: metric sums known before the forward pass (teachers' bits and bytes, selections).
     """
 
@@ -117,7 +123,7 @@ class LossPlan:
     vocab: int
     ce_rows: np.ndarray
     ce_ids: np.ndarray
-    terms: list[TeacherPlan] | list[UldTerm]
+    terms: list[TeacherPlan | UldTerm]
     sums: dict[str, float]
 
     @property
@@ -233,6 +239,7 @@ def plan_loss(
     *,
     student_vocab: int,
     teacher_bytes: Sequence[np.ndarray] | None = None,
+    projections: Sequence[Projection | None] | None = None,
 ) -> LossPlan:
     """The data side of one micro-batch's loss.
 
@@ -248,8 +255,10 @@ def plan_loss(
         teacher_bytes: per teacher the UTF-8 length of each token id (int ``[V_T]``, e.g.
             ``LoadedTokenizer.bytes.lengths``); needed by ``select``, and when given the
             teachers' bits and predicted bytes are added to the metric sums.
+        projections: per teacher its projection ``W`` (``algorithm: xtoken``) or None.
     """
-    _check_inputs(config, teachers, pairs, teacher_bytes)
+    projections = list(projections) if projections is not None else [None] * len(teachers)
+    _check_inputs(config, teachers, pairs, teacher_bytes, projections)
     ids = student_ids.cpu().numpy()
     teachers = [
         t
@@ -289,19 +298,25 @@ def plan_loss(
                 valid[i] &= chosen_by[i]
                 sums[f"teacher{i}/selected_samples"] = float((chosen == i).sum())
     options = config.csd_options()
-    plans = []
+    plans: list[TeacherPlan | UldTerm] = []
     names = term_names(config, len(teachers))
     if config.teacher_mode == "average":
         signal = mix_signals([t.signal for t in teachers], [e.weight for e in config.teachers])
         teachers = [TeacherBatch(teachers[0].input_ids, teachers[0].chunks, signal)]
         pairs = pairs[:1]
-    if config.kd == "uld":
-        terms = _uld_terms(config, teachers, names, mask, chosen_by, width, sums)
-        return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], terms, sums)
     for i, (teacher, pair, name) in enumerate(zip(teachers, pairs, names, strict=True)):
+        weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
+        algorithm = config.algorithm(i)
+        if algorithm == "uld":
+            plans.append(_uld_term(name, weight, teacher, mask, chosen_by[i], width, sums))
+            continue
         ch = teacher.chunks
         t_ids = to_numpy(teacher.input_ids)
-        if pair is None:
+        columns = None
+        if algorithm == "xtoken":
+            events, ids_named = xtoken_events(t_ids, teacher.signal, ch, valid[i], width)
+            columns = ProjectionColumns(projections[i], ids_named)
+        elif pair is None:
             events = build_token_events(
                 ids,
                 t_ids,
@@ -313,7 +328,6 @@ def plan_loss(
             )
         else:
             events = build_events(ids, t_ids, teacher.signal, ch, pair, options, valid[i])
-        weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
         first_row = to_numpy(ch.row) * width + np.maximum(to_numpy(ch.student)[:, 0] - 1, 0)
         plans.append(
             TeacherPlan(
@@ -323,7 +337,8 @@ def plan_loss(
                 to_numpy(ch.shape),
                 to_numpy(ch.flags),
                 first_row,
-                pair is None,
+                pair is None and algorithm == "csd",
+                columns,
             )
         )
     return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], plans, sums)
@@ -337,37 +352,32 @@ def term_names(config: LossConfig, n_teachers: int) -> list[str]:
     return [f"teacher{i}" for i in range(n_teachers)]
 
 
-def _uld_terms(
-    config: LossConfig,
-    teachers: Sequence[TeacherBatch],
-    names: list[str],
+def _uld_term(
+    name: str,
+    weight: float,
+    teacher: TeacherBatch,
     loss_mask: np.ndarray,
-    chosen_by: list[np.ndarray | None],
+    chosen_by: np.ndarray | None,
     width: int,
     sums: dict[str, float],
-) -> list[UldTerm]:
-    """One :class:`UldTerm` per KD term (the paper's pairing over the student's ``loss_mask``
-    ``[B, L_s]``); adds each term's pair counts to ``sums``."""
-    terms = []
-    for i, (teacher, name) in enumerate(zip(teachers, names, strict=True)):
-        rows, s_pos, t_pos, unpaired_s, unpaired_t = paired_positions(
-            teacher.chunks, loss_mask, chosen_by[i]
-        )
-        weight = 1.0 if config.teacher_mode == "average" else config.teachers[i].weight
-        terms.append(
-            UldTerm(
-                name,
-                weight,
-                rows * width + s_pos - 1,
-                teacher_sorted_probs(teacher.signal, rows, t_pos),
-                unpaired_s,
-                unpaired_t,
-            )
-        )
-        sums[f"{name}/uld_pairs"] = float(len(rows))
-        sums[f"{name}/uld_unpaired_student"] = float(unpaired_s)
-        sums[f"{name}/uld_unpaired_teacher"] = float(unpaired_t)
-    return terms
+) -> UldTerm:
+    """One teacher's :class:`UldTerm` (the paper's pairing over the student's ``loss_mask``
+    ``[B, L_s]``; ``chosen_by``: its chunks that may take part, under ``select``); adds its
+    pair counts to ``sums``."""
+    rows, s_pos, t_pos, unpaired_s, unpaired_t = paired_positions(
+        teacher.chunks, loss_mask, chosen_by
+    )
+    sums[f"{name}/uld_pairs"] = float(len(rows))
+    sums[f"{name}/uld_unpaired_student"] = float(unpaired_s)
+    sums[f"{name}/uld_unpaired_teacher"] = float(unpaired_t)
+    return UldTerm(
+        name,
+        weight,
+        rows * width + s_pos - 1,
+        teacher_sorted_probs(teacher.signal, rows, t_pos),
+        unpaired_s,
+        unpaired_t,
+    )
 
 
 def compute_loss(
@@ -416,36 +426,47 @@ def loss_from_logprobs(
 ) -> LossOutput:
     """:func:`compute_loss` over any :class:`StudentLogProbs` (CE at temperature 1, KD at
     ``config.tau``): the entry point of the sharded versions, which pass their
-    :class:`Ownership`. Every (row, id) pair is asked for in one call at its temperature (one
-    pass over the logits; the same call on every rank of a parallel layout, as the log-prob
-    interface may communicate); then only the owned CE targets and chunks are evaluated.
-    ``kd_scale`` and the reported values come from the complete (reduced) terms."""
+    :class:`Ownership`. Every (row, id) pair of CE and the CSD terms is asked for in one call at
+    its temperature (one pass over the logits; the same call on every rank of a parallel
+    layout, as the log-prob interface may communicate); then only the owned CE targets and
+    chunks are evaluated. X-Token and ULD terms read whole rows of this process's logits
+    (:func:`_whole_rows`). ``kd_scale`` and the reported values come from the complete
+    (reduced) terms."""
     own = Ownership.everything(plan) if ownership is None else ownership
 
     def tensor(array: np.ndarray) -> Tensor:
         return to_device(array, device)
 
-    if config.kd == "uld":
-        return _uld_loss(student, plan, config, counts, own, device)
-
-    kd_requests = [(t.events.term_row, t.events.term_id, config.tau) for t in plan.terms]
+    whole = [t for t in plan.terms if not _by_requests(t)]
+    if whole:
+        _whole_rows(student, own, whole[0])
+    by_requests = [t for t in plan.terms if _by_requests(t)]
+    kd_requests = [(t.events.term_row, t.events.term_id, config.tau) for t in by_requests]
     ce_lp, *kd_lps = student.log_probs_at([(plan.ce_rows, plan.ce_ids, 1.0), *kd_requests])
+    requested = dict(zip((id(t) for t in by_requests), kd_lps, strict=True))
     ce = -ce_lp[tensor(np.flatnonzero(own.ce))].sum() / max(counts.tokens, 1)
     kd = ce.new_zeros(())
     kd_terms: dict[str, Tensor] = {}
     sums = dict(plan.sums) if own.leader else {}
     on_device: list[tuple[list[str], Tensor | None]] = []
-    parts = zip(plan.terms, counts.chunks, kd_lps, own.chunks, strict=True)
-    for term_plan, n_total, term_lp, owned in parts:
+    parts = zip(plan.terms, counts.chunks, own.chunks, strict=True)
+    for term_plan, n_total, owned in parts:
+        if isinstance(term_plan, UldTerm):
+            total = uld_sum(student.logits, term_plan, config.tau, student.block_rows)
+            kd_terms[term_plan.name] = total / max(n_total, 1)
+            kd = kd + term_plan.weight * kd_terms[term_plan.name]
+            on_device.append(([f"{term_plan.name}/uld_sum_l1"], total.detach().double()[None]))
+            continue
         events, kept = term_plan.events.subset(owned)
-        term = kd_from_terms(
-            events,
-            term_lp[tensor(kept)],
-            tau=config.tau,
-            kind=config.divergence,
-            beta=config.beta,
-            n_total=n_total,
-        )
+        options = {"tau": config.tau, "kind": config.divergence, "beta": config.beta}
+        if term_plan.columns is None:
+            term_lp = requested[id(term_plan)][tensor(kept)]
+            term = kd_from_terms(events, term_lp, **options, n_total=n_total)
+        else:
+            event_lp = projected_event_log_probs(
+                student.logits, events, term_plan.columns, config.tau, student.block_rows
+            )
+            term = kd_from_event_values(events, event_lp, **options, n_total=n_total)
         kd_terms[term_plan.name] = term.value
         kd = kd + term_plan.weight * term.value
         sums = add_sums(
@@ -470,40 +491,33 @@ def loss_from_logprobs(
     return _complete(ce, kd, kd_terms, sums, on_device, plan, config, own, device)
 
 
-def _uld_loss(
-    student: StudentLogProbs,
-    plan: LossPlan,
-    config: LossConfig,
-    counts: StepCounts,
-    own: Ownership,
-    device: torch.device | str,
-) -> LossOutput:
-    """:func:`loss_from_logprobs` under ``kd: uld``: CE as always, each teacher's ULD sum over
-    its pairs divided by the step's pairs (this process's logits hold whole rows)."""
+def _by_requests(term: TeacherPlan | UldTerm) -> bool:
+    """Whether a term's student values are (row, id) log probabilities (CSD), not whole rows
+    (X-Token, ULD)."""
+    return isinstance(term, TeacherPlan) and term.columns is None
+
+
+def _whole_rows(student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm) -> None:
+    """Refuse what cannot hold whole rows of logits: the fused output layer and a sharded
+    (sequence- or vocabulary-parallel) layout."""
+    what = "uld" if isinstance(term, UldTerm) else "xtoken"
+    reads = (
+        "sorts every paired row's whole distribution"
+        if what == "uld"
+        else "projects every row's whole distribution through W"
+    )
     if isinstance(student, LocalLogProbs) and isinstance(student.logits, OutputLayer):
         raise ConfigError(
-            "loss.kd is 'uld', which sorts every paired row's whole distribution and so needs "
-            "the student's logits, not the fused output layer; pass the logits (the trainer "
-            "does so under kd: uld)."
+            f"{term.name} uses algorithm {what}, which {reads} and so needs the student's "
+            f"logits, not the fused output layer; pass the logits (the trainer does so when a "
+            f"teacher uses uld or xtoken)."
         )
     if not isinstance(student, LocalLogProbs) or not own.ce.all():
         raise ConfigError(
-            "loss.kd is 'uld', which the sharded (sequence- or vocabulary-parallel) loss does "
-            "not support: ULD sorts every paired row's whole distribution, which no shard "
-            "holds. Use kd: csd, or train data-parallel only."
+            f"{term.name} uses algorithm {what}, which the sharded (sequence- or "
+            f"vocabulary-parallel) loss does not support: it {reads}, which no shard holds. "
+            f"Use csd, or train data-parallel only."
         )
-    ce = -student.log_probs_at([(plan.ce_rows, plan.ce_ids, 1.0)])[0].sum()
-    ce = ce / max(counts.tokens, 1)
-    kd = ce.new_zeros(())
-    kd_terms: dict[str, Tensor] = {}
-    sums = dict(plan.sums) if own.leader else {}
-    on_device: list[tuple[list[str], Tensor | None]] = []
-    for term, n_total in zip(plan.terms, counts.chunks, strict=True):
-        total = uld_sum(student.logits, term, config.tau, student.block_rows)
-        kd_terms[term.name] = total / max(n_total, 1)
-        kd = kd + term.weight * kd_terms[term.name]
-        on_device.append(([f"{term.name}/uld_sum_l1"], total.detach().double()[None]))
-    return _complete(ce, kd, kd_terms, sums, on_device, plan, config, own, device)
 
 
 def _complete(
@@ -560,12 +574,14 @@ def _check_inputs(
     teachers: Sequence[TeacherBatch],
     pairs: Sequence[TablePair | None],
     teacher_bytes: Sequence[np.ndarray] | None,
+    projections: Sequence[Projection | None],
 ) -> None:
-    if not len(teachers) == len(pairs) == len(config.teachers):
+    if not len(teachers) == len(pairs) == len(projections) == len(config.teachers):
         raise ConfigError(
             f"teachers lists {len(config.teachers)} teacher(s) but the batch has "
-            f"{len(teachers)} and {len(pairs)} table pair(s) were given; give one teachers[] "
-            f"entry, one signal and one pair (None: same tokenizer) per teacher."
+            f"{len(teachers)}, and {len(pairs)} table pair(s) and {len(projections)} "
+            f"projection(s) were given; give one teachers[] entry, one signal, one pair (None: "
+            f"same tokenizer) and one projection (None but for xtoken) per teacher."
         )
     for i, (entry, teacher, pair) in enumerate(zip(config.teachers, teachers, pairs, strict=True)):
         if entry.same_tokenizer != (pair is None):
@@ -595,8 +611,38 @@ def _check_inputs(
         teacher.signal.require(
             tau=config.tau, vocab_size=None, k=entry.k, where=f"of teachers[{i}]"
         )
+        _check_projection(config, i, teacher, pair, projections[i])
     if config.teacher_mode == "select" and teacher_bytes is None:
         raise ConfigError(
             "teacher_mode is 'select', which picks teachers by bits per byte; pass "
             "teacher_bytes (each teacher tokenizer's bytes.lengths)."
+        )
+
+
+def _check_projection(
+    config: LossConfig,
+    index: int,
+    teacher: TeacherBatch,
+    pair: TablePair | None,
+    projection: Projection | None,
+) -> None:
+    """An ``xtoken`` teacher needs its projection, built for its tables' two tokenizers."""
+    key = f"teachers[{index}]"
+    if config.algorithm(index) != "xtoken":
+        return
+    if projection is None:
+        raise ConfigError(
+            f"{key} uses algorithm xtoken but no projection was given; load "
+            f"{key}.projection (`crosskd projection build` makes one)."
+        )
+    meta, tables = projection.meta, pair.student_to_teacher.meta
+    if (meta.student_fingerprint, meta.teacher_fingerprint) != (
+        tables.src_fingerprint,
+        tables.dst_fingerprint,
+    ) or meta.teacher_vocab_size != teacher.signal.vocab_size:
+        raise ConfigError(
+            f"{key}: the projection {projection.source} maps {meta.student_name} -> "
+            f"{meta.teacher_name} (V_T = {meta.teacher_vocab_size}), not this student and "
+            f"teacher (tables {pair.student_to_teacher.source}, signal V = "
+            f"{teacher.signal.vocab_size}); build the projection from this teacher's tables."
         )

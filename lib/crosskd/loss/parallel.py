@@ -284,11 +284,12 @@ def sharded_loss(
     :class:`~crosskd.output_layer.OutputLayer` (fused: the logits never exist; the plan
     of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's
     ``loss``; the reported values are complete and identical on every rank."""
-    if config.kd != "csd":
+    whole = config.whole_rows()
+    if whole:
         raise ConfigError(
-            f"loss.kd is {config.kd!r}, which the sharded (sequence- or vocabulary-parallel) "
-            f"loss does not support: ULD sorts every paired row's whole distribution, which no "
-            f"shard holds. Use kd: csd, or train data-parallel only."
+            f"loss {whole}: the sharded (sequence- or vocabulary-parallel) loss does not "
+            f"support it: ULD and X-Token read every row's whole distribution, which no shard "
+            f"holds. Use csd for every teacher, or train data-parallel only."
         )
     student = ShardedLogProbs(
         logits,

@@ -21,7 +21,7 @@ import struct
 import uuid
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import fsspec
 import numpy as np
@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 BUILDER_VERSION = "crosskd-tables-1"
+M = TypeVar("M")
 TENSOR_NAMES = ("offsets", "chains", "flags")
-_PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol 2+, torch.save's zip container
+PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")  # pickle protocol 2+, torch.save's zip container
 
 
 class Flag(enum.IntEnum):
@@ -73,33 +74,43 @@ class TableMeta:
     @classmethod
     def from_metadata(cls, metadata: dict[str, str] | None, where: str) -> TableMeta:
         """Parse and check the metadata of the file at ``where``."""
-        metadata = metadata or {}
-        missing = [f.name for f in fields(cls) if f.name not in metadata]
-        if missing:
-            raise TableError(
-                f"table {where}: metadata lacks {', '.join(missing)}; it was not written by "
-                f"crosskd. Rebuild it with `crosskd tables build`."
-            )
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = metadata[f.name]
-            if f.type in ("int", int):
-                try:
-                    values[f.name] = int(raw)
-                except ValueError:
-                    raise TableError(
-                        f"table {where}: metadata field {f.name!r} is {raw!r}, not an integer; "
-                        f"the file is damaged. Rebuild it with `crosskd tables build`."
-                    ) from None
-            else:
-                values[f.name] = raw
-        meta = cls(**values)
-        if meta.format_version != FORMAT_VERSION:
-            raise TableError(
-                f"table {where}: format version {meta.format_version}, this crosskd reads "
-                f"version {FORMAT_VERSION}. Rebuild it with `crosskd tables build`."
-            )
-        return meta
+        return parse_metadata(
+            cls, metadata, f"table {where}", "Rebuild it with `crosskd tables build`."
+        )
+
+
+def parse_metadata(cls: type[M], metadata: dict[str, str] | None, what: str, fix: str) -> M:
+    """The metadata dataclass ``cls`` of a file's ``__metadata__`` (string values; its ``int``
+    fields parsed), refused with a :class:`TableError` that names the file (``what``, e.g.
+    ``table s3://...``) and ends with ``fix`` when a field is missing or damaged, or when its
+    ``format_version`` is not ``cls``'s default."""
+    metadata = metadata or {}
+    missing = [f.name for f in fields(cls) if f.name not in metadata]
+    if missing:
+        raise TableError(
+            f"{what}: metadata lacks {', '.join(missing)}; it was not written by crosskd. {fix}"
+        )
+    values: dict[str, object] = {}
+    for f in fields(cls):
+        raw = metadata[f.name]
+        if f.type in ("int", int):
+            try:
+                values[f.name] = int(raw)
+            except ValueError:
+                raise TableError(
+                    f"{what}: metadata field {f.name!r} is {raw!r}, not an integer; the file is "
+                    f"damaged. {fix}"
+                ) from None
+        else:
+            values[f.name] = raw
+    meta = cls(**values)
+    version = next(f.default for f in fields(cls) if f.name == "format_version")
+    if meta.format_version != version:
+        raise TableError(
+            f"{what}: format version {meta.format_version}, this crosskd reads version "
+            f"{version}. {fix}"
+        )
+    return meta
 
 
 def roles_json(tok: LoadedTokenizer) -> str:
@@ -174,10 +185,10 @@ def load_table(uri: str) -> SubTokenTable:
     with fs.open(path, "rb") as fh:
         payload = fh.read()
     try:
-        metadata = _read_metadata(payload)
+        metadata = read_metadata(payload)
         tensors = load(payload)
     except (SafetensorError, ValueError) as exc:
-        if payload.startswith(_PICKLE_MAGIC):
+        if payload.startswith(PICKLE_MAGIC):
             raise TableError(
                 f"table {uri}: this is a pickle or torch.save file; crosskd never unpickles (it "
                 f"can run arbitrary code). Tables are safetensors: rebuild with `crosskd tables "
@@ -199,7 +210,7 @@ def load_table(uri: str) -> SubTokenTable:
     return table
 
 
-def _read_metadata(payload: bytes) -> dict[str, str] | None:
+def read_metadata(payload: bytes) -> dict[str, str] | None:
     """The ``__metadata__`` of a safetensors payload (the JSON header after its u64 length)."""
     if len(payload) < 8:
         raise ValueError("file shorter than the 8-byte header length")

@@ -276,11 +276,12 @@ class TrainConfig:
                 f"activation_checkpointing is {self.activation_checkpointing!r}; "
                 f"it must be true or false."
             )
-        if (self.parallel.tp > 1 or self.parallel.cp > 1) and self.loss.kd != "csd":
+        whole = self.loss.whole_rows()
+        if (self.parallel.tp > 1 or self.parallel.cp > 1) and whole:
             raise ConfigError(
-                f"parallel.tp / parallel.cp split the logits, which loss.kd {self.loss.kd!r} "
-                f"cannot use (ULD sorts each row's whole distribution); use kd: csd or tp = cp "
-                f"= 1."
+                f"parallel.tp / parallel.cp split the logits, which loss {whole} cannot use "
+                f"(ULD and X-Token read each row's whole distribution); use csd for every "
+                f"teacher, or tp = cp = 1."
             )
         _patterns("trainable", self.trainable)
         _patterns("first_trainable", self.first_trainable)

@@ -9,7 +9,8 @@ For each teacher of the prepared data (``teacher0``, ``teacher1``, ...), in conf
   data holds as same-tokenizer (not aligned) must have no tables;
 * a table pair must have been built for exactly the student's and this teacher's tokenizers
   (:meth:`crosskd.tables.TablePair.check_tokenizers`): a pair built for another tokenizer of the
-  same vocabulary size (Qwen2.5 tables with Qwen3 data) would give a silently wrong KD;
+  same vocabulary size (Qwen2.5 tables with Qwen3 data) would give a silently wrong KD; so
+  must an ``xtoken`` teacher's projection;
 * a cache must have been scored on this data with this teacher tokenizer, K and tau
   (:func:`crosskd.teacher.cache.open_cache` refuses anything else), an ``online:REF``
   teacher's tokenizer must be the prepared one, and a teacher server (``http://...`` or
@@ -40,6 +41,7 @@ import torch
 from crosskd.data.collate import Batch, PreparedData
 from crosskd.errors import ConfigError, DataError
 from crosskd.loss.config import check_teachers
+from crosskd.projection import Projection, load_projection
 from crosskd.tables import TablePair, load_table_pair
 from crosskd.teacher import TeacherSignal
 from crosskd.teacher.cache import TeacherCache, open_cache
@@ -85,12 +87,14 @@ class TeacherSource:
 
 @dataclass(frozen=True, eq=False)
 class TrainingTeachers:
-    """Per teacher: its table ``pairs`` (None: same tokenizer), signal ``sources`` and
-    ``token_bytes`` (int ``[V_T]``, each id's UTF-8 length)."""
+    """Per teacher: its table ``pairs`` (None: same tokenizer), signal ``sources``,
+    ``token_bytes`` (int ``[V_T]``, each id's UTF-8 length) and ``projections`` (``W`` of an
+    ``xtoken`` teacher, else None)."""
 
     pairs: list[TablePair | None]
     sources: list[TeacherSource]
     token_bytes: list[np.ndarray]
+    projections: list[Projection | None]
 
     def close(self) -> None:
         """Close every teacher server's connections."""
@@ -126,14 +130,39 @@ def load_teachers(
         pair = load_table_pair(entry.student_to_teacher, entry.teacher_to_student)
         pair.check_tokenizers(student, tok)
         pairs.append(pair)
+    projections = [_projection(config, i, student, tok) for i, tok in enumerate(tokenizers)]
     sources: list[TeacherSource] = []
     try:
         for i, ref in enumerate(config.teachers):
             sources.append(_source(config, data, i, ref, entries[i], device))
     except BaseException:
-        TrainingTeachers(pairs, sources, []).close()
+        TrainingTeachers(pairs, sources, [], projections).close()
         raise
-    return TrainingTeachers(pairs, sources, [t.bytes.lengths for t in tokenizers])
+    return TrainingTeachers(pairs, sources, [t.bytes.lengths for t in tokenizers], projections)
+
+
+def _projection(
+    config: TrainConfig, i: int, student: LoadedTokenizer, teacher: LoadedTokenizer
+) -> Projection | None:
+    """Teacher ``i``'s projection (``algorithm: xtoken``; None otherwise), refused unless it
+    was built for the student's and this teacher's tokenizers."""
+    entry = config.loss.teachers[i]
+    if config.loss.algorithm(i) != "xtoken":
+        return None
+    projection = load_projection(entry.projection)
+    meta = projection.meta
+    for side, tok, fingerprint in (
+        ("student", student, meta.student_fingerprint),
+        ("teacher", teacher, meta.teacher_fingerprint),
+    ):
+        if tok.fingerprint != fingerprint:
+            raise ConfigError(
+                f"loss.teachers[{i}].projection {entry.projection} was built for a {side} "
+                f"tokenizer with fingerprint {fingerprint[:12]} ({getattr(meta, side + '_name')}"
+                f"), but this {side}'s is {tok.fingerprint[:12]} ({tok.name}); build it from "
+                f"this teacher's tables (`crosskd projection build`)."
+            )
+    return projection
 
 
 def _source(

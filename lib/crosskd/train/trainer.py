@@ -353,11 +353,8 @@ class Trainer:
         why not otherwise."""
         if not self.config.fused_head:
             return False
-        why = (
-            f"loss.kd is {self.config.loss.kd!r}, which needs whole logits"
-            if self.config.loss.kd != "csd"
-            else head_output_unchanged(self.model)
-        )
+        whole = self.config.loss.whole_rows()
+        why = f"loss {whole} needs whole logits" if whole else head_output_unchanged(self.model)
         if why is not None:
             log.info("the loss takes the student's logits, not its fused output head: %s", why)
             return False
@@ -473,6 +470,7 @@ class Trainer:
             self.teachers.pairs,
             student_vocab=self.vocab,
             teacher_bytes=self.teachers.token_bytes,
+            projections=self.teachers.projections,
         )
         return batch, plan
 
