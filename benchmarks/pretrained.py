@@ -45,7 +45,10 @@ Arms, each on every seed (a seed changes the data order; the student is the same
   and scored by the teacher online (``train.on_policy``); the same steps and prepared rows
   (which the teacher then scores online too, to the values the lossless cache holds);
 * ``csd-static-scale``: ``csd`` with a static KD weight of 1 in place of the dynamic KD scale
-  (the scale alone, everything else kept).
+  (the scale alone, everything else kept);
+* ``xtoken``: the moved student distilled with X-Token's projected KL (``loss.kd: xtoken``,
+  :mod:`crosskd.loss.xtoken`) through the projection the run builds from the tables, forward
+  KL and the dynamic KD scale as ``csd``.
 
 ``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
 student on its own tokenizer is its teacher).
@@ -117,6 +120,7 @@ ARMS = {
     "csd-embeddings-first": Arm("llama3", KD, {"first_steps": 0.5}),
     "csd-on-policy": Arm("llama3", KD, on_policy=ON_POLICY),
     "csd-static-scale": Arm("llama3", {**KD, "dynamic_kd_scale": False, "kd_weight": 1.0}),
+    "xtoken": Arm("llama3", {**KD, "kd": "xtoken"}),
 }
 DEFAULT_ARMS = {
     "compressed": ("ce", "kd", "ce-llama3", "csd"),
@@ -414,6 +418,9 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("csd-embeddings-first", "csd"),
     ("csd-on-policy", "csd"),
     ("csd-static-scale", "csd"),
+    ("xtoken", "ce-llama3"),
+    ("xtoken", "csd"),
+    ("xtoken", "csd-mw1"),
 )
 """Arms are compared only with arms on the same tokenizer: two tokenizers' held-out sets score
 different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leaves each

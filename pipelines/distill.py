@@ -1,14 +1,14 @@
 """The distillation pipeline (KFP v2): validate inputs -> init student (moved onto the student
-tokenizer first for tokenizer transfer) -> prepare -> per teacher: tables ->
-validate; scoring fanned out over teachers x shard ranges -> merge -> per run (kd, ce): train as
-a PyTorchJob (or, ``job_kind: trainjob``, a Kubeflow Trainer v2 TrainJob) -> evaluate ->
-report. ``crosskd pipeline compile`` writes ``distill.yaml``.
+tokenizer first for tokenizer transfer) -> prepare -> per teacher: tables -> validate ->
+X-Token's projection; scoring fanned out over teachers x shard ranges -> merge -> per run (kd,
+ce): train as a PyTorchJob (or, ``job_kind: trainjob``, a Kubeflow Trainer v2 TrainJob) ->
+evaluate -> report. ``crosskd pipeline compile`` writes ``distill.yaml``.
 
 Per-task settings: caching on for the pure steps (init_student, plan_tables, build_tables,
-validate_tables, prepare, plan_scoring, score_teacher, merge_cache: their outputs are
-content-addressed), off for validate_inputs, plan_training, train, evaluate and report; retries
-with backoff on the steps that mostly move data (init_student, build_tables, prepare,
-merge_cache, report) and on the training launcher (it reattaches to its job), none on the
+validate_tables, build_projection, prepare, plan_scoring, score_teacher, merge_cache: their
+outputs are content-addressed), off for validate_inputs, plan_training, train, evaluate and
+report; retries with backoff on the steps that mostly move data (init_student, build_tables,
+prepare, merge_cache, report) and on the training launcher (it reattaches to its job), none on the
 GPU-bound steps; the GPU steps (score_teacher, evaluate) get the accelerator, node selector and
 tolerations from parameters, ``/dev/shm`` in memory and a timeout; every step gets the S3
 credentials from the Secret named by ``s3_secret``. The training task is a CPU-only launcher:
@@ -27,6 +27,7 @@ happened (a failed start or training included).
 from kfp import dsl, kubernetes
 from kfp.dsl.pipeline_channel import PipelineChannel
 
+from components.build_projection.component import build_projection
 from components.build_tables.component import build_tables
 from components.evaluate.component import evaluate
 from components.init_student.component import init_student
@@ -131,9 +132,9 @@ def _cpu(
 def _prepare(
     p: dict,
 ) -> tuple[dsl.PipelineTask, PipelineChannel, dsl.PipelineTask, dsl.PipelineTask]:
-    """validate_inputs -> init_student -> prepare, and per teacher: tables -> validate. Returns
-    the validate_inputs task, the plan, the prepare task and the (looped) validate_tables
-    task."""
+    """validate_inputs -> init_student -> prepare, and per teacher: tables -> validate ->
+    projection. Returns the validate_inputs task, the plan, the prepare task and the (looped)
+    build_projection task."""
     secret = p["s3_secret"]
     inputs = validate_inputs(
         output_root=p["output_root"],
@@ -172,7 +173,9 @@ def _prepare(
         _secrets(_cpu(built, "4", "16Gi", cache=True, retries=2), secret)
         checked = validate_tables(item=pair, tables=built.outputs["Output"])
         _secrets(_cpu(checked, "2", "8Gi", cache=True), secret)
-    return inputs, plan, prepared, checked
+        projected = build_projection(item=pair, tables=checked.outputs["Output"])
+        _secrets(_cpu(projected, "2", "8Gi", cache=True), secret)
+    return inputs, plan, prepared, projected
 
 
 def _train(
@@ -180,7 +183,7 @@ def _train(
     inputs: dsl.PipelineTask,
     plan: PipelineChannel,
     prepared: dsl.PipelineTask,
-    checked: dsl.PipelineTask,
+    projected: dsl.PipelineTask,
     caches: PipelineChannel,
 ) -> dsl.PipelineTask:
     """plan_training on ``caches`` (merged caches, or the started servers), then per run (kd,
@@ -189,7 +192,7 @@ def _train(
         run_config=inputs.outputs["run_config"],
         plan=plan,
         prepared=prepared.outputs["Output"],
-        tables=dsl.Collected(checked.outputs["Output"]),
+        tables=dsl.Collected(projected.outputs["Output"]),
         caches=caches,
         run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
     )
@@ -295,7 +298,7 @@ def distill(
     scoring pods serve ``/metrics`` on (the step PodMonitor of ``manifests/monitoring`` scrapes
     it; 0: a free port, -1: not served)."""
     p = dict(locals())  # the parameters, by name, for the stages both pipelines share
-    inputs, plan, prepared, checked = _prepare(p)
+    inputs, plan, prepared, projected = _prepare(p)
     jobs = plan_scoring(
         plan=plan,
         prepared=prepared.outputs["Output"],
@@ -310,7 +313,7 @@ def distill(
         _gpu(scored, score_gpus, score_node_selector, score_tolerations)
     merged = merge_cache(parts=dsl.Collected(scored.outputs["Output"]))
     _secrets(_cpu(merged, "2", "8Gi", cache=True, retries=2), s3_secret)
-    trained = _train(p, inputs, plan, prepared, checked, merged.outputs["Output"])
+    trained = _train(p, inputs, plan, prepared, projected, merged.outputs["Output"])
     return _report(p, inputs, plan, prepared, trained)
 
 
@@ -352,7 +355,7 @@ def distill_served(
     ``none``); ``executor`` must be ``cluster``. No pipeline output (KFP takes none from inside
     an exit handler): the report is the ``report`` task's artifacts."""
     p = dict(locals())  # the parameters, by name, for the stages both pipelines share
-    inputs, plan, prepared, checked = _prepare(p)
+    inputs, plan, prepared, projected = _prepare(p)
     # The exit task takes only pipeline parameters (KFP refuses other tasks' outputs there): the
     # servers' names derive from the run id and the teacher's index.
     stop_at_exit = _stopper(p)
@@ -371,7 +374,7 @@ def distill_served(
         started.set_retry(
             2, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration=TRAIN_WAIT
         )
-        trained = _train(p, inputs, plan, prepared, checked, started.output)
+        trained = _train(p, inputs, plan, prepared, projected, started.output)
         # Free the servers' GPUs before the evaluation asks for its own.
         stopped = _stopper(p).after(trained)
         _report(p, inputs, plan, prepared, trained, after=stopped)

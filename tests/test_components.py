@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def components():
     sys.path.insert(0, str(ROOT))
+    from components.build_projection.component import build_projection
     from components.build_tables.component import build_tables
     from components.evaluate.component import evaluate
     from components.init_student.component import init_student
@@ -45,6 +46,7 @@ def components():
             plan_tables,
             build_tables,
             validate_tables,
+            build_projection,
             plan_scoring,
             score_teacher,
             merge_cache,
@@ -118,8 +120,12 @@ def test_the_components_in_pipeline_order_give_what_distill_gives(components, tm
     for item in c["plan_tables"](plan=plan):
         built = c["build_tables"](item=item, tables=artifact())
         figures = artifact(dsl.Metrics)
-        tables.append(c["validate_tables"](item=item, tables=built, figures=figures))
-        assert tables[-1]["validated"] is True and Path(figures.path).exists()
+        checked = c["validate_tables"](item=item, tables=built, figures=figures)
+        assert checked["validated"] is True and Path(figures.path).exists()
+        projected = artifact()
+        tables.append(c["build_projection"](item=item, tables=checked, projection=projected))
+        assert pointer(projected)["uri"] == tables[-1]["projection"]
+        assert tables[-1]["projection"].endswith("/projection.safetensors")
 
     jobs = c["plan_scoring"](
         plan=plan, prepared=prepared, scoring=scoring, score_pods=args["score_pods"]

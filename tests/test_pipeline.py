@@ -27,6 +27,7 @@ PURE = (
     "plan-tables",
     "build-tables",
     "validate-tables",
+    "build-projection",
     "prepare",
     "plan-scoring",
     "score-teacher",
@@ -245,7 +246,8 @@ def test_second_run_hits_the_cache_on_pure_steps_and_a_change_misses(tiny_run, c
     root = Path(tiny_run["local_root"])
     before = set(root.rglob("replicas/*"))
     result, hits = _run(tiny_run, capfd, caplog, k=8, job_kind="trainjob")
-    assert {"init-student", "build-tables", "validate-tables", "prepare", "plan-tables"} <= hits
+    assert {"init-student", "build-tables", "validate-tables", "build-projection"} <= hits
+    assert {"prepare", "plan-tables"} <= hits
     assert "score-teacher" not in hits and "merge-cache" not in hits
     assert set(result["bits_per_byte"]) == {"teacher", "student_init", "student_kd", "student_ce"}
     replicas = set(root.rglob("replicas/*")) - before
@@ -329,10 +331,11 @@ def test_cli_submits_the_committed_pipeline(state, code, monkeypatch, tmp_path, 
 def test_components_called_as_plain_functions(tmp_path):
     """The components' bodies called directly (``python_func``), outside KFP: the planners'
     self-contained items, and a same-tokenizer teacher's tables (none) passed through
-    validation with a pointer artifact."""
+    validation and the projection step (none) with pointer artifacts."""
     from kfp import dsl
 
     sys.path.insert(0, str(ROOT))
+    from components.build_projection.component import build_projection
     from components.build_tables.component import build_tables
     from components.plan_scoring.component import plan_scoring
     from components.plan_tables.component import plan_tables
@@ -357,6 +360,8 @@ def test_components_called_as_plain_functions(tmp_path):
     figures = dsl.Metrics(uri=str(tmp_path / "figures"))
     checked = validate_tables.python_func(item=item, tables=built, figures=figures)
     assert checked == {**built, "validated": True}
+    pointer = dsl.Artifact(uri=str(tmp_path / "projection"))
+    assert build_projection.python_func(item=item, tables=checked, projection=pointer) == checked
 
 
 def test_preset_arguments_for_a_local_run(monkeypatch):

@@ -54,6 +54,15 @@ def test_rows_worked_out_by_hand():
     np.testing.assert_allclose(cut1[3, 0], 1.0)
 
 
+def test_a_pair_of_exact_rows_only():
+    """Every token on both sides the other's twin: no spread row (the pair of tiny tokenizers of
+    the pipeline tests, in small)."""
+    pair = TablePair(hand_table([[1], [0]], "S", "T", 2), hand_table([[1], [0]], "T", "S", 2))
+    w = build_projection(pair)
+    np.testing.assert_array_equal(w.to_dense(), [[0.0, 1.0], [1.0, 0.0]])
+    assert w.weights.dtype == np.float32 and w.columns.dtype == np.int32
+
+
 @pytest.mark.parametrize("key", ["top_k", "chain_cut"])
 def test_bad_build_settings_are_refused(key):
     with pytest.raises(ConfigError, match=f"{key} is 0; it must be an integer >= 1"):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from crosskd import steps
 from crosskd.errors import ConfigError, CrosskdError
 from crosskd.steps.prepare import held_out
+from crosskd.steps.train import run_history
 
 
 @given(shards=st.integers(1, 60), pods=st.integers(1, 20), teachers=st.integers(1, 3))
@@ -208,6 +209,24 @@ def test_run_config_nests_the_training_keys(tmp_path):
         "out",
         ["c"],
     )
+    xtoken = replace(config, algorithms=["xtoken"])
+    tables = [{"s2t": "a", "t2s": "b", "projection": "w"}]
+    values = xtoken.train_values(
+        student="s", data="d", output="out", caches=["c"], tables=tables, kd=True
+    )
+    assert values["loss"]["teachers"] == [
+        {
+            "k": 16,
+            "student_to_teacher": "a",
+            "teacher_to_student": "b",
+            "algorithm": "xtoken",
+            "projection": "w",
+        }
+    ]
+    with pytest.raises(ConfigError, match=r"algorithms is \['csd', 'csd'\]; give one .* \(1\)"):
+        replace(config, algorithms=["csd", "csd"])
+    with pytest.raises(ConfigError, match=r"teachers\[0\].algorithm is 'gold'"):
+        replace(config, algorithms=["gold"])
     with pytest.raises(ConfigError, match=r"train is \[3\]; give a mapping of TrainConfig keys"):
         steps.RunConfig(output="o", train=[3])
     with pytest.raises(CrosskdError, match=r"override 'train.steps.x=1'"):
@@ -371,8 +390,9 @@ def test_a_job_that_asks_for_gpus_but_renders_none_is_refused(monkeypatch, kind)
 
 
 def test_distill_on_user_inputs(train_inputs, tmp_path):
-    """A pretrained student, two teachers (the second with the student's tokenizer: no tables),
-    a JSONL file split by a held-out fraction: the same steps as the pipeline. The out-of-domain
+    """A pretrained student, two teachers (the first compared by X-Token's projected KL through
+    the projection the run builds, the second with the student's tokenizer: no tables, CSD), a
+    JSONL file split by a held-out fraction: the same steps as the pipeline. The out-of-domain
     rows are the held-out rows themselves, so their bits per byte must be the same numbers."""
     from crosskd.distill import distill
 
@@ -383,6 +403,7 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
     config = steps.RunConfig(
         output=str(tmp_path / "run"),
         teachers=[train_inputs["teacher"], train_inputs["teacher_same"]],
+        algorithms=["xtoken", "csd"],
         student=train_inputs["student"],
         train_data=str(data),
         heldout_fraction=0.25,
@@ -408,6 +429,11 @@ def test_distill_on_user_inputs(train_inputs, tmp_path):
     assert sorted(p.name for p in tables.iterdir()) == ["s2t.safetensors", "t2s.safetensors"]
     train = yaml.safe_load((tmp_path / "run" / "kd" / "train.yaml").read_text())
     assert train["loss"]["teachers"][1].get("student_to_teacher") is None
+    (projection,) = (tmp_path / "run" / "projections").glob("*/projection.safetensors")
+    assert train["loss"]["teachers"][0]["projection"] == str(projection)
+    assert [t["algorithm"] for t in train["loss"]["teachers"]] == ["xtoken", "csd"]
+    history = run_history(str(tmp_path / "run" / "kd"))
+    assert len(history) == 2 and all(h["kd/teacher0"] > 0 < h["kd/teacher1"] for h in history)
     assert train["student"] == train_inputs["student"]
     # A rerun finds every output: nothing is computed again.
     assert distill(config, progress=False) == result

@@ -2,10 +2,11 @@
 (:mod:`crosskd.steps`; ``crosskd pipeline run-local`` runs the same steps as the KFP DAG).
 
 validate inputs -> the student (moved onto ``student_tokenizer`` first when ``transplant``
-is set) -> tables (built and validated, per teacher) -> prepare (train, held-out and
-out-of-domain rows) -> score each teacher (``teacher_scoring: online``: no scoring, the
-training steps score their rows with the teachers in process) -> train the student with CSD
-(and, to compare, with CE only on the same budget) -> evaluate (held-out bits per byte of the
+is set) -> tables (built and validated, per teacher, and X-Token's projection from them) ->
+prepare (train, held-out and out-of-domain rows) -> score each teacher (``teacher_scoring:
+online``: no scoring, the training steps score their rows with the teachers in process) ->
+train the student with CSD (or the algorithms ``algorithms`` names; and, to compare, with CE
+only on the same budget) -> evaluate (held-out bits per byte of the
 teachers and of the student before and after, in domain and, with ``ood_data``, out of
 domain) -> report
 (``metrics.json``, ``loss_curves.png``, ``index.html``, ``summary.md`` under
@@ -83,13 +84,14 @@ def distill(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
 
 
 def checked_tables(plan: dict[str, Any], *, progress: bool = True) -> list[dict[str, Any]]:
-    """The tables of every cross-tokenizer teacher of ``plan`` (steps ``plan_tables``,
-    ``build_tables``, ``validate_tables``), in this process; the outputs of ``build_tables``."""
+    """The tables and projection of every cross-tokenizer teacher of ``plan`` (steps
+    ``plan_tables``, ``build_tables``, ``validate_tables``, ``build_projection``), in this
+    process; the outputs of ``build_projection``."""
     tables = []
     for item in steps.plan_tables(plan):
         built = steps.build_tables(item, progress=progress)
         steps.validate_tables(item, built)
-        tables.append(built)
+        tables.append(steps.build_projection(item, built))
     return tables
 
 

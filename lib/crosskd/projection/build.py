@@ -79,7 +79,7 @@ def build_projection(
     weights = np.concatenate([f_w, r_w])
     keep = ~is_exact[students]
     keys, inverse = np.unique(students[keep] * np.int64(v_t) + teachers[keep], return_inverse=True)
-    summed = np.bincount(inverse, weights[keep], len(keys))
+    summed = np.bincount(inverse, weights[keep], len(keys)).astype(np.float64)
     rows, cols = keys // v_t, keys % v_t
     summed /= np.bincount(rows, summed, v_s)[rows]
     order = np.lexsort((cols, -summed, rows))

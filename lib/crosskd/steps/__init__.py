@@ -1,7 +1,8 @@
 """The steps of a distillation run, one function each: the only code that the KFP components
 (``components/<step>/``), ``crosskd distill`` and ``crosskd pipeline run-local`` call.
 
-validate_inputs -> init_student -> plan_tables -> per teacher: build_tables -> validate_tables;
+validate_inputs -> init_student -> plan_tables -> per teacher: build_tables -> validate_tables
+-> build_projection;
 prepare_data -> plan_scoring -> score_teacher (per teacher and shard range) -> merge_caches ->
 plan_training -> train (per variant) -> evaluate_run (in domain and out of domain) -> report; or,
 with teacher servers instead of caches, start_teacher_servers -> plan_training -> train ->
@@ -27,6 +28,7 @@ from crosskd.steps.evaluate import evaluate_models, evaluate_run, models_to_eval
 from crosskd.steps.inputs import validate_inputs
 from crosskd.steps.locations import content_uri, run_folder
 from crosskd.steps.prepare import prepare_data
+from crosskd.steps.projection import build_projection
 from crosskd.steps.score import merge_caches, online_teachers, plan_scoring, score_teacher
 from crosskd.steps.serve import start_teacher_servers, stop_teacher_servers
 from crosskd.steps.student import init_student
@@ -35,6 +37,7 @@ from crosskd.steps.train import plan_training, train
 
 __all__ = [
     "RunConfig",
+    "build_projection",
     "build_tables",
     "content_uri",
     "evaluate_models",

@@ -117,6 +117,10 @@ class RunConfig:
     """Top-K of the teacher cache."""
     tau: float = 1.0
     """Distillation temperature."""
+    algorithms: list[str] = field(default_factory=list)
+    """Per teacher (in ``teachers`` order) its KD term: ``csd``, ``uld`` or ``xtoken``
+    (X-Token's projected KL through the projection the run builds beside each cross-tokenizer
+    teacher's tables). Empty: ``train.loss.kd`` (``csd`` unless set) for every teacher."""
     encoding: str = "lossless"
     """Teacher cache encoding: ``lossless`` or ``lossy``."""
     teacher_scoring: str = "cache"
@@ -191,6 +195,14 @@ class RunConfig:
             raise ConfigError(
                 f"teacher_scoring is {self.teacher_scoring!r}; choose one of "
                 f"{', '.join(TEACHER_SCORING)}."
+            )
+        if not isinstance(self.algorithms, list) or len(self.algorithms) not in (
+            0,
+            len(self.teachers),
+        ):
+            raise ConfigError(
+                f"algorithms is {self.algorithms!r}; give one algorithm (csd, uld, xtoken) per "
+                f"teacher ({len(self.teachers)}), or none (train.loss.kd for every teacher)."
             )
         self._check_train()
         self._check_transplant()
@@ -273,7 +285,7 @@ class RunConfig:
                     data="-",
                     output="-",
                     caches=[placeholder] * n,
-                    tables=[None] * n,
+                    tables=[{"s2t": "-", "t2s": "-", "projection": "-"}] * n,
                     kd=True,
                 )
             )
@@ -306,12 +318,8 @@ class RunConfig:
             values["on_policy"] = {**values["on_policy"], "prompts": train_rows}
         loss["tau"] = self.tau
         loss["teachers"] = [
-            {
-                "k": self.k,
-                "student_to_teacher": (t or {}).get("s2t"),
-                "teacher_to_student": (t or {}).get("t2s"),
-            }
-            for t in tables
+            self._teacher_loss(t, algorithm, loss.get("kd", "csd"))
+            for t, algorithm in zip(tables, self.algorithms or [None] * len(tables), strict=True)
         ]
         return {
             **values,
@@ -322,6 +330,21 @@ class RunConfig:
             "seed": self.seed,
             "loss": loss,
         }
+
+    def _teacher_loss(self, tables: dict | None, algorithm: str | None, kd: str) -> dict:
+        """One ``loss.teachers`` entry: ``k``, the tables' URIs, the teacher's ``algorithm``
+        (when ``algorithms`` names one) and, for ``xtoken``, its projection's URI."""
+        tables = tables or {}
+        entry: dict[str, Any] = {
+            "k": self.k,
+            "student_to_teacher": tables.get("s2t"),
+            "teacher_to_student": tables.get("t2s"),
+        }
+        if algorithm is not None:
+            entry["algorithm"] = algorithm
+        if (algorithm or kd) == "xtoken":
+            entry["projection"] = tables.get("projection")
+        return entry
 
     def scoring(self) -> dict[str, Any]:
         """What changes a teacher cache: ``k``, ``tau``, ``encoding``, ``token_budget``,
