@@ -17,6 +17,7 @@ from crosskd.alignment.corpus import benchmark_corpus
 from crosskd.data.collate import Batch, collate, load_prepared
 from crosskd.data.prepare import PrepareConfig, prepare
 from crosskd.loss import LossConfig, LossPlan, TeacherBatch, TeacherLossConfig, plan_loss
+from crosskd.projection import Projection
 from crosskd.tables import TablePair, build_table
 from crosskd.teacher import TeacherSignal, signal_from_logits
 from crosskd.teacher.storage import batch_signal, signal_samples
@@ -154,9 +155,12 @@ def csd_plan(
     k: int,
     student_vocab: int,
     tau: float = 1.0,
+    projection: Projection | None = None,
 ) -> tuple[LossConfig, LossPlan]:
     """The default loss config (one cross-tokenizer teacher at top-K ``k``, temperature
-    ``tau``) and the plan of ``batch`` with teacher ``signal``."""
+    ``tau``; with a ``projection``, X-Token's P-KL through it in place of CSD) and the plan of
+    ``batch`` with teacher ``signal``."""
+    xtoken = {} if projection is None else {"algorithm": "xtoken", "projection": "w"}
     config = LossConfig(
         tau=tau,
         teachers=[
@@ -164,6 +168,7 @@ def csd_plan(
                 k=k,
                 student_to_teacher="s2t",
                 teacher_to_student="t2s",
+                **xtoken,
             )
         ],
     )
@@ -175,5 +180,6 @@ def csd_plan(
         [teacher],
         [pair],
         student_vocab=student_vocab,
+        projections=[projection],
     )
     return config, plan

@@ -15,6 +15,9 @@ Timed, each forward + backward from the student logits to their gradient:
   takes: log-normaliser in row blocks plus a gather), to show what the KD part adds;
 * ``ce+csd K``: :func:`crosskd.loss.compute_loss`, CE plus the CSD term, with top-K signals of
   K = 32 and 128;
+* ``ce+xtoken K``: CE plus X-Token's projected KL (:mod:`crosskd.loss.xtoken`, the projection
+  built from the same tables) at K = 32: every loss-masked row's whole softmax times the
+  columns of ``W`` the batch names;
 * ``ce+dense kl``: CE plus a full-vocabulary KL(T || S) against a teacher on the student's own
   vocabulary (what same-tokenizer KD with a dense teacher costs).
 
@@ -86,12 +89,14 @@ from crosskd.loss import (
     compute_loss,
 )
 from crosskd.output_layer import OutputLayer
+from crosskd.projection import build_projection
 from crosskd.teacher import signal_from_logits
 
 GOAL_TIME, GOAL_MEMORY = 1.5, 1.3
 STUDENTS = ("smollm2", "llama3")
 TEACHER = "qwen3"
 KS = (32, 128)
+XTOKEN_K = 32
 
 
 def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -164,6 +169,29 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
                 "events": len(plan.terms[0].events.teacher_lp),
             }
         )
+    signal = signal_from_logits(t_logits, t_ids, k=XTOKEN_K, tau=1.0)
+    start = time.perf_counter()
+    config, plan = csd_plan(
+        batch, signal, pair, XTOKEN_K, student.vocab_size, projection=build_projection(pair)
+    )
+    plan_s = time.perf_counter() - start
+
+    def xtoken_step() -> None:
+        compute_loss(logits, plan, config).loss.backward()
+        logits.grad = None
+
+    seconds, peak = measure(xtoken_step, args.repeat)
+    results.append(
+        {
+            "student": name,
+            "loss": f"ce+xtoken K={XTOKEN_K}",
+            "seconds": seconds,
+            "peak": peak,
+            "plan_seconds": plan_s,
+            "chunks": plan.counts.chunks[0],
+            "events": len(plan.terms[0].events.teacher_lp),
+        }
+    )
     seconds, peak = measure(dense_step, args.repeat)
     results.append({"student": name, "loss": "ce+dense kl", "seconds": seconds, "peak": peak})
     shape = f"{tuple(s_ids.shape)} x V={student.vocab_size}"

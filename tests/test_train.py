@@ -503,6 +503,45 @@ def test_uld_trains_and_two_processes_equal_one(setup, tmp_path):
                 assert g[key] == pytest.approx(w[key], rel=1e-5), key
 
 
+def test_xtoken_trains_and_a_wrong_or_missing_projection_is_refused_before_a_step(setup, tmp_path):
+    """``algorithm: xtoken`` through the projection of the inputs' tables trains (finite loss, a
+    positive KD on counted chunks); a projection of another pair, or none at the path, is
+    refused when the trainer starts, naming the key."""
+    from crosskd.projection import Projection, build_projection, save_projection
+    from crosskd.tables import load_table_pair
+
+    w = save_projection(
+        build_projection(load_table_pair(setup["s2t"], setup["t2s"])), str(tmp_path / "w")
+    )
+    loss = _config(setup, tmp_path).loss
+    teacher = replace(loss.teachers[0], algorithm="xtoken", projection=w.source)
+    trainer = Trainer(
+        _config(setup, tmp_path / "run", steps=2, loss=replace(loss, teachers=[teacher])),
+        progress=False,
+    )
+    trainer.setup()
+    history = trainer.train()
+    trainer.close()
+    assert all(math.isfinite(h["loss"]) and h["kd/teacher0"] > 0 for h in history)
+    assert history[0]["teacher0/1:1/valid"] > 0
+    foreign = Projection(
+        w.offsets,
+        w.columns,
+        w.weights,
+        replace(w.meta, student_fingerprint="0" * 64, student_name="other"),
+    )
+    save_projection(foreign, str(tmp_path / "foreign"))
+    for path, message in (
+        (tmp_path / "foreign", r"loss.teachers\[0\].projection .*foreign was built for a student"),
+        (tmp_path / "none", r"loss.teachers\[0\].projection: projection .*none: no such file"),
+    ):
+        wrong = replace(teacher, projection=str(path))
+        config = _config(setup, tmp_path / "bad", loss=replace(loss, teachers=[wrong]))
+        with pytest.raises(CrosskdError, match=message):
+            Trainer(config, progress=False).setup()
+        assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
 def test_a_rank_that_fails_alone_fails_every_rank_without_a_hang(setup, tmp_path):
     """Rank 1 cannot serve its metrics (its port is taken): it raises a named error, rank 0
     raises one pointing at it, and neither waits in a collective."""

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from crosskd.data.collate import Batch, PreparedData
-from crosskd.errors import ConfigError, DataError
+from crosskd.errors import ConfigError, DataError, TableError
 from crosskd.loss.config import check_teachers
 from crosskd.projection import Projection, load_projection
 from crosskd.tables import TablePair, load_table_pair
@@ -149,7 +149,10 @@ def _projection(
     entry = config.loss.teachers[i]
     if config.loss.algorithm(i) != "xtoken":
         return None
-    projection = load_projection(entry.projection)
+    try:
+        projection = load_projection(entry.projection)
+    except TableError as exc:
+        raise TableError(f"loss.teachers[{i}].projection: {exc}") from None
     meta = projection.meta
     for side, tok, fingerprint in (
         ("student", student, meta.student_fingerprint),
