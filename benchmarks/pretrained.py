@@ -48,7 +48,8 @@ Arms, each on every seed (a seed changes the data order; the student is the same
   (the scale alone, everything else kept);
 * ``xtoken``: the moved student distilled with X-Token's projected KL (``loss.kd: xtoken``,
   :mod:`crosskd.loss.xtoken`) through the projection the run builds from the tables, forward
-  KL and the dynamic KD scale as ``csd``.
+  KL and the dynamic KD scale as ``csd``;
+* ``gold``, ``hkl``: the same with X-Token's gold loss and H-KL (:mod:`crosskd.loss.gold`).
 
 ``--arms`` picks; :data:`DEFAULT_ARMS` are the default (``transfer``: the arms on Llama-3; its
 student on its own tokenizer is its teacher).
@@ -121,6 +122,8 @@ ARMS = {
     "csd-on-policy": Arm("llama3", KD, on_policy=ON_POLICY),
     "csd-static-scale": Arm("llama3", {**KD, "dynamic_kd_scale": False, "kd_weight": 1.0}),
     "xtoken": Arm("llama3", {**KD, "kd": "xtoken"}),
+    "gold": Arm("llama3", {**KD, "kd": "gold"}),
+    "hkl": Arm("llama3", {**KD, "kd": "hkl"}),
 }
 DEFAULT_ARMS = {
     "compressed": ("ce", "kd", "ce-llama3", "csd"),
@@ -421,6 +424,9 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("xtoken", "ce-llama3"),
     ("xtoken", "csd"),
     ("xtoken", "csd-mw1"),
+    ("gold", "ce-llama3"),
+    ("hkl", "ce-llama3"),
+    ("hkl", "csd"),
 )
 """Arms are compared only with arms on the same tokenizer: two tokenizers' held-out sets score
 different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leaves each

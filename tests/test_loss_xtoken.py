@@ -196,8 +196,8 @@ def test_config_refusals():
         LossConfig(teachers=[TeacherLossConfig(algorithm="xtoken", projection="w")])
     with pytest.raises(ConfigError, match=r"projection is set but teachers\[0\] uses algorithm"):
         LossConfig(teachers=[TeacherLossConfig(projection="w", **TABLES)])
-    with pytest.raises(ConfigError, match=r"teachers\[0\].algorithm is 'gold'; choose one of"):
-        LossConfig(teachers=[TeacherLossConfig(algorithm="gold", **TABLES)])
+    with pytest.raises(ConfigError, match=r"teachers\[0\].algorithm is 'GOLD'; choose one of"):
+        LossConfig(teachers=[TeacherLossConfig(algorithm="GOLD", **TABLES)])
     dense = {"k": 0, **TABLES}
     with pytest.raises(ConfigError, match=r"different algorithms \(uld, csd\)"):
         LossConfig(

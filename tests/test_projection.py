@@ -11,6 +11,7 @@ from loss_cases import hand_table
 
 from crosskd.cli import main
 from crosskd.errors import ConfigError, TableError
+from crosskd.loss.gold import partition
 from crosskd.projection import (
     build_projection,
     chain_weights,
@@ -120,6 +121,25 @@ def test_by_teacher_is_the_transpose(llama_smol):
     )
     forth = zip(rows.tolist(), w.columns.tolist(), strict=True)
     assert back == pytest.approx(dict(zip(forth, w.weights.astype(float).tolist(), strict=True)))
+
+
+def test_gold_and_hkl_partitions_on_a_real_pair(llama_smol):
+    """Llama-3 -> SmolLM2: gold pairs the exact rows, one teacher id each; H-KL adds the rows
+    led by a weight >= 0.6 whose teacher token no stronger row claims; ``123`` (0.90 on ``1``)
+    stays uncommon in both, since ``1`` is claimed by its exact twin."""
+    llama, smol, _, w = llama_smol
+    gold, hkl = partition(w, relaxed=False), partition(w, relaxed=True)
+    for pairs in (gold, hkl):
+        assert len(np.unique(pairs[:, 1])) == len(pairs) and (np.diff(pairs[:, 0]) > 0).all()
+    assert set(map(tuple, gold.tolist())) <= set(map(tuple, hkl.tolist()))
+    assert len(hkl) > len(gold) > 30_000
+    for s, t in gold.tolist():
+        assert w.lengths[s] == 1 and w.row(s)[0][0] == t
+    first = w.weights[w.offsets[hkl[:, 0]]]
+    assert (first >= 0.6).all()
+    (i123,) = llama.hf.encode("123", add_special_tokens=False)
+    (one,) = smol.hf.encode("1", add_special_tokens=False)
+    assert i123 not in hkl[:, 0] and [one] == hkl[hkl[:, 1] == one, 1].tolist()
 
 
 def test_file_round_trip_and_refusals(llama_smol, tmp_path):

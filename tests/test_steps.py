@@ -225,8 +225,8 @@ def test_run_config_nests_the_training_keys(tmp_path):
     ]
     with pytest.raises(ConfigError, match=r"algorithms is \['csd', 'csd'\]; give one .* \(1\)"):
         replace(config, algorithms=["csd", "csd"])
-    with pytest.raises(ConfigError, match=r"teachers\[0\].algorithm is 'gold'"):
-        replace(config, algorithms=["gold"])
+    with pytest.raises(ConfigError, match=r"teachers\[0\].algorithm is 'GOLD'"):
+        replace(config, algorithms=["GOLD"])
     with pytest.raises(ConfigError, match=r"train is \[3\]; give a mapping of TrainConfig keys"):
         steps.RunConfig(output="o", train=[3])
     with pytest.raises(CrosskdError, match=r"override 'train.steps.x=1'"):

@@ -26,8 +26,10 @@ from crosskd.loss.kernels import KERNELS
 from crosskd.tokenization import LoadedTokenizer, fingerprint_fields
 
 TEACHER_MODES = ("sum", "select", "average")
-KD_METHODS = ("csd", "uld", "xtoken")
+KD_METHODS = ("csd", "uld", "xtoken", "gold", "hkl")
 """The KD terms ``LossConfig.kd`` and ``teachers[i].algorithm`` can name."""
+PROJECTED = ("xtoken", "gold", "hkl")
+"""The KD terms that read the teacher's projection ``W``."""
 
 
 @dataclass
@@ -44,12 +46,14 @@ class TeacherLossConfig:
     teacher_to_student: str | None = None
     """T->S sub-token table (path or URI)."""
     algorithm: str | None = None
-    """This teacher's KD term: ``csd``, ``uld`` or ``xtoken`` (X-Token's P-KL through
-    ``projection``: :mod:`crosskd.loss.xtoken`); None: ``loss.kd``. Teachers of one run may
-    use different algorithms; their terms add up (``sum`` and ``select``)."""
+    """This teacher's KD term: ``csd``, ``uld``, ``xtoken`` (X-Token's P-KL through
+    ``projection``: :mod:`crosskd.loss.xtoken`), ``gold`` or ``hkl`` (X-Token's gold loss and
+    H-KL: KL on the tokens ``projection`` pairs, sorted L1 on the rest; :mod:`crosskd.loss
+    .gold`); None: ``loss.kd``. Teachers of one run may use different algorithms; their terms
+    add up (``sum`` and ``select``)."""
     projection: str | None = None
     """The projection ``W`` student -> teacher (path or URI; ``crosskd projection build``),
-    which ``algorithm: xtoken`` compares through."""
+    which ``xtoken``, ``gold`` and ``hkl`` read."""
 
     @property
     def same_tokenizer(self) -> bool:
@@ -89,8 +93,9 @@ class LossConfig:
     Distillation, chunk by chunk), ``uld`` (Universal Logit Distillation, the baseline: sorted
     probability vectors of index-paired positions compared by L1; :mod:`crosskd.loss.uld`) or
     ``xtoken`` (X-Token's projected KL through the teacher's ``projection``;
-    :mod:`crosskd.loss.xtoken`). ``divergence`` and ``beta`` apply to ``csd`` and ``xtoken``,
-    the chunk options (``keep_realized`` .. ``drop_unrealized_topk``) to ``csd`` only."""
+    :mod:`crosskd.loss.xtoken`), ``gold`` or ``hkl`` (X-Token's gold loss and H-KL;
+    :mod:`crosskd.loss.gold`). ``divergence`` and ``beta`` apply to all but ``uld``, the chunk
+    options (``keep_realized`` .. ``drop_unrealized_topk``) to ``csd`` only."""
     divergence: str = "jsd"
     """``jsd`` (generalised JSD with ``beta``), ``forward_kl`` KL(T||S) or ``reverse_kl``
     KL(S||T)."""
@@ -189,9 +194,9 @@ class LossConfig:
         return self.teachers[index].algorithm or self.kd
 
     def whole_rows(self) -> str | None:
-        """Which teachers need whole rows of the student's logits (``uld`` and ``xtoken``: no
-        fused output layer, no vocabulary or sequence sharding), as ``teachers[0] (uld)``; None
-        when every teacher uses csd."""
+        """Which teachers need whole rows of the student's logits (every algorithm but ``csd``:
+        no fused output layer, no vocabulary or sequence sharding), as ``teachers[0] (uld)``;
+        None when every teacher uses csd."""
         named = [
             f"teachers[{i}] ({self.algorithm(i)})"
             for i in range(len(self.teachers))
@@ -202,28 +207,30 @@ class LossConfig:
     def _check_algorithm(self, index: int, teacher: TeacherLossConfig) -> None:
         key = f"teachers[{index}]"
         algorithm = self.algorithm(index)
-        if algorithm == "xtoken":
+        if algorithm in PROJECTED:
             if teacher.projection is None:
                 raise ConfigError(
-                    f"{key} uses algorithm xtoken, which compares through a projection, but "
+                    f"{key} uses algorithm {algorithm}, which reads a projection, but "
                     f"{key}.projection is not set; build one with `crosskd projection build` "
                     f"and set {key}.projection to it."
                 )
             if teacher.same_tokenizer:
                 raise ConfigError(
-                    f"{key} uses algorithm xtoken but has no tables, so it is a same-tokenizer "
-                    f"teacher (compared token by token); xtoken is for a teacher with another "
-                    f"tokenizer: set {key}.student_to_teacher and teacher_to_student."
+                    f"{key} uses algorithm {algorithm} but has no tables, so it is a "
+                    f"same-tokenizer teacher (compared token by token); {algorithm} is for a "
+                    f"teacher with another tokenizer: set {key}.student_to_teacher and "
+                    f"teacher_to_student."
                 )
             if teacher.k == 0:
                 raise ConfigError(
-                    f"{key} uses algorithm xtoken with k 0 (a dense signal); xtoken compares "
+                    f"{key} uses algorithm {algorithm} with k 0 (a dense signal); it compares "
                     f"the teacher's top K, so give {key}.k > 0."
                 )
         elif teacher.projection is not None:
             raise ConfigError(
                 f"{key}.projection is set but {key} uses algorithm {algorithm}, which does not "
-                f"read it; set {key}.algorithm: xtoken, or remove the projection."
+                f"read it; set {key}.algorithm to one of {', '.join(PROJECTED)}, or remove "
+                f"the projection."
             )
 
     def _check_average(self) -> None:

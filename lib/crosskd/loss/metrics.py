@@ -33,6 +33,7 @@ from crosskd.loss.events import (
     STATUS_UNSUPPORTED,
     Events,
 )
+from crosskd.loss.gold import GOLD_STATS
 from crosskd.loss.tokens import SHAPE_TOKEN
 from crosskd.loss.uld import ULD_STATS
 from crosskd.transfer import to_device
@@ -177,7 +178,7 @@ def sum_keys(term_names: list[str], n_teachers: int) -> list[str]:
     """Every key the sums of a loss with these KD terms and teachers can hold, in a fixed order
     (so that sums can be packed into one vector and all-reduced across ranks)."""
     keys = [f"{t}/{shape}/{stat}" for t in term_names for shape in SHAPES for stat in CHUNK_STATS]
-    keys += [f"{t}/{stat}" for t in term_names for stat in ULD_STATS]
+    keys += [f"{t}/{stat}" for t in term_names for stat in (*ULD_STATS, *GOLD_STATS)]
     return keys + [f"teacher{i}/{stat}" for i in range(n_teachers) for stat in TEACHER_STATS]
 
 

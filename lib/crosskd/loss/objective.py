@@ -1,6 +1,7 @@
 """The student's whole loss: ``ce_weight * CE + kd_scale * KD`` (spec sections 5 and 6), with
 each teacher's KD term the one its algorithm names (``LossConfig.algorithm``): CSD, X-Token's
-projected KL (:mod:`crosskd.loss.xtoken`) or the ULD baseline (:mod:`crosskd.loss.uld`).
+projected KL (:mod:`crosskd.loss.xtoken`), its gold loss or H-KL (:mod:`crosskd.loss.gold`) or
+the ULD baseline (:mod:`crosskd.loss.uld`).
 
 Two steps, so that everything that depends only on the data and the teacher signals happens
 before the student's forward pass (in the collator or a data-loader worker):
@@ -41,13 +42,19 @@ from crosskd.errors import ConfigError, DataError
 from crosskd.loss.config import LossConfig
 from crosskd.loss.csd import kd_from_event_values, kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
+from crosskd.loss.gold import GOLD_STATS, GoldParts, gold_parts, gold_term, partition
 from crosskd.loss.kernels import BlockKernels
 from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs
 from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize, term_sums
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
-from crosskd.loss.xtoken import ProjectionColumns, projected_event_log_probs, xtoken_events
+from crosskd.loss.xtoken import (
+    ProjectionColumns,
+    chunk_teacher,
+    projected_event_log_probs,
+    xtoken_events,
+)
 from crosskd.output_layer import OutputLayer
 from crosskd.projection import Projection
 from crosskd.tables import TablePair
@@ -86,6 +93,11 @@ class TeacherPlan:
     columns: ProjectionColumns | None = None
     """``algorithm: xtoken``: the columns of ``W`` the events name (the events' ``term_id``
     index them); None: CSD (``term_id`` is a student token id)."""
+    gold: GoldParts | None = None
+    """``algorithm: gold`` or ``hkl``: the data side of the term (the events then serve the
+    chunk metrics only)."""
+    algorithm: str = "csd"
+    """The term's algorithm."""
 
     @property
     def n_counted(self) -> int:
@@ -312,10 +324,15 @@ def plan_loss(
             continue
         ch = teacher.chunks
         t_ids = to_numpy(teacher.input_ids)
-        columns = None
+        columns = gold = None
         if algorithm == "xtoken":
             events, ids_named = xtoken_events(t_ids, teacher.signal, ch, valid[i], width)
             columns = ProjectionColumns(projections[i], ids_named)
+        elif algorithm in ("gold", "hkl"):
+            side = chunk_teacher(t_ids, teacher.signal, ch, valid[i])
+            pairs = partition(projections[i], relaxed=algorithm == "hkl")
+            gold = gold_parts(side, pairs, width, student_vocab)
+            events = side.events(side.mean_log, to_numpy(ch.shape), width)
         elif pair is None:
             events = build_token_events(
                 ids,
@@ -339,6 +356,8 @@ def plan_loss(
                 first_row,
                 pair is None and algorithm == "csd",
                 columns,
+                gold,
+                algorithm,
             )
         )
     return LossPlan(width, student_vocab, b * width + p - 1, ids[b, p], plans, sums)
@@ -459,7 +478,11 @@ def loss_from_logprobs(
             continue
         events, kept = term_plan.events.subset(owned)
         options = {"tau": config.tau, "kind": config.divergence, "beta": config.beta}
-        if term_plan.columns is None:
+        if term_plan.gold is not None:
+            term, parts = gold_term(student.logits, term_plan.gold, **options, n_total=n_total)
+            keys = [f"{term_plan.name}/{stat}" for stat in GOLD_STATS]
+            on_device.append((keys, parts))
+        elif term_plan.columns is None:
             term_lp = requested[id(term_plan)][tensor(kept)]
             term = kd_from_terms(events, term_lp, **options, n_total=n_total)
         else:
@@ -494,18 +517,17 @@ def loss_from_logprobs(
 def _by_requests(term: TeacherPlan | UldTerm) -> bool:
     """Whether a term's student values are (row, id) log probabilities (CSD), not whole rows
     (X-Token, ULD)."""
-    return isinstance(term, TeacherPlan) and term.columns is None
+    return isinstance(term, TeacherPlan) and term.algorithm == "csd"
 
 
 def _whole_rows(student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm) -> None:
     """Refuse what cannot hold whole rows of logits: the fused output layer and a sharded
     (sequence- or vocabulary-parallel) layout."""
-    what = "uld" if isinstance(term, UldTerm) else "xtoken"
-    reads = (
-        "sorts every paired row's whole distribution"
-        if what == "uld"
-        else "projects every row's whole distribution through W"
-    )
+    what = "uld" if isinstance(term, UldTerm) else term.algorithm
+    reads = {
+        "uld": "sorts every paired row's whole distribution",
+        "xtoken": "projects every row's whole distribution through W",
+    }.get(what, "sorts every chunk's whole uncommon distribution")
     if isinstance(student, LocalLogProbs) and isinstance(student.logits, OutputLayer):
         raise ConfigError(
             f"{term.name} uses algorithm {what}, which {reads} and so needs the student's "

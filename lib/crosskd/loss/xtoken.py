@@ -48,6 +48,7 @@ vocabulary- and sequence-parallel loss refuse it; data parallelism works.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -115,25 +116,69 @@ class ProjectionColumns:
         )
 
 
-def xtoken_events(
-    teacher_ids: np.ndarray,
-    signal: TeacherSignal,
-    chunks: ChunkBatch,
-    valid: np.ndarray,
-    width: int,
-) -> tuple[Events, np.ndarray]:
-    """The P-KL events of one teacher's chunks (module docstring), numpy.
+@dataclass(frozen=True)
+class ChunkTeacher:
+    """The teacher side of one teacher's counted chunks, over ``S_c`` (the union of the top-K
+    ids of each chunk's teacher rows): ``cand`` int64 ``[C]`` the counted chunks' indices in
+    the batch and their ``b``, ``s0``, ``s1``, ``t0``, ``t1`` (int64 ``[C]``); per event
+    ``(c, v)``, chunk by chunk in ascending ``v``: ``event_chunk``, ``event_id`` (int64
+    ``[E]``) and ``mean_log`` (float64 ``[E]``: ``1/|J_c| sum_j log p_j(v)``, an id outside
+    row ``j``'s top K at the row's tail spread evenly); per chunk ``rest_mean`` (the same mean
+    of each row's mass outside ``S_c``); ``status`` over every chunk of the batch, ``top1``
+    and ``in_topk`` per counted chunk (the metrics of :class:`~crosskd.loss.events.Events`)."""
 
-    ``teacher_ids`` ``[B, L_t]``; ``signal``: top-K (``k > 0``) for those rows; ``valid`` bool
-    ``[C]``: the candidate chunks; ``width``: the student batch's ``L_s``.
-    Returns the :class:`~crosskd.loss.events.Events` (``teacher_lp``: ``log T_c(v)`` of each
-    event ``(c, v)``, ``v`` in ``S_c``, REST left implied; one term per event and student row
-    of its chunk: ``term_row`` the flat row ``b * L_s + s - 1``, ``term_id`` the index of ``v``
-    in the returned columns; chunk weights 1) and the teacher ids the events name, int64
-    ``[U]`` sorted.
-    """
+    cand: np.ndarray
+    b: np.ndarray
+    s0: np.ndarray
+    s1: np.ndarray
+    t0: np.ndarray
+    t1: np.ndarray
+    event_chunk: np.ndarray
+    event_id: np.ndarray
+    mean_log: np.ndarray
+    rest_mean: np.ndarray
+    status: np.ndarray
+    top1: np.ndarray
+    in_topk: np.ndarray
+
+    def events(self, teacher_lp: np.ndarray, shape: np.ndarray, width: int) -> Events:
+        """:class:`~crosskd.loss.events.Events` of these chunks with per-event ``teacher_lp``
+        and one term per event and student row of its chunk (``term_row`` the flat row
+        ``b * L_s + s - 1`` of a student batch ``width`` wide, ``term_id`` the event's index in
+        ``columns``); chunk weights 1."""
+        n_srows = self.s1 - self.s0
+        term_lengths = n_srows[self.event_chunk]
+        term_event = np.repeat(np.arange(len(self.event_chunk)), term_lengths)
+        term_s = np.repeat(self.s0[self.event_chunk], term_lengths) + _places(term_lengths)
+        term_row = np.repeat(self.b[self.event_chunk], term_lengths) * width + term_s - 1
+        _, column_of = np.unique(self.event_id, return_inverse=True)
+        return Events(
+            event_chunk=self.event_chunk,
+            teacher_lp=teacher_lp,
+            term_event=term_event,
+            term_row=term_row,
+            term_id=column_of[term_event],
+            weight=np.ones(len(self.cand)),
+            chunk_index=self.cand,
+            status=self.status,
+            shape=shape[self.cand].astype(np.int64),
+            top1=self.top1,
+            in_topk=self.in_topk,
+        )
+
+    @property
+    def columns(self) -> np.ndarray:
+        """The teacher ids the events name, int64 ``[U]`` sorted."""
+        return np.unique(self.event_id)
+
+
+def chunk_teacher(
+    teacher_ids: np.ndarray, signal: TeacherSignal, chunks: ChunkBatch, valid: np.ndarray
+) -> ChunkTeacher:
+    """The :class:`ChunkTeacher` of one teacher's chunks (``valid`` bool ``[C]``: the counted
+    ones), numpy; ``teacher_ids`` ``[B, L_t]``, ``signal`` top-K (``k > 0``) for those rows."""
     if signal.ids is None:
-        raise ValueError("xtoken_events needs a top-K signal (k > 0), not a dense one")
+        raise ValueError("chunk_teacher needs a top-K signal (k > 0), not a dense one")
     k, vocab = signal.k, signal.vocab_size
     row, student, teacher = (to_numpy(x) for x in (chunks.row, chunks.student, chunks.teacher))
     status = np.full(len(row), STATUS_INVALID, dtype=np.int8)
@@ -175,36 +220,50 @@ def xtoken_events(
     log_rest = np.log(tail) + np.log(np.maximum(vocab - n_events[row_chunk], 0) / max(vocab - k, 1))
     with np.errstate(divide="ignore"):
         rest_mean = np.bincount(row_chunk, log_rest, len(cand)) / np.maximum(n_rows, 1)
-    both = np.concatenate([mean_log, rest_mean])
-    owner = np.concatenate([event_chunk, np.arange(len(cand))])
-    peak = np.full(len(cand), -np.inf)
-    np.maximum.at(peak, owner, both)
-    total = np.bincount(owner, np.exp(both - peak[owner]), len(cand))
-    log_z = peak + np.log(total)
-    teacher_lp = mean_log - log_z[event_chunk]
-
-    # One term per event and student row of its chunk.
-    n_srows = s1 - s0
-    term_lengths = n_srows[event_chunk]
-    term_event = np.repeat(np.arange(len(keys)), term_lengths)
-    term_s = np.repeat(s0[event_chunk], term_lengths) + _places(term_lengths)
-    term_row = np.repeat(b[event_chunk], term_lengths) * width + term_s - 1
-    columns, column_of = np.unique(event_id, return_inverse=True)
-    last = teacher_ids[b, t1 - 1]
-    events = Events(
-        event_chunk=event_chunk,
-        teacher_lp=teacher_lp,
-        term_event=term_event,
-        term_row=term_row,
-        term_id=column_of[term_event],
-        weight=np.ones(len(cand)),
-        chunk_index=cand,
-        status=status,
-        shape=to_numpy(chunks.shape)[cand].astype(np.int64),
-        top1=top1_ids(top_ids, top_lps, b, t0 - 1) == teacher_ids[b, t0],
-        in_topk=in_top(top_ids, b, t1 - 2, last),
+    return ChunkTeacher(
+        cand,
+        b,
+        s0,
+        s1,
+        t0,
+        t1,
+        event_chunk,
+        event_id,
+        mean_log,
+        rest_mean,
+        status,
+        top1_ids(top_ids, top_lps, b, t0 - 1) == teacher_ids[b, t0],
+        in_top(top_ids, b, t1 - 2, teacher_ids[b, t1 - 1]),
     )
-    return events, columns
+
+
+def xtoken_events(
+    teacher_ids: np.ndarray,
+    signal: TeacherSignal,
+    chunks: ChunkBatch,
+    valid: np.ndarray,
+    width: int,
+) -> tuple[Events, np.ndarray]:
+    """The P-KL events of one teacher's chunks (module docstring), numpy.
+
+    ``teacher_ids`` ``[B, L_t]``; ``signal``: top-K (``k > 0``) for those rows; ``valid`` bool
+    ``[C]``: the candidate chunks; ``width``: the student batch's ``L_s``.
+    Returns the :class:`~crosskd.loss.events.Events` (``teacher_lp``: ``log T_c(v)`` of each
+    event ``(c, v)``, ``v`` in ``S_c``, REST left implied; one term per event and student row
+    of its chunk: ``term_row`` the flat row ``b * L_s + s - 1``, ``term_id`` the index of ``v``
+    in the returned columns; chunk weights 1) and the teacher ids the events name, int64
+    ``[U]`` sorted.
+    """
+    side = chunk_teacher(teacher_ids, signal, chunks, valid)
+    n = len(side.cand)
+    both = np.concatenate([side.mean_log, side.rest_mean])
+    owner = np.concatenate([side.event_chunk, np.arange(n)])
+    peak = np.full(n, -np.inf)
+    np.maximum.at(peak, owner, both)
+    total = np.bincount(owner, np.exp(both - peak[owner]), n)
+    log_z = peak + np.log(total)
+    teacher_lp = side.mean_log - log_z[side.event_chunk]
+    return side.events(teacher_lp, to_numpy(chunks.shape), width), side.columns
 
 
 def _places(lengths: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ import yaml
 from crosskd.alignment.corpus import LICENCE_TEXTS
 from crosskd.config import load_config, merged, require_positive_ints
 from crosskd.errors import ConfigError
+from crosskd.loss.config import PROJECTED
 from crosskd.train.config import TrainConfig
 from crosskd.transplant import TransplantConfig
 from crosskd.zoo.models import check_shape
@@ -118,9 +119,10 @@ class RunConfig:
     tau: float = 1.0
     """Distillation temperature."""
     algorithms: list[str] = field(default_factory=list)
-    """Per teacher (in ``teachers`` order) its KD term: ``csd``, ``uld`` or ``xtoken``
-    (X-Token's projected KL through the projection the run builds beside each cross-tokenizer
-    teacher's tables). Empty: ``train.loss.kd`` (``csd`` unless set) for every teacher."""
+    """Per teacher (in ``teachers`` order) its KD term: ``csd``, ``uld``, ``xtoken``, ``gold``
+    or ``hkl`` (X-Token's projected KL, gold loss and H-KL, through the projection the run
+    builds beside each cross-tokenizer teacher's tables). Empty: ``train.loss.kd`` (``csd``
+    unless set) for every teacher."""
     encoding: str = "lossless"
     """Teacher cache encoding: ``lossless`` or ``lossy``."""
     teacher_scoring: str = "cache"
@@ -201,8 +203,9 @@ class RunConfig:
             len(self.teachers),
         ):
             raise ConfigError(
-                f"algorithms is {self.algorithms!r}; give one algorithm (csd, uld, xtoken) per "
-                f"teacher ({len(self.teachers)}), or none (train.loss.kd for every teacher)."
+                f"algorithms is {self.algorithms!r}; give one algorithm (csd, uld, xtoken, "
+                f"gold, hkl) per teacher ({len(self.teachers)}), or none (train.loss.kd for "
+                f"every teacher)."
             )
         self._check_train()
         self._check_transplant()
@@ -333,7 +336,8 @@ class RunConfig:
 
     def _teacher_loss(self, tables: dict | None, algorithm: str | None, kd: str) -> dict:
         """One ``loss.teachers`` entry: ``k``, the tables' URIs, the teacher's ``algorithm``
-        (when ``algorithms`` names one) and, for ``xtoken``, its projection's URI."""
+        (when ``algorithms`` names one) and, for one that reads it (``xtoken``, ``gold``,
+        ``hkl``), its projection's URI."""
         tables = tables or {}
         entry: dict[str, Any] = {
             "k": self.k,
@@ -342,7 +346,7 @@ class RunConfig:
         }
         if algorithm is not None:
             entry["algorithm"] = algorithm
-        if (algorithm or kd) == "xtoken":
+        if (algorithm or kd) in PROJECTED:
             entry["projection"] = tables.get("projection")
         return entry
 

@@ -10,7 +10,7 @@ For each teacher of the prepared data (``teacher0``, ``teacher1``, ...), in conf
 * a table pair must have been built for exactly the student's and this teacher's tokenizers
   (:meth:`crosskd.tables.TablePair.check_tokenizers`): a pair built for another tokenizer of the
   same vocabulary size (Qwen2.5 tables with Qwen3 data) would give a silently wrong KD; so
-  must an ``xtoken`` teacher's projection;
+  must the projection of a teacher whose algorithm reads one (``xtoken``, ``gold``, ``hkl``);
 * a cache must have been scored on this data with this teacher tokenizer, K and tau
   (:func:`crosskd.teacher.cache.open_cache` refuses anything else), an ``online:REF``
   teacher's tokenizer must be the prepared one, and a teacher server (``http://...`` or
@@ -40,7 +40,7 @@ import torch
 
 from crosskd.data.collate import Batch, PreparedData
 from crosskd.errors import ConfigError, DataError, TableError
-from crosskd.loss.config import check_teachers
+from crosskd.loss.config import PROJECTED, check_teachers
 from crosskd.projection import Projection, load_projection
 from crosskd.tables import TablePair, load_table_pair
 from crosskd.teacher import TeacherSignal
@@ -89,7 +89,7 @@ class TeacherSource:
 class TrainingTeachers:
     """Per teacher: its table ``pairs`` (None: same tokenizer), signal ``sources``,
     ``token_bytes`` (int ``[V_T]``, each id's UTF-8 length) and ``projections`` (``W`` of an
-    ``xtoken`` teacher, else None)."""
+    teacher whose algorithm reads it, else None)."""
 
     pairs: list[TablePair | None]
     sources: list[TeacherSource]
@@ -144,10 +144,10 @@ def load_teachers(
 def _projection(
     config: TrainConfig, i: int, student: LoadedTokenizer, teacher: LoadedTokenizer
 ) -> Projection | None:
-    """Teacher ``i``'s projection (``algorithm: xtoken``; None otherwise), refused unless it
+    """Teacher ``i``'s projection (its algorithm reads one; None otherwise), refused unless it
     was built for the student's and this teacher's tokenizers."""
     entry = config.loss.teachers[i]
-    if config.loss.algorithm(i) != "xtoken":
+    if config.loss.algorithm(i) not in PROJECTED:
         return None
     try:
         projection = load_projection(entry.projection)

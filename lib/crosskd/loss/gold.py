@@ -1,0 +1,254 @@
+"""X-Token's gold loss and H-KL: ``loss.teachers[i].algorithm: gold`` and ``hkl``.
+
+Both split the two vocabularies into a **common** part, pairs ``(s, t)`` of a student and a
+teacher token taken as the same event, and the **uncommon** rest, from the teacher's projection
+``W`` (:mod:`crosskd.projection`), as NVIDIA NeMo RL's X-Token loss does (:func:`partition`):
+
+* ``gold``: the exact rows of ``W`` (one teacher token of weight 1: the same bytes, or a
+  special of the same role); a teacher token claimed by several student tokens goes to the
+  lowest student id;
+* ``hkl`` (X-Token's "H-KL", gold with a relaxed partition): every student token whose largest
+  weight in ``W`` is at least :data:`RELAXED_WEIGHT` is matched to that top-ranked teacher
+  token (a teacher token claimed by several goes to the largest weight, ties to the lowest
+  student id): a Llama-3 ``123`` joins SmolLM2's ``1`` unless ``1``'s own exact twin claims it.
+
+On the chunks of the character-offset alignment (the counted ones, as for CSD), at ``tau``,
+with the chunk's student rows ``I_c`` and teacher rows ``J_c``, both sides are the mean log
+probabilities of the chunk's rows, not renormalised (X-Token's chunk averages):
+``log S_c(s) = 1/|I_c| sum_i log p_i(s)`` over the whole student vocabulary,
+``log T_c(t) = 1/|J_c| sum_j log p_j(t)`` over ``S_c`` (the union of the rows' top-K ids; an id
+outside one row's top K at that row's tail spread evenly, as in :mod:`crosskd.loss.xtoken`).
+Per chunk,
+
+* ``D_c``: ``divergence`` (forward KL, reverse KL or the generalised JSD) summed over the
+  common pairs whose teacher token is in ``S_c``, elementwise and **not renormalised**
+  (``sum T_c(t) (log T_c(t) - log S_c(s))`` for forward KL);
+* ``L1_c``: the sorted L1 of the uncommon parts: the teacher's vector is ``T_c`` of the
+  uncommon ids of ``S_c`` plus one entry for the rest (the mean log of each row's mass outside
+  ``S_c``: what the top-K cache leaves of the teacher, the approximation ULD makes here too),
+  sorted decreasing; the student's is ``S_c`` of every student token outside the partition,
+  its largest entries against the teacher's and the remainder against the teacher's zeros
+  (``sum_i |sort(S)_i - sort(T)_i| + (sum S - sum_{i<n} sort(S)_i)``);
+* ``KD = tau^2 sum_c (D_c + L1_c) / N`` with ``N`` the step's counted chunks (X-Token: both
+  parts weigh 1).
+
+X-Token reads the teacher's whole logits: there every common pair counts in ``D_c`` and the
+uncommon teacher vector is exact; from a top-K cache the common pairs outside ``S_c`` and the
+teacher's tail are its rest entry. A dense signal (``k: 0``) is refused, as for ``xtoken``.
+
+**Cost and layouts.** ``S_c`` is a whole row of ``V_S``, and the sorted L1 needs the largest
+uncommon entries of it: the chunks are taken in blocks of :data:`BLOCK_CHUNKS`, each block's
+rows' log-softmax averaged per chunk by a sparse product and recomputed in the backward pass.
+Like ULD and X-Token it needs the student's logits held whole by this process: the fused output
+layer and the vocabulary- and sequence-parallel loss refuse it; data parallelism works.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from crosskd.loss.csd import KdTerm
+from crosskd.loss.xtoken import ChunkTeacher
+from crosskd.projection import Projection
+from crosskd.ragged import offsets_from_lengths
+from crosskd.transfer import to_device
+
+RELAXED_WEIGHT = 0.6
+"""H-KL's threshold: a student token's largest weight in ``W`` that matches it to that teacher
+token (X-Token's)."""
+BLOCK_CHUNKS = 256
+"""Chunks per block of the student side (a block holds ``BLOCK_CHUNKS x V_S`` floats)."""
+GOLD_STATS = ("gold_common", "gold_uncommon")
+"""Metric sums of a gold / H-KL term (``{teacher}/{stat}``): its ``D_c`` and ``L1_c``."""
+
+
+def partition(projection: Projection, *, relaxed: bool) -> np.ndarray:
+    """The common pairs of ``W`` (module docstring), int64 ``[n, 2]``: (student id, teacher
+    id), one pair per teacher id, sorted by student id; ``relaxed``: H-KL's rule, else gold's."""
+    lengths = projection.lengths
+    rows = np.flatnonzero(lengths > 0)
+    first = projection.offsets[rows]  # each row's largest weight comes first
+    weight = projection.weights[first].astype(np.float64)
+    teacher = projection.columns[first].astype(np.int64)
+    keep = weight >= RELAXED_WEIGHT if relaxed else (lengths[rows] == 1) & (weight == 1.0)
+    rows, teacher, weight = rows[keep], teacher[keep], weight[keep]
+    order = np.lexsort((rows, -weight, teacher))  # per teacher id: the largest, then lowest s
+    rows, teacher = rows[order], teacher[order]
+    winner = np.ones(len(teacher), dtype=bool)
+    winner[1:] = teacher[1:] != teacher[:-1]
+    pairs = np.stack([rows[winner], teacher[winner]], axis=1)
+    return pairs[np.argsort(pairs[:, 0], kind="stable")]
+
+
+@dataclass(frozen=True)
+class GoldParts:
+    """The data side of one gold / H-KL term over its ``C`` counted chunks (numpy):
+    ``row_offsets`` int64 ``[C + 1]`` and ``rows`` (the flat student rows ``b * L_s + s - 1``
+    of each chunk, CSR); the common pairs of ``S_c`` as ``pair_chunk``, ``pair_student``
+    (int64 ``[P]``) and ``pair_teacher_log`` (float64 ``[P]``: ``log T_c(t)``); the teacher's
+    uncommon vectors ``teacher_uncommon`` (float64 ``[C, n]``, sorted decreasing, zero-padded);
+    ``student_common`` bool ``[V_S]``: the student tokens of the partition."""
+
+    row_offsets: np.ndarray
+    rows: np.ndarray
+    pair_chunk: np.ndarray
+    pair_student: np.ndarray
+    pair_teacher_log: np.ndarray
+    teacher_uncommon: np.ndarray
+    student_common: np.ndarray
+
+
+def gold_parts(side: ChunkTeacher, pairs: np.ndarray, width: int, student_vocab: int) -> GoldParts:
+    """The :class:`GoldParts` of a teacher's chunks (``side``, :func:`crosskd.loss.xtoken
+    .chunk_teacher`) under the partition ``pairs`` (:func:`partition`), for a student batch
+    ``width`` wide with ``student_vocab`` output rows."""
+    n = len(side.cand)
+    n_rows = side.s1 - side.s0
+    offsets = offsets_from_lengths(n_rows)
+    places = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], n_rows)
+    rows = np.repeat(side.b * width + side.s0 - 1, n_rows) + places
+    partner = np.full(int(side.event_id.max(initial=-1)) + 1, -1, dtype=np.int64)
+    inside = pairs[:, 1] < len(partner)
+    partner[pairs[inside, 1]] = pairs[inside, 0]
+    student = partner[side.event_id]
+    common = student >= 0
+    uncommon = np.flatnonzero(~common)
+    values = np.concatenate([np.exp(side.mean_log[uncommon]), np.exp(side.rest_mean)])
+    owner = np.concatenate([side.event_chunk[uncommon], np.arange(n)])
+    order = np.lexsort((-values, owner))
+    values, owner = values[order], owner[order]
+    counts = np.bincount(owner, minlength=n)
+    place = np.arange(len(owner)) - offsets_from_lengths(counts)[owner]
+    grid = np.zeros((n, int(counts.max(initial=0))))
+    grid[owner, place] = values
+    in_partition = np.zeros(student_vocab, dtype=bool)
+    in_partition[pairs[:, 0]] = True
+    return GoldParts(
+        offsets,
+        rows,
+        side.event_chunk[common],
+        student[common],
+        side.mean_log[common],
+        grid,
+        in_partition,
+    )
+
+
+def gold_term(
+    flat_logits: Tensor,
+    parts: GoldParts,
+    *,
+    tau: float,
+    kind: str,
+    beta: float,
+    n_total: int,
+) -> tuple[KdTerm, Tensor]:
+    """``tau^2 sum_c (D_c + L1_c) / N`` (module docstring) from the micro-batch's flat student
+    logits ``[B * L_s, V_S]`` (differentiable; float32 arithmetic, float64 kept), ``N =
+    n_total``; returns the :class:`~crosskd.loss.csd.KdTerm` (its ``divergence`` is ``D_c +
+    L1_c``, its REST values the uncommon masses of both sides, its events the common pairs of
+    each chunk) and the sums of ``D_c`` and ``L1_c`` (float64 ``[2]``, detached)."""
+    dtype = torch.float64 if flat_logits.dtype == torch.float64 else torch.float32
+    device = flat_logits.device
+    n = len(parts.row_offsets) - 1
+    if n == 0 or n_total == 0:
+        empty = flat_logits.new_zeros(0, dtype=dtype)
+        term = KdTerm(flat_logits.sum() * 0.0, n, empty, empty, empty, empty.long())
+        return term, torch.zeros(2, dtype=torch.float64, device=device)
+    common = to_device(parts.student_common, device)
+    pieces = []
+    for c0 in range(0, n, BLOCK_CHUNKS):
+        c1 = min(c0 + BLOCK_CHUNKS, n)
+        block = _Block.of(parts, c0, c1, device)
+        args = (flat_logits, block, common, tau, kind, beta, dtype)
+        if flat_logits.requires_grad:
+            pieces.append(checkpoint(_block_values, *args, use_reentrant=False))
+        else:
+            pieces.append(_block_values(*args))
+    values = torch.cat(pieces)  # [C, 4]: D_c, L1_c, student and teacher uncommon mass
+    per_chunk = values[:, 0] + values[:, 1]
+    matched = np.bincount(parts.pair_chunk, minlength=n)
+    term = KdTerm(
+        tau**2 * per_chunk.sum() / n_total,
+        n,
+        per_chunk.detach(),
+        values[:, 2].detach().clamp(min=1e-30).log(),
+        values[:, 3].detach().clamp(min=1e-30).log(),
+        to_device(matched, device),
+    )
+    return term, values[:, :2].detach().double().sum(0)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Chunks ``[c0, c1)`` of a term as tensors: their rows, the sparse ``[C_b, R_b]`` mean
+    over each chunk's rows, the common pairs (block chunk, student id, teacher log) and the
+    teacher's uncommon vectors."""
+
+    rows: Tensor
+    mean: Tensor
+    pair_chunk: Tensor
+    pair_student: Tensor
+    pair_teacher: Tensor
+    teacher: Tensor
+
+    @classmethod
+    def of(cls, parts: GoldParts, c0: int, c1: int, device: torch.device) -> _Block:
+        start, stop = parts.row_offsets[c0], parts.row_offsets[c1]
+        lengths = np.diff(parts.row_offsets[c0 : c1 + 1])
+        chunk = np.repeat(np.arange(c1 - c0), lengths)
+        index = np.stack([chunk, np.arange(stop - start)])
+        mean = torch.sparse_coo_tensor(
+            to_device(index, device),
+            to_device(1.0 / lengths[chunk], device),
+            (c1 - c0, int(stop - start)),
+            is_coalesced=True,
+            check_invariants=False,
+        )
+        pick = (parts.pair_chunk >= c0) & (parts.pair_chunk < c1)
+        return cls(
+            to_device(parts.rows[start:stop], device),
+            mean,
+            to_device(parts.pair_chunk[pick] - c0, device),
+            to_device(parts.pair_student[pick], device),
+            to_device(parts.pair_teacher_log[pick], device),
+            to_device(parts.teacher_uncommon[c0:c1], device),
+        )
+
+
+def _block_values(
+    flat_logits: Tensor,
+    block: _Block,
+    common: Tensor,
+    tau: float,
+    kind: str,
+    beta: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """``[C_b, 4]``: per chunk of the block ``D_c``, ``L1_c`` and the uncommon mass of the
+    student and of the teacher."""
+    log_p = torch.log_softmax(flat_logits[block.rows].to(dtype) / tau, dim=-1)
+    log_s = torch.sparse.mm(block.mean.to(dtype), log_p)  # [C_b, V_S]: log S_c
+    s = log_s[block.pair_chunk, block.pair_student]
+    t = block.pair_teacher.to(dtype)
+    if kind == "forward_kl":
+        terms = t.exp() * (t - s)
+    elif kind == "reverse_kl":
+        terms = s.exp() * (s - t)
+    else:
+        m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))
+        terms = beta * t.exp() * (t - m) + (1.0 - beta) * s.exp() * (s - m)
+    n = log_s.shape[0]
+    divergence = log_s.new_zeros(n).index_add(0, block.pair_chunk, terms)
+    uncommon = log_s.exp().masked_fill(common[None, :], 0.0)
+    teacher = block.teacher.to(dtype)
+    top = uncommon.topk(teacher.shape[1], dim=-1).values
+    mass = uncommon.sum(-1)
+    l1 = (top - teacher).abs().sum(-1) + (mass - top.sum(-1)).clamp(min=0.0)
+    return torch.stack([divergence, l1, mass, teacher.sum(-1)], dim=1)
