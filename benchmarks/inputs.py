@@ -155,12 +155,12 @@ def csd_plan(
     k: int,
     student_vocab: int,
     tau: float = 1.0,
-    projection: Projection | None = None,
+    projection: tuple[str, Projection] | None = None,
 ) -> tuple[LossConfig, LossPlan]:
     """The default loss config (one cross-tokenizer teacher at top-K ``k``, temperature
-    ``tau``; with a ``projection``, X-Token's P-KL through it in place of CSD) and the plan of
-    ``batch`` with teacher ``signal``."""
-    xtoken = {} if projection is None else {"algorithm": "xtoken", "projection": "w"}
+    ``tau``; with ``projection`` (an algorithm that reads one, and the projection) that
+    algorithm in place of CSD) and the plan of ``batch`` with teacher ``signal``."""
+    xtoken = {} if projection is None else {"algorithm": projection[0], "projection": "w"}
     config = LossConfig(
         tau=tau,
         teachers=[
@@ -180,6 +180,6 @@ def csd_plan(
         [teacher],
         [pair],
         student_vocab=student_vocab,
-        projections=[projection],
+        projections=[None if projection is None else projection[1]],
     )
     return config, plan

@@ -15,9 +15,10 @@ Timed, each forward + backward from the student logits to their gradient:
   takes: log-normaliser in row blocks plus a gather), to show what the KD part adds;
 * ``ce+csd K``: :func:`crosskd.loss.compute_loss`, CE plus the CSD term, with top-K signals of
   K = 32 and 128;
-* ``ce+xtoken K``: CE plus X-Token's projected KL (:mod:`crosskd.loss.xtoken`, the projection
-  built from the same tables) at K = 32: every loss-masked row's whole softmax times the
-  columns of ``W`` the batch names;
+* ``ce+xtoken K``, ``ce+gold K``, ``ce+hkl K``: CE plus X-Token's projected KL
+  (:mod:`crosskd.loss.xtoken`), gold loss and H-KL (:mod:`crosskd.loss.gold`), the projection
+  built from the same tables, at K = 32: every loss-masked row's whole softmax times the
+  columns of ``W`` the batch names, or each chunk's whole mean log-softmax;
 * ``ce+dense kl``: CE plus a full-vocabulary KL(T || S) against a teacher on the student's own
   vocabulary (what same-tokenizer KD with a dense teacher costs).
 
@@ -88,6 +89,7 @@ from crosskd.loss import (
     LocalLogProbs,
     compute_loss,
 )
+from crosskd.loss.config import PROJECTED
 from crosskd.output_layer import OutputLayer
 from crosskd.projection import build_projection
 from crosskd.teacher import signal_from_logits
@@ -170,28 +172,30 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
             }
         )
     signal = signal_from_logits(t_logits, t_ids, k=XTOKEN_K, tau=1.0)
-    start = time.perf_counter()
-    config, plan = csd_plan(
-        batch, signal, pair, XTOKEN_K, student.vocab_size, projection=build_projection(pair)
-    )
-    plan_s = time.perf_counter() - start
+    projection = build_projection(pair)
+    for algorithm in PROJECTED:
+        start = time.perf_counter()
+        config, plan = csd_plan(
+            batch, signal, pair, XTOKEN_K, student.vocab_size, projection=(algorithm, projection)
+        )
+        plan_s = time.perf_counter() - start
 
-    def xtoken_step() -> None:
-        compute_loss(logits, plan, config).loss.backward()
-        logits.grad = None
+        def projected_step(plan=plan, config=config) -> None:
+            compute_loss(logits, plan, config).loss.backward()
+            logits.grad = None
 
-    seconds, peak = measure(xtoken_step, args.repeat)
-    results.append(
-        {
-            "student": name,
-            "loss": f"ce+xtoken K={XTOKEN_K}",
-            "seconds": seconds,
-            "peak": peak,
-            "plan_seconds": plan_s,
-            "chunks": plan.counts.chunks[0],
-            "events": len(plan.terms[0].events.teacher_lp),
-        }
-    )
+        seconds, peak = measure(projected_step, args.repeat)
+        results.append(
+            {
+                "student": name,
+                "loss": f"ce+{algorithm} K={XTOKEN_K}",
+                "seconds": seconds,
+                "peak": peak,
+                "plan_seconds": plan_s,
+                "chunks": plan.counts.chunks[0],
+                "events": len(plan.terms[0].events.teacher_lp),
+            }
+        )
     seconds, peak = measure(dense_step, args.repeat)
     results.append({"student": name, "loss": "ce+dense kl", "seconds": seconds, "peak": peak})
     shape = f"{tuple(s_ids.shape)} x V={student.vocab_size}"

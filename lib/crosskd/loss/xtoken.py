@@ -54,7 +54,6 @@ from functools import cached_property
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from crosskd.data.collate import ChunkBatch
 from crosskd.loss.events import (
@@ -284,7 +283,7 @@ def projected_event_log_probs(
     """``log Q_c(v)`` of every event, from the micro-batch's flat student logits
     ``[B * L_s, V_S]`` (differentiable; float32 arithmetic, float64 kept): each needed row's
     softmax at ``tau`` times the needed columns of ``W``, in blocks of ``block_rows`` rows
-    recomputed in the backward pass; ``[E]``. A projected probability below
+    recomputed in the backward pass (:class:`_Projected`); ``[E]``. A projected probability below
     :data:`PROJECTED_FLOOR` is taken as that floor."""
     dtype = torch.float64 if flat_logits.dtype == torch.float64 else torch.float32
     device = flat_logits.device
@@ -292,16 +291,9 @@ def projected_event_log_probs(
         return flat_logits.new_zeros(0, dtype=dtype)
     rows, slot = np.unique(events.term_row, return_inverse=True)
     matrix = columns.matrix(device, dtype)
-    parts = []
-    for start in range(0, len(rows), block_rows):
-        block = to_device(rows[start : start + block_rows], device)
-        if flat_logits.requires_grad:
-            parts.append(
-                checkpoint(_project, flat_logits, block, matrix, tau, dtype, use_reentrant=False)
-            )
-        else:
-            parts.append(_project(flat_logits, block, matrix, tau, dtype))
-    projected = torch.cat(parts)  # [rows, U]
+    projected = _Projected.apply(
+        flat_logits, to_device(rows, device), matrix, matrix.t().coalesce(), tau, dtype, block_rows
+    )  # [rows, U]
     picked = projected[to_device(slot, device), to_device(events.term_id, device)]
     n_events = len(events.teacher_lp)
     term_event = to_device(events.term_event, device)
@@ -310,6 +302,36 @@ def projected_event_log_probs(
     return torch.log((total / counts).clamp(min=PROJECTED_FLOOR))
 
 
-def _project(flat_logits: Tensor, rows: Tensor, matrix: Tensor, tau: float, dtype) -> Tensor:
-    probs = torch.softmax(flat_logits[rows].to(dtype) / tau, dim=-1)  # [R, V_S]
-    return torch.sparse.mm(matrix, probs.T).T  # [R, U]
+class _Projected(torch.autograd.Function):
+    """``softmax(logits[rows] / tau) @ W_U`` (``[R, U]``) as one autograd operation, a block of
+    rows at a time: the forward pass keeps each row's log-normaliser only, the backward pass
+    recomputes a block's probabilities and writes ``p * (g W_U^T - <p, g W_U^T>) / tau``
+    straight into the logits' gradient. The sparse products take the dense side contiguous
+    (about 30x faster on the CPU than a transposed view)."""
+
+    @staticmethod
+    def forward(ctx, logits, rows, matrix, matrix_t, tau, dtype, block):
+        outs, normalizers = [], []
+        for start in range(0, len(rows), block):
+            x = logits[rows[start : start + block]].to(dtype) / tau
+            normalizer = torch.logsumexp(x, dim=-1, keepdim=True)
+            probs = (x - normalizer).exp_()
+            outs.append(torch.sparse.mm(matrix, probs.T.contiguous()).T)
+            normalizers.append(normalizer)
+        ctx.save_for_backward(logits, rows, torch.cat(normalizers))
+        ctx.matrix_t, ctx.tau, ctx.dtype, ctx.block = matrix_t, tau, dtype, block
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, rows, normalizers = ctx.saved_tensors
+        tau, dtype, block = ctx.tau, ctx.dtype, ctx.block
+        out = torch.zeros_like(logits)
+        for start in range(0, len(rows), block):
+            here = rows[start : start + block]
+            probs = (logits[here].to(dtype) / tau - normalizers[start : start + block]).exp_()
+            g = grad[start : start + block].to(dtype)
+            g_probs = torch.sparse.mm(ctx.matrix_t, g.T.contiguous()).T  # [R, V_S]
+            inner = (probs * g_probs).sum(-1, keepdim=True)
+            out.index_add_(0, here, (probs * (g_probs - inner) / tau).to(out.dtype))
+        return out, None, None, None, None, None, None
