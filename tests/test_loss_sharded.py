@@ -291,3 +291,32 @@ def test_sharded_log_probs_refuse_uneven_vocabulary_slices():
         r"but the student has V = 7",
     ):
         ShardedLogProbs(torch.zeros(1, 4, 3), _mesh(LAYOUTS["tp2"], 0, 1), width=4, vocab_size=7)
+
+
+def test_xtoken_and_csd_teachers_in_a_sharded_layout_equal_one_process(cases, tmp_path):
+    """X-Token's projected KL asks for (row, id) log probabilities like CSD: a CSD teacher and
+    an X-Token teacher (the same signal, weight 2) on vocabulary- and sequence-split logits
+    (tp 2 x cp 2, 4 gloo ranks) give the one-process values and gradient."""
+    from crosskd.projection import build_projection
+
+    case, layout = cases("llama3-qwen3"), LAYOUTS["tp2xcp2"]
+    csd = _config()
+    xtoken = replace(csd.teachers[0], algorithm="xtoken", projection="w", weight=2.0)
+    config = replace(csd, teachers=[csd.teachers[0], xtoken])
+    signal = case.signal(64)
+    batch = TeacherBatch(case.teacher_ids, case.chunks, signal)
+    plan = plan_loss(
+        config,
+        case.student_ids,
+        case.loss_mask,
+        [batch, batch],
+        [case.pair, case.pair],
+        student_vocab=case.student_logits.shape[-1],
+        projections=[None, build_projection(case.pair)],
+    )
+    logits = case.student_logits.double().requires_grad_(True)
+    single = compute_loss(logits, plan, config)
+    single.loss.backward()
+    assert single.totals["kd/teacher1"] > 0
+    results = run_layout(layout, case.student_logits.double(), [plan], config, tmp_path)
+    _check_same(results, single, logits.grad, layout, logits.shape)

@@ -20,6 +20,7 @@ from crosskd.loss.logprobs import LocalLogProbs
 from crosskd.loss.objective import loss_from_logprobs
 from crosskd.loss.xtoken import xtoken_events
 from crosskd.projection import Projection, build_projection
+from crosskd.projection.format import ProjectionMeta
 from crosskd.teacher.signal import TeacherSignal
 
 K = 8
@@ -51,13 +52,24 @@ def test_teacher_side_of_one_chunk_by_hand():
         flags=torch.tensor([7], dtype=torch.uint8),
         sample=torch.tensor([0]),
     )
-    events, columns = xtoken_events(np.array([[5, 1, 2]]), signal, chunks, np.array([True]), 4)
+    # W: student 0 -> teacher 0; 1 -> 1 (.75), 2 (.25); 2 -> 1. The chunk's two student rows
+    # (before tokens 1 and 2) and each event's column of W make its terms.
+    w = Projection(
+        np.array([0, 1, 3, 4]),
+        np.array([0, 1, 2, 1], dtype=np.int32),
+        np.array([1.0, 0.75, 0.25, 1.0], dtype=np.float32),
+        ProjectionMeta("S", "T", "fs", "ft", 3, 4, 4, 4),
+    )
+    events = xtoken_events(np.array([[5, 1, 2]]), signal, chunks, np.array([True]), 4, w)
     geo = np.sqrt([0.05, 0.18, 0.02, 0.01])
     np.testing.assert_allclose(np.exp(events.teacher_lp), geo[:3] / geo.sum(), rtol=1e-6)
-    assert columns.tolist() == [0, 1, 2] and events.event_chunk.tolist() == [0, 0, 0]
-    # Two student rows (before tokens 1 and 2), one term per event and row.
-    assert events.term_row.tolist() == [0, 1, 0, 1, 0, 1]
-    assert events.term_id.tolist() == [0, 0, 1, 1, 2, 2]
+    assert events.event_chunk.tolist() == [0, 0, 0]
+    assert events.term_event.tolist() == [0, 0, 1, 1, 1, 1, 2, 2]
+    assert events.term_row.tolist() == [0, 1, 0, 0, 1, 1, 0, 1]
+    assert events.term_id.tolist() == [0, 0, 1, 2, 1, 2, 1, 1]
+    np.testing.assert_allclose(
+        np.exp(events.term_log_weight), [0.5, 0.5, 0.375, 0.5, 0.375, 0.5, 0.125, 0.125]
+    )
 
 
 def _reference(case, signal, projection, logits, kind: str, beta: float = 0.5):
@@ -218,15 +230,24 @@ def test_a_missing_or_foreign_projection_is_refused(xcase):
         _plan(case, signal, _config(), foreign)
 
 
-def test_sharded_and_fused_layouts_refuse_xtoken(xcase):
-    from crosskd.loss.parallel import sharded_loss
+def test_the_fused_output_layer_gives_the_logits_numbers(xcase):
+    """X-Token asks for (row, id) log probabilities like CSD, so the loss fused with the output
+    layer gives the values and gradients of the same loss on the head's logits."""
     from crosskd.output_layer import OutputLayer
 
     case, projection = xcase
-    with pytest.raises(ConfigError, match=r"loss teachers\[0\] \(xtoken\): the sharded"):
-        sharded_loss(torch.zeros(1, 2, 3), None, _config(), None, None)
     plan = _plan(case, case.signal(K), _config(), projection)
-    hidden = torch.zeros(*case.student_ids.shape, 4)
-    head = OutputLayer(hidden, torch.zeros(case.student_logits.shape[-1], 4), None)
-    with pytest.raises(ConfigError, match=r"xtoken, which projects .* not the fused output"):
-        compute_loss(head, plan, _config())
+    gen = torch.Generator().manual_seed(3)
+    vocab = case.student_logits.shape[-1]
+    hidden = torch.randn(*case.student_ids.shape, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, 8, generator=gen, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        source = OutputLayer(h, w, None) if fused else h @ w.T
+        out = compute_loss(source, plan, _config())
+        out.loss.backward()
+        grads.append((out.kd.item(), h.grad, w.grad))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-9)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-7, atol=1e-12)
+    torch.testing.assert_close(grads[0][2], grads[1][2], rtol=1e-7, atol=1e-12)

@@ -30,6 +30,9 @@ KD_METHODS = ("csd", "uld", "xtoken", "gold", "hkl")
 """The KD terms ``LossConfig.kd`` and ``teachers[i].algorithm`` can name."""
 PROJECTED = ("xtoken", "gold", "hkl")
 """The KD terms that read the teacher's projection ``W``."""
+WHOLE_ROWS = ("uld", "gold", "hkl")
+"""The KD terms that read whole rows of the student's distribution (``csd`` and ``xtoken`` ask
+for (row, id) log probabilities only)."""
 
 
 @dataclass
@@ -194,13 +197,13 @@ class LossConfig:
         return self.teachers[index].algorithm or self.kd
 
     def whole_rows(self) -> str | None:
-        """Which teachers need whole rows of the student's logits (every algorithm but ``csd``:
-        no fused output layer, no vocabulary or sequence sharding), as ``teachers[0] (uld)``;
-        None when every teacher uses csd."""
+        """Which teachers need whole rows of the student's logits (:data:`WHOLE_ROWS`: no fused
+        output layer, no vocabulary or sequence sharding), as ``teachers[0] (uld)``; None when
+        no teacher does."""
         named = [
             f"teachers[{i}] ({self.algorithm(i)})"
             for i in range(len(self.teachers))
-            if self.algorithm(i) != "csd"
+            if self.algorithm(i) in WHOLE_ROWS
         ]
         return ", ".join(named) or None
 

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from crosskd.data.collate import ChunkBatch
 from crosskd.loss.divergence import divergence, with_rest
-from crosskd.loss.events import CsdOptions, Events, build_events, to_numpy
-from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs, segment_sum
+from crosskd.loss.events import LOG_MIXTURE_FLOOR, CsdOptions, Events, build_events, to_numpy
+from crosskd.loss.logprobs import LocalLogProbs, StudentLogProbs, segment_logsumexp, segment_sum
 from crosskd.tables import TablePair
 from crosskd.teacher.signal import TeacherSignal
 from crosskd.transfer import to_device
@@ -136,9 +136,16 @@ def kd_from_terms(
 ) -> KdTerm:
     """:func:`kd_from_events` from the student log probabilities of the events' terms
     (``term_lp`` float ``[M]``, differentiable, at ``tau``), for callers that gather the terms
-    of several KD terms (and CE) in one pass over the logits."""
+    of several KD terms (and CE) in one pass over the logits. An event's value is the sum of
+    its terms' log probabilities, or with ``events.term_log_weight`` the log of their weighted
+    sum of probabilities."""
     n_events = len(events.teacher_lp)
-    student = segment_sum(term_lp, to_device(events.term_event, term_lp.device), n_events)
+    segments = to_device(events.term_event, term_lp.device)
+    if events.term_log_weight is None:
+        student = segment_sum(term_lp, segments, n_events)
+    else:
+        weighted = term_lp + to_device(events.term_log_weight, term_lp.device).to(term_lp.dtype)
+        student = segment_logsumexp(weighted, segments, n_events).clamp(min=LOG_MIXTURE_FLOOR)
     return kd_from_event_values(events, student, tau=tau, kind=kind, beta=beta, n_total=n_total)
 
 

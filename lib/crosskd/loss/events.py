@@ -35,6 +35,7 @@ segment sums with no Python loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,10 @@ SHAPE_1_1, SHAPE_1_N, SHAPE_N_1, SHAPE_N_M, SHAPE_SPECIAL = range(5)
 SHAPE_NAMES = ("1:1", "1:n", "n:1", "n:m", "special")
 _MISMATCH = (SHAPE_1_N, SHAPE_N_1, SHAPE_N_M)
 STATUS_COUNTED, STATUS_INVALID, STATUS_UNSUPPORTED, STATUS_DROPPED = range(4)
+LOG_MIXTURE_FLOOR = math.log(1e-10)
+"""The least log probability a mixture event is given (X-Token's ``log(Q + 1e-10)``): a teacher
+id that no student token maps to has an empty mixture; floored, its share of the divergence is
+a constant of no gradient instead of infinite."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,11 @@ class Events:
     shape: np.ndarray | None = None
     top1: np.ndarray | None = None
     in_topk: np.ndarray | None = None
+    term_log_weight: np.ndarray | None = None
+    """None: an event's student log probability is the **sum** of its terms' (a chain of tokens).
+    Set (float64 ``[M]``): it is the log of the **weighted sum** of its terms' probabilities,
+    ``log sum_m exp(lp_m + term_log_weight_m)`` (X-Token's projected mixtures,
+    :mod:`crosskd.loss.xtoken`), floored at :data:`LOG_MIXTURE_FLOOR`."""
 
     @property
     def n_chunks(self) -> int:
@@ -122,6 +132,7 @@ class Events:
             None if self.shape is None else self.shape[keep_chunk],
             None if self.top1 is None else self.top1[keep_chunk],
             None if self.in_topk is None else self.in_topk[keep_chunk],
+            None if self.term_log_weight is None else self.term_log_weight[keep_term],
         )
         return kept, np.flatnonzero(keep_term)
 

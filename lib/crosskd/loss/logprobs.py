@@ -24,6 +24,7 @@ the head's logits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -433,3 +434,15 @@ def segment_sum(values: Tensor, segments: Tensor, count: int) -> Tensor:
     ``[count]``, differentiable (a chunk's realized log prob is the sum over its tokens)."""
     out = values.new_zeros(count)
     return out.index_add(0, segments, values)
+
+
+def segment_logsumexp(values: Tensor, segments: Tensor, count: int) -> Tensor:
+    """``log sum exp`` of ``values`` ``[M]`` per segment id ``segments`` (int64 ``[M]``, in
+    ``[0, count)``); ``[count]``, differentiable, ``-inf`` for an empty segment (an event's
+    mixture of weighted probabilities)."""
+    peak = values.new_full((count,), -math.inf).scatter_reduce(
+        0, segments, values.detach(), reduce="amax"
+    )
+    safe = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    total = values.new_zeros(count).index_add(0, segments, (values - safe[segments]).exp())
+    return total.log() + safe

@@ -40,7 +40,7 @@ from torch import Tensor
 from crosskd.data.collate import ChunkBatch
 from crosskd.errors import ConfigError, DataError
 from crosskd.loss.config import LossConfig
-from crosskd.loss.csd import kd_from_event_values, kd_from_terms
+from crosskd.loss.csd import kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
 from crosskd.loss.gold import GOLD_STATS, GoldParts, gold_parts, gold_term, partition
 from crosskd.loss.kernels import BlockKernels
@@ -49,12 +49,7 @@ from crosskd.loss.metrics import add_sums, chunk_sums, sum_keys, summarize, term
 from crosskd.loss.teachers import mix_signals, predicted_bits, select_teachers
 from crosskd.loss.tokens import build_token_events, token_positions
 from crosskd.loss.uld import UldTerm, paired_positions, teacher_sorted_probs, uld_sum
-from crosskd.loss.xtoken import (
-    ProjectionColumns,
-    chunk_teacher,
-    projected_event_log_probs,
-    xtoken_events,
-)
+from crosskd.loss.xtoken import chunk_teacher, xtoken_events
 from crosskd.output_layer import OutputLayer
 from crosskd.projection import Projection
 from crosskd.tables import TablePair
@@ -90,9 +85,6 @@ class TeacherPlan:
     chunk_flags: np.ndarray
     chunk_first_row: np.ndarray
     same_tokenizer: bool
-    columns: ProjectionColumns | None = None
-    """``algorithm: xtoken``: the columns of ``W`` the events name (the events' ``term_id``
-    index them); None: CSD (``term_id`` is a student token id)."""
     gold: GoldParts | None = None
     """``algorithm: gold`` or ``hkl``: the data side of the term (the events then serve the
     chunk metrics only)."""
@@ -324,10 +316,9 @@ def plan_loss(
             continue
         ch = teacher.chunks
         t_ids = to_numpy(teacher.input_ids)
-        columns = gold = None
+        gold = None
         if algorithm == "xtoken":
-            events, ids_named = xtoken_events(t_ids, teacher.signal, ch, valid[i], width)
-            columns = ProjectionColumns(projections[i], ids_named)
+            events = xtoken_events(t_ids, teacher.signal, ch, valid[i], width, projections[i])
         elif algorithm in ("gold", "hkl"):
             side = chunk_teacher(t_ids, teacher.signal, ch, valid[i])
             pairs = partition(projections[i], relaxed=algorithm == "hkl")
@@ -355,7 +346,6 @@ def plan_loss(
                 to_numpy(ch.flags),
                 first_row,
                 pair is None and algorithm == "csd",
-                columns,
                 gold,
                 algorithm,
             )
@@ -448,7 +438,7 @@ def loss_from_logprobs(
     :class:`Ownership`. Every (row, id) pair of CE and the CSD terms is asked for in one call at
     its temperature (one pass over the logits; the same call on every rank of a parallel
     layout, as the log-prob interface may communicate); then only the owned CE targets and
-    chunks are evaluated. X-Token and ULD terms read whole rows of this process's logits
+    chunks are evaluated. ULD, gold and H-KL terms read whole rows of this process's logits
     (:func:`_whole_rows`). ``kd_scale`` and the reported values come from the complete
     (reduced) terms."""
     own = Ownership.everything(plan) if ownership is None else ownership
@@ -482,14 +472,9 @@ def loss_from_logprobs(
             term, parts = gold_term(student.logits, term_plan.gold, **options, n_total=n_total)
             keys = [f"{term_plan.name}/{stat}" for stat in GOLD_STATS]
             on_device.append((keys, parts))
-        elif term_plan.columns is None:
+        else:
             term_lp = requested[id(term_plan)][tensor(kept)]
             term = kd_from_terms(events, term_lp, **options, n_total=n_total)
-        else:
-            event_lp = projected_event_log_probs(
-                student.logits, events, term_plan.columns, config.tau, student.block_rows
-            )
-            term = kd_from_event_values(events, event_lp, **options, n_total=n_total)
         kd_terms[term_plan.name] = term.value
         kd = kd + term_plan.weight * term.value
         sums = add_sums(
@@ -515,19 +500,20 @@ def loss_from_logprobs(
 
 
 def _by_requests(term: TeacherPlan | UldTerm) -> bool:
-    """Whether a term's student values are (row, id) log probabilities (CSD), not whole rows
-    (X-Token, ULD)."""
-    return isinstance(term, TeacherPlan) and term.algorithm == "csd"
+    """Whether a term's student values are (row, id) log probabilities (CSD, X-Token's P-KL),
+    not whole rows (ULD, gold, H-KL)."""
+    return isinstance(term, TeacherPlan) and term.gold is None
 
 
 def _whole_rows(student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm) -> None:
     """Refuse what cannot hold whole rows of logits: the fused output layer and a sharded
     (sequence- or vocabulary-parallel) layout."""
     what = "uld" if isinstance(term, UldTerm) else term.algorithm
-    reads = {
-        "uld": "sorts every paired row's whole distribution",
-        "xtoken": "projects every row's whole distribution through W",
-    }.get(what, "sorts every chunk's whole uncommon distribution")
+    reads = (
+        "sorts every paired row's whole distribution"
+        if what == "uld"
+        else "sorts every chunk's whole uncommon distribution"
+    )
     if isinstance(student, LocalLogProbs) and isinstance(student.logits, OutputLayer):
         raise ConfigError(
             f"{term.name} uses algorithm {what}, which {reads} and so needs the student's "

@@ -30,30 +30,30 @@ and nothing is renormalised away:
 * the student's REST is ``1 - sum_{v in S_c} Q_c(v)``: its mass on teacher ids outside
   ``S_c`` and on student tokens whose row of ``W`` is empty (they project nowhere: X-Token
   renormalises that mass away; here it counts against the student);
-* a teacher id of ``S_c`` that no student token maps to has ``Q_c(v) = 0``, taken as
-  :data:`PROJECTED_FLOOR` (X-Token adds the same ``1e-10``): a constant of no gradient.
+* a teacher id of ``S_c`` that no student token maps to has ``Q_c(v) = 0``, taken as ``1e-10``
+  (:data:`~crosskd.loss.events.LOG_MIXTURE_FLOOR`; X-Token adds the same ``1e-10``): a constant
+  of no gradient.
 
 With a chunk of one teacher row and its top K covering the teacher's mass, this is X-Token's
 P-KL on that chunk. A dense signal (``k: 0``) is refused: ``S_c`` would be the whole teacher
 vocabulary.
 
-**Cost and layouts.** ``Q_c`` needs each student row's whole distribution (one teacher id of
-``W`` gathers the mass of thousands of student tokens: ``.`` of SmolLM2 that of about 6,000
-Llama-3 tokens), so the rows are read in blocks of ``block_rows``: the softmax of a block
-times the columns of ``W`` the batch's events name, recomputed in the backward pass
-(activation checkpointing), so memory stays at one block of ``block_rows x V_S``. Like ULD it
-needs the student's logits held whole by this process: the fused output layer and the
-vocabulary- and sequence-parallel loss refuse it; data parallelism works.
+**How it is computed.** ``Q_c(v)`` is a weighted sum of student probabilities
+``p_i(s)``, one per student row of the chunk and student token of ``v``'s column of ``W``
+(:func:`xtoken_events`), so the loss asks for those ``(row, s)`` log probabilities like CSD's
+chain terms (:class:`~crosskd.loss.logprobs.StudentLogProbs`: one pass over the logits with CE
+and every teacher) and takes each event's ``log sum exp(lp + log weight)``. It therefore runs
+wherever CSD runs: the fused output layer, and the vocabulary-, sequence- and data-parallel
+loss. The cost is the pairs: a column of ``W`` can be long (SmolLM2's ``.`` gathers about
+6,000 Llama-3 tokens whose spelling starts with it), so a chunk whose teacher rows rank ``.``
+in their top K asks for that many pairs per row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from crosskd.data.collate import ChunkBatch
 from crosskd.loss.events import (
@@ -64,55 +64,13 @@ from crosskd.loss.events import (
     to_numpy,
     top1_ids,
 )
-from crosskd.loss.logprobs import segment_sum
 from crosskd.projection import Projection
 from crosskd.ragged import offsets_from_lengths
 from crosskd.teacher.signal import TeacherSignal
-from crosskd.transfer import to_device
 
-PROJECTED_FLOOR = 1e-10
-"""The least projected probability ``Q_c(v)`` is given (X-Token's ``log(Q + 1e-10)``): a teacher
-id that no student token maps to (a Qwen3 word whose Llama-3 pieces are all exact rows of
-``W``) has ``Q_c(v) = 0``; floored, its share of KL(T || Q) is a constant of no gradient
-instead of infinite."""
 TINY_TAIL = 1e-30
 """The smallest tail mass a teacher row is taken to have (a top K that holds all of a row's
 mass, in float32, leaves 0): keeps the estimates of ids outside the top K finite."""
-
-
-class ProjectionColumns:
-    """The columns of ``W`` a batch needs, as a torch sparse matrix ``[U, V_S]`` (``W``
-    transposed, restricted to the teacher ids ``columns``, int64 ``[U]``), built on the
-    host."""
-
-    def __init__(self, projection: Projection, columns: np.ndarray) -> None:
-        offsets, students, weights = projection.by_teacher
-        lengths = offsets[columns + 1] - offsets[columns]
-        start = np.repeat(offsets[columns], lengths)
-        place = np.arange(int(lengths.sum())) - np.repeat(
-            offsets_from_lengths(lengths)[:-1], lengths
-        )
-        self.columns = columns
-        self.index = np.stack(
-            [np.repeat(np.arange(len(columns)), lengths), students[start + place]]
-        )
-        self.values = weights[start + place]
-        self.student_vocab = projection.meta.student_vocab_size
-
-    @cached_property
-    def entries(self) -> int:
-        """Non-zero entries."""
-        return len(self.values)
-
-    def matrix(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """The sparse ``[U, V_S]`` matrix on ``device`` in ``dtype``."""
-        return torch.sparse_coo_tensor(
-            to_device(self.index, device),
-            to_device(self.values, device).to(dtype),
-            (len(self.columns), self.student_vocab),
-            is_coalesced=True,
-            check_invariants=False,
-        )
 
 
 @dataclass(frozen=True)
@@ -143,20 +101,19 @@ class ChunkTeacher:
     def events(self, teacher_lp: np.ndarray, shape: np.ndarray, width: int) -> Events:
         """:class:`~crosskd.loss.events.Events` of these chunks with per-event ``teacher_lp``
         and one term per event and student row of its chunk (``term_row`` the flat row
-        ``b * L_s + s - 1`` of a student batch ``width`` wide, ``term_id`` the event's index in
-        ``columns``); chunk weights 1."""
+        ``b * L_s + s - 1`` of a student batch ``width`` wide, ``term_id`` the event's teacher
+        id); chunk weights 1."""
         n_srows = self.s1 - self.s0
         term_lengths = n_srows[self.event_chunk]
         term_event = np.repeat(np.arange(len(self.event_chunk)), term_lengths)
         term_s = np.repeat(self.s0[self.event_chunk], term_lengths) + _places(term_lengths)
         term_row = np.repeat(self.b[self.event_chunk], term_lengths) * width + term_s - 1
-        _, column_of = np.unique(self.event_id, return_inverse=True)
         return Events(
             event_chunk=self.event_chunk,
             teacher_lp=teacher_lp,
             term_event=term_event,
             term_row=term_row,
-            term_id=column_of[term_event],
+            term_id=self.event_id[term_event],
             weight=np.ones(len(self.cand)),
             chunk_index=self.cand,
             status=self.status,
@@ -164,11 +121,6 @@ class ChunkTeacher:
             top1=self.top1,
             in_topk=self.in_topk,
         )
-
-    @property
-    def columns(self) -> np.ndarray:
-        """The teacher ids the events name, int64 ``[U]`` sorted."""
-        return np.unique(self.event_id)
 
 
 def chunk_teacher(
@@ -242,16 +194,17 @@ def xtoken_events(
     chunks: ChunkBatch,
     valid: np.ndarray,
     width: int,
-) -> tuple[Events, np.ndarray]:
+    projection: Projection,
+) -> Events:
     """The P-KL events of one teacher's chunks (module docstring), numpy.
 
     ``teacher_ids`` ``[B, L_t]``; ``signal``: top-K (``k > 0``) for those rows; ``valid`` bool
-    ``[C]``: the candidate chunks; ``width``: the student batch's ``L_s``.
-    Returns the :class:`~crosskd.loss.events.Events` (``teacher_lp``: ``log T_c(v)`` of each
-    event ``(c, v)``, ``v`` in ``S_c``, REST left implied; one term per event and student row
-    of its chunk: ``term_row`` the flat row ``b * L_s + s - 1``, ``term_id`` the index of ``v``
-    in the returned columns; chunk weights 1) and the teacher ids the events name, int64
-    ``[U]`` sorted.
+    ``[C]``: the candidate chunks; ``width``: the student batch's ``L_s``; ``projection``: ``W``.
+    Returns the :class:`~crosskd.loss.events.Events` of the events ``(c, v)``, ``v`` in
+    ``S_c``: ``teacher_lp`` ``log T_c(v)`` (REST left implied) and, for ``log Q_c(v)``, one
+    term per student row ``i`` of the chunk and student token ``s`` of ``v``'s column of ``W``:
+    ``term_row`` the flat row ``b * L_s + i - 1``, ``term_id`` ``s`` and ``term_log_weight``
+    ``log W[s, v] - log |I_c|``; chunk weights 1.
     """
     side = chunk_teacher(teacher_ids, signal, chunks, valid)
     n = len(side.cand)
@@ -260,9 +213,21 @@ def xtoken_events(
     peak = np.full(n, -np.inf)
     np.maximum.at(peak, owner, both)
     total = np.bincount(owner, np.exp(both - peak[owner]), n)
-    log_z = peak + np.log(total)
-    teacher_lp = side.mean_log - log_z[side.event_chunk]
-    return side.events(teacher_lp, to_numpy(chunks.shape), width), side.columns
+    teacher_lp = side.mean_log - (peak + np.log(total))[side.event_chunk]
+    events = side.events(teacher_lp, to_numpy(chunks.shape), width)
+    # Each (event, row) term spread over the student tokens of the event's column of W.
+    offsets, students, weights = projection.by_teacher
+    v = side.event_id[events.term_event]
+    lengths = offsets[v + 1] - offsets[v]
+    entry = np.repeat(offsets[v], lengths) + _places(lengths)
+    n_rows = (side.s1 - side.s0)[side.event_chunk[events.term_event]]
+    return replace(
+        events,
+        term_event=np.repeat(events.term_event, lengths),
+        term_row=np.repeat(events.term_row, lengths),
+        term_id=students[entry],
+        term_log_weight=np.log(weights[entry]) - np.log(np.repeat(n_rows, lengths)),
+    )
 
 
 def _places(lengths: np.ndarray) -> np.ndarray:
@@ -271,67 +236,3 @@ def _places(lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
         offsets_from_lengths(lengths)[:-1], lengths
     )
-
-
-def projected_event_log_probs(
-    flat_logits: Tensor,
-    events: Events,
-    columns: ProjectionColumns,
-    tau: float,
-    block_rows: int = 1024,
-) -> Tensor:
-    """``log Q_c(v)`` of every event, from the micro-batch's flat student logits
-    ``[B * L_s, V_S]`` (differentiable; float32 arithmetic, float64 kept): each needed row's
-    softmax at ``tau`` times the needed columns of ``W``, in blocks of ``block_rows`` rows
-    recomputed in the backward pass (:class:`_Projected`); ``[E]``. A projected probability below
-    :data:`PROJECTED_FLOOR` is taken as that floor."""
-    dtype = torch.float64 if flat_logits.dtype == torch.float64 else torch.float32
-    device = flat_logits.device
-    if len(events.term_row) == 0:
-        return flat_logits.new_zeros(0, dtype=dtype)
-    rows, slot = np.unique(events.term_row, return_inverse=True)
-    matrix = columns.matrix(device, dtype)
-    projected = _Projected.apply(
-        flat_logits, to_device(rows, device), matrix, matrix.t().coalesce(), tau, dtype, block_rows
-    )  # [rows, U]
-    picked = projected[to_device(slot, device), to_device(events.term_id, device)]
-    n_events = len(events.teacher_lp)
-    term_event = to_device(events.term_event, device)
-    total = segment_sum(picked, term_event, n_events)
-    counts = segment_sum(torch.ones_like(picked), term_event, n_events)
-    return torch.log((total / counts).clamp(min=PROJECTED_FLOOR))
-
-
-class _Projected(torch.autograd.Function):
-    """``softmax(logits[rows] / tau) @ W_U`` (``[R, U]``) as one autograd operation, a block of
-    rows at a time: the forward pass keeps each row's log-normaliser only, the backward pass
-    recomputes a block's probabilities and writes ``p * (g W_U^T - <p, g W_U^T>) / tau``
-    straight into the logits' gradient. The sparse products take the dense side contiguous
-    (about 30x faster on the CPU than a transposed view)."""
-
-    @staticmethod
-    def forward(ctx, logits, rows, matrix, matrix_t, tau, dtype, block):
-        outs, normalizers = [], []
-        for start in range(0, len(rows), block):
-            x = logits[rows[start : start + block]].to(dtype) / tau
-            normalizer = torch.logsumexp(x, dim=-1, keepdim=True)
-            probs = (x - normalizer).exp_()
-            outs.append(torch.sparse.mm(matrix, probs.T.contiguous()).T)
-            normalizers.append(normalizer)
-        ctx.save_for_backward(logits, rows, torch.cat(normalizers))
-        ctx.matrix_t, ctx.tau, ctx.dtype, ctx.block = matrix_t, tau, dtype, block
-        return torch.cat(outs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, rows, normalizers = ctx.saved_tensors
-        tau, dtype, block = ctx.tau, ctx.dtype, ctx.block
-        out = torch.zeros_like(logits)
-        for start in range(0, len(rows), block):
-            here = rows[start : start + block]
-            probs = (logits[here].to(dtype) / tau - normalizers[start : start + block]).exp_()
-            g = grad[start : start + block].to(dtype)
-            g_probs = torch.sparse.mm(ctx.matrix_t, g.T.contiguous()).T  # [R, V_S]
-            inner = (probs * g_probs).sum(-1, keepdim=True)
-            out.index_add_(0, here, (probs * (g_probs - inner) / tau).to(out.dtype))
-        return out, None, None, None, None, None, None
