@@ -5,6 +5,7 @@ prefixes) land in the teacher's top K. Not collected as tests."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -76,6 +77,26 @@ def hand_table(chains: list[list[int]], src: str, dst: str, v_dst: int) -> SubTo
         np.full(len(chains), Flag.NORMAL, dtype=np.uint8),
         meta,
     )
+
+
+def reference_teacher_chunk(signal, b: int, rows: range) -> tuple[list[int], np.ndarray, float]:
+    """The teacher side of one chunk as X-Token's losses take it from a top-K signal, written
+    from the formulas (:mod:`crosskd.loss.xtoken`): ``S_c`` (the union of the rows' top-K ids,
+    sorted), the mean over the packed row ``b``'s teacher ``rows`` of ``log p_j(v)`` for each id
+    of it (an id outside a row's top K at that row's tail spread evenly over the ``V - K``
+    others) and the mean log of each row's mass outside ``S_c``."""
+    v_t, k = signal.vocab_size, signal.k
+    support = sorted({int(i) for j in rows for i in signal.ids[b, j].tolist()})
+    logs = []
+    for j in rows:
+        top = signal.log_probs[b, j].double().exp().tolist()
+        known = dict(zip(signal.ids[b, j].tolist(), top, strict=True))
+        tail = max(1.0 - sum(known.values()), 1e-30)
+        p = [known.get(v, tail / (v_t - k)) for v in support]
+        rest = tail * (v_t - len(support)) / (v_t - k)  # 1 - sum(p), without cancellation
+        logs.append([math.log(x) for x in p] + [math.log(rest)])
+    mean = np.mean(np.array(logs), axis=0)
+    return support, mean[:-1], float(mean[-1])
 
 
 def _pad(rows: list[np.ndarray]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from loss_cases import DIVERGENCES, PAIR_IDS, PAIRS, TAU, make_case
+from loss_cases import DIVERGENCES, PAIR_IDS, PAIRS, TAU, make_case, reference_teacher_chunk
 
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, compute_loss, plan_loss
@@ -42,21 +42,6 @@ def test_partitions_by_hand():
     assert partition(w, relaxed=True).tolist() == [[1, 0], [2, 1]]
 
 
-def _teacher_chunk(signal, b, rows, v_t, k):
-    """``S_c``, ``log T_c`` over it and the mean log rest (the formulas of the module)."""
-    support = sorted({int(i) for j in rows for i in signal.ids[b, j].tolist()})
-    logs = []
-    for j in rows:
-        top = signal.log_probs[b, j].double().exp().tolist()
-        known = dict(zip(signal.ids[b, j].tolist(), top, strict=True))
-        tail = max(1.0 - sum(known.values()), 1e-30)
-        p = [known.get(v, tail / (v_t - k)) for v in support]
-        rest = tail * (v_t - len(support)) / (v_t - k)
-        logs.append([math.log(x) for x in p] + [math.log(rest)])
-    mean = np.mean(np.array(logs), axis=0)
-    return support, mean[:-1], mean[-1]
-
-
 def _reference(case, signal, projection, logits, algorithm, kind, beta=0.5):
     pairs = partition(projection, relaxed=algorithm == "hkl")
     student_of = {t: s for s, t in pairs.tolist()}
@@ -68,9 +53,7 @@ def _reference(case, signal, projection, logits, algorithm, kind, beta=0.5):
         b = int(case.chunks.row[c])
         s0, s1 = case.chunks.student[c].tolist()
         t0, t1 = case.chunks.teacher[c].tolist()
-        support, mean_log, rest = _teacher_chunk(
-            signal, b, range(t0 - 1, t1 - 1), signal.vocab_size, signal.k
-        )
+        support, mean_log, rest = reference_teacher_chunk(signal, b, range(t0 - 1, t1 - 1))
         log_s = log_p[b, s0 - 1 : s1 - 1].mean(0)
         d = logits.new_zeros(())
         for v, t in zip(support, mean_log.tolist(), strict=True):

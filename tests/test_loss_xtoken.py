@@ -5,13 +5,12 @@ terms of several teachers of different algorithms adding up, and the refusals.""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from loss_cases import DIVERGENCES, PAIR_IDS, PAIRS, TAU, make_case
+from loss_cases import DIVERGENCES, PAIR_IDS, PAIRS, TAU, make_case, reference_teacher_chunk
 
 from crosskd.data.collate import ChunkBatch
 from crosskd.errors import ConfigError
@@ -74,7 +73,6 @@ def test_teacher_side_of_one_chunk_by_hand():
 
 def _reference(case, signal, projection, logits, kind: str, beta: float = 0.5):
     """The P-KL term from the formulas of :mod:`crosskd.loss.xtoken`, chunk by chunk."""
-    v_t, k = signal.vocab_size, signal.k
     probs = torch.softmax(logits / TAU, dim=-1)
     rows_of = probs.reshape(-1, probs.shape[-1]).unbind(0)  # one backward node for all rows
     width = probs.shape[1]
@@ -87,17 +85,8 @@ def _reference(case, signal, projection, logits, kind: str, beta: float = 0.5):
         b = int(case.chunks.row[c])
         s0, s1 = case.chunks.student[c].tolist()
         t0, t1 = case.chunks.teacher[c].tolist()
-        rows = range(t0 - 1, t1 - 1)
-        support = sorted({int(i) for j in rows for i in signal.ids[b, j].tolist()})
-        logs = []
-        for j in rows:
-            top = signal.log_probs[b, j].double().exp().tolist()
-            known = dict(zip(signal.ids[b, j].tolist(), top, strict=True))
-            tail = max(1.0 - sum(known.values()), 1e-30)
-            p = [known.get(v, tail / (v_t - k)) for v in support]
-            rest = tail * (v_t - len(support)) / (v_t - k)  # 1 - sum(p), without cancellation
-            logs.append([math.log(x) for x in p] + [math.log(rest)])
-        mean = np.mean(np.array(logs), axis=0)
+        support, mean_log, rest = reference_teacher_chunk(signal, b, range(t0 - 1, t1 - 1))
+        mean = np.append(mean_log, rest)
         teacher = torch.tensor(np.exp(mean) / np.exp(mean).sum(), dtype=torch.float64)
         projected = []
         for v in support:
