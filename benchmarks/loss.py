@@ -149,46 +149,24 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     results.append({"student": name, "loss": "ce", "seconds": ce_s, "peak": ce_mem})
     seconds, peak = measure(own_ce_step, args.repeat)
     results.append({"student": name, "loss": "ce (ours)", "seconds": seconds, "peak": peak})
-    for k in KS:
+    projection = build_projection(pair)
+    losses = [("csd", k, None) for k in KS]
+    losses += [(algorithm, XTOKEN_K, (algorithm, projection)) for algorithm in PROJECTED]
+    for algorithm, k, projected in losses:
         signal = signal_from_logits(t_logits, t_ids, k=k, tau=1.0)
         start = time.perf_counter()
-        config, plan = csd_plan(batch, signal, pair, k, student.vocab_size)
+        config, plan = csd_plan(batch, signal, pair, k, student.vocab_size, projection=projected)
         plan_s = time.perf_counter() - start
 
-        def csd_step(plan=plan, config=config) -> None:
+        def kd_step(plan=plan, config=config) -> None:
             compute_loss(logits, plan, config).loss.backward()
             logits.grad = None
 
-        seconds, peak = measure(csd_step, args.repeat)
+        seconds, peak = measure(kd_step, args.repeat)
         results.append(
             {
                 "student": name,
-                "loss": f"ce+csd K={k}",
-                "seconds": seconds,
-                "peak": peak,
-                "plan_seconds": plan_s,
-                "chunks": plan.counts.chunks[0],
-                "events": len(plan.terms[0].events.teacher_lp),
-            }
-        )
-    signal = signal_from_logits(t_logits, t_ids, k=XTOKEN_K, tau=1.0)
-    projection = build_projection(pair)
-    for algorithm in PROJECTED:
-        start = time.perf_counter()
-        config, plan = csd_plan(
-            batch, signal, pair, XTOKEN_K, student.vocab_size, projection=(algorithm, projection)
-        )
-        plan_s = time.perf_counter() - start
-
-        def projected_step(plan=plan, config=config) -> None:
-            compute_loss(logits, plan, config).loss.backward()
-            logits.grad = None
-
-        seconds, peak = measure(projected_step, args.repeat)
-        results.append(
-            {
-                "student": name,
-                "loss": f"ce+{algorithm} K={XTOKEN_K}",
+                "loss": f"ce+{algorithm} K={k}",
                 "seconds": seconds,
                 "peak": peak,
                 "plan_seconds": plan_s,
