@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("crosskd.tokenization",),
     ("crosskd.zoo.models",),  # the zoo's models, with their tokenizers
     ("crosskd.tables",),
+    ("crosskd.projection",),  # X-Token's matrix, built from the tables
     ("crosskd.alignment",),
     ("crosskd.data",),
     ("crosskd.teacher.signal",),  # what a teacher gives the loss
