@@ -39,3 +39,11 @@ def test_segments_equal_matches_list_equality(pairs):
     b, b_offsets = _csr([p[1] for p in pairs])
     expected = [p[0] == p[1] for p in pairs]
     assert ragged.segments_equal(a, a_offsets, b, b_offsets).tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows)
+def test_positions_count_within_each_row(values):
+    lengths = np.array([len(r) for r in values], dtype=np.int64)
+    assert ragged.positions(lengths).tolist() == [i for r in values for i in range(len(r))]
+    assert ragged.positions(lengths).dtype == np.int64

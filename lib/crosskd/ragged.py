@@ -17,6 +17,15 @@ def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
+def positions(lengths: np.ndarray) -> np.ndarray:
+    """Each element's place in its row, rows of the given lengths (int ``[n]``) in turn: int64
+    ``[sum(lengths)]``; for ``[3, 2]`` it is ``[0, 1, 2, 0, 1]``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
+        offsets_from_lengths(lengths)[:-1], lengths
+    )
+
+
 def select(offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Indices into ``values`` of the elements of ``rows`` (int ``[k]``), row after row, int64."""
     rows = np.asarray(rows, dtype=np.int64)

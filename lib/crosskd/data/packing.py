@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from crosskd import ragged
 from crosskd.errors import DataError
 
 __all__ = ["pack_lockstep", "packed_positions", "packing_efficiency", "segment_ids"]
@@ -83,9 +84,7 @@ def packed_positions(lengths_of_bin: Sequence[int]) -> np.ndarray:
     ``lengths_of_bin``: that model's token counts of the bin's samples, in row order. Returns
     int64 ``[sum(lengths_of_bin)]``; for ``[3, 2]`` it is ``[0, 1, 2, 0, 1]``.
     """
-    lengths = np.asarray(lengths_of_bin, dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+    return ragged.positions(np.asarray(lengths_of_bin, dtype=np.int64))
 
 
 def segment_ids(lengths_of_bin: Sequence[int]) -> np.ndarray:

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from crosskd.loss.csd import KdTerm
 from crosskd.loss.xtoken import ChunkTeacher
 from crosskd.projection import Projection
-from crosskd.ragged import offsets_from_lengths
+from crosskd.ragged import offsets_from_lengths, positions
 from crosskd.transfer import to_device
 
 RELAXED_WEIGHT = 0.6
@@ -111,8 +111,7 @@ def gold_parts(side: ChunkTeacher, pairs: np.ndarray, width: int, student_vocab:
     n = len(side.cand)
     n_rows = side.s1 - side.s0
     offsets = offsets_from_lengths(n_rows)
-    places = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], n_rows)
-    rows = np.repeat(side.b * width + side.s0 - 1, n_rows) + places
+    rows = np.repeat(side.b * width + side.s0 - 1, n_rows) + positions(n_rows)
     partner = np.full(int(side.event_id.max(initial=-1)) + 1, -1, dtype=np.int64)
     inside = pairs[:, 1] < len(partner)
     partner[pairs[inside, 1]] = pairs[inside, 0]
@@ -124,9 +123,8 @@ def gold_parts(side: ChunkTeacher, pairs: np.ndarray, width: int, student_vocab:
     order = np.lexsort((-values, owner))
     values, owner = values[order], owner[order]
     counts = np.bincount(owner, minlength=n)
-    place = np.arange(len(owner)) - offsets_from_lengths(counts)[owner]
     grid = np.zeros((n, int(counts.max(initial=0))))
-    grid[owner, place] = values
+    grid[owner, positions(counts)] = values
     in_partition = np.zeros(student_vocab, dtype=bool)
     in_partition[pairs[:, 0]] = True
     return GoldParts(

@@ -65,7 +65,7 @@ from crosskd.loss.events import (
     top1_ids,
 )
 from crosskd.projection import Projection
-from crosskd.ragged import offsets_from_lengths
+from crosskd.ragged import offsets_from_lengths, positions
 from crosskd.teacher.signal import TeacherSignal
 
 TINY_TAIL = 1e-30
@@ -106,7 +106,7 @@ class ChunkTeacher:
         n_srows = self.s1 - self.s0
         term_lengths = n_srows[self.event_chunk]
         term_event = np.repeat(np.arange(len(self.event_chunk)), term_lengths)
-        term_s = np.repeat(self.s0[self.event_chunk], term_lengths) + _places(term_lengths)
+        term_s = np.repeat(self.s0[self.event_chunk], term_lengths) + positions(term_lengths)
         term_row = np.repeat(self.b[self.event_chunk], term_lengths) * width + term_s - 1
         return Events(
             event_chunk=self.event_chunk,
@@ -144,7 +144,7 @@ def chunk_teacher(
     # Every (chunk, teacher row) and its top-K entries.
     n_rows = t1 - t0
     row_chunk = np.repeat(np.arange(len(cand)), n_rows)
-    row_q = np.repeat(t0 - 1, n_rows) + _places(n_rows)
+    row_q = np.repeat(t0 - 1, n_rows) + positions(n_rows)
     row_b = b[row_chunk]
     row_lps = top_lps[row_b, row_q]  # [R, K]
     tail = np.maximum(1.0 - np.exp(row_lps).sum(axis=1), TINY_TAIL)
@@ -162,7 +162,7 @@ def chunk_teacher(
     pair_lengths = n_rows[event_chunk]
     pair_start = offsets_from_lengths(pair_lengths)
     row_first = offsets_from_lengths(n_rows)
-    pair_row = np.repeat(row_first[event_chunk], pair_lengths) + _places(pair_lengths)
+    pair_row = np.repeat(row_first[event_chunk], pair_lengths) + positions(pair_lengths)
     values = spread[pair_row]
     entry_row = np.repeat(np.arange(len(row_chunk)), k)
     values[pair_start[entry_event] + entry_row - row_first[entry_chunk]] = row_lps.reshape(-1)
@@ -219,7 +219,7 @@ def xtoken_events(
     offsets, students, weights = projection.by_teacher
     v = side.event_id[events.term_event]
     lengths = offsets[v + 1] - offsets[v]
-    entry = np.repeat(offsets[v], lengths) + _places(lengths)
+    entry = np.repeat(offsets[v], lengths) + positions(lengths)
     n_rows = (side.s1 - side.s0)[side.event_chunk[events.term_event]]
     return replace(
         events,
@@ -227,12 +227,4 @@ def xtoken_events(
         term_row=np.repeat(events.term_row, lengths),
         term_id=students[entry],
         term_log_weight=np.log(weights[entry]) - np.log(np.repeat(n_rows, lengths)),
-    )
-
-
-def _places(lengths: np.ndarray) -> np.ndarray:
-    """``0 .. n - 1`` for each ``n`` of ``lengths``, concatenated (int64)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
-        offsets_from_lengths(lengths)[:-1], lengths
     )

@@ -134,8 +134,7 @@ def _pieces(table: SubTokenTable, chain_cut: int) -> tuple[np.ndarray, np.ndarra
     rows = np.flatnonzero(table.flags == Flag.NORMAL)
     lengths = np.minimum(table.lengths[rows], chain_cut)
     starts = table.offsets[rows]
-    cut = ragged.offsets_from_lengths(lengths)
-    place = np.arange(int(cut[-1]), dtype=np.int64) - np.repeat(cut[:-1], lengths)
+    place = ragged.positions(lengths)
     src = np.repeat(rows.astype(np.int64), lengths)
     dst = table.chains[np.repeat(starts, lengths) + place].astype(np.int64)
     table_of = np.zeros((chain_cut + 1, chain_cut))
