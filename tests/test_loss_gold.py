@@ -141,3 +141,9 @@ def test_refusals():
         LossConfig(teachers=[TeacherLossConfig(algorithm="hkl", k=0, projection="w", **TABLES)])
     config = LossConfig(kd="gold", teachers=[TeacherLossConfig(projection="w", **TABLES)])
     assert config.whole_rows() == "teachers[0] (gold)"
+
+
+def test_a_missing_projection_is_refused_when_the_loss_is_planned(gcase):
+    case, _ = gcase
+    with pytest.raises(ConfigError, match=r"teachers\[0\] uses algorithm hkl but no projection"):
+        _plan(case, case.signal(K), _config("hkl"), None)

@@ -532,7 +532,10 @@ def test_xtoken_trains_and_a_wrong_or_missing_projection_is_refused_before_a_ste
     )
     save_projection(foreign, str(tmp_path / "foreign"))
     for path, message in (
-        (tmp_path / "foreign", r"loss.teachers\[0\].projection .*foreign was built for a student"),
+        (
+            tmp_path / "foreign",
+            r"loss.teachers\[0\].projection: projection .*foreign was built for a student",
+        ),
         (tmp_path / "none", r"loss.teachers\[0\].projection: projection .*none: no such file"),
     ):
         wrong = replace(teacher, projection=str(path))

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from crosskd.data.collate import ChunkBatch
 from crosskd.errors import ConfigError, DataError
-from crosskd.loss.config import LossConfig
+from crosskd.loss.config import PROJECTED, LossConfig
 from crosskd.loss.csd import kd_from_terms
 from crosskd.loss.events import Events, build_events, to_numpy
 from crosskd.loss.gold import GOLD_STATS, GoldParts, gold_parts, gold_term, partition
@@ -118,7 +118,7 @@ class LossPlan:
 
     ``width``: the student batch's ``L_s``; ``vocab``: ``V_S``; ``ce_rows`` / ``ce_ids`` int64
     ``[M]``: each CE target's flat row (``b * L_s + position - 1``) and token id; ``terms``:
-    the KD terms, one per teacher (a :class:`TeacherPlan` for CSD and X-Token, a
+    the KD terms, one per teacher (a :class:`TeacherPlan` for CSD and X-Token's three losses, a
     :class:`~crosskd.loss.uld.UldTerm` for ULD);
     ``sums``: metric sums known before the forward pass (teachers' bits and bytes, selections).
     """
@@ -259,7 +259,8 @@ def plan_loss(
         teacher_bytes: per teacher the UTF-8 length of each token id (int ``[V_T]``, e.g.
             ``LoadedTokenizer.bytes.lengths``); needed by ``select``, and when given the
             teachers' bits and predicted bytes are added to the metric sums.
-        projections: per teacher its projection ``W`` (``algorithm: xtoken``) or None.
+        projections: per teacher its projection ``W`` (its algorithm reads one: ``xtoken``,
+            ``gold``, ``hkl``) or None.
     """
     projections = list(projections) if projections is not None else [None] * len(teachers)
     _check_inputs(config, teachers, pairs, teacher_bytes, projections)
@@ -321,8 +322,8 @@ def plan_loss(
             events = xtoken_events(t_ids, teacher.signal, ch, valid[i], width, projections[i])
         elif algorithm in ("gold", "hkl"):
             side = chunk_teacher(t_ids, teacher.signal, ch, valid[i])
-            pairs = partition(projections[i], relaxed=algorithm == "hkl")
-            gold = gold_parts(side, pairs, width, student_vocab)
+            common = partition(projections[i], relaxed=algorithm == "hkl")
+            gold = gold_parts(side, common, width, student_vocab)
             events = side.events(side.mean_log, to_numpy(ch.shape), width)
         elif pair is None:
             events = build_token_events(
@@ -518,7 +519,7 @@ def _whole_rows(student: StudentLogProbs, own: Ownership, term: TeacherPlan | Ul
         raise ConfigError(
             f"{term.name} uses algorithm {what}, which {reads} and so needs the student's "
             f"logits, not the fused output layer; pass the logits (the trainer does so when a "
-            f"teacher uses uld or xtoken)."
+            f"teacher uses uld, gold or hkl)."
         )
     if not isinstance(student, LocalLogProbs) or not own.ce.all():
         raise ConfigError(
@@ -589,7 +590,7 @@ def _check_inputs(
             f"teachers lists {len(config.teachers)} teacher(s) but the batch has "
             f"{len(teachers)}, and {len(pairs)} table pair(s) and {len(projections)} "
             f"projection(s) were given; give one teachers[] entry, one signal, one pair (None: "
-            f"same tokenizer) and one projection (None but for xtoken) per teacher."
+            f"same tokenizer) and one projection (None unless its algorithm reads one) per teacher."
         )
     for i, (entry, teacher, pair) in enumerate(zip(config.teachers, teachers, pairs, strict=True)):
         if entry.same_tokenizer != (pair is None):
@@ -634,13 +635,15 @@ def _check_projection(
     pair: TablePair | None,
     projection: Projection | None,
 ) -> None:
-    """An ``xtoken`` teacher needs its projection, built for its tables' two tokenizers."""
+    """A teacher whose algorithm reads a projection (``xtoken``, ``gold``, ``hkl``) needs one,
+    built for its tables' two tokenizers."""
     key = f"teachers[{index}]"
-    if config.algorithm(index) != "xtoken":
+    algorithm = config.algorithm(index)
+    if algorithm not in PROJECTED:
         return
     if projection is None:
         raise ConfigError(
-            f"{key} uses algorithm xtoken but no projection was given; load "
+            f"{key} uses algorithm {algorithm} but no projection was given; load "
             f"{key}.projection (`crosskd projection build` makes one)."
         )
     meta, tables = projection.meta, pair.student_to_teacher.meta

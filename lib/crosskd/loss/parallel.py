@@ -288,8 +288,8 @@ def sharded_loss(
     if whole:
         raise ConfigError(
             f"loss {whole}: the sharded (sequence- or vocabulary-parallel) loss does not "
-            f"support it: ULD and X-Token read every row's whole distribution, which no shard "
-            f"holds. Use csd for every teacher, or train data-parallel only."
+            f"support it: ULD, gold and H-KL read every row's whole distribution, which no "
+            f"shard holds. Use csd or xtoken for every teacher, or train data-parallel only."
         )
     student = ShardedLogProbs(
         logits,

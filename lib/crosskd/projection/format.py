@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
@@ -27,6 +28,9 @@ from crosskd import ragged
 from crosskd.artifacts import write_whole
 from crosskd.errors import TableError
 from crosskd.tables.format import PICKLE_MAGIC, parse_metadata, read_metadata
+
+if TYPE_CHECKING:
+    from crosskd.tokenization import LoadedTokenizer
 
 FORMAT_VERSION = 1
 BUILDER_VERSION = "crosskd-projection-1"
@@ -90,6 +94,21 @@ class Projection:
         counts = np.bincount(self.columns, minlength=self.meta.teacher_vocab_size)
         offsets = ragged.offsets_from_lengths(counts)
         return offsets, rows[order], self.weights[order].astype(np.float64)
+
+    def check_tokenizers(self, student: LoadedTokenizer, teacher: LoadedTokenizer) -> None:
+        """Refuse (with :class:`~crosskd.errors.TableError`) tokenizers other than those ``W``
+        was built for, naming the file, the side and both fingerprints."""
+        for side, tok, name, fingerprint in (
+            ("student", student, self.meta.student_name, self.meta.student_fingerprint),
+            ("teacher", teacher, self.meta.teacher_name, self.meta.teacher_fingerprint),
+        ):
+            if tok.fingerprint != fingerprint:
+                raise TableError(
+                    f"projection {self.source} was built for a {side} tokenizer with "
+                    f"fingerprint {fingerprint[:12]} ({name}), but {tok.name} has "
+                    f"{tok.fingerprint[:12]}; build it from this teacher's tables (`crosskd "
+                    f"projection build`)."
+                )
 
     def to_dense(self) -> np.ndarray:
         """``W`` as a dense float64 ``[V_S, V_T]`` array (small vocabularies: tests)."""

@@ -280,8 +280,8 @@ class TrainConfig:
         if (self.parallel.tp > 1 or self.parallel.cp > 1) and whole:
             raise ConfigError(
                 f"parallel.tp / parallel.cp split the logits, which loss {whole} cannot use "
-                f"(ULD and X-Token read each row's whole distribution); use csd for every "
-                f"teacher, or tp = cp = 1."
+                f"(ULD, gold and H-KL read each row's whole distribution); use csd or xtoken "
+                f"for every teacher, or tp = cp = 1."
             )
         _patterns("trainable", self.trainable)
         _patterns("first_trainable", self.first_trainable)
