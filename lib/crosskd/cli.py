@@ -34,6 +34,7 @@ from crosskd.config import (
 from crosskd.errors import CrosskdError, Stopped
 
 if TYPE_CHECKING:
+    from crosskd.projection import Projection
     from crosskd.tables import SubTokenTable
     from crosskd.tokenization import LoadedTokenizer
 
@@ -43,8 +44,7 @@ SHOW_ROWS = 8
 """Rows spelt out by ``crosskd projection inspect`` with tokenizers, and fan-in columns listed."""
 
 
-def tokenizer_args(parser: argparse.ArgumentParser, *sides: str) -> None:
-    """Add ``--<side>-tokenizer`` and ``--<side>-vocab-size`` for each of ``sides``."""
+def _tokenizer_args(parser: argparse.ArgumentParser, *sides: str) -> None:
     for side in sides:
         parser.add_argument(
             f"--{side}-tokenizer",
@@ -71,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", required=True
     )
     build = tables.add_parser("build", help="build one direction source -> destination")
-    tokenizer_args(build, "source", "destination")
+    _tokenizer_args(build, "source", "destination")
     build.add_argument("--output", required=True, help="output .safetensors path or URI")
 
     validate = tables.add_parser("validate", help="validate a table pair; exit 1 on violation")
-    tokenizer_args(validate, "student", "teacher")
+    _tokenizer_args(validate, "student", "teacher")
     validate.add_argument("--student-to-teacher", required=True, help="table path or URI")
     validate.add_argument("--teacher-to-student", required=True, help="table path or URI")
     validate.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair = inspect_cmd.add_parser(
         "pair", help="how well a student and a teacher tokenizer can be compared (CSD)"
     )
-    tokenizer_args(pair, "student", "teacher")
+    _tokenizer_args(pair, "student", "teacher")
     pair.add_argument(
         "--data",
         help="JSONL/Parquet/datasets rows (default: the built-in ~1 MB benchmark corpus of this "
@@ -244,14 +244,14 @@ def _run(args: argparse.Namespace) -> int:
     from crosskd import tables
 
     if args.action == "build":
-        src, dst = load_side(args, "source"), load_side(args, "destination")
+        src, dst = _load(args, "source"), _load(args, "destination")
         table = tables.build_table(src, dst)
         table = tables.save_table(table, args.output)
         log.info("wrote %s", args.output)
         _write(_summary(table))
         return 0
     if args.action == "validate":
-        student, teacher = load_side(args, "student"), load_side(args, "teacher")
+        student, teacher = _load(args, "student"), _load(args, "teacher")
         reports = tables.validate_pair(
             student,
             teacher,
@@ -281,7 +281,6 @@ def _run(args: argparse.Namespace) -> int:
 def _add_projection_commands(commands: argparse._SubParsersAction) -> None:
     """``crosskd projection build|validate|inspect``: X-Token's projection matrix (module
     docstring of :mod:`crosskd.projection`)."""
-
     actions = commands.add_parser(
         "projection", help="X-Token's projection matrix student -> teacher"
     ).add_subparsers(dest="action", required=True)
@@ -296,7 +295,7 @@ def _add_projection_commands(commands: argparse._SubParsersAction) -> None:
     validate = actions.add_parser(
         "validate", help="validate W against both tokenizers; exit 1 on violation"
     )
-    tokenizer_args(validate, "student", "teacher")
+    _tokenizer_args(validate, "student", "teacher")
     validate.add_argument("projection", metavar="URI", help="the projection")
     validate.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect = actions.add_parser("inspect", help="summarise W")
@@ -326,9 +325,7 @@ def _projection(args: argparse.Namespace) -> int:
         return 0
     projection = load_projection(args.projection)
     if args.action == "validate":
-        report = validate_projection(
-            projection, load_side(args, "student"), load_side(args, "teacher")
-        )
+        report = validate_projection(projection, _load(args, "student"), _load(args, "teacher"))
         if args.json:
             _write(json.dumps(vars(report) | {"ok": report.ok}, indent=2))
         else:
@@ -359,7 +356,7 @@ def _projection(args: argparse.Namespace) -> int:
 
 
 def _projection_summary(
-    projection: Any, tokenizers: tuple[Any, Any] | None = None
+    projection: Projection, tokenizers: tuple[LoadedTokenizer, LoadedTokenizer] | None = None
 ) -> dict[str, Any]:
     """What ``inspect`` prints: both sides, the build's settings, rows by kind, entries per
     row, the mean weight of a spread row's first entry, the teacher ids with the most student
@@ -586,7 +583,7 @@ def _inspect_pair(args: argparse.Namespace) -> int:
     from crosskd.alignment.report_text import format_report
     from crosskd.data.records import read_records
 
-    student, teacher = load_side(args, "student"), load_side(args, "teacher")
+    student, teacher = _load(args, "student"), _load(args, "teacher")
     if args.data is None:
         texts = benchmark_corpus()
     else:
@@ -610,8 +607,7 @@ def _inspect_pair(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_side(args: argparse.Namespace, side: str) -> LoadedTokenizer:
-    """The tokenizer of ``--<side>-tokenizer`` (and ``--<side>-vocab-size``)."""
+def _load(args: argparse.Namespace, side: str) -> LoadedTokenizer:
     from crosskd.tokenization import load_tokenizer
 
     return load_tokenizer(
