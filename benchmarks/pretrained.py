@@ -46,6 +46,10 @@ Arms, each on every seed (a seed changes the data order; the student is the same
   (which the teacher then scores online too, to the values the lossless cache holds);
 * ``csd-static-scale``: ``csd`` with a static KD weight of 1 in place of the dynamic KD scale
   (the scale alone, everything else kept);
+* ``csd-k8``, ``csd-tau2``: ``csd`` from the teacher's top 8 instead of 32, or at temperature 2
+  (each from a teacher cache of its own);
+* ``ce-llama3-long``, ``csd-mw1-long``: ``ce-llama3`` and ``csd-mw1`` over twice the passes
+  (the longer budget);
 * ``xtoken``: the moved student distilled with X-Token's projected KL (``loss.kd: xtoken``,
   :mod:`crosskd.loss.xtoken`) through the projection the run builds from the tables, forward
   KL and the dynamic KD scale as ``csd``;
@@ -101,6 +105,11 @@ class Arm:
     in_passes: dict[str, float] = field(default_factory=dict)
     on_policy: dict | None = None
     """``train.on_policy`` (the teacher then scores online, in the training process)."""
+    scoring: dict = field(default_factory=dict)
+    """Changes of the teacher cache this arm reads (``k``, ``tau``: ``RunConfig`` keys; the run
+    scores the teacher once for each distinct set)."""
+    budget: int = 1
+    """The setting's passes over the training rows times this (2: the longer budget)."""
 
 
 ON_POLICY = {"prompts": "train", "fraction": 0.25, "max_new_tokens": 64, "text_share": 0.5}
@@ -121,6 +130,10 @@ ARMS = {
     "csd-embeddings-first": Arm("llama3", KD, {"first_steps": 0.5}),
     "csd-on-policy": Arm("llama3", KD, on_policy=ON_POLICY),
     "csd-static-scale": Arm("llama3", {**KD, "dynamic_kd_scale": False, "kd_weight": 1.0}),
+    "csd-k8": Arm("llama3", KD, scoring={"k": 8}),
+    "csd-tau2": Arm("llama3", KD, scoring={"tau": 2.0}),
+    "ce-llama3-long": Arm("llama3", None, budget=2),
+    "csd-mw1-long": Arm("llama3", {**KD, "mismatch_weight": 1.0}, budget=2),
     "xtoken": Arm("llama3", {**KD, "kd": "xtoken"}),
     "gold": Arm("llama3", {**KD, "kd": "gold"}),
     "hkl": Arm("llama3", {**KD, "kd": "hkl"}),
@@ -197,7 +210,7 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
         if not wanted:
             continue
         tables = checked_tables(plan, progress=False)
-        caches = teacher_caches(plan, prepared, base.scoring(), 1, progress=False)
+        caches: dict[tuple, list[dict]] = {}
         per_pass = math.ceil(prepared["rows"]["train"] / TRAIN["micro_batch_rows"])
         results["config"][f"rows_{mode}"] = prepared["rows"]
         results["config"]["steps_per_pass"] = per_pass
@@ -205,14 +218,19 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
             for arm in wanted:
                 name = arm if ARMS[arm].loss is None and layers else f"{setting}-{arm}"
                 folder = out / "runs" / f"{name}-seed{seed}"
+                config = replace(base, seed=seed, **ARMS[arm].scoring)
+                scoring = config.scoring()
+                key = tuple(sorted(scoring.items()))
+                if key not in caches and not (folder / "arm.json").exists():
+                    caches[key] = teacher_caches(plan, prepared, scoring, 1, progress=False)
                 record = _arm(
-                    replace(base, seed=seed),
+                    config,
                     plan,
-                    (prepared, scored, tables, caches),
+                    (prepared, scored, tables, caches.get(key, [])),
                     ARMS[arm],
                     folder,
                     per_pass,
-                    size["passes"],
+                    ARMS[arm].budget * size["passes"],
                 )
                 results["arms"].setdefault(arm, []).append(record)
                 log.info(
@@ -421,6 +439,11 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("csd-embeddings-first", "csd"),
     ("csd-on-policy", "csd"),
     ("csd-static-scale", "csd"),
+    ("csd-k8", "csd"),
+    ("csd-tau2", "csd"),
+    ("ce-llama3-long", "ce-llama3"),
+    ("csd-mw1-long", "ce-llama3-long"),
+    ("csd-mw1-long", "csd-mw1"),
     ("xtoken", "ce-llama3"),
     ("xtoken", "csd"),
     ("xtoken", "csd-mw1"),
@@ -502,7 +525,7 @@ def table(results: dict) -> str:
             cells = [f"{arm} vs {other}"]
             for split, label in SPLITS:
                 d = compare(arms[arm], arms[other], split)
-                if ARMS[other].loss is None:  # the CE-only twin
+                if ARMS[arm].loss is not None and ARMS[other].loss is None:  # its CE twin
                     gains.setdefault(arm, []).append(f"{label} {-d.relative:.1%}")
                 cells.append(
                     f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] {_p(d)}"
