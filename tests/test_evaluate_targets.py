@@ -130,3 +130,90 @@ def test_bits_are_those_of_the_target_tokens(chat_data, zoo, tmp_path):
     # Without targets: every token after the first of every sample, templates included.
     all_bits, all_bytes = nll_bits_and_bytes(model, sequences, tok.bytes.lengths)
     assert all_bytes > n_bytes and all_bits > bits
+
+
+NUMBERS = "In 1984, 2048 bytes cost 3.50; call 555-0123 by 12:45."
+# Its digits by hand: 1984 2048 3 50 555 0123 12 45: 4+4+1+2+3+4+2+2 = 22 bytes, in that order.
+NUMBER_DIGITS = "1984204835055501231245"
+
+
+@pytest.fixture(scope="module")
+def number_data(tmp_path_factory, zoo_cache):
+    folder = tmp_path_factory.mktemp("number-eval")
+    rows = [{"id": "n1", "text": NUMBERS}, {"id": "t1", "text": "No numbers here."}]
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
+        prepare(
+            PrepareConfig(
+                data=str(folder / "rows.jsonl"),
+                student_tokenizer="zoo:llama3",
+                teacher_tokenizers=["zoo:qwen3", "zoo:smollm2"],
+                output=str(folder / "out"),
+                max_length=96,
+            ),
+            progress=False,
+        )
+    return load_prepared(str(folder / "out"))
+
+
+@pytest.mark.parametrize("name", ["student", "teacher0", "teacher1"])
+def test_digit_targets_are_the_numbers_digits_whatever_the_packing(number_data, zoo, name):
+    tok = zoo(MODELS[name])
+    ids = [s["sample_id"] for row in number_data.packed_rows() for s in row]
+    sequences = prepared_sequences(number_data, name)
+    everything = prepared_targets(number_data, name, tok)
+    digits = prepared_targets(number_data, name, tok, digits=True)
+    by_id = dict(zip(ids, zip(sequences, everything, digits, strict=True), strict=True))
+    q, every, t = by_id["n1"]
+    assert tok.hf.decode(q[t]) == NUMBER_DIGITS
+    assert int(tok.bytes.lengths[q[t]].sum()) == len(NUMBER_DIGITS)
+    assert not (t & ~every).any()  # a subset of the targets
+    assert not by_id["t1"][2].any()
+    if name == "student":  # Llama-3 packs up to three digits in a token, SmolLM2 and Qwen3 one
+        assert [tok.hf.decode([i]) for i in q[t]][:3] == ["198", "4", "204"]
+    else:
+        assert (tok.bytes.lengths[q[t]] == 1).all()
+
+
+@pytest.mark.parametrize("model", ["llama3", "smollm2", "qwen3"])
+def test_digit_ids_are_those_spelled_by_ascii_digits_alone(zoo, model):
+    vocab = zoo(model).bytes
+    expected = np.array(
+        [
+            bool(b) and all(48 <= c <= 57 for c in b)
+            for b in (vocab.token_bytes(i) for i in range(len(vocab)))
+        ]
+    )
+    assert (vocab.digits == expected).all()
+    assert 10 <= expected.sum() <= 1110  # 0-9 at least; Llama-3: every number below 1000
+
+
+def test_an_unknown_token_choice_is_refused_by_name():
+    from crosskd.errors import ConfigError
+    from crosskd.evaluate import EvaluateConfig
+
+    with pytest.raises(ConfigError, match=r"tokens is 'numbers'; write one of all, digits"):
+        EvaluateConfig(data="d", models=["m"], tokens="numbers")
+
+
+def test_a_digits_evaluation_counts_the_digits_and_is_not_the_earlier_one(
+    number_data, zoo, tmp_path
+):
+    from crosskd.steps.evaluate import evaluate_models
+    from crosskd.zoo.models import init_llama
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    model = init_llama(tmp_path / "m", zoo("llama3").name, shape, seed=3)
+    output = str(tmp_path / "evaluation.json")
+    every = evaluate_models(number_data.uri, {"m": str(model)}, output)["evaluation"]
+    digits = evaluate_models(number_data.uri, {"m": str(model)}, output, tokens="digits")
+    written = json.loads((tmp_path / "evaluation.json").read_text())
+    assert written["tokens"] == "digits"
+    ids = [s["sample_id"] for row in number_data.packed_rows() for s in row]
+    assert dict(zip(ids, written["models"]["m"]["sequence_bytes"], strict=True)) == {
+        "n1": len(NUMBER_DIGITS),
+        "t1": 0,
+    }
+    assert 0 < written["models"]["m"]["bits"] < every["models"]["m"]["bits"]
+    assert digits["bits_per_byte"]["m"] == written["models"]["m"]["bits_per_byte"]

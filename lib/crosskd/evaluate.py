@@ -162,14 +162,19 @@ def prepared_sequences(data, name: str) -> list[np.ndarray]:
     return [np.asarray(s[f"{name}_ids"]) for row in data.packed_rows() for s in row]
 
 
-def prepared_targets(data, name: str, tok: LoadedTokenizer) -> list[np.ndarray]:
+def prepared_targets(
+    data, name: str, tok: LoadedTokenizer, *, digits: bool = False
+) -> list[np.ndarray]:
     """Every sample's target tokens for the prepared model ``name`` (tokenizer ``tok``) of
     ``data`` (the order of :func:`prepared_sequences`), bool ``[L_i]``: a text sample's every
     token after the first; a chat sample's tokens of the content of its assistant turns: the
     tokens of its ``reasoning`` and ``answer`` chunks whose student tokens all lie in the
     student's CE loss mask (the chunks of teacher 0 for the student), special tokens left out
     (an end of turn, a ``</think>`` that one tokenizer has as a special token and another spells
-    out: template text, not content)."""
+    out: template text, not content). ``digits``: of those, only the tokens spelled by ASCII
+    digits alone (:attr:`~crosskd.tokenization.byte_level.ByteVocab.digits`): the numbers'
+    digits, the same bytes for two tokenizers that both keep digits apart from other
+    characters (Llama-3 packs up to three in a token, SmolLM2 and Qwen3 one)."""
     targets = []
     for row in data.packed_rows():
         for sample in row:
@@ -179,6 +184,8 @@ def prepared_targets(data, name: str, tok: LoadedTokenizer) -> list[np.ndarray]:
             else:
                 target = _content_tokens(sample, name, len(ids))
                 target &= ~np.isin(ids, tok.special_ids)
+            if digits:
+                target &= tok.bytes.digits[ids]
             target[:1] = False
             targets.append(target)
     return targets
@@ -201,6 +208,10 @@ def _content_tokens(sample: dict, name: str, length: int) -> np.ndarray:
     return target
 
 
+TOKENS = ("all", "digits")
+"""The values of ``EvaluateConfig.tokens``."""
+
+
 @dataclass
 class EvaluateConfig:
     """What ``crosskd evaluate`` does."""
@@ -221,10 +232,18 @@ class EvaluateConfig:
     """The models' dtype while scoring (float32 by default, so figures compare)."""
     trust_remote_code: bool = False
     """Passed to transformers; off unless you trust the models' code."""
+    tokens: str = "all"
+    """Which target tokens count: ``all``, or ``digits``: only those spelled by ASCII digits
+    alone (the bits per byte of the numbers in the text; :func:`prepared_targets`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, str) or not self.data:
             raise ConfigError(f"data is {self.data!r}; give the prepared data's URI.")
+        if self.tokens not in TOKENS:
+            raise ConfigError(
+                f"tokens is {self.tokens!r}; write one of {', '.join(TOKENS)} (digits: only "
+                f"the tokens spelled by digits alone count)."
+            )
         if (
             not isinstance(self.models, list)
             or not self.models
@@ -268,10 +287,10 @@ class EvaluateConfig:
 
 def evaluate(config: EvaluateConfig) -> dict:
     """Held-out bits per byte of every model of ``config`` on its prepared data; returns (and
-    writes to ``config.output``) ``{"data": URI, "data_fingerprint": ..., "models": {name:
-    {"ref", "prepared_model", "bits_per_byte", "bits", "bytes", "sequences", "sequence_bits",
-    "sequence_bytes"}}}`` (the last two: each sample's bits and UTF-8 bytes, in the data's
-    order)."""
+    writes to ``config.output``) ``{"data": URI, "data_fingerprint": ..., "tokens": ...,
+    "models": {name: {"ref", "prepared_model", "bits_per_byte", "bits", "bytes", "sequences",
+    "sequence_bits", "sequence_bytes"}}}`` (the last two: each sample's bits and UTF-8 bytes of
+    the counted tokens, in the data's order)."""
     data = load_prepared(config.data)
     by_fingerprint = {m["fingerprint"]: m["name"] for m in data.manifest["models"]}
     results = {}
@@ -300,7 +319,7 @@ def evaluate(config: EvaluateConfig) -> dict:
             tok.bytes.lengths,
             device=loaded.device,
             token_budget=config.token_budget,
-            targets=prepared_targets(data, prepared, tok),
+            targets=prepared_targets(data, prepared, tok, digits=config.tokens == "digits"),
         )
         bits, n_bytes = float(per_bits.sum()), int(per_bytes.sum())
         results[name] = {
@@ -320,6 +339,7 @@ def evaluate(config: EvaluateConfig) -> dict:
     out = {
         "data": config.data,
         "data_fingerprint": data.manifest["data_fingerprint"],
+        "tokens": config.tokens,
         "models": results,
     }
     if config.output is not None:

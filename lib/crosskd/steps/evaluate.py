@@ -56,22 +56,31 @@ def evaluate_models(
     *,
     token_budget: int = 4096,
     device: str | None = None,
+    tokens: str = "all",
 ) -> dict[str, Any]:
     """Bits per byte of each model of ``models`` on the held-out prepared data ``data``, written
-    to ``output`` (JSON, :func:`crosskd.evaluate.evaluate`); returns ``{"uri",
-    "bits_per_byte": {name: value}, "evaluation"}``. An existing result for the same data and
-    models is returned at once."""
+    to ``output`` (JSON, :func:`crosskd.evaluate.evaluate`; ``tokens``: ``all`` or ``digits``,
+    ``EvaluateConfig.tokens``); returns ``{"uri", "bits_per_byte": {name: value},
+    "evaluation"}``. An existing result for the same data, models and tokens is returned at
+    once."""
     wanted = [f"{name}={ref}" for name, ref in models.items()]
     if exists(output):
         earlier = read_json(output)
-        if earlier.get("data") == data and {
-            n: m["ref"] for n, m in earlier["models"].items()
-        } == dict(models):
+        if (
+            earlier.get("data") == data
+            and earlier.get("tokens", "all") == tokens
+            and {n: m["ref"] for n, m in earlier["models"].items()} == dict(models)
+        ):
             log.info("evaluation %s exists", output)
             return _summary(output, earlier)
     result = evaluate(
         EvaluateConfig(
-            data=data, models=wanted, output=output, token_budget=int(token_budget), device=device
+            data=data,
+            models=wanted,
+            output=output,
+            token_budget=int(token_budget),
+            device=device,
+            tokens=tokens,
         )
     )
     return _summary(output, result)

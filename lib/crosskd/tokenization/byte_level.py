@@ -81,6 +81,14 @@ class ByteVocab:
         """Byte length of every id, int64 ``[V]``."""
         return np.diff(self.offsets)
 
+    @cached_property
+    def digits(self) -> np.ndarray:
+        """Whether each id is spelled by ASCII digits ``0``-``9`` alone (one or more), bool
+        ``[V]``: the tokens of a number's digits."""
+        is_digit = (self.data >= ord("0")) & (self.data <= ord("9"))
+        others = np.concatenate([[0], np.cumsum(~is_digit)])  # non-digit bytes before each byte
+        return (others[self.offsets[1:]] == others[self.offsets[:-1]]) & (self.lengths > 0)
+
     def concat(self, ids: np.ndarray) -> np.ndarray:
         """The bytes of ``ids`` (int ``[n]``) one after another, uint8 ``[sum of lengths]``."""
         return self.data[ragged.select(self.offsets, ids)]
