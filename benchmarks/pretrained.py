@@ -77,12 +77,15 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from arithmetic_text import write_rows
+
 from crosskd import steps
 from crosskd.data.collate import load_prepared
 from crosskd.distill import checked_tables, teacher_caches
 from crosskd.errors import ConfigError
 from crosskd.paired import PairedDifference, paired_bootstrap
 from crosskd.steps.config import RunConfig
+from crosskd.steps.evaluate import evaluate_models
 from crosskd.steps.train import run_history
 
 log = logging.getLogger("quality")
@@ -152,6 +155,7 @@ bytes; the longest held-out one is 5.2 kB, 1,338 SmolLM2 tokens)."""
 FULL = {
     "corpus_bytes": 62_000,
     "ood_bytes": 31_000,
+    "numbers_bytes": 30_000,
     "teacher_bytes": 700_000,
     "layers": 10,
     "passes": 3,
@@ -161,6 +165,7 @@ FULL = {
 QUICK = {
     "corpus_bytes": 6_000,
     "ood_bytes": 3_000,
+    "numbers_bytes": 3_000,
     "teacher_bytes": 24_000,
     "layers": 3,
     "passes": 1,
@@ -190,6 +195,7 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
         else "zoo:smollm2"
     )
     results: dict = {"setting": setting, "arms": {}, "reference": {}, "config": {**size}}
+    numbers = write_rows(work / "inputs" / "numbers.jsonl", size["numbers_bytes"])
     results["config"] |= {"train": TRAIN, "teacher": teacher, "student_layers": layers}
     for mode in ("own", "llama3"):
         wanted = [a for a in arms if ARMS[a].tokenizer == mode]
@@ -198,9 +204,10 @@ def run(setting: str, arms: list[str], quick: bool, seeds: int | None, out: Path
         base = _base(work, teacher, mode, size, layers)
         plan = steps.init_student(steps.validate_inputs(base))
         prepared = steps.prepare_data(plan, **base.preparing(), progress=False)
-        scored = steps.prepare_data(
-            plan, **{**base.preparing(), "max_length": SCORED_LENGTH}, progress=False
-        )
+        scoring = {**base.preparing(), "max_length": SCORED_LENGTH}
+        scored = steps.prepare_data(plan, **scoring, progress=False)
+        with_numbers = {**plan, "ood_data": str(numbers)}
+        scored["numbers"] = steps.prepare_data(with_numbers, **scoring, progress=False)["ood"]
         references = {f"student_init_{mode}": plan["student"]} if wanted else {}
         if mode == "own":
             references["teacher"] = plan["teachers"][0]["ref"]
@@ -315,10 +322,20 @@ def domain_teacher(work: Path, corpus_bytes: int, steps_: int | None) -> str:
 
 
 def _evaluate(prepared: dict, models: dict[str, str], folder: Path, base: RunConfig) -> dict:
-    """``{name: [{"in_domain", "ood", "sequences": {split: {"bits", "bytes"}}}]}`` of each model
-    on both held-out sets."""
-    steps.evaluate_run(prepared, models, str(folder), token_budget=base.token_budget, device="cpu")
+    """``{name: [{"in_domain", "ood", "numbers", "digits", "sequences": {split: {"bits",
+    "bytes"}}}]}`` of each model on the held-out sets (:func:`_score`)."""
+    _score(prepared, models, folder, base)
     return {name: [_figures(folder, name)] for name in models}
+
+
+def _score(prepared: dict, models: dict[str, str], folder: Path, base: RunConfig) -> None:
+    """Each model's evaluation on both held-out sets and on the arithmetic text
+    (``prepared["numbers"]``), every token and the digits alone, under ``folder``
+    (:data:`FILES`); an evaluation already there is kept."""
+    options = {"token_budget": base.token_budget, "device": "cpu"}
+    steps.evaluate_run(prepared, models, str(folder), **options)
+    for tokens, file in (("all", FILES["numbers"]), ("digits", FILES["digits"])):
+        evaluate_models(prepared["numbers"], models, str(folder / file), tokens=tokens, **options)
 
 
 def _figures(folder: Path, name: str) -> dict:
@@ -326,7 +343,7 @@ def _figures(folder: Path, name: str) -> dict:
     each prepared set's samples depends on its tokenizer's packing) from ``evaluate_run``'s
     files under ``folder``."""
     record: dict = {"sequences": {}}
-    for split, file in (("in_domain", "evaluation.json"), ("ood", "evaluation_ood.json")):
+    for split, file in FILES.items():
         evaluation = json.loads((folder / file).read_text())
         entry = evaluation["models"][name]
         data = load_prepared(evaluation["data"])
@@ -392,9 +409,7 @@ def _arm(
         done.write_text(json.dumps(record))
         for name in ("checkpoints", "final"):  # 1-3 GB an arm; the report reads best/
             shutil.rmtree(_output(folder) / name, ignore_errors=True)
-    if not (_scored(folder) / "evaluation_ood.json").exists():
-        best = {"student": str(_output(folder) / "best")}
-        _evaluate(scored, best, _scored(folder), config)
+    _score(scored, {"student": str(_output(folder) / "best")}, _scored(folder), config)
     return {**json.loads(done.read_text()), **_outcome(folder, eval_every)}
 
 
@@ -456,6 +471,15 @@ different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leave
 document's first token unscored), so a difference across tokenizers is partly a difference of
 text."""
 SPLITS = (("in_domain", "in domain"), ("ood", "out of domain"))
+FILES = {
+    "in_domain": "evaluation.json",
+    "ood": "evaluation_ood.json",
+    "numbers": "evaluation_numbers.json",
+    "digits": "evaluation_numbers_digits.json",
+}
+"""Each figure of a model and the evaluation file under its folder it comes from: in domain,
+out of domain, the arithmetic text (:mod:`arithmetic_text`) whole and its digits alone."""
+NUMBERS = (("numbers", "arithmetic text"), ("digits", "its digits alone"))
 KINDS = ("code", "prose", "translations")
 """The corpus deals documents from its three streams in turn (:func:`crosskd.alignment.corpus
 .benchmark_corpus`, while all three last, as they do at these sizes): held-out document ``j``
@@ -469,6 +493,11 @@ def _init_of(arm: str) -> str:
 def _mean_sd(values: list[float]) -> str:
     mean = statistics.fmean(values)
     return f"{mean:.4f} ± {statistics.stdev(values):.4f}" if len(values) > 1 else f"{mean:.4f}"
+
+
+def _cell(d: PairedDifference) -> str:
+    """A comparison's table cell: difference, relative, 95% interval, p-value."""
+    return f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] {_p(d)}"
 
 
 def _p(d: PairedDifference) -> str:
@@ -527,12 +556,11 @@ def table(results: dict) -> str:
                 d = compare(arms[arm], arms[other], split)
                 if ARMS[arm].loss is not None and ARMS[other].loss is None:  # its CE twin
                     gains.setdefault(arm, []).append(f"{label} {-d.relative:.1%}")
-                cells.append(
-                    f"{d.difference:+.4f} ({d.relative:+.1%}) [{d.low:+.4f}, {d.high:+.4f}] {_p(d)}"
-                )
+                cells.append(_cell(d))
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Relative gain over the CE-only twin on the same tokenizer:"]
     lines += [f"* {arm}: {', '.join(values)}" for arm, values in gains.items()]
+    lines += _numbers(results)
     lines += ["", "In-domain bits per byte by kind of text (mean over seeds):", ""]
     lines += [f"* {arm}: {_by_kind(runs)}" for arm, runs in arms.items()]
     for arm in ("csd", "csd-only"):
@@ -542,6 +570,57 @@ def table(results: dict) -> str:
                 f"{arm} (seed {arms[arm][0]['seed']}), the last half pass: {_shapes(arms[arm][0])}",
             ]
     return "\n".join(lines)
+
+
+def _numbers(results: dict) -> list[str]:
+    """The report's lines on the arithmetic text (:mod:`arithmetic_text`): each reference's and
+    arm's bits per byte on it whole and on its digits alone (mean ± sample sd, each seed), the
+    digits scored per tokenizer, and the paired bootstrap of each comparison of
+    :data:`COMPARISONS` on both; nothing when a run has no such figures."""
+    arms, refs = results["arms"], results["reference"]
+    runs = [r for group in (*arms.values(), *refs.values()) for r in group]
+    if not runs or not all("digits" in r for r in runs):
+        return []
+    lines = [
+        "",
+        "Arithmetic text (worked sums, a quarter of its bytes digits; `benchmarks/"
+        "arithmetic_text.py`), best checkpoints: bits per byte of the text and of its digits "
+        "alone (the tokens spelled by digits; Llama-3 packs up to three, SmolLM2 has one a "
+        "token).",
+        "",
+        "| arm | arithmetic text | per seed | its digits | per seed |",
+        "|---|---|---|---|---|",
+    ]
+    for name, group in (*refs.items(), *arms.items()):
+        cells = [name]
+        for split, _ in NUMBERS:
+            values = [r[split] for r in group]
+            cells += [
+                _mean_sd(values),
+                ", ".join(f"{v:.4f}" for v in values) if name in arms else "",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    digit_bytes = {n: sum(g[0]["sequences"]["digits"]["bytes"]) for n, g in refs.items()}
+    lines += [
+        "",
+        "Bytes scored, text / digits: "
+        + "; ".join(
+            f"{n} {sum(g[0]['sequences']['numbers']['bytes'])} / {digit_bytes[n]}"
+            for n, g in refs.items()
+        )
+        + ".",
+        "",
+        "| comparison | arithmetic text | its digits |",
+        "|---|---|---|",
+    ]
+    for arm, other in COMPARISONS:
+        if arm in arms and other in arms:
+            cells = [f"{arm} vs {other}"]
+            for split, _ in NUMBERS:
+                d = compare(arms[arm], arms[other], split)
+                cells.append(_cell(d))
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _by_kind(runs: list[dict]) -> str:
@@ -574,7 +653,7 @@ def _shapes(run: dict) -> str:
 
 def compare(runs_a: list[dict], runs_b: list[dict], split: str) -> PairedDifference:
     """The paired bootstrap (:func:`crosskd.paired.paired_bootstrap`) of two arms on one
-    held-out set (``in_domain`` or ``ood``): seeds matched by position, documents by sample id.
+    held-out set (a key of :data:`FILES`): seeds matched by position, documents by sample id.
     Arms with different seed counts, or whose documents or bytes differ (two tokenizers' sets),
     are a ConfigError."""
     if len(runs_a) != len(runs_b):
