@@ -47,11 +47,10 @@ CONTENT_BYTES = {"c1": 28, "c2": 24}
 MODELS = {"student": "llama3", "teacher0": "qwen3", "teacher1": "smollm2", "teacher2": "llama3"}
 
 
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory, zoo_cache):
-    folder = tmp_path_factory.mktemp("chat-eval")
+def _prepared(folder, rows: list[dict], teachers: list[str], zoo_cache):
+    """``rows`` prepared under ``folder`` for the Llama-3 student and ``teachers``."""
     (folder / "rows.jsonl").write_text(
-        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS), encoding="utf-8"
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
@@ -59,13 +58,19 @@ def chat_data(tmp_path_factory, zoo_cache):
             PrepareConfig(
                 data=str(folder / "rows.jsonl"),
                 student_tokenizer="zoo:llama3",
-                teacher_tokenizers=["zoo:qwen3", "zoo:smollm2", "zoo:llama3"],  # last: the same
+                teacher_tokenizers=teachers,
                 output=str(folder / "out"),
                 max_length=96,
             ),
             progress=False,
         )
     return load_prepared(str(folder / "out"))
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory, zoo_cache):
+    teachers = ["zoo:qwen3", "zoo:smollm2", "zoo:llama3"]  # the last: the student's own
+    return _prepared(tmp_path_factory.mktemp("chat-eval"), ROWS, teachers, zoo_cache)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -139,22 +144,9 @@ NUMBER_DIGITS = "1984204835055501231245"
 
 @pytest.fixture(scope="module")
 def number_data(tmp_path_factory, zoo_cache):
-    folder = tmp_path_factory.mktemp("number-eval")
     rows = [{"id": "n1", "text": NUMBERS}, {"id": "t1", "text": "No numbers here."}]
-    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CROSSKD_CACHE_DIR", str(zoo_cache))
-        prepare(
-            PrepareConfig(
-                data=str(folder / "rows.jsonl"),
-                student_tokenizer="zoo:llama3",
-                teacher_tokenizers=["zoo:qwen3", "zoo:smollm2"],
-                output=str(folder / "out"),
-                max_length=96,
-            ),
-            progress=False,
-        )
-    return load_prepared(str(folder / "out"))
+    teachers = ["zoo:qwen3", "zoo:smollm2"]
+    return _prepared(tmp_path_factory.mktemp("number-eval"), rows, teachers, zoo_cache)
 
 
 @pytest.mark.parametrize("name", ["student", "teacher0", "teacher1"])
