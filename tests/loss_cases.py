@@ -16,6 +16,7 @@ from crosskd.alignment import align_text
 from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_CORRECT, FLAG_KD, FLAG_PREDICTION
 from crosskd.loss import LossConfig, TeacherBatch, TeacherLossConfig, plan_loss
+from crosskd.loss.config import PROJECTED
 from crosskd.tables import Flag, SubTokenTable, TableMeta, TablePair
 from crosskd.teacher import signal_from_logits
 
@@ -202,8 +203,10 @@ def make_case(zoo, built_table, student: str, teacher: str, texts, seed: int = 0
     )
 
 
-def plan_rows(case: CsdCase, signal, config, rows: slice = slice(None)):
-    """The loss plan of the packed rows ``rows`` of the case (their chunks, signal rows)."""
+def plan_rows(case: CsdCase, signal, config, rows: slice = slice(None), projection=None):
+    """The loss plan of the packed rows ``rows`` of the case (their chunks, signal rows), the
+    same teacher for each of ``config.teachers``; ``projection``: the teachers' ``W``, for
+    those whose algorithm reads it."""
     keep = (case.chunks.row >= (rows.start or 0)) & (case.chunks.row < (rows.stop or 1 << 30))
     shift = rows.start or 0
     chunks = ChunkBatch(
@@ -218,13 +221,15 @@ def plan_rows(case: CsdCase, signal, config, rows: slice = slice(None)):
     )
     sig = signal if rows == slice(None) else signal_rows(signal, rows)
     batch = TeacherBatch(case.teacher_ids[rows], chunks, sig)
+    n = len(config.teachers)
     return plan_loss(
         config,
         case.student_ids[rows],
         case.loss_mask[rows],
-        [batch],
-        [case.pair],
+        [batch] * n,
+        [case.pair] * n,
         student_vocab=case.student_logits.shape[-1],
+        projections=[projection if config.algorithm(i) in PROJECTED else None for i in range(n)],
     )
 
 

@@ -128,6 +128,29 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
     assert tp_bytes == whole["parameters"] - vocab_bytes // 2
 
 
+def test_gold_over_a_split_vocabulary_trains_like_one_process(train_inputs, tmp_path):
+    """A gold teacher (whole rows of the student's distribution) under tp = 2: each rank holds
+    its vocabulary slice of the logits, and the curve is one process's; under cp = 2 (a
+    chunk's rows in two windows) it is refused by key."""
+    from crosskd.projection import build_projection, save_projection
+    from crosskd.tables import load_table_pair
+
+    pair = load_table_pair(train_inputs["s2t"], train_inputs["t2s"])
+    w = save_projection(build_projection(pair), str(tmp_path / "w"))
+    base = _config(train_inputs, tmp_path / "unused").loss
+    loss = replace(
+        base, teachers=[replace(base.teachers[0], algorithm="gold", projection=w.source)]
+    )
+    want, _ = _single(_config(train_inputs, tmp_path / "one", loss=loss, steps=2))
+    assert all(h["kd/teacher0"] > 0 for h in want)
+    tp = _config(train_inputs, tmp_path / "gold_tp", loss=loss, steps=2, parallel={"tp": 2})
+    run_ddp([("gold_tp", tp, None)], tmp_path)
+    for rank in (0, 1):
+        _same_curve(_rank(tmp_path, "gold_tp", rank)["history"], want)
+    with pytest.raises(ConfigError, match=r"split the logits, which loss teachers\[0\] \(gold\)"):
+        _config(train_inputs, tmp_path / "cp", loss=loss, parallel={"cp": 2})
+
+
 def test_a_frozen_embedding_stays_frozen_in_its_vocabulary_slices(train_inputs, tmp_path):
     """``trainable: [layers]`` under tp = 2: the (tied) embedding and head are sliced over the
     ranks, and their slices stay frozen: the gathered final model has the start's embedding and

@@ -39,8 +39,16 @@ teacher's tail are its rest entry. A dense signal (``k: 0``) is refused, as for 
 **Cost and layouts.** ``S_c`` is a whole row of ``V_S``, and the sorted L1 needs the largest
 uncommon entries of it: the chunks are taken in blocks of :data:`BLOCK_CHUNKS`, each block's
 rows' log-softmax averaged per chunk by a sparse product and recomputed in the backward pass.
-Like ULD and X-Token it needs the student's logits held whole by this process: the fused output
-layer and the vocabulary- and sequence-parallel loss refuse it; data parallelism works.
+It reads the student's logits, not the fused output layer (which never holds them). Over a
+vocabulary split between tensor-parallel ranks (:class:`~crosskd.loss.logprobs.RowSlices`),
+every rank of the group computes each block on its slice: the log-softmax with the
+all-reduced normaliser, its part of ``D_c`` (the pairs whose student id it holds) and of the
+uncommon mass, and its ``n`` largest uncommon entries; one differentiable sum per block
+carries ``C_b x (2 + tp * n)`` numbers, and the ``n`` largest of the ``tp * n`` candidates are
+those of the whole row, so the values and gradients are one process's. A chunk's rows may lie
+in two sequence windows, whose whole distributions would have to be exchanged: the
+sequence-parallel loss refuses gold and H-KL (X-Token's P-KL, which reads (row, id) log
+probabilities as CSD does, runs under every layout). Data parallelism works.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from crosskd.loss.csd import KdTerm
+from crosskd.loss.logprobs import RowSlices
 from crosskd.loss.xtoken import ChunkTeacher
 from crosskd.projection import Projection
 from crosskd.ragged import offsets_from_lengths, positions
@@ -139,42 +148,50 @@ def gold_parts(side: ChunkTeacher, pairs: np.ndarray, width: int, student_vocab:
 
 
 def gold_term(
-    flat_logits: Tensor,
+    slices: RowSlices,
     parts: GoldParts,
+    owned: np.ndarray,
     *,
     tau: float,
     kind: str,
     beta: float,
     n_total: int,
 ) -> tuple[KdTerm, Tensor]:
-    """``tau^2 sum_c (D_c + L1_c) / N`` (module docstring) from the micro-batch's flat student
-    logits ``[B * L_s, V_S]`` (differentiable; float32 arithmetic, float64 kept), ``N =
-    n_total``; returns the :class:`~crosskd.loss.csd.KdTerm` (its ``divergence`` is ``D_c +
-    L1_c``, its REST values the uncommon masses of both sides, its events the common pairs of
-    each chunk) and the sums of ``D_c`` and ``L1_c`` (float64 ``[2]``, detached)."""
-    dtype = torch.float64 if flat_logits.dtype == torch.float64 else torch.float32
-    device = flat_logits.device
+    """``tau^2 sum_c (D_c + L1_c) / N`` (module docstring) over the chunks marked in ``owned``
+    (bool ``[C]``: this process's share; ``N = n_total``), from the micro-batch's student
+    logits as this process holds them (``slices``: every row, the whole vocabulary or one
+    tensor-parallel slice of it; differentiable; float32 arithmetic, float64 kept). Every rank
+    of a vocabulary-split group computes every chunk with the others (the collectives of
+    ``slices``) and counts its own. Returns the :class:`~crosskd.loss.csd.KdTerm` of the owned
+    chunks (its ``divergence`` is ``D_c + L1_c``, its REST values the uncommon masses of both
+    sides, its events the common pairs of each chunk) and the sums of their ``D_c`` and
+    ``L1_c`` (float64 ``[2]``, detached)."""
+    if slices.cp > 1:
+        raise ValueError("gold and H-KL need every position of a row in one process")
+    dtype = torch.float64 if slices.flat.dtype == torch.float64 else torch.float32
+    device = slices.flat.device
     n = len(parts.row_offsets) - 1
+    share = to_device(np.flatnonzero(owned), device)
     if n == 0 or n_total == 0:
-        empty = flat_logits.new_zeros(0, dtype=dtype)
-        term = KdTerm(flat_logits.sum() * 0.0, n, empty, empty, empty, empty.long())
+        empty = slices.flat.new_zeros(0, dtype=dtype)
+        term = KdTerm(slices.flat.sum() * 0.0, 0, empty, empty, empty, empty.long())
         return term, torch.zeros(2, dtype=torch.float64, device=device)
-    common = to_device(parts.student_common, device)
+    stop = slices.vocab_start + slices.flat.shape[1]
+    common = to_device(parts.student_common[slices.vocab_start : stop], device)
     pieces = []
     for c0 in range(0, n, BLOCK_CHUNKS):
-        c1 = min(c0 + BLOCK_CHUNKS, n)
-        block = _Block.of(parts, c0, c1, device)
-        args = (flat_logits, block, common, tau, kind, beta, dtype)
-        if flat_logits.requires_grad:
+        block = _Block.of(parts, c0, min(c0 + BLOCK_CHUNKS, n), slices.vocab_start, device)
+        args = (slices, block, common, tau, kind, beta, dtype)
+        if slices.flat.requires_grad:
             pieces.append(checkpoint(_block_values, *args, use_reentrant=False))
         else:
             pieces.append(_block_values(*args))
-    values = torch.cat(pieces)  # [C, 4]: D_c, L1_c, student and teacher uncommon mass
+    values = torch.cat(pieces)[share]  # [C_owned, 4]: D_c, L1_c, student and teacher uncommon
     per_chunk = values[:, 0] + values[:, 1]
-    matched = np.bincount(parts.pair_chunk, minlength=n)
+    matched = np.bincount(parts.pair_chunk, minlength=n)[owned]
     term = KdTerm(
         tau**2 * per_chunk.sum() / n_total,
-        n,
+        len(matched),
         per_chunk.detach(),
         values[:, 2].detach().clamp(min=1e-30).log(),
         values[:, 3].detach().clamp(min=1e-30).log(),
@@ -197,7 +214,10 @@ class _Block:
     teacher: Tensor
 
     @classmethod
-    def of(cls, parts: GoldParts, c0: int, c1: int, device: torch.device) -> _Block:
+    def of(
+        cls, parts: GoldParts, c0: int, c1: int, vocab_start: int, device: torch.device
+    ) -> _Block:
+        """Chunks ``[c0, c1)``; the pairs' student ids counted from ``vocab_start``."""
         start, stop = parts.row_offsets[c0], parts.row_offsets[c1]
         lengths = np.diff(parts.row_offsets[c0 : c1 + 1])
         chunk = np.repeat(np.arange(c1 - c0), lengths)
@@ -214,14 +234,14 @@ class _Block:
             to_device(parts.rows[start:stop], device),
             mean,
             to_device(parts.pair_chunk[pick] - c0, device),
-            to_device(parts.pair_student[pick], device),
+            to_device(parts.pair_student[pick] - vocab_start, device),
             to_device(parts.pair_teacher_log[pick], device),
             to_device(parts.teacher_uncommon[c0:c1], device),
         )
 
 
 def _block_values(
-    flat_logits: Tensor,
+    slices: RowSlices,
     block: _Block,
     common: Tensor,
     tau: float,
@@ -230,11 +250,15 @@ def _block_values(
     dtype: torch.dtype,
 ) -> Tensor:
     """``[C_b, 4]``: per chunk of the block ``D_c``, ``L1_c`` and the uncommon mass of the
-    student and of the teacher."""
-    log_p = torch.log_softmax(flat_logits[block.rows].to(dtype) / tau, dim=-1)
-    log_s = torch.sparse.mm(block.mean.to(dtype), log_p)  # [C_b, V_S]: log S_c
-    s = log_s[block.pair_chunk, block.pair_student]
-    t = block.pair_teacher.to(dtype)
+    student and of the teacher. Over a vocabulary slice: each slice's part of ``D_c`` and of
+    the uncommon mass, and its largest uncommon entries, summed and merged over the slices in
+    one collective of ``C_b x (2 + tp * n)`` numbers."""
+    log_p = slices.log_softmax(block.rows, tau, dtype)
+    log_s = torch.sparse.mm(block.mean.to(dtype), log_p)  # [C_b, V_here]: log S_c
+    here = (block.pair_student >= 0) & (block.pair_student < log_s.shape[1])
+    chunk = block.pair_chunk[here]
+    s = log_s[chunk, block.pair_student[here]]
+    t = block.pair_teacher[here].to(dtype)
     if kind == "forward_kl":
         terms = t.exp() * (t - s)
     elif kind == "reverse_kl":
@@ -243,10 +267,16 @@ def _block_values(
         m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))
         terms = beta * t.exp() * (t - m) + (1.0 - beta) * s.exp() * (s - m)
     n = log_s.shape[0]
-    divergence = log_s.new_zeros(n).index_add(0, block.pair_chunk, terms)
+    divergence = log_s.new_zeros(n).index_add(0, chunk, terms)
     uncommon = log_s.exp().masked_fill(common[None, :], 0.0)
     teacher = block.teacher.to(dtype)
-    top = uncommon.topk(teacher.shape[1], dim=-1).values
-    mass = uncommon.sum(-1)
+    width = teacher.shape[1]
+    top = uncommon.topk(min(width, uncommon.shape[1]), dim=-1).values
+    gathered = [top if r == slices.tp_rank else torch.zeros_like(top) for r in range(slices.tp)]
+    local = torch.cat([divergence[:, None], uncommon.sum(-1)[:, None], *gathered], dim=1)
+    total = slices.tp_sum(local)
+    divergence, mass, candidates = total[:, 0], total[:, 1], total[:, 2:]
+    top = candidates.topk(min(width, candidates.shape[1]), dim=-1).values
+    top = torch.nn.functional.pad(top, (0, width - top.shape[1]))
     l1 = (top - teacher).abs().sum(-1) + (mass - top.sum(-1)).clamp(min=0.0)
     return torch.stack([divergence, l1, mass, teacher.sum(-1)], dim=1)

@@ -25,7 +25,7 @@ the head's logits.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +53,14 @@ class StudentLogProbs(Protocol):
     are data the host knows before the forward pass (the loss plan's numpy arrays), so they are
     passed as numpy: an implementation splits them by block of rows there and moves them to the
     logits' device itself, and never reads the device back."""
+
+    logits: Tensor | OutputLayer
+    """The student's logits as this process holds them (or the fused output layer)."""
+
+    def row_slices(self, width: int) -> RowSlices:
+        """The logits as :class:`RowSlices` for the terms that read whole rows (rows ``width``
+        long); the fused output layer has none (a ValueError)."""
+        ...
 
     def log_prob(self, rows: np.ndarray, ids: np.ndarray) -> Tensor:
         """Log probabilities of ``ids`` at ``rows`` (both int64 ``[M]``, numpy); float ``[M]`` on
@@ -101,6 +109,61 @@ class Requests:
         )
 
 
+def _same(tensor: Tensor) -> Tensor:
+    """A collective over a group of one process: the tensor itself."""
+    return tensor
+
+
+@dataclass(frozen=True)
+class RowSlices:
+    """The student's logits as this process holds them, for the terms that read whole rows of
+    the distribution (gold, H-KL): ``flat`` ``[B * window, V_here]``, the positions of its
+    sequence window (number ``cp_rank``, ``window`` positions of rows ``width`` long) of every
+    row and the vocabulary ids ``[vocab_start, vocab_start + V_here)``, one of ``tp`` slices
+    (number ``tp_rank``); and the collectives over the slices of one window (``tp_sum``,
+    differentiable; ``tp_max``, in place, not differentiated) and over the windows of one slice
+    (``cp_sum``, differentiable). One process: one window, one slice, no collectives."""
+
+    flat: Tensor | OutputLayer
+    """(An :class:`~crosskd.output_layer.OutputLayer` where the logits are fused: only
+    :meth:`local` and :meth:`normalizer` then.)"""
+    width: int
+    window: int
+    vocab_start: int = 0
+    cp_rank: int = 0
+    tp: int = 1
+    tp_rank: int = 0
+    tp_sum: Callable[[Tensor], Tensor] = _same
+    tp_max: Callable[[Tensor], Tensor] = _same
+    cp_sum: Callable[[Tensor], Tensor] = _same
+
+    @property
+    def cp(self) -> int:
+        """The number of sequence windows."""
+        return self.width // self.window
+
+    def local(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of the flat rows ``rows`` (``b * width + position``, int64, numpy) lie in this
+        window (bool), and each one's row of ``flat`` there (a valid row for every one; used
+        where it lies here)."""
+        b, position = rows // self.width, rows % self.width
+        return position // self.window == self.cp_rank, b * self.window + position % self.window
+
+    def normalizer(self, local: Tensor) -> Tensor:
+        """The log-normaliser over the whole vocabulary (any shape) from this slice's
+        ``local`` one (differentiable)."""
+        if self.tp == 1:
+            return local
+        peak = self.tp_max(local.detach().clone())
+        return peak + torch.log(self.tp_sum(torch.exp(local - peak)))
+
+    def log_softmax(self, rows: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
+        """``log p`` at ``tau`` of the rows ``rows`` of ``flat`` (int64 ``[R]``) over this
+        slice's ids, normalised over the whole vocabulary: ``[R, V_here]`` in ``dtype``."""
+        x = self.flat[rows].to(dtype) / tau
+        return x - self.normalizer(torch.logsumexp(x, dim=-1))[:, None]
+
+
 @dataclass
 class LocalLogProbs:
     """:class:`StudentLogProbs` over logits ``[R, V]`` held by this process (flatten ``[B, L,
@@ -123,6 +186,13 @@ class LocalLogProbs:
     tau: float = 1.0
     block_rows: int = 1024
     kernels: BlockKernels = EAGER
+
+    def row_slices(self, width: int) -> RowSlices:
+        """The logits as :class:`RowSlices` (one window of rows ``width`` long, the whole
+        vocabulary); the fused output layer has none (a ValueError)."""
+        if isinstance(self.logits, OutputLayer):
+            raise ValueError("the fused output layer holds no logits")
+        return RowSlices(self.logits, width, width)
 
     def log_normalizer(self, rows: np.ndarray) -> Tensor:
         """``logsumexp(logits[row] / tau)`` for ``rows`` (int64 ``[M]``, numpy;

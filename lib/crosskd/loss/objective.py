@@ -447,9 +447,9 @@ def loss_from_logprobs(
     def tensor(array: np.ndarray) -> Tensor:
         return to_device(array, device)
 
-    whole = [t for t in plan.terms if not _by_requests(t)]
-    if whole:
-        _whole_rows(student, own, whole[0])
+    for term in plan.terms:
+        if not _by_requests(term):
+            _whole_rows(student, own, term, plan.width)
     by_requests = [t for t in plan.terms if _by_requests(t)]
     kd_requests = [(t.events.term_row, t.events.term_id, config.tau) for t in by_requests]
     ce_lp, *kd_lps = student.log_probs_at([(plan.ce_rows, plan.ce_ids, 1.0), *kd_requests])
@@ -470,7 +470,9 @@ def loss_from_logprobs(
         events, kept = term_plan.events.subset(owned)
         options = {"tau": config.tau, "kind": config.divergence, "beta": config.beta}
         if term_plan.gold is not None:
-            term, parts = gold_term(student.logits, term_plan.gold, **options, n_total=n_total)
+            slices = student.row_slices(plan.width)
+            mine = owned[term_plan.events.chunk_index]
+            term, parts = gold_term(slices, term_plan.gold, mine, **options, n_total=n_total)
             keys = [f"{term_plan.name}/{stat}" for stat in GOLD_STATS]
             on_device.append((keys, parts))
         else:
@@ -506,26 +508,34 @@ def _by_requests(term: TeacherPlan | UldTerm) -> bool:
     return isinstance(term, TeacherPlan) and term.gold is None
 
 
-def _whole_rows(student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm) -> None:
-    """Refuse what cannot hold whole rows of logits: the fused output layer and a sharded
-    (sequence- or vocabulary-parallel) layout."""
+def _whole_rows(
+    student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm, width: int
+) -> None:
+    """Refuse what cannot hold whole rows of logits: the fused output layer; for ULD any
+    sharded layout, for gold and H-KL a sequence-parallel one (the vocabulary may be split)."""
     what = "uld" if isinstance(term, UldTerm) else term.algorithm
     reads = (
         "sorts every paired row's whole distribution"
         if what == "uld"
         else "sorts every chunk's whole uncommon distribution"
     )
-    if isinstance(student, LocalLogProbs) and isinstance(student.logits, OutputLayer):
+    if isinstance(student.logits, OutputLayer):
         raise ConfigError(
             f"{term.name} uses algorithm {what}, which {reads} and so needs the student's "
             f"logits, not the fused output layer; pass the logits (the trainer does so when a "
             f"teacher uses uld, gold or hkl)."
         )
-    if not isinstance(student, LocalLogProbs) or not own.ce.all():
+    if what == "uld" and (not isinstance(student, LocalLogProbs) or not own.ce.all()):
         raise ConfigError(
-            f"{term.name} uses algorithm {what}, which the sharded (sequence- or "
+            f"{term.name} uses algorithm uld, which the sharded (sequence- or "
             f"vocabulary-parallel) loss does not support: it {reads}, which no shard holds. "
-            f"Use csd, or train data-parallel only."
+            f"Use csd, xtoken, gold or hkl, or train data-parallel only."
+        )
+    if what != "uld" and student.row_slices(width).cp > 1:
+        raise ConfigError(
+            f"{term.name} uses algorithm {what}, which the sequence-parallel loss does not "
+            f"support: it averages a chunk's rows' whole distributions, which may lie in two "
+            f"sequence windows. Use csd or xtoken, or cp = 1 (tp and dp work)."
         )
 
 

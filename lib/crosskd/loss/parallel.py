@@ -45,7 +45,7 @@ from crosskd.config import require_positive_ints
 from crosskd.errors import ConfigError
 from crosskd.loss.config import LossConfig
 from crosskd.loss.kernels import EAGER, BlockKernels
-from crosskd.loss.logprobs import Request, Requests, row_pieces
+from crosskd.loss.logprobs import Request, Requests, RowSlices, row_pieces
 from crosskd.loss.objective import (
     LossOutput,
     LossPlan,
@@ -144,6 +144,12 @@ class _AllReduceSum(torch.autograd.Function):
         return out, None
 
 
+def _all_reduce_max(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The elementwise maximum of ``tensor`` over ``group``, in place (not differentiated)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
 def reduce_counts(
     counts: StepCounts, mesh: LossGroups, device: torch.device | str = "cpu"
 ) -> StepCounts:
@@ -195,24 +201,28 @@ class ShardedLogProbs:
             if isinstance(self.logits, OutputLayer)
             else self.logits.reshape(-1, vocab)
         )
+        tp_group, cp_group = self.mesh.tp_group, self.mesh.cp_group
+        self.slices = RowSlices(
+            self.flat,
+            self.width,
+            window,
+            self.vocab_start,
+            self.mesh.cp_rank,
+            self.mesh.config.tp,
+            self.mesh.tp_rank,
+            tp_sum=lambda x: all_reduce_sum(x, group=tp_group),
+            tp_max=lambda x: _all_reduce_max(x, tp_group),
+            cp_sum=lambda x: all_reduce_sum(x, group=cp_group),
+        )
 
-    def _local(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Which of ``rows`` (numpy) lie in this rank's window (bool), and the flat row of this
-        rank's logits each would have there (a valid row for every pair; used where ``here``):
-        computed on the host, from the plan's data."""
-        b, position = rows // self.width, rows % self.width
-        here = position // self.window == self.mesh.cp_rank
-        return here, b * self.window + position % self.window
-
-    def _normalizer(self, local_normalizer: Tensor) -> Tensor:
-        """The log-normaliser over the whole vocabulary (any shape: ``[T, R]``) from each TP
-        rank's slice."""
-        if self.mesh.config.tp == 1:
-            return local_normalizer
-        peak = local_normalizer.detach().clone()
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.mesh.tp_group)
-        total = all_reduce_sum(torch.exp(local_normalizer - peak), group=self.mesh.tp_group)
-        return peak + torch.log(total)
+    def row_slices(self, width: int) -> RowSlices:
+        """This rank's logits as :class:`~crosskd.loss.logprobs.RowSlices`; the fused output
+        layer has none (a ValueError)."""
+        if isinstance(self.logits, OutputLayer):
+            raise ValueError("the fused output layer holds no logits")
+        if width != self.width:
+            raise ValueError(f"rows of {width} positions asked of logits of rows {self.width} long")
+        return self.slices
 
     def _exchange(self, here: np.ndarray, values: Tensor) -> Tensor:
         """``values`` of every pair, kept where the pair's row lies in this window (``here``,
@@ -231,7 +241,7 @@ class ShardedLogProbs:
         """Log probabilities of each request ``(rows, ids, tau)`` at its temperature, for all
         pairs, in one pass over this rank's logits."""
         pairs = Requests.of(requests)
-        here, local_rows = self._local(pairs.rows)
+        here, local_rows = self.slices.local(pairs.rows)
         local_ids = pairs.ids - self.vocab_start
         owned = here & (local_ids >= 0) & (local_ids < self.flat.shape[1])
         local = replace(pairs, rows=local_rows, ids=local_ids)
@@ -239,19 +249,19 @@ class ShardedLogProbs:
         if self.mesh.config.tp > 1:
             picked = all_reduce_sum(picked, group=self.mesh.tp_group)
         where = (to_device(pairs.which, picked.device), to_device(local_rows, picked.device))
-        values = picked - self._normalizer(normalizer)[where]
+        values = picked - self.slices.normalizer(normalizer)[where]
         return list(self._exchange(here, values).split(pairs.sizes))
 
     def log_normalizer(self, rows: np.ndarray) -> Tensor:
         """``logsumexp(logits[row] / tau)`` over the whole vocabulary, for all ``rows`` (int64
         ``[M]``, numpy)."""
-        here, local_rows = self._local(rows)
+        here, local_rows = self.slices.local(rows)
         empty = np.zeros(0, dtype=np.int64)
         none = Requests.of([(empty, empty, self.tau)])
         normalizer, _ = row_pieces(
             self.flat, none, empty.astype(bool), self.block_rows, self.kernels
         )
-        local = self._normalizer(normalizer)[0, to_device(local_rows, normalizer.device)]
+        local = self.slices.normalizer(normalizer)[0, to_device(local_rows, normalizer.device)]
         return self._exchange(here, local)
 
 
@@ -284,12 +294,12 @@ def sharded_loss(
     :class:`~crosskd.output_layer.OutputLayer` (fused: the logits never exist; the plan
     of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's
     ``loss``; the reported values are complete and identical on every rank."""
-    whole = config.whole_rows()
-    if whole:
+    uld = config.whole_rows(("uld",))
+    if uld:
         raise ConfigError(
-            f"loss {whole}: the sharded (sequence- or vocabulary-parallel) loss does not "
-            f"support it: ULD, gold and H-KL read every row's whole distribution, which no "
-            f"shard holds. Use csd or xtoken for every teacher, or train data-parallel only."
+            f"loss {uld}: the sharded (sequence- or vocabulary-parallel) loss does not "
+            f"support it: ULD reads every row's whole distribution, which no shard holds. Use "
+            f"csd, xtoken, gold or hkl for it, or train data-parallel only."
         )
     student = ShardedLogProbs(
         logits,
