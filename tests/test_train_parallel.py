@@ -128,10 +128,10 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
     assert tp_bytes == whole["parameters"] - vocab_bytes // 2
 
 
-def test_gold_over_a_split_vocabulary_trains_like_one_process(train_inputs, tmp_path):
-    """A gold teacher (whole rows of the student's distribution) under tp = 2: each rank holds
-    its vocabulary slice of the logits, and the curve is one process's; under cp = 2 (a
-    chunk's rows in two windows) it is refused by key."""
+def test_gold_over_split_logits_trains_like_one_process(train_inputs, tmp_path):
+    """A gold teacher (whole rows of the student's distribution) under tp = 2 and cp = 2: each
+    rank holds its vocabulary slice or its window of the logits, and the curve is one
+    process's."""
     from crosskd.projection import build_projection, save_projection
     from crosskd.tables import load_table_pair
 
@@ -143,12 +143,14 @@ def test_gold_over_a_split_vocabulary_trains_like_one_process(train_inputs, tmp_
     )
     want, _ = _single(_config(train_inputs, tmp_path / "one", loss=loss, steps=2))
     assert all(h["kd/teacher0"] > 0 for h in want)
-    tp = _config(train_inputs, tmp_path / "gold_tp", loss=loss, steps=2, parallel={"tp": 2})
-    run_ddp([("gold_tp", tp, None)], tmp_path)
-    for rank in (0, 1):
-        _same_curve(_rank(tmp_path, "gold_tp", rank)["history"], want)
-    with pytest.raises(ConfigError, match=r"split the logits, which loss teachers\[0\] \(gold\)"):
-        _config(train_inputs, tmp_path / "cp", loss=loss, parallel={"cp": 2})
+    runs = [
+        (name, _config(train_inputs, tmp_path / name, loss=loss, steps=2, parallel={key: 2}), None)
+        for name, key in (("gold_tp", "tp"), ("gold_cp", "cp"))
+    ]
+    run_ddp(runs, tmp_path)
+    for name, _, _ in runs:
+        for rank in (0, 1):
+            _same_curve(_rank(tmp_path, name, rank)["history"], want)
 
 
 def test_a_frozen_embedding_stays_frozen_in_its_vocabulary_slices(train_inputs, tmp_path):

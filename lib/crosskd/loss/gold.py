@@ -39,16 +39,17 @@ teacher's tail are its rest entry. A dense signal (``k: 0``) is refused, as for 
 **Cost and layouts.** ``S_c`` is a whole row of ``V_S``, and the sorted L1 needs the largest
 uncommon entries of it: the chunks are taken in blocks of :data:`BLOCK_CHUNKS`, each block's
 rows' log-softmax averaged per chunk by a sparse product and recomputed in the backward pass.
-It reads the student's logits, not the fused output layer (which never holds them). Over a
-vocabulary split between tensor-parallel ranks (:class:`~crosskd.loss.logprobs.RowSlices`),
-every rank of the group computes each block on its slice: the log-softmax with the
-all-reduced normaliser, its part of ``D_c`` (the pairs whose student id it holds) and of the
-uncommon mass, and its ``n`` largest uncommon entries; one differentiable sum per block
-carries ``C_b x (2 + tp * n)`` numbers, and the ``n`` largest of the ``tp * n`` candidates are
-those of the whole row, so the values and gradients are one process's. A chunk's rows may lie
-in two sequence windows, whose whole distributions would have to be exchanged: the
-sequence-parallel loss refuses gold and H-KL (X-Token's P-KL, which reads (row, id) log
-probabilities as CSD does, runs under every layout). Data parallelism works.
+It reads the student's logits, not the fused output layer (which never holds them), as this
+process holds them (:class:`~crosskd.loss.logprobs.RowSlices`). Over a vocabulary split
+between tensor-parallel ranks, every rank of the group computes each block on its slice: the
+log-softmax with the all-reduced normaliser, its part of ``D_c`` (the pairs whose student id it
+holds) and of the uncommon mass, and its ``n`` largest uncommon entries; one differentiable sum
+per block carries ``C_b x (2 + tp * n)`` numbers, and the ``n`` largest of the ``tp * n``
+candidates are those of the whole row. Over sequence windows, a chunk belongs to the window of
+its first row; the few chunks whose rows lie in two windows (one per row and window boundary at
+most) have their mean ``log S_c`` summed over the windows first, ``V / tp`` numbers each. So
+every layout gives one process's values and gradients. X-Token's P-KL, which reads (row, id)
+log probabilities as CSD does, needs none of this.
 """
 
 from __future__ import annotations
@@ -156,38 +157,69 @@ def gold_term(
     kind: str,
     beta: float,
     n_total: int,
+    after: Tensor | None = None,
 ) -> tuple[KdTerm, Tensor]:
     """``tau^2 sum_c (D_c + L1_c) / N`` (module docstring) over the chunks marked in ``owned``
     (bool ``[C]``: this process's share; ``N = n_total``), from the micro-batch's student
-    logits as this process holds them (``slices``: every row, the whole vocabulary or one
-    tensor-parallel slice of it; differentiable; float32 arithmetic, float64 kept). Every rank
-    of a vocabulary-split group computes every chunk with the others (the collectives of
-    ``slices``) and counts its own. Returns the :class:`~crosskd.loss.csd.KdTerm` of the owned
+    logits as this process holds them (``slices``: its window of every row and its slice of
+    the vocabulary, or everything; differentiable; float32 arithmetic, float64 kept). Every
+    rank of a vocabulary-split group computes each chunk of its window with the others, and
+    the rows of a chunk that crosses into another window are summed over the windows first
+    (module docstring); each rank counts its own. ``after``: a scalar of the loss computed
+    before this term whose graph holds the earlier sequence-parallel collectives: the
+    exchange here is made to depend on it (plus zero), so that every rank runs the backward
+    collectives in the one order. Returns the :class:`~crosskd.loss.csd.KdTerm` of the owned
     chunks (its ``divergence`` is ``D_c + L1_c``, its REST values the uncommon masses of both
     sides, its events the common pairs of each chunk) and the sums of their ``D_c`` and
     ``L1_c`` (float64 ``[2]``, detached)."""
-    if slices.cp > 1:
-        raise ValueError("gold and H-KL need every position of a row in one process")
     dtype = torch.float64 if slices.flat.dtype == torch.float64 else torch.float32
     device = slices.flat.device
     n = len(parts.row_offsets) - 1
-    share = to_device(np.flatnonzero(owned), device)
     if n == 0 or n_total == 0:
         empty = slices.flat.new_zeros(0, dtype=dtype)
         term = KdTerm(slices.flat.sum() * 0.0, 0, empty, empty, empty, empty.long())
         return term, torch.zeros(2, dtype=torch.float64, device=device)
     stop = slices.vocab_start + slices.flat.shape[1]
     common = to_device(parts.student_common[slices.vocab_start : stop], device)
-    pieces = []
-    for c0 in range(0, n, BLOCK_CHUNKS):
-        block = _Block.of(parts, c0, min(c0 + BLOCK_CHUNKS, n), slices.vocab_start, device)
-        args = (slices, block, common, tau, kind, beta, dtype)
+    lengths = np.diff(parts.row_offsets)
+    chunk_of_row = np.repeat(np.arange(n), lengths)
+    here_row, local_row = slices.local(parts.rows)
+    window = parts.rows % slices.width // slices.window
+    first = parts.row_offsets[:-1]
+    crossing = np.bincount(chunk_of_row, window != window[first][chunk_of_row], n) > 0
+    mine = here_row[first]  # the chunks of this window (the first row's)
+    options = (common, tau, kind, beta, dtype)
+    pieces, order = [], []
+    inside = np.flatnonzero(mine & ~crossing)
+    for b0 in range(0, len(inside), BLOCK_CHUNKS):
+        chunks = inside[b0 : b0 + BLOCK_CHUNKS]
+        block = _Block.of(parts, chunks, local_row, None, slices.vocab_start, device)
+        args = (slices, block, *options)
         if slices.flat.requires_grad:
             pieces.append(checkpoint(_block_values, *args, use_reentrant=False))
         else:
             pieces.append(_block_values(*args))
-    values = torch.cat(pieces)[share]  # [C_owned, 4]: D_c, L1_c, student and teacher uncommon
-    per_chunk = values[:, 0] + values[:, 1]
+        order.append(chunks)
+    across = np.flatnonzero(crossing)
+    if len(across):  # the same on every rank of the group: the plan is the shard's
+        block = _Block.of(parts, across, local_row, here_row, slices.vocab_start, device)
+        partial = _log_means(slices, block, tau, dtype)
+        if after is not None:
+            partial = partial + 0.0 * after
+        log_s = slices.cp_sum(partial)
+        keep = mine[across]
+        picked = _Block.of(parts, across[keep], local_row, None, slices.vocab_start, device)
+        pieces.append(_chunk_values(slices, log_s[to_device(keep, device)], picked, *options))
+        order.append(across[keep])
+    if not pieces:  # no chunk in this window (nor on the other ranks of its group)
+        empty = slices.flat.new_zeros(0, dtype=dtype)
+        term = KdTerm(slices.flat.sum() * 0.0, 0, empty, empty, empty, empty.long())
+        return term, torch.zeros(2, dtype=torch.float64, device=device)
+    evaluated = np.concatenate(order)
+    rank = np.empty(n, dtype=np.int64)
+    rank[evaluated] = np.arange(len(evaluated))
+    values = torch.cat(pieces)[to_device(rank[np.flatnonzero(owned)], device)]  # [C_owned, 4]
+    per_chunk = values[:, 0] + values[:, 1]  # D_c, L1_c, student and teacher uncommon mass
     matched = np.bincount(parts.pair_chunk, minlength=n)[owned]
     term = KdTerm(
         tau**2 * per_chunk.sum() / n_total,
@@ -202,9 +234,10 @@ def gold_term(
 
 @dataclass(frozen=True)
 class _Block:
-    """Chunks ``[c0, c1)`` of a term as tensors: their rows, the sparse ``[C_b, R_b]`` mean
-    over each chunk's rows, the common pairs (block chunk, student id, teacher log) and the
-    teacher's uncommon vectors."""
+    """Some chunks of a term as tensors: the rows of ``flat`` they read, the sparse
+    ``[C_b, R_b]`` mean over each chunk's rows (weight ``1 / |I_c|``), the common pairs (block
+    chunk, student id counted from the slice's first, teacher log) and the teacher's uncommon
+    vectors."""
 
     rows: Tensor
     mean: Tensor
@@ -215,29 +248,47 @@ class _Block:
 
     @classmethod
     def of(
-        cls, parts: GoldParts, c0: int, c1: int, vocab_start: int, device: torch.device
+        cls,
+        parts: GoldParts,
+        chunks: np.ndarray,
+        local_row: np.ndarray,
+        here: np.ndarray | None,
+        vocab_start: int,
+        device: torch.device,
     ) -> _Block:
-        """Chunks ``[c0, c1)``; the pairs' student ids counted from ``vocab_start``."""
-        start, stop = parts.row_offsets[c0], parts.row_offsets[c1]
-        lengths = np.diff(parts.row_offsets[c0 : c1 + 1])
-        chunk = np.repeat(np.arange(c1 - c0), lengths)
-        index = np.stack([chunk, np.arange(stop - start)])
+        """The chunks ``chunks`` (int64, ascending); ``local_row``: each row of ``parts`` in
+        ``flat``; ``here``: only the rows of this window (bool per row of ``parts``), else
+        every row of the chunks."""
+        lengths = np.diff(parts.row_offsets)[chunks]
+        index = np.repeat(parts.row_offsets[chunks], lengths) + positions(lengths)
+        chunk = np.repeat(np.arange(len(chunks)), lengths)
+        if here is not None:
+            index, chunk = index[here[index]], chunk[here[index]]
         mean = torch.sparse_coo_tensor(
-            to_device(index, device),
+            to_device(np.stack([chunk, np.arange(len(index))]), device),
             to_device(1.0 / lengths[chunk], device),
-            (c1 - c0, int(stop - start)),
+            (len(chunks), len(index)),
             is_coalesced=True,
             check_invariants=False,
         )
-        pick = (parts.pair_chunk >= c0) & (parts.pair_chunk < c1)
+        block = np.full(len(parts.row_offsets) - 1, -1, dtype=np.int64)
+        block[chunks] = np.arange(len(chunks))
+        pick = block[parts.pair_chunk] >= 0
         return cls(
-            to_device(parts.rows[start:stop], device),
+            to_device(local_row[index], device),
             mean,
-            to_device(parts.pair_chunk[pick] - c0, device),
+            to_device(block[parts.pair_chunk[pick]], device),
             to_device(parts.pair_student[pick] - vocab_start, device),
             to_device(parts.pair_teacher_log[pick], device),
-            to_device(parts.teacher_uncommon[c0:c1], device),
+            to_device(parts.teacher_uncommon[chunks], device),
         )
+
+
+def _log_means(slices: RowSlices, block: _Block, tau: float, dtype: torch.dtype) -> Tensor:
+    """``[C_b, V_here]``: the block's mean over each chunk's rows of ``log p`` at ``tau`` (of
+    the rows the block holds)."""
+    log_p = slices.log_softmax(block.rows, tau, dtype)
+    return torch.sparse.mm(block.mean.to(dtype), log_p)
 
 
 def _block_values(
@@ -249,12 +300,26 @@ def _block_values(
     beta: float,
     dtype: torch.dtype,
 ) -> Tensor:
+    """:func:`_chunk_values` of a block whose rows all lie in this window."""
+    log_s = _log_means(slices, block, tau, dtype)
+    return _chunk_values(slices, log_s, block, common, tau, kind, beta, dtype)
+
+
+def _chunk_values(
+    slices: RowSlices,
+    log_s: Tensor,
+    block: _Block,
+    common: Tensor,
+    tau: float,
+    kind: str,
+    beta: float,
+    dtype: torch.dtype,
+) -> Tensor:
     """``[C_b, 4]``: per chunk of the block ``D_c``, ``L1_c`` and the uncommon mass of the
-    student and of the teacher. Over a vocabulary slice: each slice's part of ``D_c`` and of
-    the uncommon mass, and its largest uncommon entries, summed and merged over the slices in
-    one collective of ``C_b x (2 + tp * n)`` numbers."""
-    log_p = slices.log_softmax(block.rows, tau, dtype)
-    log_s = torch.sparse.mm(block.mean.to(dtype), log_p)  # [C_b, V_here]: log S_c
+    student and of the teacher, from ``log_s`` (``[C_b, V_here]``: ``log S_c`` over this
+    slice). Over a vocabulary slice: each slice's part of ``D_c`` and of the uncommon mass,
+    and its largest uncommon entries, summed and merged over the slices in one collective of
+    ``C_b x (2 + tp * n)`` numbers."""
     here = (block.pair_student >= 0) & (block.pair_student < log_s.shape[1])
     chunk = block.pair_chunk[here]
     s = log_s[chunk, block.pair_student[here]]

@@ -449,7 +449,7 @@ def loss_from_logprobs(
 
     for term in plan.terms:
         if not _by_requests(term):
-            _whole_rows(student, own, term, plan.width)
+            _whole_rows(student, own, term)
     by_requests = [t for t in plan.terms if _by_requests(t)]
     kd_requests = [(t.events.term_row, t.events.term_id, config.tau) for t in by_requests]
     ce_lp, *kd_lps = student.log_probs_at([(plan.ce_rows, plan.ce_ids, 1.0), *kd_requests])
@@ -472,7 +472,9 @@ def loss_from_logprobs(
         if term_plan.gold is not None:
             slices = student.row_slices(plan.width)
             mine = owned[term_plan.events.chunk_index]
-            term, parts = gold_term(slices, term_plan.gold, mine, **options, n_total=n_total)
+            term, parts = gold_term(
+                slices, term_plan.gold, mine, **options, n_total=n_total, after=ce + kd
+            )
             keys = [f"{term_plan.name}/{stat}" for stat in GOLD_STATS]
             on_device.append((keys, parts))
         else:
@@ -508,11 +510,9 @@ def _by_requests(term: TeacherPlan | UldTerm) -> bool:
     return isinstance(term, TeacherPlan) and term.gold is None
 
 
-def _whole_rows(
-    student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm, width: int
-) -> None:
-    """Refuse what cannot hold whole rows of logits: the fused output layer; for ULD any
-    sharded layout, for gold and H-KL a sequence-parallel one (the vocabulary may be split)."""
+def _whole_rows(student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm) -> None:
+    """Refuse what cannot hold whole rows of logits: the fused output layer, and for ULD any
+    sharded layout."""
     what = "uld" if isinstance(term, UldTerm) else term.algorithm
     reads = (
         "sorts every paired row's whole distribution"
@@ -530,12 +530,6 @@ def _whole_rows(
             f"{term.name} uses algorithm uld, which the sharded (sequence- or "
             f"vocabulary-parallel) loss does not support: it {reads}, which no shard holds. "
             f"Use csd, xtoken, gold or hkl, or train data-parallel only."
-        )
-    if what != "uld" and student.row_slices(width).cp > 1:
-        raise ConfigError(
-            f"{term.name} uses algorithm {what}, which the sequence-parallel loss does not "
-            f"support: it averages a chunk's rows' whole distributions, which may lie in two "
-            f"sequence windows. Use csd or xtoken, or cp = 1 (tp and dp work)."
         )
 
 

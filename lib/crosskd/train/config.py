@@ -20,7 +20,6 @@ from typing import Any
 
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig
-from crosskd.loss.config import WHOLE_ROWS
 from crosskd.parallel.layout import ParallelLayout
 from crosskd.zoo.models import check_shape
 
@@ -277,15 +276,12 @@ class TrainConfig:
                 f"activation_checkpointing is {self.activation_checkpointing!r}; "
                 f"it must be true or false."
             )
-        split = self.parallel.tp > 1 or self.parallel.cp > 1
-        unsplit = ("uld",) if self.parallel.cp == 1 else WHOLE_ROWS
-        whole = self.loss.whole_rows(unsplit) if split else None
-        if whole:
+        uld = self.loss.whole_rows(("uld",))
+        if (self.parallel.tp > 1 or self.parallel.cp > 1) and uld:
             raise ConfigError(
-                f"parallel.tp / parallel.cp split the logits, which loss {whole} cannot use "
-                f"(ULD reads each row's whole distribution; gold and H-KL average a chunk's "
-                f"rows, which the sequence split may part); use csd or xtoken for those "
-                f"teachers, or tp = cp = 1 (gold and hkl: cp = 1)."
+                f"parallel.tp / parallel.cp split the logits, which loss {uld} cannot use "
+                f"(ULD sorts each row's whole distribution); use csd, xtoken, gold or hkl for "
+                f"those teachers, or tp = cp = 1."
             )
         _patterns("trainable", self.trainable)
         _patterns("first_trainable", self.first_trainable)
