@@ -46,8 +46,8 @@ Arms, each on every seed (a seed changes the data order; the student is the same
   (which the teacher then scores online too, to the values the lossless cache holds);
 * ``csd-static-scale``: ``csd`` with a static KD weight of 1 in place of the dynamic KD scale
   (the scale alone, everything else kept);
-* ``csd-k8``, ``csd-tau2``: ``csd`` from the teacher's top 8 instead of 32, or at temperature 2
-  (each from a teacher cache of its own);
+* ``csd-k8``, ``csd-k128``, ``csd-tau2``: ``csd`` from the teacher's top 8 or 128 instead of
+  32, or at temperature 2 (each from a teacher cache of its own);
 * ``ce-llama3-long``, ``csd-mw1-long``: ``ce-llama3`` and ``csd-mw1`` over twice the passes
   (the longer budget);
 * ``xtoken``: the moved student distilled with X-Token's projected KL (``loss.kd: xtoken``,
@@ -134,6 +134,7 @@ ARMS = {
     "csd-on-policy": Arm("llama3", KD, on_policy=ON_POLICY),
     "csd-static-scale": Arm("llama3", {**KD, "dynamic_kd_scale": False, "kd_weight": 1.0}),
     "csd-k8": Arm("llama3", KD, scoring={"k": 8}),
+    "csd-k128": Arm("llama3", KD, scoring={"k": 128}),
     "csd-tau2": Arm("llama3", KD, scoring={"tau": 2.0}),
     "ce-llama3-long": Arm("llama3", None, budget=2),
     "csd-mw1-long": Arm("llama3", {**KD, "mismatch_weight": 1.0}, budget=2),
@@ -455,6 +456,7 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("csd-on-policy", "csd"),
     ("csd-static-scale", "csd"),
     ("csd-k8", "csd"),
+    ("csd-k128", "csd"),
     ("csd-tau2", "csd"),
     ("ce-llama3-long", "ce-llama3"),
     ("csd-mw1-long", "ce-llama3-long"),
