@@ -7,7 +7,13 @@ same data, steps and learning-rate schedule for each arm, on several seeds:
   (a static ``kd_weight`` of 1.5: under the dynamic ``kd_scale`` of the other arms, which
   brings KD to CE's size, a first full run saw ULD end above the untrained student);
 * ``csd-jsd``, ``csd-fkl``: CSD with JSD and with forward KL, K = 32;
-* ``csd-k8``, ``csd-k128``: CSD (JSD) with K = 8 and K = 128.
+* ``csd-k8``, ``csd-k128``: CSD (JSD) with K = 8 and K = 128;
+* ``xtoken``, ``gold``, ``hkl``: X-Token's projected KL, its gold loss and H-KL
+  (``loss.kd``, through the projection the run builds from the tables), forward KL as
+  ``csd-fkl``, K = 32.
+
+``--arms`` picks some (``ce``, the reference of the others, always runs); a finished run is
+read back (the same ``--out``).
 
 Training data: the machine's Python standard-library sources, docstrings and translation
 catalogues (``crosskd.alignment.corpus``, the run's ``corpus_bytes``, in documents of about
@@ -54,6 +60,9 @@ ARMS = {  # name: (cache K, changes to the KD run's loss; None: the CE-only run)
     "csd-fkl": (32, {"divergence": "forward_kl"}),
     "csd-k8": (8, {}),
     "csd-k128": (128, {}),
+    "xtoken": (32, {"kd": "xtoken", "divergence": "forward_kl"}),
+    "gold": (32, {"kd": "gold", "divergence": "forward_kl"}),
+    "hkl": (32, {"kd": "hkl", "divergence": "forward_kl"}),
 }
 FULL = {
     "corpus_bytes": 300_000,
@@ -90,7 +99,8 @@ def main() -> None:
     parser.add_argument(
         "--arms",
         default=None,
-        help=f"the pretrained settings: arms of {', '.join(pretrained.ARMS)} (default: "
+        help=f"scratch: arms of {', '.join(ARMS)} (default: all; ce always runs); the "
+        f"pretrained settings: arms of {', '.join(pretrained.ARMS)} (default: "
         + "; ".join(f"{k}: {','.join(v)}" for k, v in pretrained.DEFAULT_ARMS.items())
         + ")",
     )
@@ -116,7 +126,11 @@ def main() -> None:
         print(pretrained.table(results))
         print(f"wall time {results['wall_seconds'] / 60:.1f} min; {out / name}.json")
         return
-    results = scratch(args, out)
+    chosen = [a for a in (args.arms or ",".join(ARMS)).split(",") if a]
+    unknown = sorted(set(chosen) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown arm(s) {', '.join(unknown)}")
+    results = scratch(args, ["ce", *(a for a in chosen if a != "ce")], out)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "curves.png")
     print(table(results))
@@ -126,8 +140,9 @@ def main() -> None:
     )
 
 
-def scratch(args: argparse.Namespace, out: Path) -> dict:
-    """The random-init setting (module docstring); returns the results."""
+def scratch(args: argparse.Namespace, arms: list[str], out: Path) -> dict:
+    """The random-init setting (module docstring), the arms ``arms`` (``ce`` first); returns
+    the results."""
     size = dict(QUICK if args.quick else FULL)
     seeds = list(range(args.seeds or size["seeds"]))
     n_steps = args.steps or size["steps"]
@@ -154,7 +169,7 @@ def scratch(args: argparse.Namespace, out: Path) -> dict:
         device="cpu",
     )
     plan = steps.validate_inputs(base)
-    prepared, tables, caches = _inputs(base, plan, sorted({k for k, _ in ARMS.values()}))
+    prepared, tables, caches = _inputs(base, plan, sorted({ARMS[a][0] for a in arms}))
     log.info("inputs ready after %.0f s", time.perf_counter() - started)
     results: dict = {
         "arms": {},
@@ -171,7 +186,8 @@ def scratch(args: argparse.Namespace, out: Path) -> dict:
     for seed in seeds:
         seeded = replace(base, seed=seed)
         seed_plan = steps.validate_inputs(seeded)  # the seed's random-init student
-        for arm, (k, loss) in ARMS.items():
+        for arm in arms:
+            k, loss = ARMS[arm]
             references = {"student_init": seed_plan["student"]} if arm == "ce" else {}
             if arm == "ce" and seed == seeds[0]:
                 references["teacher"] = plan["teachers"][0]["ref"]

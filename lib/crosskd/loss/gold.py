@@ -188,13 +188,13 @@ def gold_term(
     first = parts.row_offsets[:-1]
     crossing = np.bincount(chunk_of_row, window != window[first][chunk_of_row], n) > 0
     mine = here_row[first]  # the chunks of this window (the first row's)
-    options = (common, tau, kind, beta, dtype)
+    options = _Options(common, tau, kind, beta, dtype)
     pieces, order = [], []
     inside = np.flatnonzero(mine & ~crossing)
     for b0 in range(0, len(inside), BLOCK_CHUNKS):
         chunks = inside[b0 : b0 + BLOCK_CHUNKS]
         block = _Block.of(parts, chunks, local_row, None, slices.vocab_start, device)
-        args = (slices, block, *options)
+        args = (slices, block, options)
         if slices.flat.requires_grad:
             pieces.append(checkpoint(_block_values, *args, use_reentrant=False))
         else:
@@ -209,7 +209,7 @@ def gold_term(
         log_s = slices.cp_sum(partial)
         keep = mine[across]
         picked = _Block.of(parts, across[keep], local_row, None, slices.vocab_start, device)
-        pieces.append(_chunk_values(slices, log_s[to_device(keep, device)], picked, *options))
+        pieces.append(_chunk_values(slices, log_s[to_device(keep, device)], picked, options))
         order.append(across[keep])
     if not pieces:  # no chunk in this window (nor on the other ranks of its group)
         empty = slices.flat.new_zeros(0, dtype=dtype)
@@ -291,30 +291,26 @@ def _log_means(slices: RowSlices, block: _Block, tau: float, dtype: torch.dtype)
     return torch.sparse.mm(block.mean.to(dtype), log_p)
 
 
-def _block_values(
-    slices: RowSlices,
-    block: _Block,
-    common: Tensor,
-    tau: float,
-    kind: str,
-    beta: float,
-    dtype: torch.dtype,
-) -> Tensor:
+@dataclass(frozen=True)
+class _Options:
+    """What every block of a term shares: ``common`` (bool ``[V_here]``: the slice's student
+    tokens of the partition), the temperature, divergence and JSD ``beta``, the float dtype of
+    the arithmetic."""
+
+    common: Tensor
+    tau: float
+    kind: str
+    beta: float
+    dtype: torch.dtype
+
+
+def _block_values(slices: RowSlices, block: _Block, options: _Options) -> Tensor:
     """:func:`_chunk_values` of a block whose rows all lie in this window."""
-    log_s = _log_means(slices, block, tau, dtype)
-    return _chunk_values(slices, log_s, block, common, tau, kind, beta, dtype)
+    log_s = _log_means(slices, block, options.tau, options.dtype)
+    return _chunk_values(slices, log_s, block, options)
 
 
-def _chunk_values(
-    slices: RowSlices,
-    log_s: Tensor,
-    block: _Block,
-    common: Tensor,
-    tau: float,
-    kind: str,
-    beta: float,
-    dtype: torch.dtype,
-) -> Tensor:
+def _chunk_values(slices: RowSlices, log_s: Tensor, block: _Block, options: _Options) -> Tensor:
     """``[C_b, 4]``: per chunk of the block ``D_c``, ``L1_c`` and the uncommon mass of the
     student and of the teacher, from ``log_s`` (``[C_b, V_here]``: ``log S_c`` over this
     slice). Over a vocabulary slice: each slice's part of ``D_c`` and of the uncommon mass,
@@ -323,7 +319,8 @@ def _chunk_values(
     here = (block.pair_student >= 0) & (block.pair_student < log_s.shape[1])
     chunk = block.pair_chunk[here]
     s = log_s[chunk, block.pair_student[here]]
-    t = block.pair_teacher[here].to(dtype)
+    t = block.pair_teacher[here].to(options.dtype)
+    kind, beta = options.kind, options.beta
     if kind == "forward_kl":
         terms = t.exp() * (t - s)
     elif kind == "reverse_kl":
@@ -333,8 +330,8 @@ def _chunk_values(
         terms = beta * t.exp() * (t - m) + (1.0 - beta) * s.exp() * (s - m)
     n = log_s.shape[0]
     divergence = log_s.new_zeros(n).index_add(0, chunk, terms)
-    uncommon = log_s.exp().masked_fill(common[None, :], 0.0)
-    teacher = block.teacher.to(dtype)
+    uncommon = log_s.exp().masked_fill(options.common[None, :], 0.0)
+    teacher = block.teacher.to(options.dtype)
     width = teacher.shape[1]
     top = uncommon.topk(min(width, uncommon.shape[1]), dim=-1).values
     gathered = [top if r == slices.tp_rank else torch.zeros_like(top) for r in range(slices.tp)]
