@@ -323,24 +323,25 @@ def test_xtoken_and_csd_teachers_in_a_sharded_layout_equal_one_process(cases, tm
 
 
 @pytest.mark.parametrize("name", ["tp2", "cp2", "tp2xcp2", "dp2xtp2"])
-def test_gold_and_hkl_teachers_over_split_logits_equal_one_process(cases, name, tmp_path):
-    """Gold and H-KL read whole rows: over a vocabulary split in two, each slice's part of D_c
-    and of the uncommon mass and its largest uncommon entries are summed and merged; over two
-    sequence windows, a chunk whose rows lie in both (the case is padded so that one does) has
-    its mean summed over the windows. Each layout (2 or 4 gloo ranks) gives the one-process
-    values and gradient beside a CSD teacher."""
+def test_whole_row_teachers_over_split_logits_equal_one_process(cases, name, tmp_path):
+    """Gold, H-KL and ULD read whole rows: over a vocabulary split in two, each slice's parts
+    and its largest entries are summed and merged; over two sequence windows, a gold chunk whose
+    rows lie in both (the case is padded so that one does) has its mean summed over the
+    windows. Each layout (2 or 4 gloo ranks) gives the one-process values and gradient, beside
+    a CSD teacher."""
     from crosskd.projection import build_projection
 
     case, layout = cases("smollm2-qwen3"), LAYOUTS[name]
     csd = _config()
     gold = replace(csd.teachers[0], algorithm="gold", projection="w", weight=2.0)
     hkl = replace(csd.teachers[0], algorithm="hkl", projection="w", weight=0.5)
-    config = replace(csd, teachers=[csd.teachers[0], gold, hkl])
+    uld = replace(csd.teachers[0], algorithm="uld", weight=1.5)
+    config = replace(csd, teachers=[csd.teachers[0], gold, hkl, uld])
     signal, projection = case.signal(64), build_projection(case.pair)
     logits = case.student_logits.double().requires_grad_(True)
     single = compute_loss(logits, plan_rows(case, signal, config, projection=projection), config)
     single.loss.backward()
-    assert single.totals["kd/teacher1"] > 0 and single.totals["kd/teacher2"] > 0
+    assert all(single.totals[f"kd/teacher{i}"] > 0 for i in (1, 2, 3))
     if layout.cp == 2:
         half = case.student_ids.shape[1] // 2
         assert any(a < half <= b for a, b in _spans(plan_rows(case, signal, _config())))

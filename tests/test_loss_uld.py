@@ -13,7 +13,7 @@ from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_KD, FLAG_PREDICTION
 from crosskd.errors import ConfigError
 from crosskd.loss import LossConfig, compute_loss
-from crosskd.loss.parallel import sharded_loss
+from crosskd.loss.logprobs import RowSlices
 from crosskd.loss.uld import paired_positions, teacher_sorted_probs, uld_distance, uld_sum
 from crosskd.teacher import TeacherSignal
 
@@ -154,15 +154,14 @@ def test_blocks_recomputed_in_backward_give_the_same_gradient(zoo, built_table):
     grads = []
     for block in (3, 4096):
         logits = case.logits(torch.float32)
-        uld_sum(logits.reshape(-1, logits.shape[-1]), plan.terms[0], TAU, block).backward()
+        flat = logits.reshape(-1, logits.shape[-1])
+        term = plan.terms[0]
+        whole = RowSlices(flat, logits.shape[1], logits.shape[1])
+        uld_sum(whole, term, np.ones(term.n_counted, dtype=bool), TAU, block).backward()
         grads.append(logits.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)
 
 
-def test_kd_is_checked_and_the_sharded_loss_refuses_uld():
+def test_kd_is_checked():
     with pytest.raises(ConfigError, match=r"kd is 'ulD'; choose one of csd, uld, xtoken"):
         LossConfig(kd="ulD")
-    with pytest.raises(
-        ConfigError, match=r"loss teachers\[0\] \(uld\): the sharded .* does not support it"
-    ):
-        sharded_loss(torch.zeros(1, 2, 3), None, LossConfig(kd="uld"), None, None)

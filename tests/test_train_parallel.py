@@ -128,29 +128,36 @@ def test_fsdp2_tp_and_cp_on_two_ranks_train_like_one_process(train_inputs, tmp_p
     assert tp_bytes == whole["parameters"] - vocab_bytes // 2
 
 
-def test_gold_over_split_logits_trains_like_one_process(train_inputs, tmp_path):
-    """A gold teacher (whole rows of the student's distribution) under tp = 2 and cp = 2: each
-    rank holds its vocabulary slice or its window of the logits, and the curve is one
-    process's."""
+def test_whole_row_teachers_over_split_logits_train_like_one_process(train_inputs, tmp_path):
+    """A gold teacher and a ULD teacher (whole rows of the student's distribution) under
+    tp = 2 and cp = 2: each rank holds its vocabulary slice or its window of the logits, and
+    each curve is one process's."""
     from crosskd.projection import build_projection, save_projection
     from crosskd.tables import load_table_pair
 
     pair = load_table_pair(train_inputs["s2t"], train_inputs["t2s"])
     w = save_projection(build_projection(pair), str(tmp_path / "w"))
     base = _config(train_inputs, tmp_path / "unused").loss
-    loss = replace(
-        base, teachers=[replace(base.teachers[0], algorithm="gold", projection=w.source)]
-    )
-    want, _ = _single(_config(train_inputs, tmp_path / "one", loss=loss, steps=2))
-    assert all(h["kd/teacher0"] > 0 for h in want)
-    runs = [
-        (name, _config(train_inputs, tmp_path / name, loss=loss, steps=2, parallel={key: 2}), None)
-        for name, key in (("gold_tp", "tp"), ("gold_cp", "cp"))
-    ]
+    teacher = base.teachers[0]
+    losses = {
+        "gold": replace(base, teachers=[replace(teacher, algorithm="gold", projection=w.source)]),
+        "uld": replace(base, teachers=[replace(teacher, algorithm="uld")]),
+    }
+    want = {}
+    for algorithm, loss in losses.items():
+        config = _config(train_inputs, tmp_path / algorithm, loss=loss, steps=2)
+        want[algorithm], _ = _single(config)
+        assert all(h["kd/teacher0"] > 0 for h in want[algorithm])
+    runs = []
+    for algorithm, loss in losses.items():
+        for key in ("tp", "cp"):
+            name = f"{algorithm}_{key}"
+            config = _config(train_inputs, tmp_path / name, loss=loss, steps=2, parallel={key: 2})
+            runs.append((name, config, None))
     run_ddp(runs, tmp_path)
     for name, _, _ in runs:
         for rank in (0, 1):
-            _same_curve(_rank(tmp_path, name, rank)["history"], want)
+            _same_curve(_rank(tmp_path, name, rank)["history"], want[name.split("_")[0]])
 
 
 def test_a_frozen_embedding_stays_frozen_in_its_vocabulary_slices(train_inputs, tmp_path):
@@ -350,19 +357,10 @@ def test_bad_layouts_are_refused_by_key(parallel, world, message):
 
 def test_layouts_that_do_not_fit_the_student_or_loss_are_refused(train_inputs, tmp_path):
     """A vocabulary that tp does not divide, an embedding that is not a plain lookup under tp,
-    rotary frequencies that depend on the positions under cp, ULD with split logits, held-out
-    evaluation of vocabulary-split logits: each refused with the key to change (the last in 2
-    real ranks)."""
+    rotary frequencies that depend on the positions under cp, held-out evaluation of
+    vocabulary-split logits: each refused with the key to change (the last in 2 real ranks)."""
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(
-        ConfigError,
-        match=r"parallel.tp / parallel.cp split the logits, which "
-        r"loss teachers\[0\] \(uld\) cannot use",
-    ):
-        train_config(
-            train_inputs, tmp_path / "a", parallel={"tp": 2}, loss={"kd": "uld", "teachers": [{}]}
-        )
     layout = ParallelLayout(tp=4).resolved(4)
     assert layout.dp_replicate == 1 and layout.dp == 1 and layout.model_parallel == 4
     model = AutoModelForCausalLM.from_pretrained(train_inputs["student"])  # 330 entries

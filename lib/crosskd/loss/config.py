@@ -196,15 +196,13 @@ class LossConfig:
         """The KD term of ``teachers[index]``: its ``algorithm``, else ``kd``."""
         return self.teachers[index].algorithm or self.kd
 
-    def whole_rows(self, algorithms: tuple[str, ...] = WHOLE_ROWS) -> str | None:
-        """Which teachers use one of ``algorithms``, by default those that need whole rows of
-        the student's logits (:data:`WHOLE_ROWS`: no fused output layer; ULD no sharding of
-        the logits, gold and H-KL no sequence sharding), as ``teachers[0] (uld)``; None when
-        no teacher does."""
+    def whole_rows(self) -> str | None:
+        """Which teachers need whole rows of the student's logits (:data:`WHOLE_ROWS`: not the
+        fused output layer), as ``teachers[0] (uld)``; None when no teacher does."""
         named = [
             f"teachers[{i}] ({self.algorithm(i)})"
             for i in range(len(self.teachers))
-            if self.algorithm(i) in algorithms
+            if self.algorithm(i) in WHOLE_ROWS
         ]
         return ", ".join(named) or None
 

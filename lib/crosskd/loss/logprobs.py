@@ -56,6 +56,8 @@ class StudentLogProbs(Protocol):
 
     logits: Tensor | OutputLayer
     """The student's logits as this process holds them (or the fused output layer)."""
+    block_rows: int
+    """Rows per block of the row-wise passes."""
 
     def row_slices(self, width: int) -> RowSlices:
         """The logits as :class:`RowSlices` for the terms that read whole rows (rows ``width``

@@ -439,8 +439,9 @@ def loss_from_logprobs(
     :class:`Ownership`. Every (row, id) pair of CE and the CSD terms is asked for in one call at
     its temperature (one pass over the logits; the same call on every rank of a parallel
     layout, as the log-prob interface may communicate); then only the owned CE targets and
-    chunks are evaluated. ULD, gold and H-KL terms read whole rows of this process's logits
-    (:func:`_whole_rows`). ``kd_scale`` and the reported values come from the complete
+    chunks are evaluated. ULD, gold and H-KL terms read whole rows of the logits as this process
+    holds them (``row_slices``: its window and vocabulary slice; not the fused output layer,
+    :func:`_whole_rows`). ``kd_scale`` and the reported values come from the complete
     (reduced) terms."""
     own = Ownership.everything(plan) if ownership is None else ownership
 
@@ -449,7 +450,7 @@ def loss_from_logprobs(
 
     for term in plan.terms:
         if not _by_requests(term):
-            _whole_rows(student, own, term)
+            _whole_rows(student, term)
     by_requests = [t for t in plan.terms if _by_requests(t)]
     kd_requests = [(t.events.term_row, t.events.term_id, config.tau) for t in by_requests]
     ce_lp, *kd_lps = student.log_probs_at([(plan.ce_rows, plan.ce_ids, 1.0), *kd_requests])
@@ -462,7 +463,8 @@ def loss_from_logprobs(
     parts = zip(plan.terms, counts.chunks, own.chunks, strict=True)
     for term_plan, n_total, owned in parts:
         if isinstance(term_plan, UldTerm):
-            total = uld_sum(student.logits, term_plan, config.tau, student.block_rows)
+            slices = student.row_slices(plan.width)
+            total = uld_sum(slices, term_plan, owned, config.tau, student.block_rows)
             kd_terms[term_plan.name] = total / max(n_total, 1)
             kd = kd + term_plan.weight * kd_terms[term_plan.name]
             on_device.append(([f"{term_plan.name}/uld_sum_l1"], total.detach().double()[None]))
@@ -510,26 +512,15 @@ def _by_requests(term: TeacherPlan | UldTerm) -> bool:
     return isinstance(term, TeacherPlan) and term.gold is None
 
 
-def _whole_rows(student: StudentLogProbs, own: Ownership, term: TeacherPlan | UldTerm) -> None:
-    """Refuse what cannot hold whole rows of logits: the fused output layer, and for ULD any
-    sharded layout."""
+def _whole_rows(student: StudentLogProbs, term: TeacherPlan | UldTerm) -> None:
+    """Refuse the fused output layer, which holds no logits, for a term that reads whole rows
+    (ULD, gold, H-KL)."""
     what = "uld" if isinstance(term, UldTerm) else term.algorithm
-    reads = (
-        "sorts every paired row's whole distribution"
-        if what == "uld"
-        else "sorts every chunk's whole uncommon distribution"
-    )
     if isinstance(student.logits, OutputLayer):
         raise ConfigError(
-            f"{term.name} uses algorithm {what}, which {reads} and so needs the student's "
-            f"logits, not the fused output layer; pass the logits (the trainer does so when a "
-            f"teacher uses uld, gold or hkl)."
-        )
-    if what == "uld" and (not isinstance(student, LocalLogProbs) or not own.ce.all()):
-        raise ConfigError(
-            f"{term.name} uses algorithm uld, which the sharded (sequence- or "
-            f"vocabulary-parallel) loss does not support: it {reads}, which no shard holds. "
-            f"Use csd, xtoken, gold or hkl, or train data-parallel only."
+            f"{term.name} uses algorithm {what}, which reads whole rows of the student's "
+            f"distribution and so needs the student's logits, not the fused output layer; pass "
+            f"the logits (the trainer does so when a teacher uses uld, gold or hkl)."
         )
 
 

@@ -294,13 +294,6 @@ def sharded_loss(
     :class:`~crosskd.output_layer.OutputLayer` (fused: the logits never exist; the plan
     of its DP shard, ``counts`` from :func:`reduce_counts`). ``backward`` on every rank's
     ``loss``; the reported values are complete and identical on every rank."""
-    uld = config.whole_rows(("uld",))
-    if uld:
-        raise ConfigError(
-            f"loss {uld}: the sharded (sequence- or vocabulary-parallel) loss does not "
-            f"support it: ULD reads every row's whole distribution, which no shard holds. Use "
-            f"csd, xtoken, gold or hkl for it, or train data-parallel only."
-        )
     student = ShardedLogProbs(
         logits,
         mesh,

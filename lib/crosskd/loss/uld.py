@@ -31,10 +31,13 @@ and zeroes the others; it is exact with a dense signal (``k: 0``). The student s
 plus the student's remaining mass ``1 - sum_{i<=n} q_i`` (where the teacher's padded vector is
 0), so only the student's top ``n`` probabilities are needed (``torch.topk``).
 
-**Cost.** Each paired row's whole distribution is needed (a full softmax and a top-``n``), in
-blocks of ``block_rows`` rows recomputed in the backward pass (activation checkpointing), so
-memory stays at one block of ``block_rows x V_S`` floats. A vocabulary-sharded layout does not
-hold whole rows: the sharded loss refuses ULD.
+**Cost and layouts.** Each paired row's whole distribution is needed (a full softmax and a
+top-``n``), in blocks of ``block_rows`` rows recomputed in the backward pass (activation
+checkpointing), so memory stays at one block of ``block_rows x V_S`` floats; not the fused
+output layer. Over a vocabulary split between tensor-parallel ranks each rank takes its slice's
+``n`` largest probabilities (normalised over the whole vocabulary) and one sum per block merges
+them, ``P x tp * n`` numbers; a pair belongs to the sequence window of its row. Every layout
+gives one process's values and gradients.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from crosskd.data.collate import ChunkBatch
 from crosskd.data.shards import FLAG_KD, FLAG_PREDICTION
 from crosskd.loss.events import to_numpy
+from crosskd.loss.logprobs import RowSlices
 from crosskd.teacher.signal import TeacherSignal
 from crosskd.transfer import to_device
 
@@ -74,6 +78,11 @@ class UldTerm:
     def n_counted(self) -> int:
         """The pairs this term counts (the normaliser's share of this micro-batch)."""
         return len(self.student_rows)
+
+    @property
+    def chunk_first_row(self) -> np.ndarray:
+        """Each pair's row (which sequence window owns it)."""
+        return self.student_rows
 
 
 def paired_positions(
@@ -138,36 +147,57 @@ def uld_distance(student_logits: Tensor, teacher_probs: Tensor, tau: float) -> T
     """``sum_i |sort(softmax(logits / tau))_i - t_i|`` per row, the shorter vector padded with
     zeros: ``student_logits`` ``[P, V_S]`` (differentiable; float32 arithmetic, float64 kept),
     ``teacher_probs`` ``[P, n]`` sorted decreasing. Returns ``[P]``."""
-    dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
-    probs = torch.softmax(student_logits.to(dtype) / tau, dim=-1)
+    rows = torch.arange(len(student_logits), device=student_logits.device)
+    whole = RowSlices(student_logits, len(student_logits), len(student_logits))
+    return _distances(whole, rows, teacher_probs, tau)
+
+
+def _distances(slices: RowSlices, rows: Tensor, teacher_probs: Tensor, tau: float) -> Tensor:
+    """:func:`uld_distance` of the rows ``rows`` of ``slices.flat``; over a vocabulary slice,
+    each slice's ``n`` largest probabilities are merged over the slices (one collective of
+    ``P x tp * n`` numbers) into the row's."""
+    dtype = torch.float64 if slices.flat.dtype == torch.float64 else torch.float32
+    probs = slices.log_softmax(rows, tau, dtype).exp()
     teacher = teacher_probs.to(device=probs.device, dtype=dtype)
-    m = min(teacher.shape[-1], probs.shape[-1])
-    top = probs.topk(m, dim=-1).values
+    m = min(teacher.shape[-1], probs.shape[-1] * slices.tp)
+    top = probs.topk(min(m, probs.shape[-1]), dim=-1).values
+    gathered = [top if r == slices.tp_rank else torch.zeros_like(top) for r in range(slices.tp)]
+    top = slices.tp_sum(torch.cat(gathered, dim=1)).topk(m, dim=-1).values
     matched = (top - teacher[:, :m]).abs().sum(-1)
     teacher_beyond = teacher[:, m:].sum(-1)  # entries the student's vector pads with zeros
     student_rest = (1.0 - top.sum(-1)).clamp(min=0.0)  # where the teacher's vector is 0
     return matched + teacher_beyond + student_rest
 
 
-def uld_sum(flat_logits: Tensor, term: UldTerm, tau: float, block_rows: int = 1024) -> Tensor:
-    """The sum of :func:`uld_distance` over the term's pairs, from the micro-batch's flat
-    student logits ``[B * L_s, V_S]``, in blocks of ``block_rows`` rows that are recomputed in
-    the backward pass (so only one block's ``block_rows x V_S`` probabilities are held)."""
-    rows = to_device(term.student_rows, flat_logits.device)
-    teachers = to_device(term.teacher_probs, flat_logits.device)
-    total = flat_logits.new_zeros(
-        (), dtype=torch.float64 if flat_logits.dtype == torch.float64 else torch.float32
-    )
+def uld_sum(
+    slices: RowSlices, term: UldTerm, owned: np.ndarray, tau: float, block_rows: int = 1024
+) -> Tensor:
+    """The sum of :func:`uld_distance` over the term's pairs marked in ``owned`` (bool
+    ``[P]``: this process's share), from the micro-batch's student logits as this process
+    holds them (``slices``: its window of every row and its slice of the vocabulary, or
+    everything): every rank of a vocabulary-split group computes each pair of its window with
+    the others, in blocks of ``block_rows`` rows recomputed in the backward pass (so only one
+    block's ``block_rows x V_here`` probabilities are held)."""
+    here, local = slices.local(term.student_rows)
+    pick = np.flatnonzero(here)
+    device = slices.flat.device
+    dtype = torch.float64 if slices.flat.dtype == torch.float64 else torch.float32
+    rows = to_device(local[pick], device)
+    teachers = to_device(term.teacher_probs, device)[to_device(pick, device)]
+    weights = to_device(owned[pick], device).to(dtype)
+    total = slices.flat.new_zeros((), dtype=dtype)
     for start in range(0, len(rows), block_rows):
-        block = rows[start : start + block_rows]
-        teacher = teachers[start : start + block_rows]
-        if flat_logits.requires_grad:
-            part = checkpoint(_block_sum, flat_logits, block, teacher, tau, use_reentrant=False)
+        block = slice(start, start + block_rows)
+        args = (slices, rows[block], teachers[block], weights[block], tau)
+        if slices.flat.requires_grad:
+            part = checkpoint(_block_sum, *args, use_reentrant=False)
         else:
-            part = _block_sum(flat_logits, block, teacher, tau)
+            part = _block_sum(*args)
         total = total + part
     return total
 
 
-def _block_sum(flat_logits: Tensor, rows: Tensor, teacher: Tensor, tau: float) -> Tensor:
-    return uld_distance(flat_logits[rows], teacher, tau).sum()
+def _block_sum(
+    slices: RowSlices, rows: Tensor, teacher: Tensor, weights: Tensor, tau: float
+) -> Tensor:
+    return (_distances(slices, rows, teacher, tau) * weights).sum()

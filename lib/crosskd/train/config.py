@@ -276,13 +276,6 @@ class TrainConfig:
                 f"activation_checkpointing is {self.activation_checkpointing!r}; "
                 f"it must be true or false."
             )
-        uld = self.loss.whole_rows(("uld",))
-        if (self.parallel.tp > 1 or self.parallel.cp > 1) and uld:
-            raise ConfigError(
-                f"parallel.tp / parallel.cp split the logits, which loss {uld} cannot use "
-                f"(ULD sorts each row's whole distribution); use csd, xtoken, gold or hkl for "
-                f"those teachers, or tp = cp = 1."
-            )
         _patterns("trainable", self.trainable)
         _patterns("first_trainable", self.first_trainable)
         _int("first_steps", self.first_steps, 0)
