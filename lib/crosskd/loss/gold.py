@@ -189,27 +189,29 @@ def gold_term(
     crossing = np.bincount(chunk_of_row, window != window[first][chunk_of_row], n) > 0
     mine = here_row[first]  # the chunks of this window (the first row's)
     options = _Options(common, tau, kind, beta, dtype)
-    pieces, order = [], []
     inside = np.flatnonzero(mine & ~crossing)
-    for b0 in range(0, len(inside), BLOCK_CHUNKS):
-        chunks = inside[b0 : b0 + BLOCK_CHUNKS]
-        block = _Block.of(parts, chunks, local_row, None, slices.vocab_start, device)
-        args = (slices, block, options)
-        if slices.flat.requires_grad:
-            pieces.append(checkpoint(_block_values, *args, use_reentrant=False))
-        else:
-            pieces.append(_block_values(*args))
-        order.append(chunks)
-    across = np.flatnonzero(crossing)
-    if len(across):  # the same on every rank of the group: the plan is the shard's
-        block = _Block.of(parts, across, local_row, here_row, slices.vocab_start, device)
-        partial = _log_means(slices, block, tau, dtype)
+    groups = [inside[b0 : b0 + BLOCK_CHUNKS] for b0 in range(0, len(inside), BLOCK_CHUNKS)]
+    blocks = [_Block.of(parts, g, local_row, None, slices.vocab_start, device) for g in groups]
+    across = np.flatnonzero(crossing)  # the same on every rank of the group (the shard's plan)
+    if len(across):
+        blocks.append(_Block.of(parts, across, local_row, here_row, slices.vocab_start, device))
+    pieces, order = [], []
+    for i, logits in enumerate(_gather(slices, blocks)):
+        if i < len(groups):
+            args = (slices, blocks[i], logits, options)
+            if logits.requires_grad:
+                pieces.append(checkpoint(_block_values, *args, use_reentrant=False))
+            else:
+                pieces.append(_block_values(*args))
+            order.append(groups[i])
+            continue
+        partial = _log_means(blocks[i], logits, tau, dtype, slices)
         if after is not None:
             partial = partial + 0.0 * after
         log_s = slices.cp_sum(partial)
         keep = mine[across]
-        picked = _Block.of(parts, across[keep], local_row, None, slices.vocab_start, device)
-        pieces.append(_chunk_values(slices, log_s[to_device(keep, device)], picked, options))
+        pairs = _Block.of(parts, across[keep], local_row, None, slices.vocab_start, device)
+        pieces.append(_chunk_values(slices, log_s[to_device(keep, device)], pairs, options))
         order.append(across[keep])
     if not pieces:  # no chunk in this window (nor on the other ranks of its group)
         empty = slices.flat.new_zeros(0, dtype=dtype)
@@ -284,11 +286,21 @@ class _Block:
         )
 
 
-def _log_means(slices: RowSlices, block: _Block, tau: float, dtype: torch.dtype) -> Tensor:
-    """``[C_b, V_here]``: the block's mean over each chunk's rows of ``log p`` at ``tau`` (of
-    the rows the block holds)."""
-    log_p = slices.log_softmax(block.rows, tau, dtype)
-    return torch.sparse.mm(block.mean.to(dtype), log_p)
+def _gather(slices: RowSlices, blocks: list[_Block]) -> list[Tensor]:
+    """Each block's rows of ``slices.flat``, taken in one gather and split: the gradient is then
+    one scatter into the logits, not one logits-sized buffer per block."""
+    if not blocks:
+        return []
+    rows = torch.cat([block.rows for block in blocks])
+    return list(slices.flat[rows].split([len(block.rows) for block in blocks]))
+
+
+def _log_means(
+    block: _Block, logits: Tensor, tau: float, dtype: torch.dtype, slices: RowSlices
+) -> Tensor:
+    """``[C_b, V_here]``: the block's mean over each chunk's rows of ``log p`` at ``tau``, from
+    the block's rows of the logits (``logits`` ``[R_b, V_here]``)."""
+    return torch.sparse.mm(block.mean.to(dtype), slices.log_softmax(logits, tau, dtype))
 
 
 @dataclass(frozen=True)
@@ -304,9 +316,10 @@ class _Options:
     dtype: torch.dtype
 
 
-def _block_values(slices: RowSlices, block: _Block, options: _Options) -> Tensor:
-    """:func:`_chunk_values` of a block whose rows all lie in this window."""
-    log_s = _log_means(slices, block, options.tau, options.dtype)
+def _block_values(slices: RowSlices, block: _Block, logits: Tensor, options: _Options) -> Tensor:
+    """:func:`_chunk_values` of a block whose rows all lie in this window (``logits``: its
+    rows)."""
+    log_s = _log_means(block, logits, options.tau, options.dtype, slices)
     return _chunk_values(slices, log_s, block, options)
 
 

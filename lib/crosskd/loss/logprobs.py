@@ -159,10 +159,14 @@ class RowSlices:
         peak = self.tp_max(local.detach().clone())
         return peak + torch.log(self.tp_sum(torch.exp(local - peak)))
 
-    def log_softmax(self, rows: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
-        """``log p`` at ``tau`` of the rows ``rows`` of ``flat`` (int64 ``[R]``) over this
+    def log_softmax(self, logits: Tensor, tau: float, dtype: torch.dtype) -> Tensor:
+        """``log p`` at ``tau`` of ``logits`` (rows of ``flat``, ``[R, V_here]``) over this
         slice's ids, normalised over the whole vocabulary: ``[R, V_here]`` in ``dtype``."""
-        x = self.flat[rows].to(dtype) / tau
+        x = logits.to(dtype)
+        if tau != 1.0:
+            x = x / tau
+        if self.tp == 1:
+            return torch.log_softmax(x, dim=-1)
         return x - self.normalizer(torch.logsumexp(x, dim=-1))[:, None]
 
 

@@ -147,17 +147,16 @@ def uld_distance(student_logits: Tensor, teacher_probs: Tensor, tau: float) -> T
     """``sum_i |sort(softmax(logits / tau))_i - t_i|`` per row, the shorter vector padded with
     zeros: ``student_logits`` ``[P, V_S]`` (differentiable; float32 arithmetic, float64 kept),
     ``teacher_probs`` ``[P, n]`` sorted decreasing. Returns ``[P]``."""
-    rows = torch.arange(len(student_logits), device=student_logits.device)
     whole = RowSlices(student_logits, len(student_logits), len(student_logits))
-    return _distances(whole, rows, teacher_probs, tau)
+    return _distances(whole, student_logits, teacher_probs, tau)
 
 
-def _distances(slices: RowSlices, rows: Tensor, teacher_probs: Tensor, tau: float) -> Tensor:
-    """:func:`uld_distance` of the rows ``rows`` of ``slices.flat``; over a vocabulary slice,
-    each slice's ``n`` largest probabilities are merged over the slices (one collective of
-    ``P x tp * n`` numbers) into the row's."""
-    dtype = torch.float64 if slices.flat.dtype == torch.float64 else torch.float32
-    probs = slices.log_softmax(rows, tau, dtype).exp()
+def _distances(slices: RowSlices, logits: Tensor, teacher_probs: Tensor, tau: float) -> Tensor:
+    """:func:`uld_distance` of ``logits`` (rows of ``slices.flat``, ``[P, V_here]``); over a
+    vocabulary slice, each slice's ``n`` largest probabilities are merged over the slices (one
+    collective of ``P x tp * n`` numbers) into the row's."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = slices.log_softmax(logits, tau, dtype).exp()
     teacher = teacher_probs.to(device=probs.device, dtype=dtype)
     m = min(teacher.shape[-1], probs.shape[-1] * slices.tp)
     top = probs.topk(min(m, probs.shape[-1]), dim=-1).values
@@ -182,13 +181,14 @@ def uld_sum(
     pick = np.flatnonzero(here)
     device = slices.flat.device
     dtype = torch.float64 if slices.flat.dtype == torch.float64 else torch.float32
-    rows = to_device(local[pick], device)
     teachers = to_device(term.teacher_probs, device)[to_device(pick, device)]
     weights = to_device(owned[pick], device).to(dtype)
     total = slices.flat.new_zeros((), dtype=dtype)
-    for start in range(0, len(rows), block_rows):
+    # One gather, split by block: the gradient is one scatter, not a logits-sized buffer a block.
+    logits = slices.flat[to_device(local[pick], device)].split(block_rows)
+    for b, start in enumerate(range(0, len(pick), block_rows)):
         block = slice(start, start + block_rows)
-        args = (slices, rows[block], teachers[block], weights[block], tau)
+        args = (slices, logits[b], teachers[block], weights[block], tau)
         if slices.flat.requires_grad:
             part = checkpoint(_block_sum, *args, use_reentrant=False)
         else:
@@ -198,6 +198,6 @@ def uld_sum(
 
 
 def _block_sum(
-    slices: RowSlices, rows: Tensor, teacher: Tensor, weights: Tensor, tau: float
+    slices: RowSlices, logits: Tensor, teacher: Tensor, weights: Tensor, tau: float
 ) -> Tensor:
-    return (_distances(slices, rows, teacher, tau) * weights).sum()
+    return (_distances(slices, logits, teacher, tau) * weights).sum()
