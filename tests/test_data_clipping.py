@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crosskd.data import ClipResult, clip_text
+from crosskd.alignment import tokenize
+from crosskd.data import ClipResult, clip_text, clip_texts
 from crosskd.errors import DataError
 
 COMBINING = st.characters(min_codepoint=0x300, max_codepoint=0x36F)
@@ -126,3 +127,93 @@ def test_bad_arguments_are_named(zoo):
         clip_text("hello", [zoo("llama3")], [0])
     with pytest.raises(ValueError, match=r"2 tokenizers but 1 max lengths"):
         clip_text("hello", [zoo("llama3"), zoo("qwen3")], [5])
+
+
+def _sequential_cut(text: str, tokenizers, caps: list[int]) -> int:
+    """The documented search written plainly, one encoding at a time: start at the first
+    overflowing token's start (snapped down to an allowed cut), gallop with steps 8, 16, ...
+    towards the side that holds the answer, then bisect."""
+
+    def fits(cut: int) -> bool:
+        return all(n <= c for n, c in zip(_counts(tokenizers, text[:cut]), caps, strict=True))
+
+    def down(i: int) -> int:
+        while i < len(text) and not _allowed_cut(text, i):
+            i -= 1
+        return i
+
+    def up(i: int) -> int:
+        while not _allowed_cut(text, i):
+            i += 1
+        return i
+
+    guess = len(text)
+    for tok, cap in zip(tokenizers, caps, strict=True):
+        spans = tok.hf(
+            text, add_special_tokens=True, split_special_tokens=True, return_offsets_mapping=True
+        ).offset_mapping
+        starts = [a for a, b in spans if b > a]
+        if len(spans) > cap:
+            guess = min(guess, starts[max(cap - (len(spans) - len(starts)), 0)])
+    lo, hi, guess, step = 0, len(text), down(guess), 8
+    if lo < guess < hi:
+        if fits(guess):
+            lo = guess
+            while (nxt := down(lo + step)) < hi and nxt > lo:
+                if not fits(nxt):
+                    hi = nxt
+                    break
+                lo, step = nxt, step * 2
+        else:
+            hi = guess
+            while (nxt := down(hi - step)) > lo:
+                if fits(nxt):
+                    lo = nxt
+                    break
+                hi, step = nxt, step * 2
+    while True:
+        mid = down((lo + hi) // 2)
+        if mid <= lo:
+            mid = up(lo + 1)
+        if mid >= hi:
+            return lo
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+
+
+def test_many_texts_clip_in_lockstep_to_the_sequential_search(zoo):
+    """Each text of a batch ends where the search run alone, one encoding at a time, ends, and
+    a text that was cut carries every model's encoding of what it keeps."""
+    tokenizers = [zoo("llama3"), zoo("qwen3")]
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        texts=st.lists(TEXTS, min_size=1, max_size=6),
+        caps=st.lists(st.integers(1, 40) | st.integers(40, 200), min_size=2, max_size=2),
+    )
+    def run(texts: list[str], caps: list[int]) -> None:
+        results = clip_texts(texts, tokenizers, caps)
+        for text, result in zip(texts, results, strict=True):
+            _check(text, tokenizers, caps, result)
+            if not result.clipped:
+                assert result.encoded is None
+                continue
+            assert len(result.text) == _sequential_cut(text, tokenizers, caps)
+            for tok, tokens in zip(tokenizers, result.encoded, strict=True):
+                expected = tokenize(tok, [result.text], add_special_tokens=True, with_starts=True)
+                assert tokens.ids.tolist() == expected[0].ids.tolist()
+                assert tokens.ends.tolist() == expected[0].ends.tolist()
+                assert tokens.starts.tolist() == expected[0].starts.tolist()
+
+    run()
+    assert clip_texts([], tokenizers, [5, 5]) == []
+
+
+def test_a_few_more_characters_can_take_fewer_tokens(zoo):
+    """Hand-checked: Llama-3 reads 'Iceland' as 'I' + 'celand', so at 5 tokens the first cut is
+    after 'I' (BOS, 'Hung', 'ary', newline, 'I'), which fits while 'Ic' (6 tokens) does not;
+    but 'Ice' is one token, and the gallop's 8-character step finds the longer cut."""
+    llama = zoo("llama3")
+    text = "Hungary\nIceland\nIndia"
+    assert llama.hf.convert_ids_to_tokens(llama.hf(text).input_ids)[3:6] == ["Ċ", "I", "celand"]
+    assert [_counts([llama], text[:n])[0] for n in (9, 10, 11)] == [5, 6, 5]
+    assert clip_text(text, [llama], [5]) == ClipResult("Hungary\nIce", True, (8,), (5,))

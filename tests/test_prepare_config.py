@@ -30,6 +30,8 @@ BAD = [
     ("teacher_max_length", "long", "an integer >= 1, or null"),
     ("shard_rows", 0, "an integer >= 1"),
     ("shard_rows", False, "an integer >= 1"),
+    ("workers", 0, "an integer >= 1"),
+    ("workers", 2.5, "an integer >= 1"),
     # booleans
     ("pack", "yes", "true or false"),
     ("pack", 1, "true or false"),

@@ -109,18 +109,23 @@ def test_one_shard_per_window_packed_on_its_own(reference):
     assert manifest["rows"] == 10 and manifest["clipped_rows"] == 0
 
 
+def _stop_at_row(n: int, seen: list):
+    """An ``on_row`` that records each row and stops the run at the ``n``-th, as a kill would."""
+
+    def on_row(reason):
+        seen.append(reason)
+        if len(seen) == n:
+            raise KeyboardInterrupt("killed")
+
+    return on_row
+
+
 def test_a_stopped_run_resumes_to_the_same_bytes(reference, tmp_path, zoo_env):
     data, whole, manifest = reference
     out = tmp_path / "out"
     seen = []
-
-    def stop_in_the_third_window(reason):
-        seen.append(reason)
-        if len(seen) == 8:
-            raise KeyboardInterrupt("killed")
-
-    with pytest.raises(KeyboardInterrupt):
-        prepare(_config(data, out), progress=False, on_row=stop_in_the_third_window)
+    with pytest.raises(KeyboardInterrupt):  # in the third window
+        prepare(_config(data, out), progress=False, on_row=_stop_at_row(8, seen))
     assert not (out / "manifest.json").exists()
     assert sorted(_files(out)) == ["part-000000.parquet", "part-000001.parquet"]
     # A kill between writing a shard and its record, and a torn temporary file.
@@ -151,6 +156,26 @@ def test_splits_merge_to_what_one_process_writes(reference, tmp_path, zoo_env, c
     assert _comparable(merged) == _comparable(manifest)
     assert main(["prepare-merge", str(out)]) == 0  # merged already: the manifest is read back
     assert "prepared 10 rows" in capsys.readouterr().out
+
+
+def test_workers_write_what_one_process_writes(reference, tmp_path, zoo_env):
+    """Two worker processes write the same shards and manifest as one process, and a run
+    stopped part way with one process resumes with two (the worker count is not a setting the
+    run records)."""
+    data, whole, manifest = reference
+    assert _comparable(prepare(_config(data, tmp_path / "two", workers=2), progress=False)) == (
+        _comparable(manifest)
+    )
+    assert _files(tmp_path / "two") == _files(whole)
+    out, seen = tmp_path / "resumed", []
+    with pytest.raises(KeyboardInterrupt):  # in the second window
+        prepare(_config(data, out), progress=False, on_row=_stop_at_row(4, seen))
+    assert sorted(_files(out)) == ["part-000000.parquet"]
+    seen.clear()
+    resumed = prepare(_config(data, out, workers=2), progress=False, on_row=seen.append)
+    assert len(seen) == 7
+    assert _files(out) == _files(whole)
+    assert _comparable(resumed) == _comparable(manifest)
 
 
 def test_changed_input_or_settings_are_refused_on_resume(tmp_path, zoo_env):

@@ -31,6 +31,7 @@ def prepare(
         max_length=int(preparing["max_length"]),
         shard_rows=int(preparing["shard_rows"]),
         pack=bool(preparing.get("pack", True)),
+        workers=int(preparing.get("workers", 1)),
         progress=False,
         metrics_port=None if metrics_port < 0 else metrics_port,
     )

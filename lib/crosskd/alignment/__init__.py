@@ -23,7 +23,16 @@ from crosskd.alignment.core import (
     align_many,
     tokenize,
 )
-from crosskd.alignment.sample import REGIONS, AlignedSample, Rendered, align_text, render_text
+from crosskd.alignment.sample import (
+    REGIONS,
+    AlignedSample,
+    Rendered,
+    align_text,
+    align_texts,
+    render_text,
+    render_texts,
+    rendered_text,
+)
 
 __all__ = [
     "CHATML_FALLBACK",
@@ -43,9 +52,12 @@ __all__ = [
     "align_chat",
     "align_many",
     "align_text",
+    "align_texts",
     "harmonize_reasoning",
     "render",
     "render_text",
+    "render_texts",
+    "rendered_text",
     "split_reasoning",
     "tokenize",
 ]

@@ -116,6 +116,7 @@ def tokenize(
         add_special_tokens=add_special_tokens,
         return_offsets_mapping=True,
         split_special_tokens=True,
+        verbose=False,
     )
     out = []
     for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crosskd.alignment.core import Chunks, Tokenized, align, tokenize
+from crosskd.alignment.core import Chunks, Tokenized, align_many, tokenize
 from crosskd.tokenization import LoadedTokenizer
 
 REGIONS = ("text", "reasoning", "close", "answer", "eot")
@@ -49,7 +49,20 @@ class AlignedSample:
 def render_text(tok: LoadedTokenizer, text: str) -> Rendered:
     """Plain text as ``tok`` reads it (with the tokenizer's own BOS/EOS, specials in the text
     kept as text)."""
-    tokens = tokenize(tok, [text], add_special_tokens=True, with_starts=True)[0]
+    return render_texts(tok, [text])[0]
+
+
+def render_texts(tok: LoadedTokenizer, texts: list[str]) -> list[Rendered]:
+    """:func:`render_text` of many texts, encoded in one batch."""
+    if not texts:
+        return []
+    tokens = tokenize(tok, texts, add_special_tokens=True, with_starts=True)
+    return [rendered_text(text, t) for text, t in zip(texts, tokens, strict=True)]
+
+
+def rendered_text(text: str, tokens: Tokenized) -> Rendered:
+    """The :class:`Rendered` of plain ``text`` from its tokens (:func:`tokenize` with the
+    tokenizer's special tokens and start offsets), as :func:`render_text` makes it."""
     return Rendered(text, tokens, tokens.starts, [(0, REGION_TEXT, 0, len(text))])
 
 
@@ -63,19 +76,38 @@ def align_text(
     """Align plain text: every student token with a prediction (index >= 1) is a CE target and
     every chunk is in the loss mask. ``student``: the student's rendering if already made."""
     s = student or render_text(student_tok, text)
-    t = render_text(teacher_tok, text)
-    chunks = align(s.tokens, t.tokens, student_tok, teacher_tok)
-    loss_mask = np.ones(len(s.tokens), dtype=bool)
-    loss_mask[:1] = False
-    return AlignedSample(
-        s,
-        t,
-        chunks,
-        np.full(len(chunks), REGION_TEXT, dtype=np.uint8),
-        np.zeros(len(chunks), dtype=np.int32),
-        chunks_in_mask(chunks, loss_mask),
-        loss_mask,
+    return align_texts(student_tok, teacher_tok, [s], [render_text(teacher_tok, text)])[0]
+
+
+def align_texts(
+    student_tok: LoadedTokenizer,
+    teacher_tok: LoadedTokenizer,
+    students: list[Rendered],
+    teachers: list[Rendered],
+) -> list[AlignedSample]:
+    """:func:`align_text` of many plain texts (``students[i]`` and ``teachers[i]`` render the
+    same text), aligned in one vectorised pass (:func:`~crosskd.alignment.align_many`)."""
+    if not students:
+        return []
+    chunks = align_many(
+        [s.tokens for s in students], [t.tokens for t in teachers], student_tok, teacher_tok
     )
+    out = []
+    for s, t, c in zip(students, teachers, chunks, strict=True):
+        loss_mask = np.ones(len(s.tokens), dtype=bool)
+        loss_mask[:1] = False
+        out.append(
+            AlignedSample(
+                s,
+                t,
+                c,
+                np.full(len(c), REGION_TEXT, dtype=np.uint8),
+                np.zeros(len(c), dtype=np.int32),
+                chunks_in_mask(c, loss_mask),
+                loss_mask,
+            )
+        )
+    return out
 
 
 def chunks_in_mask(chunks: Chunks, loss_mask: np.ndarray) -> np.ndarray:

@@ -10,23 +10,38 @@ Cuts fall on character boundaries and never split what belongs together: not bef
 combining character (``unicodedata.combining``), which stays with its base, and not between
 ``"\\r"`` and ``"\\n"``. The first cut comes from the offsets of the full encoding; because a
 prefix can tokenize differently near its end, every candidate is then verified by encoding
-it, and a bisection between a prefix that fits and one that does not ends on a prefix that
-fits while the next allowed cut does not (token counts are not strictly monotonic in the
-prefix length, so "longest" is meant in this local sense). A text that fits is never clipped.
+it: a gallop away from the first cut with steps that double (8, 16, ... characters), then a
+bisection between a prefix that fits and one that does not, ends on a prefix that fits while
+the next allowed cut does not (token counts are not strictly monotonic in the prefix length,
+so "longest" is meant in this local sense: a few more characters can merge into fewer
+tokens, which the gallop's first step of 8 characters finds). A text that fits is never
+clipped.
+
+:func:`clip_texts` clips many texts in lockstep: each text's search asks for the same cuts, in
+the same order, as :func:`clip_text` alone would, and every round of the search encodes the
+prefixes all unfinished texts ask for in one batch per tokenizer (the tokenizers' threads work
+across the texts). It can start from encodings the caller already has (:func:`~crosskd
+.alignment.tokenize` of the texts with their special tokens and start offsets), so the full texts
+are encoded once for clipping and rendering together.
 """
 
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 
+from crosskd.alignment import Tokenized, tokenize
 from crosskd.errors import DataError
 from crosskd.tokenization import LoadedTokenizer
 
-__all__ = ["ClipResult", "clip_text"]
+__all__ = ["ClipResult", "clip_text", "clip_texts"]
 
 _FIRST_STEP = 8  # characters; the first gallop step away from the estimated cut
+
+Search = Generator[int, tuple[int, ...], int]
+"""One text's search for its cut: yields the next cut it needs the token counts of (in
+characters), is sent those counts (one per model), and returns the cut it keeps."""
 
 
 @dataclass(frozen=True)
@@ -34,13 +49,16 @@ class ClipResult:
     """The text as it is kept, and token counts per model (in the order the models were given).
 
     ``original_lengths`` are the counts of the full text and ``lengths`` those of ``text``;
-    they are equal when ``clipped`` is false.
+    they are equal when ``clipped`` is false. ``encoded``: each model's encoding of ``text``
+    (:func:`~crosskd.alignment.tokenize` with the special tokens and start offsets), when
+    :func:`clip_texts` made one (a text it cut), else None; not compared.
     """
 
     text: str
     clipped: bool
     original_lengths: tuple[int, ...]
     lengths: tuple[int, ...]
+    encoded: tuple[Tokenized, ...] | None = field(default=None, compare=False, repr=False)
 
 
 def clip_text(
@@ -56,123 +74,151 @@ def clip_text(
     Raises :class:`~crosskd.errors.DataError` when a maximum length cannot even hold the
     special tokens a tokenizer adds to an empty text.
     """
+    return clip_texts([text], tokenizers, max_lengths, add_special_tokens=add_special_tokens)[0]
+
+
+def clip_texts(
+    texts: Sequence[str],
+    tokenizers: Sequence[LoadedTokenizer],
+    max_lengths: Sequence[int],
+    *,
+    add_special_tokens: bool = True,
+    encoded: Sequence[Sequence[Tokenized]] | None = None,
+) -> list[ClipResult]:
+    """:func:`clip_text` of every text of ``texts``, with the same results, searched in lockstep
+    (module docstring). ``encoded[m][i]``: tokenizer ``m``'s encoding of ``texts[i]`` with
+    ``add_special_tokens`` and start offsets, when the caller has it (None: encoded here)."""
     if len(tokenizers) != len(max_lengths):
         raise ValueError(
             f"clip_text got {len(tokenizers)} tokenizers but {len(max_lengths)} max lengths; "
             "give one maximum length per tokenizer"
         )
-    encodings = _encode_all(text, tokenizers, add_special_tokens, offsets=True)
-    original = tuple(len(encoding["input_ids"]) for encoding in encodings)
-    if all(n <= cap for n, cap in zip(original, max_lengths, strict=True)):
-        return ClipResult(text, False, original, original)
-
-    probe = _Probe(text, tokenizers, max_lengths, add_special_tokens)
-    for tok, cap, n in zip(tokenizers, max_lengths, probe.counts(0), strict=True):
+    if not texts:
+        return []
+    if encoded is None:
+        encoded = [
+            tokenize(tok, list(texts), add_special_tokens=add_special_tokens, with_starts=True)
+            for tok in tokenizers
+        ]
+    original = [tuple(len(per_model[i]) for per_model in encoded) for i in range(len(texts))]
+    results: list[ClipResult | None] = [
+        ClipResult(text, False, n, n) if _fits(n, max_lengths) else None
+        for text, n in zip(texts, original, strict=True)
+    ]
+    over = [i for i, result in enumerate(results) if result is None]
+    if not over:
+        return results
+    empty = _encode([""], tokenizers, add_special_tokens)[0]
+    for tok, cap, n in zip(tokenizers, max_lengths, _lengths(empty), strict=True):
         if n > cap:
             raise DataError(
                 f"max length {cap} of {tok.name} cannot hold the {n} special tokens it adds to "
                 "every text; raise that maximum length"
             )
-    lo = 0  # known to fit
-    hi = len(text)  # known not to fit
-    guess = _snap_down(text, _estimate_cut(len(text), encodings, max_lengths))
+    known = {i: {0: empty} for i in over}
+    searches: dict[int, Search] = {}
+    wanted: dict[int, int] = {}
+    for i in over:
+        guess = _estimate_cut(len(texts[i]), [per_model[i] for per_model in encoded], max_lengths)
+        searches[i] = _search(texts[i], _snap_down(texts[i], guess), max_lengths)
+        _advance(i, searches, wanted, known, results, texts, original, None)
+    while wanted:
+        todo = sorted((i, cut) for i, cut in wanted.items() if cut not in known[i])
+        if todo:
+            prefixes = [texts[i][:cut] for i, cut in todo]
+            for (i, cut), e in zip(
+                todo, _encode(prefixes, tokenizers, add_special_tokens), strict=True
+            ):
+                known[i][cut] = e
+        for i, cut in list(wanted.items()):
+            _advance(i, searches, wanted, known, results, texts, original, _lengths(known[i][cut]))
+    return results
+
+
+def _advance(
+    i: int,
+    searches: dict[int, Search],
+    wanted: dict[int, int],
+    known: dict[int, dict[int, tuple[Tokenized, ...]]],
+    results: list[ClipResult | None],
+    texts: Sequence[str],
+    original: list[tuple[int, ...]],
+    counts: tuple[int, ...] | None,
+) -> None:
+    """Send text ``i``'s search the counts it asked for (None: start it); note the next cut it
+    wants, or its result once it has one."""
+    try:
+        wanted[i] = next(searches[i]) if counts is None else searches[i].send(counts)
+    except StopIteration as stop:
+        cut = stop.value
+        encoded = known[i][cut]
+        results[i] = ClipResult(texts[i][:cut], True, original[i], _lengths(encoded), encoded)
+        wanted.pop(i, None)
+        del searches[i]
+
+
+def _lengths(encoded: tuple[Tokenized, ...]) -> tuple[int, ...]:
+    return tuple(len(tokens) for tokens in encoded)
+
+
+def _fits(counts: tuple[int, ...], max_lengths: Sequence[int]) -> bool:
+    return all(n <= cap for n, cap in zip(counts, max_lengths, strict=True))
+
+
+def _search(text: str, guess: int, max_lengths: Sequence[int]) -> Search:
+    """The cut of a text that does not fit: a gallop away from ``guess`` with steps that double,
+    then a bisection between a cut that fits (``lo``) and one that does not (``hi``)."""
+    lo, hi = 0, len(text)
     if lo < guess < hi:
-        lo, hi = _gallop(probe, guess, lo, hi)
+        step = _FIRST_STEP
+        if _fits((yield guess), max_lengths):
+            lo = guess
+            while (nxt := _snap_down(text, lo + step)) < hi and nxt > lo:
+                if not _fits((yield nxt), max_lengths):
+                    hi = nxt
+                    break
+                lo, step = nxt, step * 2
+        else:
+            hi = guess
+            while (nxt := _snap_down(text, hi - step)) > lo:
+                if _fits((yield nxt), max_lengths):
+                    lo = nxt
+                    break
+                hi, step = nxt, step * 2
     while True:
         mid = _snap_down(text, (lo + hi) // 2)
         if mid <= lo:
             mid = _snap_up(text, lo + 1)
         if mid >= hi:
-            break
-        if probe.fits(mid):
+            return lo
+        if _fits((yield mid), max_lengths):
             lo = mid
         else:
             hi = mid
-    return ClipResult(text[:lo], True, original, probe.counts(lo))
 
 
-class _Probe:
-    """Token counts of prefixes of one text, computed once per cut."""
-
-    def __init__(
-        self,
-        text: str,
-        tokenizers: Sequence[LoadedTokenizer],
-        max_lengths: Sequence[int],
-        add_special_tokens: bool,
-    ) -> None:
-        self.text = text
-        self.tokenizers = tokenizers
-        self.max_lengths = max_lengths
-        self.add_special_tokens = add_special_tokens
-        self._counts: dict[int, tuple[int, ...]] = {}
-
-    def counts(self, cut: int) -> tuple[int, ...]:
-        """Token counts of ``text[:cut]`` for every model."""
-        if cut not in self._counts:
-            prefix = self.text[:cut]
-            encodings = _encode_all(prefix, self.tokenizers, self.add_special_tokens)
-            self._counts[cut] = tuple(len(encoding["input_ids"]) for encoding in encodings)
-        return self._counts[cut]
-
-    def fits(self, cut: int) -> bool:
-        """Whether ``text[:cut]`` is within every model's maximum length."""
-        return all(n <= cap for n, cap in zip(self.counts(cut), self.max_lengths, strict=True))
-
-
-def _gallop(probe: _Probe, guess: int, lo: int, hi: int) -> tuple[int, int]:
-    """Narrow ``(lo, hi)`` (``lo`` fits, ``hi`` does not) around ``guess`` with steps that
-    double away from it."""
-    text = probe.text
-    step = _FIRST_STEP
-    if probe.fits(guess):
-        lo = guess
-        while (nxt := _snap_down(text, lo + step)) < hi and nxt > lo:
-            if not probe.fits(nxt):
-                return lo, nxt
-            lo, step = nxt, step * 2
-    else:
-        hi = guess
-        while (nxt := _snap_down(text, hi - step)) > lo:
-            if probe.fits(nxt):
-                return nxt, hi
-            hi, step = nxt, step * 2
-    return lo, hi
-
-
-def _estimate_cut(n_chars: int, encodings: list, max_lengths: Sequence[int]) -> int:
+def _estimate_cut(n_chars: int, encoded: list[Tokenized], max_lengths: Sequence[int]) -> int:
     """The smallest, over the models that overflow, of the start of the first text token that
     does not fit by the full text's offsets (special tokens have empty spans)."""
     cut = n_chars
-    for encoding, cap in zip(encodings, max_lengths, strict=True):
-        offsets = encoding["offset_mapping"]
-        if len(offsets) <= cap:
+    for tokens, cap in zip(encoded, max_lengths, strict=True):
+        if len(tokens) <= cap:
             continue
-        starts = [start for start, end in offsets if end > start]
-        budget = cap - (len(offsets) - len(starts))
-        cut = min(cut, starts[max(budget, 0)])
+        starts = tokens.starts[tokens.ends > tokens.starts]
+        budget = cap - (len(tokens) - len(starts))
+        cut = min(cut, int(starts[max(budget, 0)]))
     return cut
 
 
-def _encode_all(
-    text: str,
-    tokenizers: Sequence[LoadedTokenizer],
-    add_special_tokens: bool,
-    *,
-    offsets: bool = False,
-) -> list:
-    """Each tokenizer's encoding of ``text`` (``input_ids``, and ``offset_mapping`` in
-    characters when ``offsets``)."""
-    return [
-        tok.hf(
-            text,
-            add_special_tokens=add_special_tokens,
-            split_special_tokens=True,
-            return_offsets_mapping=offsets,
-            verbose=False,
-        )
+def _encode(
+    texts: list[str], tokenizers: Sequence[LoadedTokenizer], add_special_tokens: bool
+) -> list[tuple[Tokenized, ...]]:
+    """Each text's encoding by every model (one batch per model)."""
+    per_model = [
+        tokenize(tok, texts, add_special_tokens=add_special_tokens, with_starts=True)
         for tok in tokenizers
     ]
+    return list(zip(*per_model, strict=True))
 
 
 def _is_cut(text: str, i: int) -> bool:

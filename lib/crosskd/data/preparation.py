@@ -11,17 +11,23 @@ import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from crosskd.alignment import (
     AlignedSample,
     ChatOptions,
+    Rendered,
     align_chat,
     align_text,
+    align_texts,
     harmonize_reasoning,
     render,
     render_text,
+    rendered_text,
+    tokenize,
 )
 from crosskd.alignment.own import student_tokens
-from crosskd.data.clipping import clip_text
+from crosskd.data.clipping import clip_text, clip_texts
 from crosskd.data.records import Record
 from crosskd.data.shards import SameTokenizerSample, same_tokenizer_sample
 from crosskd.errors import ConfigError, DataError
@@ -123,7 +129,7 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
     """One row normalised (:meth:`Preparation.normalized`), clipped (text: :func:`clip_text`;
     chat: the longest conversation prefix every model holds, then the first answer cut),
     rendered by every model and aligned with every cross-tokenizer teacher, as
-    :func:`crosskd.data.shards.write_shard` takes it: ``record`` (normalised), ``text`` /
+    :func:`crosskd.data.shards.encode_shard` takes it: ``record`` (normalised), ``text`` /
     ``messages`` (as kept), ``clipped``, ``clip_reason`` (None, ``text``, ``turns`` or
     ``message``), ``original_lengths`` (tokens per model before clipping), ``lengths`` (after),
     ``student`` (its :class:`~crosskd.alignment.Rendered`), ``student_loss_mask`` (bool
@@ -164,7 +170,89 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
                     clipped_message=cut,
                 )
             )
-    lengths = [len(s_view.tokens), *(len(a.teacher.tokens) for a in aligned)]
+    return _row(record, text, messages, clipped, cut, original, s_view, own.loss_mask, aligned)
+
+
+def prepare_rows(records: Sequence[Record], preparation: Preparation) -> list[dict]:
+    """:func:`prepare_row` of every record, in order, with the same results, the plain-text rows
+    together: each model encodes all their texts in one batch (once for clipping and rendering
+    both; a text clipping cuts keeps the encoding of its cut), clipping searches them in lockstep
+    (:func:`~crosskd.data.clipping.clip_texts`) and each teacher is aligned with the student
+    over all of them in one vectorised pass (:func:`~crosskd.alignment.align_texts`).
+    Conversations are prepared one by one."""
+    rows: list[dict | None] = [None] * len(records)
+    texts = []
+    for i, record in enumerate(records):
+        if record.text is None:
+            rows[i] = prepare_row(record, preparation)
+        else:
+            texts.append(i)
+    if texts:
+        prepared = _prepare_texts([records[i] for i in texts], preparation)
+        for i, row in zip(texts, prepared, strict=True):
+            rows[i] = row
+    return rows
+
+
+def _prepare_texts(records: list[Record], preparation: Preparation) -> list[dict]:
+    """The rows of plain-text records, prepared together (:func:`prepare_rows`)."""
+    records = [preparation.normalized(r) for r in records]
+    models, capacities, same = preparation.models, preparation.capacities, preparation.same
+    texts = [r.text for r in records]
+    encoded = [tokenize(tok, texts, add_special_tokens=True, with_starts=True) for tok in models]
+    clips = clip_texts(texts, models, capacities, encoded=encoded)
+    for i, clip in enumerate(clips):
+        if clip.encoded is not None:
+            for m, tokens in enumerate(clip.encoded):
+                encoded[m][i] = tokens
+    views = [
+        [rendered_text(clip.text, tokens) for clip, tokens in zip(clips, per_model, strict=True)]
+        for per_model in encoded
+    ]
+    students = views[0]
+    aligned: list[list[AlignedSample | SameTokenizerSample]] = []
+    for k, teacher in enumerate(models[1:]):
+        if same[k]:
+            aligned.append([None] * len(records))
+        else:
+            aligned.append(align_texts(models[0], teacher, students, views[k + 1]))
+    rows = []
+    for i, (record, clip, s_view) in enumerate(zip(records, clips, students, strict=True)):
+        own = student_tokens(
+            models[0], s_view, None, preparation.options, sample_id=record.sample_id
+        )
+        per_teacher = [
+            same_tokenizer_sample(models[0], s_view, own) if same[k] else aligned[k][i]
+            for k in range(len(aligned))
+        ]
+        rows.append(
+            _row(
+                record,
+                clip.text,
+                None,
+                clip.clipped,
+                None,
+                clip.original_lengths,
+                s_view,
+                own.loss_mask,
+                per_teacher,
+            )
+        )
+    return rows
+
+
+def _row(
+    record: Record,
+    text: str | None,
+    messages: list[dict] | None,
+    clipped: bool,
+    cut: int | None,
+    original: Sequence[int],
+    s_view: Rendered,
+    loss_mask: np.ndarray,
+    aligned: list[AlignedSample | SameTokenizerSample],
+) -> dict:
+    """A prepared row as :func:`prepare_row` documents it."""
     return {
         "record": record,
         "text": text,
@@ -174,9 +262,9 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
         if not clipped
         else ("text" if messages is None else "turns" if cut is None else "message"),
         "original_lengths": list(original),
-        "lengths": lengths,
+        "lengths": [len(s_view.tokens), *(len(a.teacher.tokens) for a in aligned)],
         "student": s_view,
-        "student_loss_mask": own.loss_mask,
+        "student_loss_mask": loss_mask,
         "aligned": aligned,
     }
 

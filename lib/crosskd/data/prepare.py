@@ -74,10 +74,11 @@ from crosskd.alignment import (
 from crosskd.artifacts import MANIFEST, start_run, write_whole
 from crosskd.data.merge import merge_prepared, splits_done
 from crosskd.data.packing import pack_lockstep
-from crosskd.data.preparation import Preparation, prepare_row
+from crosskd.data.preparation import Preparation, prepare_rows
 from crosskd.data.records import Record, read_records
 from crosskd.data.run_files import RUN, SHARDS, SPLITS, id_hash, read_shard_record, shard_name
-from crosskd.data.shards import write_shard
+from crosskd.data.shards import encode_shard
+from crosskd.data.workers import ordered_map
 from crosskd.errors import ConfigError, DataError
 from crosskd.tokenization import load_tokenizer
 
@@ -124,6 +125,10 @@ class PrepareConfig:
     """This pod's split: it prepares the windows ``w`` with ``w % split_count == split_index``."""
     split_count: int = 1
     """Pods sharing the input (1: one process prepares everything and writes the manifest)."""
+    workers: int = 1
+    """Processes preparing windows at once in this pod (:mod:`crosskd.data.workers`; the same
+    bytes as one): 1 prepares in this process with the tokenizers' own threads; more run one
+    single-threaded worker each, so set it to the pod's cores. Each holds a window in memory."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -143,7 +148,7 @@ class PrepareConfig:
             )
         for i, value in enumerate(teachers):
             _text(f"teacher_tokenizers[{i}]", value)
-        for key in ("max_length", "shard_rows", "split_count"):
+        for key in ("max_length", "shard_rows", "split_count", "workers"):
             _count(key, getattr(self, key))
         index = self.split_index
         if (
@@ -249,14 +254,19 @@ def prepare_split(
     recorded = fs.exists(f"{root}/{RUN}")
     if recorded:  # a resume: the settings must be the run's
         start_run(fs, f"{root}/{RUN}", config.output, run, what="prepared data", activity="prepare")
-    windows = prepared = 0
-    for w, window in enumerate(batched(records, config.shard_rows)):
-        windows = w + 1
-        if w % config.split_count != config.split_index:
-            continue
-        digest = _input_digest(window)
-        done = read_shard_record(fs, root, w)
-        if done is not None:
+    counted = {"windows": 0}
+
+    def todo() -> Iterator[tuple[int, tuple[Record, ...], str]]:
+        """This split's windows still to prepare: ``(index, rows, input digest)``."""
+        for w, window in enumerate(batched(records, config.shard_rows)):
+            counted["windows"] = w + 1
+            if w % config.split_count != config.split_index:
+                continue
+            digest = _input_digest(window)
+            done = read_shard_record(fs, root, w)
+            if done is None:
+                yield w, window, digest
+                continue
             if done["input_sha256"] != digest:
                 raise DataError(
                     f"output {config.output}: shard {done['path']} was prepared from other "
@@ -264,20 +274,30 @@ def prepare_split(
                     f"{config.data} now (the input changed since); prepare into a new output."
                 )
             bar.update(len(window))
-            continue
-        rows = []
-        for record in window:
-            rows.append(prepare_row(record, preparation))
-            if on_row is not None:
-                on_row(rows[-1]["clip_reason"])
-            bar.update(1)
+
+    def work(task: tuple[int, tuple[Record, ...], str]) -> PreparedWindow:
+        return prepare_window(*task, preparation, config.pack, capacities)
+
+    prepared = 0
+    for window in ordered_map(work, todo(), config.workers, describe=_describe_window):
+        if on_row is not None:
+            for reason in window.clip_reasons:
+                on_row(reason)
         if not recorded:  # not before a row is prepared: bad input leaves nothing behind
             start_run(
                 fs, f"{root}/{RUN}", config.output, run, what="prepared data", activity="prepare"
             )
             recorded = True
-        _write_window(fs, root, w, rows, config.pack, capacities, digest)
-        prepared += len(rows)
+        write_whole(fs, f"{root}/{window.record['path']}", window.payload)
+        fs.makedirs(f"{root}/{SHARDS}", exist_ok=True)
+        write_whole(
+            fs,
+            f"{root}/{SHARDS}/{window.record['path']}.json",
+            json.dumps(window.record).encode("utf-8"),
+        )
+        prepared += window.record["rows"]
+        bar.update(window.record["rows"])
+    windows = counted["windows"]
     bar.close()
     if windows == 0:
         raise DataError(f"data {config.data} has no rows; nothing to prepare.")
@@ -309,7 +329,8 @@ def _run_record(config: PrepareConfig, preparation: Preparation) -> dict:
     rows (config without the split, models, normalisation)."""
     models, capacities, same = preparation.models, preparation.capacities, preparation.same
     names = model_names(len(models) - 1)
-    settings = {k: v for k, v in asdict(config).items() if k not in ("split_index", "split_count")}
+    local = ("split_index", "split_count", "workers")  # how this process runs, not what it makes
+    settings = {k: v for k, v in asdict(config).items() if k not in local}
     return {
         "kind": KIND,
         "format_version": FORMAT_VERSION,
@@ -343,20 +364,32 @@ def _canonical(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
-def _write_window(
-    fs: fsspec.AbstractFileSystem,
-    root: str,
+@dataclass(frozen=True)
+class PreparedWindow:
+    """One input window prepared, ready to write: the Parquet bytes of its shard, the shard's
+    record (:data:`~crosskd.data.run_files.SHARDS`: what the manifest sums over shards; its
+    ``path`` is the shard's name) and each row's clip reason (None: whole), in input order."""
+
+    payload: bytes
+    record: dict
+    clip_reasons: list[str | None]
+
+
+def prepare_window(
     window: int,
-    rows: list[dict],
+    records: tuple[Record, ...],
+    input_sha256: str,
+    preparation: Preparation,
     pack: bool,
     capacities: list[int],
-    input_sha256: str,
-) -> None:
-    """Pack one window's prepared rows, write its shard, then its record (last: a record means
-    a complete shard). The record holds what the manifest sums over shards."""
+) -> PreparedWindow:
+    """Prepare the rows of input window ``window`` (:func:`~crosskd.data.preparation
+    .prepare_rows`), pack them (lockstep, or one sample per row) and encode the shard and its
+    record; nothing is written."""
+    rows = prepare_rows(records, preparation)
     lengths = np.array([row["lengths"] for row in rows], dtype=np.int64)
     bins = pack_lockstep(lengths, capacities) if pack else [np.array([i]) for i in range(len(rows))]
-    shard = write_shard(fs, root, shard_name(window), rows, bins)
+    payload, shard = encode_shard(shard_name(window), rows, bins)
     shapes = {}
     for k, aligned in enumerate(rows[0]["aligned"]):
         if isinstance(aligned, AlignedSample):
@@ -381,8 +414,13 @@ def _write_window(
         "chatml_fallback": fallback,
         "id_hashes": base64.b64encode(np.array(ids, dtype="<u8").tobytes()).decode("ascii"),
     }
-    fs.makedirs(f"{root}/{SHARDS}", exist_ok=True)
-    write_whole(fs, f"{root}/{SHARDS}/{shard['path']}.json", json.dumps(record).encode("utf-8"))
+    return PreparedWindow(payload, record, [row["clip_reason"] for row in rows])
+
+
+def _describe_window(task: tuple[int, tuple[Record, ...], str]) -> str:
+    window, records, _ = task
+    first = records[0]
+    return f"input window {window} (from {first.source} row {first.row})"
 
 
 def batched(items: Iterable, size: int) -> Iterator[tuple]:

@@ -18,12 +18,10 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 
 from crosskd.alignment import SHAPE_1_1, SHAPE_SPECIAL, AlignedSample, Rendered
-from crosskd.artifacts import write_whole
 from crosskd.ranges import footer_record, write_parquet
 
 if TYPE_CHECKING:
@@ -170,20 +168,16 @@ def shard_table(rows: list[dict], bins: list[np.ndarray]) -> pa.Table:
     return pa.table(_columns(rows, order, bin_of, n_teachers), schema=schema(n_teachers))
 
 
-def write_shard(
-    fs: fsspec.AbstractFileSystem, root: str, name: str, rows: list[dict], bins: list[np.ndarray]
-) -> dict:
-    """Write prepared samples ``rows`` grouped by ``bins`` (:func:`shard_table`) as the Parquet
-    file ``name`` under ``root``: under a temporary name first, renamed when complete. The bytes
-    depend only on the rows and bins; its footer records each row group's sha256
-    (:func:`crosskd.ranges.write_parquet`) and the least and greatest ``bin`` of each row group
-    (the statistics of no other column: they would only grow the footer every reader fetches).
-    Returns ``{"path", "rows", "bins", "sha256", "bytes", "footer"}`` (``footer``:
-    :func:`crosskd.ranges.footer_record`)."""
+def encode_shard(name: str, rows: list[dict], bins: list[np.ndarray]) -> tuple[bytes, dict]:
+    """The Parquet bytes of the shard ``name`` of prepared samples ``rows`` grouped by ``bins``
+    (:func:`shard_table`), and its record. The bytes depend only on the rows and bins; the
+    footer records each row group's sha256 (:func:`crosskd.ranges.write_parquet`) and the least
+    and greatest ``bin`` of each row group (the statistics of no other column: they would only
+    grow the footer every reader fetches). The record is ``{"path", "rows", "bins", "sha256",
+    "bytes", "footer"}`` (``footer``: :func:`crosskd.ranges.footer_record`)."""
     table = shard_table(rows, bins)
     payload = write_parquet(table, row_group_size=ROW_GROUP_SAMPLES, write_statistics=["bin"])
-    write_whole(fs, f"{root}/{name}", payload)
-    return {
+    return payload, {
         "path": name,
         "rows": table.num_rows,
         "bins": len(bins),

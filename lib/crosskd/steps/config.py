@@ -111,6 +111,11 @@ class RunConfig:
     """Student capacity (longest sample, packed row length); teachers get twice as much."""
     shard_rows: int = 4096
     """Samples per prepared shard (the unit teacher scoring is split by)."""
+    prepare_workers: int = 1
+    """Processes the prepare step runs (``PrepareConfig.workers``). 1: one process, whose
+    tokenizers use every core for their own part; the pod's cores (the pipeline requests 8)
+    prepare about that many times faster (``docs/benchmarks.md``, "The data path"). The
+    prepared data are the same bytes whatever the count (it is not part of their key)."""
     pack: bool = True
     """Lockstep-pack several samples into each row; false: one sample per row, right-padded
     (a student with state-carrying mixers, such as LFM2 or a Mamba hybrid, needs it)."""
@@ -176,6 +181,7 @@ class RunConfig:
                 "heldout_every",
                 "max_length",
                 "shard_rows",
+                "prepare_workers",
                 "k",
                 "score_pods",
                 "token_budget",
@@ -365,9 +371,14 @@ class RunConfig:
         }
 
     def preparing(self) -> dict[str, Any]:
-        """What changes prepared data besides the inputs: ``max_length``, ``shard_rows``,
-        ``pack``."""
-        return {"max_length": self.max_length, "shard_rows": self.shard_rows, "pack": self.pack}
+        """How the prepare step runs: what changes prepared data besides the inputs
+        (``max_length``, ``shard_rows``, ``pack``) and its ``workers``, which does not."""
+        return {
+            "max_length": self.max_length,
+            "shard_rows": self.shard_rows,
+            "pack": self.pack,
+            "workers": self.prepare_workers,
+        }
 
 
 def _refuse_unknown(key: str, values: dict, cls: type, sets: tuple[str, ...]) -> None:

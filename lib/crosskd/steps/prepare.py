@@ -33,6 +33,7 @@ def prepare_data(
     max_length: int,
     shard_rows: int = 4096,
     pack: bool = True,
+    workers: int = 1,
     progress: bool = True,
     metrics_port: int | None = None,
     final_scrape_s: float = 30.0,
@@ -46,7 +47,8 @@ def prepare_data(
     out-of-domain rows), "train_shards", "train_rows", "rows": {split: n}, "data_fingerprint":
     {split: sha256}}`` (``train_rows``: the raw training rows after the held-out split, the
     source of on-policy prompts that are not held out). ``pack`` false: one sample per row
-    (part of the key only then, so packed data keeps the key it always had). A split whose
+    (part of the key only then, so packed data keeps the key it always had). ``workers``:
+    processes preparing at once (``PrepareConfig.workers``; not part of the key). A split whose
     manifest exists is not prepared again. ``metrics_port``: serve the rows prepared and clipped
     (:class:`crosskd.metrics.steps.PrepareMetrics`) there while it runs (0: a free port; None:
     not served), ``final_scrape_s`` seconds at most for a last scrape."""
@@ -95,6 +97,7 @@ def prepare_data(
                         teacher_max_length=2 * max_length,
                         shard_rows=shard_rows,
                         pack=pack,
+                        workers=workers,
                     ),
                     progress=progress,
                     on_row=functools.partial(metrics.row, split),

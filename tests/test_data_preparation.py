@@ -1,0 +1,105 @@
+"""A window of rows prepared together (`prepare_rows`: one encoding batch per model, clipping in
+lockstep, one vectorised alignment per teacher) equals the rows prepared one by one
+(`prepare_row`), field by field, on real tokenizers: plain text clipped and whole, text with
+specials, emoji and combining marks, conversations between them, a cross-tokenizer and a
+same-tokenizer teacher."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from crosskd.alignment import ChatOptions
+from crosskd.data.preparation import Preparation, prepare_row, prepare_rows
+from crosskd.data.records import Record
+
+TEXTS = [
+    "Hello world, hello world.",
+    "def f(x):\n    return x ** 2  # squares\n" * 6,
+    "Hungary\nIceland\nIndia\nIndonesia\nIran\nIraq\nIreland\n" * 3,
+    "<|endoftext|> is text here, and so is <|im_start|>.",
+    "e\u0301\u0302 👍🏽 世界 \r\n\r\n" * 5,
+    " ",
+]
+CHAT = [
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "It is 4, because two and two make four."},
+]
+
+
+def _same(a: object, b: object, where: str = "row") -> None:
+    """Equal values, arrays element by element, dataclasses field by field."""
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype, where
+        assert np.array_equal(a, b), where
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            _same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _records(texts: list[str], chat_at: set[int]) -> list[Record]:
+    records = []
+    for i, text in enumerate(texts):
+        if i in chat_at:
+            records.append(Record(f"c{i}", None, CHAT, "data.jsonl", i + 1))
+        records.append(Record(f"t{i}", text, None, "data.jsonl", i + 1))
+    return records
+
+
+def _check(records: list[Record], preparation: Preparation) -> list[dict]:
+    together = prepare_rows(records, preparation)
+    assert len(together) == len(records)
+    for i, (row, record) in enumerate(zip(together, records, strict=True)):
+        _same(row, prepare_row(record, preparation), f"row {i}")
+    return together
+
+
+def test_a_window_prepares_as_its_rows_one_by_one(zoo):
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    preparation = Preparation.of(llama, [qwen, llama], [40, 36, 40], ChatOptions())
+    rows = _check(_records(TEXTS, chat_at={2, 5}), preparation)
+    reasons = [row["clip_reason"] for row in rows]
+    assert "text" in reasons and None in reasons  # both kinds of text rows were prepared
+    assert [row["messages"] is not None for row in rows].count(True) == 2
+
+
+def test_generated_windows_prepare_as_their_rows(zoo):
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    pieces = st.sampled_from(
+        [
+            "Ice",
+            "land",
+            " ",
+            "\n",
+            "👍🏽",
+            "e\u0301",
+            "\r\n",
+            "世界",
+            "x = 1;",
+            "<|endoftext|>",
+            "42",
+        ]
+    )
+    texts = st.lists(pieces, min_size=1, max_size=30).map("".join)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(texts, min_size=1, max_size=5), st.integers(4, 30))
+    def run(window: list[str], cap: int) -> None:
+        preparation = Preparation.of(llama, [qwen], [cap, cap + 3], ChatOptions())
+        _check(_records(window, chat_at=set()), preparation)
+
+    run()
