@@ -1,10 +1,13 @@
-"""The data path at scale: prepare's peak memory and throughput as the input grows, lockstep
-packing time and efficiency (windowed, as prepare packs now, against packing every sample at
-once, as it did), the training step's wait for its inputs (background thread against inline)
-and shard reads per epoch (shard-local order against a global permutation with 8 shards kept).
+"""The data path at scale: prepare's speed against its tokenizers alone on the same text (1, 2
+and 3 teachers, one process and one per core) and where its time goes, its peak memory and
+throughput as the input grows, lockstep packing time and efficiency (windowed, as prepare packs
+now, against packing every sample at once, as it did), the training step's wait for its inputs
+(background thread against inline) and shard reads per epoch (shard-local order against a
+global permutation with 8 shards kept).
 
-    python benchmarks/data.py [--sizes-mb 10 100] [--packing 10000 100000 1000000]
-                              [--skip prepare packing training]
+    python benchmarks/data.py [--sizes-mb 10 100] [--speed-mb 10] [--workers CORES]
+                              [--packing 10000 100000 1000000]
+                              [--skip prepare speed packing training]
 
 Prepare runs in a fresh process per size (peak RSS: its VmHWM) on text read from this machine
 (the standard library, docstrings and message catalogues; repeated with new ids to reach the
@@ -67,6 +70,129 @@ def bench_prepare(sizes: list[float], work: Path) -> None:
             f"{result['peak_rss'] / 2**20:.0f} MiB (x{result['peak_rss'] / base['peak_rss']:.2f} "
             f"of the first size)"
         )
+
+
+TOKENIZERS_ALONE = """
+import json, sys, time
+from crosskd.tokenization import load_tokenizer
+started = time.perf_counter()
+tokenizers = [load_tokenizer(name) for name in sys.argv[2:]]
+loaded = time.perf_counter()
+with open(sys.argv[1], encoding="utf-8") as f:
+    texts = [json.loads(line)["text"] for line in f]
+read = time.perf_counter()
+for tok in tokenizers:
+    backend = tok.hf.backend_tokenizer
+    for i in range(0, len(texts), 4096):
+        backend.encode_batch(texts[i : i + 4096])
+print(json.dumps({"load": loaded - started, "read": read - loaded,
+                  "encode": time.perf_counter() - read}))
+"""
+
+PREPARE_SPEED = """
+import json, sys, time
+started = time.perf_counter()
+from crosskd.data.prepare import PrepareConfig, prepare
+data, output, workers, student, *teachers = sys.argv[1:]
+config = PrepareConfig(data=data, output=output, student_tokenizer=student,
+                       teacher_tokenizers=teachers, max_length=512, workers=int(workers))
+manifest = prepare(config, progress=False)
+print(json.dumps({"seconds": time.perf_counter() - started, "rows": manifest["rows"],
+                  "clipped": manifest["clipped_rows"]}))
+"""
+
+PROFILE = """
+import cProfile, json, pstats, sys
+from crosskd.data.prepare import PrepareConfig, prepare
+data, output, student, *teachers = sys.argv[1:]
+config = PrepareConfig(data=data, output=output, student_tokenizer=student,
+                       teacher_tokenizers=teachers, max_length=512)
+profile = cProfile.Profile()
+profile.runcall(prepare, config, progress=False)
+stats = pstats.Stats(profile).stats
+def cumulative(name, module):
+    return sum(ct for (path, _, func), (_, _, _, ct, _) in stats.items()
+               if func == name and path.endswith(module))
+print(json.dumps({
+    "total": cumulative("prepare", "data/prepare.py"),
+    "start-up (load the tokenizers)": cumulative("load_tokenizer", "tokenization/__init__.py"),
+    "read rows (JSON Lines, window digests)": cumulative("read_records", "data/records.py")
+        + cumulative("_input_digest", "data/prepare.py"),
+    "tokenize the texts (every model, with offsets)":
+        cumulative("tokenize", "alignment/core.py") - cumulative("_encode", "data/clipping.py"),
+    "clip (the over-long texts' probe encodings)": cumulative("clip_texts", "data/clipping.py"),
+    "align (every teacher, vectorised)": cumulative("align_texts", "alignment/sample.py"),
+    "masks (the student's own view)": cumulative("student_tokens", "alignment/own.py"),
+    "pack": cumulative("pack_lockstep", "data/packing.py"),
+    "encode the shard (Arrow, Parquet, sha256)": cumulative("encode_shard", "data/shards.py"),
+    "write (shards, records, run files)": cumulative("write_whole", "artifacts.py"),
+}))
+"""
+
+TEACHER_SETS = (
+    ["zoo:qwen3"],
+    ["zoo:qwen3", "zoo:smollm2"],
+    ["zoo:qwen3", "zoo:smollm2", "zoo:deepseek-v3"],
+)
+"""The teachers of the speed comparison (the student is Llama-3's tokenizer)."""
+
+
+def _run_json(script: str, args: list[str], threads: bool = True) -> dict:
+    """Run ``script`` in a fresh Python with ``args``; its last output line, as JSON.
+    ``threads`` false: the tokenizers single-threaded (``TOKENIZERS_PARALLELISM=false``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not threads:
+        env["TOKENIZERS_PARALLELISM"] = "false"
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env
+    )
+    if done.returncode:
+        sys.exit(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_prepare_speed(mb: float, work: Path, workers: int) -> None:
+    """Prepare's throughput against its tokenizers alone on the same text, 1 to 3 teachers,
+    one process and ``workers`` processes, and where one process spends its time."""
+    data = work / f"speed-{mb:g}MB.jsonl"
+    n_bytes = write_benchmark_jsonl(data, int(mb * 1e6), document_bytes=1536)
+    print(
+        f"prepare against its tokenizers alone ({n_bytes / 1e6:.1f} MB, Llama-3 student, "
+        f"max_length 512, {os.cpu_count()} cores; MB/s of text, wall time with start-up):"
+    )
+    student = "zoo:llama3"
+    for teachers in TEACHER_SETS:
+        models = [student, *teachers]
+        alone = _run_json(TOKENIZERS_ALONE, [str(data), *models])
+        alone_1 = _run_json(TOKENIZERS_ALONE, [str(data), *models], threads=False)
+        base = n_bytes / alone["encode"] / 1e6
+        print(
+            f"  {len(teachers)} teacher(s) ({', '.join(t[4:] for t in teachers)}): tokenizers "
+            f"alone {base:.2f} MB/s (their threads; {n_bytes / alone_1['encode'] / 1e6:.2f} "
+            f"MB/s on one thread; loading them {alone['load']:.1f} s)"
+        )
+        first = None
+        for count in sorted({1, workers}):
+            out = work / f"out-{len(teachers)}-{count}"
+            result = _run_json(PREPARE_SPEED, [str(data), str(out), str(count), *models])
+            speed = n_bytes / result["seconds"] / 1e6
+            first = first or speed
+            steady = n_bytes / max(result["seconds"] - alone["load"], 1e-9) / 1e6
+            print(
+                f"    prepare, {count} process(es): {result['seconds']:.1f} s, {speed:.2f} MB/s "
+                f"(x{speed / base:.2f} the tokenizers alone; x{speed / first:.2f} one process; "
+                f"without loading the tokenizers {steady:.2f} MB/s, x{steady / base:.2f}); "
+                f"{result['clipped']} of {result['rows']} rows clipped"
+            )
+    shares = _run_json(PROFILE, [str(data), str(work / "profiled"), student, *TEACHER_SETS[0]])
+    total = shares.pop("total")
+    print(f"  where one process spends its time (1 teacher, cProfile, {total:.1f} s in all):")
+    for stage, seconds in shares.items():
+        print(f"    {stage}: {seconds:.2f} s ({seconds / total:.0%})")
+    rest = total - sum(shares.values())
+    print(
+        f"    the rest (normalising, row objects, bookkeeping): {rest:.2f} s ({rest / total:.0%})"
+    )
 
 
 def lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -181,7 +307,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 100])
     parser.add_argument("--packing", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--skip", nargs="*", default=[], choices=["prepare", "packing", "training"])
+    parser.add_argument("--speed-mb", type=float, default=10)
+    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["prepare", "speed", "packing", "training"]
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="crosskd-data-") as tmp:
@@ -190,6 +320,8 @@ def main() -> None:
             bench_packing(args.packing)
         if "training" not in args.skip:
             bench_training(work)
+        if "speed" not in args.skip:
+            bench_prepare_speed(args.speed_mb, work, args.workers)
         if "prepare" not in args.skip:
             bench_prepare(args.sizes_mb, work)
 
