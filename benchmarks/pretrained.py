@@ -465,8 +465,12 @@ COMPARISONS = (  # (arm, against): the paired tests the report prints, each on o
     ("xtoken", "csd"),
     ("xtoken", "csd-mw1"),
     ("gold", "ce-llama3"),
+    ("gold", "csd-mw1"),
+    ("gold", "xtoken"),
     ("hkl", "ce-llama3"),
     ("hkl", "csd"),
+    ("hkl", "csd-mw1"),
+    ("hkl", "gold"),
 )
 """Arms are compared only with arms on the same tokenizer: two tokenizers' held-out sets score
 different bytes of the same documents (a tokenizer without BOS, SmolLM2's, leaves each
