@@ -110,16 +110,21 @@ config = PrepareConfig(data=data, output=output, student_tokenizer=student,
 profile = cProfile.Profile()
 profile.runcall(prepare, config, progress=False)
 stats = pstats.Stats(profile).stats
-def cumulative(name, module):
-    return sum(ct for (path, _, func), (_, _, _, ct, _) in stats.items()
-               if func == name and path.endswith(module))
+def cumulative(name, module, caller=None):
+    total = 0.0
+    for (path, _, func), (_, _, _, ct, callers) in stats.items():
+        if func == name and path.endswith(module):
+            total += ct if caller is None else sum(
+                c[3] for (_, _, f), c in callers.items() if f == caller)
+    return total
 print(json.dumps({
     "total": cumulative("prepare", "data/prepare.py"),
     "start-up (load the tokenizers)": cumulative("load_tokenizer", "tokenization/__init__.py"),
     "read rows (JSON Lines, window digests)": cumulative("read_records", "data/records.py")
         + cumulative("_input_digest", "data/prepare.py"),
     "tokenize the texts (every model, with offsets)":
-        cumulative("tokenize", "alignment/core.py") - cumulative("_encode", "data/clipping.py"),
+        cumulative("tokenize", "alignment/core.py")
+        - cumulative("tokenize", "alignment/core.py", "clip_texts"),
     "clip (the over-long texts' probe encodings)": cumulative("clip_texts", "data/clipping.py"),
     "align (every teacher, vectorised)": cumulative("align_texts", "alignment/sample.py"),
     "masks (the student's own view)": cumulative("student_tokens", "alignment/own.py"),

@@ -249,6 +249,42 @@ def test_align_many_equals_align_per_document(zoo, student, teacher, texts, bos)
             assert getattr(got, field).tolist() == getattr(one, field).tolist()
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "smollm2", "deepseek-v3"])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(texts=st.lists(TEXTS, min_size=1, max_size=5), bos=st.booleans())
+def test_tokenize_reads_what_transformers_returns(zoo, name, texts, bos):
+    """The Rust encodings read directly equal transformers' call with the same options."""
+    tok = zoo(name)
+    expected = tok.hf(
+        texts, add_special_tokens=bos, split_special_tokens=True, return_offsets_mapping=True
+    )
+    got = tokenize(tok, texts, add_special_tokens=bos, with_starts=True)
+    for i, tokens in enumerate(got):
+        spans = expected["offset_mapping"][i]
+        assert tokens.ids.tolist() == expected["input_ids"][i]
+        assert tokens.starts.tolist() == [a for a, _ in spans]
+        assert tokens.ends.tolist() == [b for _, b in spans]
+
+
+def test_tokenize_ignores_the_tokenizers_own_truncation_and_padding(zoo_cache):
+    """A tokenizer.json may carry truncation or padding; tokenize applies neither (as
+    transformers' call does not) and leaves the special-token switch as it was."""
+    from crosskd.tokenization import load_tokenizer
+
+    tok = load_tokenizer("zoo:llama3", cache_dir=zoo_cache)
+    backend = tok.hf.backend_tokenizer
+    backend.enable_truncation(3)
+    backend.enable_padding(length=40)
+    text = "one two three four five <|eot_id|>"
+    (tokens,) = tokenize(tok, [text], add_special_tokens=True)
+    assert backend.encode_special_tokens is False
+    # BOS, five words, and the special's text in six pieces: neither cut at 3 nor padded to 40.
+    assert len(tokens) == 12
+    assert tokens.ids.tolist() == tok.hf(text, split_special_tokens=True).input_ids
+
+
 def test_pad_specials_never_pair(zoo):
     deepseek = zoo("deepseek-v3")
     pad, eot = deepseek.role_ids["pad"], deepseek.role_ids["eot"]

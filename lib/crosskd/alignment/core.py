@@ -110,19 +110,29 @@ def tokenize(
     with_starts: bool = False,
 ) -> list[Tokenized]:
     """Tokenize user text with character offsets; specials in the text stay text
-    (``split_special_tokens=True``), except added tokens the tokenizer matches anyway."""
-    encoded = tok.hf(
-        texts,
-        add_special_tokens=add_special_tokens,
-        return_offsets_mapping=True,
-        split_special_tokens=True,
-        verbose=False,
-    )
+    (``split_special_tokens=True``), except added tokens the tokenizer matches anyway.
+
+    What ``tok.hf(texts, split_special_tokens=True, return_offsets_mapping=True)`` returns,
+    read from the Rust tokenizer's encodings directly (no padding, no truncation), without
+    transformers' per-text dictionaries: the encoding is most of what data preparation costs."""
+    if not texts:
+        return []
+    backend = tok.hf.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    before = backend.encode_special_tokens
+    backend.encode_special_tokens = True
+    try:
+        encodings = backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+    finally:
+        backend.encode_special_tokens = before
     out = []
-    for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
-        spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    for encoding in encodings:
+        spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         starts = spans[:, 0].copy() if with_starts else None
-        out.append(Tokenized(np.asarray(ids, dtype=np.int64), spans[:, 1].copy(), starts))
+        out.append(Tokenized(np.array(encoding.ids, dtype=np.int64), spans[:, 1].copy(), starts))
     return out
 
 

@@ -20,9 +20,10 @@ clipped.
 :func:`clip_texts` clips many texts in lockstep: each text's search asks for the same cuts, in
 the same order, as :func:`clip_text` alone would, and every round of the search encodes the
 prefixes all unfinished texts ask for in one batch per tokenizer (the tokenizers' threads work
-across the texts). It can start from encodings the caller already has (:func:`~crosskd
-.alignment.tokenize` of the texts with their special tokens and start offsets), so the full texts
-are encoded once for clipping and rendering together.
+across the texts), model by model, the one a text overflows most first: a prefix already too
+long for one model is not encoded by the others. It can start from encodings the caller
+already has (:func:`~crosskd.alignment.tokenize` of the texts with their special tokens and
+start offsets), so the full texts are encoded once for clipping and rendering together.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ __all__ = ["ClipResult", "clip_text", "clip_texts"]
 
 _FIRST_STEP = 8  # characters; the first gallop step away from the estimated cut
 
-Search = Generator[int, tuple[int, ...], int]
-"""One text's search for its cut: yields the next cut it needs the token counts of (in
-characters), is sent those counts (one per model), and returns the cut it keeps."""
+Search = Generator[int, bool, int]
+"""One text's search for its cut: yields the next cut it needs to know about (in characters),
+is sent whether that prefix fits every model, and returns the cut it keeps."""
 
 
 @dataclass(frozen=True)
@@ -108,30 +109,46 @@ def clip_texts(
     over = [i for i, result in enumerate(results) if result is None]
     if not over:
         return results
-    empty = _encode([""], tokenizers, add_special_tokens)[0]
+    empty = [
+        tokenize(tok, [""], add_special_tokens=add_special_tokens, with_starts=True)[0]
+        for tok in tokenizers
+    ]
     for tok, cap, n in zip(tokenizers, max_lengths, _lengths(empty), strict=True):
         if n > cap:
             raise DataError(
                 f"max length {cap} of {tok.name} cannot hold the {n} special tokens it adds to "
                 "every text; raise that maximum length"
             )
-    known = {i: {0: empty} for i in over}
+    known: dict[int, dict[int, list[Tokenized | None]]] = {i: {0: list(empty)} for i in over}
+    order = {
+        i: sorted(range(len(tokenizers)), key=lambda m: -original[i][m] / max_lengths[m])
+        for i in over
+    }
     searches: dict[int, Search] = {}
     wanted: dict[int, int] = {}
     for i in over:
         guess = _estimate_cut(len(texts[i]), [per_model[i] for per_model in encoded], max_lengths)
-        searches[i] = _search(texts[i], _snap_down(texts[i], guess), max_lengths)
+        searches[i] = _search(texts[i], _snap_down(texts[i], guess))
         _advance(i, searches, wanted, known, results, texts, original, None)
     while wanted:
-        todo = sorted((i, cut) for i, cut in wanted.items() if cut not in known[i])
-        if todo:
-            prefixes = [texts[i][:cut] for i, cut in todo]
-            for (i, cut), e in zip(
-                todo, _encode(prefixes, tokenizers, add_special_tokens), strict=True
-            ):
-                known[i][cut] = e
+        for stage in range(len(tokenizers)):
+            asked: dict[int, list[tuple[int, int]]] = {}
+            for i, cut in wanted.items():
+                got = known[i].setdefault(cut, [None] * len(tokenizers))
+                m = order[i][stage]
+                if got[m] is None and not _overflows(got, max_lengths):
+                    asked.setdefault(m, []).append((i, cut))
+            for m, cuts in sorted(asked.items()):
+                prefixes = [texts[i][:cut] for i, cut in cuts]
+                tokens = tokenize(
+                    tokenizers[m], prefixes, add_special_tokens=add_special_tokens, with_starts=True
+                )
+                for (i, cut), t in zip(cuts, tokens, strict=True):
+                    known[i][cut][m] = t
         for i, cut in list(wanted.items()):
-            _advance(i, searches, wanted, known, results, texts, original, _lengths(known[i][cut]))
+            got = known[i][cut]
+            fits = not _overflows(got, max_lengths) and None not in got
+            _advance(i, searches, wanted, known, results, texts, original, fits)
     return results
 
 
@@ -139,19 +156,19 @@ def _advance(
     i: int,
     searches: dict[int, Search],
     wanted: dict[int, int],
-    known: dict[int, dict[int, tuple[Tokenized, ...]]],
+    known: dict[int, dict[int, list[Tokenized | None]]],
     results: list[ClipResult | None],
     texts: Sequence[str],
     original: list[tuple[int, ...]],
-    counts: tuple[int, ...] | None,
+    fits: bool | None,
 ) -> None:
-    """Send text ``i``'s search the counts it asked for (None: start it); note the next cut it
-    wants, or its result once it has one."""
+    """Tell text ``i``'s search whether the cut it asked for fits (None: start it); note the
+    next cut it wants, or its result once it has one."""
     try:
-        wanted[i] = next(searches[i]) if counts is None else searches[i].send(counts)
+        wanted[i] = next(searches[i]) if fits is None else searches[i].send(fits)
     except StopIteration as stop:
         cut = stop.value
-        encoded = known[i][cut]
+        encoded = tuple(known[i][cut])
         results[i] = ClipResult(texts[i][:cut], True, original[i], _lengths(encoded), encoded)
         wanted.pop(i, None)
         del searches[i]
@@ -165,23 +182,28 @@ def _fits(counts: tuple[int, ...], max_lengths: Sequence[int]) -> bool:
     return all(n <= cap for n, cap in zip(counts, max_lengths, strict=True))
 
 
-def _search(text: str, guess: int, max_lengths: Sequence[int]) -> Search:
+def _overflows(encoded: list[Tokenized | None], max_lengths: Sequence[int]) -> bool:
+    """Whether a model encoded so far holds more tokens than its maximum length."""
+    return any(t is not None and len(t) > cap for t, cap in zip(encoded, max_lengths, strict=True))
+
+
+def _search(text: str, guess: int) -> Search:
     """The cut of a text that does not fit: a gallop away from ``guess`` with steps that double,
     then a bisection between a cut that fits (``lo``) and one that does not (``hi``)."""
     lo, hi = 0, len(text)
     if lo < guess < hi:
         step = _FIRST_STEP
-        if _fits((yield guess), max_lengths):
+        if (yield guess):
             lo = guess
             while (nxt := _snap_down(text, lo + step)) < hi and nxt > lo:
-                if not _fits((yield nxt), max_lengths):
+                if not (yield nxt):
                     hi = nxt
                     break
                 lo, step = nxt, step * 2
         else:
             hi = guess
             while (nxt := _snap_down(text, hi - step)) > lo:
-                if _fits((yield nxt), max_lengths):
+                if (yield nxt):
                     lo = nxt
                     break
                 hi, step = nxt, step * 2
@@ -191,7 +213,7 @@ def _search(text: str, guess: int, max_lengths: Sequence[int]) -> Search:
             mid = _snap_up(text, lo + 1)
         if mid >= hi:
             return lo
-        if _fits((yield mid), max_lengths):
+        if (yield mid):
             lo = mid
         else:
             hi = mid
@@ -208,17 +230,6 @@ def _estimate_cut(n_chars: int, encoded: list[Tokenized], max_lengths: Sequence[
         budget = cap - (len(tokens) - len(starts))
         cut = min(cut, int(starts[max(budget, 0)]))
     return cut
-
-
-def _encode(
-    texts: list[str], tokenizers: Sequence[LoadedTokenizer], add_special_tokens: bool
-) -> list[tuple[Tokenized, ...]]:
-    """Each text's encoding by every model (one batch per model)."""
-    per_model = [
-        tokenize(tok, texts, add_special_tokens=add_special_tokens, with_starts=True)
-        for tok in tokenizers
-    ]
-    return list(zip(*per_model, strict=True))
 
 
 def _is_cut(text: str, i: int) -> bool:
