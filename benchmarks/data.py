@@ -95,7 +95,8 @@ started = time.perf_counter()
 from crosskd.data.prepare import PrepareConfig, prepare
 data, output, workers, student, *teachers = sys.argv[1:]
 config = PrepareConfig(data=data, output=output, student_tokenizer=student,
-                       teacher_tokenizers=teachers, max_length=512, workers=int(workers))
+                       teacher_tokenizers=teachers, max_length=512, shard_rows=1024,
+                       workers=int(workers))
 manifest = prepare(config, progress=False)
 print(json.dumps({"seconds": time.perf_counter() - started, "rows": manifest["rows"],
                   "clipped": manifest["clipped_rows"]}))
@@ -163,7 +164,8 @@ def bench_prepare_speed(mb: float, work: Path, workers: int) -> None:
     n_bytes = write_benchmark_jsonl(data, int(mb * 1e6), document_bytes=1536)
     print(
         f"prepare against its tokenizers alone ({n_bytes / 1e6:.1f} MB, Llama-3 student, "
-        f"max_length 512, {os.cpu_count()} cores; MB/s of text, wall time with start-up):"
+        f"max_length 512, shard_rows 1024, {os.cpu_count()} cores; MB/s of text, wall time with "
+        "start-up):"
     )
     student = "zoo:llama3"
     for teachers in TEACHER_SETS:

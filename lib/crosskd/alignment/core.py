@@ -124,16 +124,23 @@ def tokenize(
         backend.no_padding()
     before = backend.encode_special_tokens
     backend.encode_special_tokens = True
+    out = []
     try:
-        encodings = backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        for first in range(0, len(texts), _ENCODE_BATCH):
+            batch = texts[first : first + _ENCODE_BATCH]
+            for encoding in backend.encode_batch(batch, add_special_tokens=add_special_tokens):
+                spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+                starts = spans[:, 0].copy() if with_starts else None
+                ids = np.array(encoding.ids, dtype=np.int64)
+                out.append(Tokenized(ids, spans[:, 1].copy(), starts))
     finally:
         backend.encode_special_tokens = before
-    out = []
-    for encoding in encodings:
-        spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-        starts = spans[:, 0].copy() if with_starts else None
-        out.append(Tokenized(np.array(encoding.ids, dtype=np.int64), spans[:, 1].copy(), starts))
     return out
+
+
+_ENCODE_BATCH = 256
+"""Texts per call of the Rust tokenizer: enough for its threads, few enough that its encodings
+(each with its token strings) stay a small part of memory before they become arrays."""
 
 
 def align(

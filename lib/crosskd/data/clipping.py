@@ -119,7 +119,7 @@ def clip_texts(
                 f"max length {cap} of {tok.name} cannot hold the {n} special tokens it adds to "
                 "every text; raise that maximum length"
             )
-    known: dict[int, dict[int, list[Tokenized | None]]] = {i: {0: list(empty)} for i in over}
+    kept = {i: (0, tuple(empty)) for i in over}  # the last cut that fit, with its encodings
     order = {
         i: sorted(range(len(tokenizers)), key=lambda m: -original[i][m] / max_lengths[m])
         for i in over
@@ -129,26 +129,26 @@ def clip_texts(
     for i in over:
         guess = _estimate_cut(len(texts[i]), [per_model[i] for per_model in encoded], max_lengths)
         searches[i] = _search(texts[i], _snap_down(texts[i], guess))
-        _advance(i, searches, wanted, known, results, texts, original, None)
+        _advance(i, searches, wanted, kept, results, texts, original, None)
     while wanted:
+        probes = {i: [None] * len(tokenizers) for i in wanted}
         for stage in range(len(tokenizers)):
-            asked: dict[int, list[tuple[int, int]]] = {}
-            for i, cut in wanted.items():
-                got = known[i].setdefault(cut, [None] * len(tokenizers))
-                m = order[i][stage]
-                if got[m] is None and not _overflows(got, max_lengths):
-                    asked.setdefault(m, []).append((i, cut))
-            for m, cuts in sorted(asked.items()):
-                prefixes = [texts[i][:cut] for i, cut in cuts]
+            asked: dict[int, list[int]] = {}
+            for i, got in probes.items():
+                if not _overflows(got, max_lengths):
+                    asked.setdefault(order[i][stage], []).append(i)
+            for m, texts_asked in sorted(asked.items()):
+                prefixes = [texts[i][: wanted[i]] for i in texts_asked]
                 tokens = tokenize(
                     tokenizers[m], prefixes, add_special_tokens=add_special_tokens, with_starts=True
                 )
-                for (i, cut), t in zip(cuts, tokens, strict=True):
-                    known[i][cut][m] = t
-        for i, cut in list(wanted.items()):
-            got = known[i][cut]
-            fits = not _overflows(got, max_lengths) and None not in got
-            _advance(i, searches, wanted, known, results, texts, original, fits)
+                for i, t in zip(texts_asked, tokens, strict=True):
+                    probes[i][m] = t
+        for i, got in probes.items():
+            fits = not _overflows(got, max_lengths)
+            if fits:
+                kept[i] = (wanted[i], tuple(got))
+            _advance(i, searches, wanted, kept, results, texts, original, fits)
     return results
 
 
@@ -156,19 +156,23 @@ def _advance(
     i: int,
     searches: dict[int, Search],
     wanted: dict[int, int],
-    known: dict[int, dict[int, list[Tokenized | None]]],
+    kept: dict[int, tuple[int, tuple[Tokenized, ...]]],
     results: list[ClipResult | None],
     texts: Sequence[str],
     original: list[tuple[int, ...]],
     fits: bool | None,
 ) -> None:
     """Tell text ``i``'s search whether the cut it asked for fits (None: start it); note the
-    next cut it wants, or its result once it has one."""
+    next cut it wants, or its result once it has one (the last cut that fit: the search only
+    ever moves its fitting bound up)."""
     try:
         wanted[i] = next(searches[i]) if fits is None else searches[i].send(fits)
     except StopIteration as stop:
-        cut = stop.value
-        encoded = tuple(known[i][cut])
+        cut, encoded = kept.pop(i)
+        if cut != stop.value:
+            raise RuntimeError(
+                f"clip search of text {i} ended at {stop.value}, not at {cut}"
+            ) from None
         results[i] = ClipResult(texts[i][:cut], True, original[i], _lengths(encoded), encoded)
         wanted.pop(i, None)
         del searches[i]
@@ -183,7 +187,8 @@ def _fits(counts: tuple[int, ...], max_lengths: Sequence[int]) -> bool:
 
 
 def _overflows(encoded: list[Tokenized | None], max_lengths: Sequence[int]) -> bool:
-    """Whether a model encoded so far holds more tokens than its maximum length."""
+    """Whether a model encoded so far holds more tokens than its maximum length (a probe
+    whose every model is encoded and none overflows fits)."""
     return any(t is not None and len(t) > cap for t, cap in zip(encoded, max_lengths, strict=True))
 
 

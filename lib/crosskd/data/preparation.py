@@ -175,11 +175,11 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
 
 def prepare_rows(records: Sequence[Record], preparation: Preparation) -> list[dict]:
     """:func:`prepare_row` of every record, in order, with the same results, the plain-text rows
-    together: each model encodes all their texts in one batch (once for clipping and rendering
-    both; a text clipping cuts keeps the encoding of its cut), clipping searches them in lockstep
-    (:func:`~crosskd.data.clipping.clip_texts`) and each teacher is aligned with the student
-    over all of them in one vectorised pass (:func:`~crosskd.alignment.align_texts`).
-    Conversations are prepared one by one."""
+    together, a few hundred at a time: each model encodes their texts in one batch (once for
+    clipping and rendering both; a text clipping cuts keeps the encoding of its cut), clipping
+    searches them in lockstep (:func:`~crosskd.data.clipping.clip_texts`) and each teacher is
+    aligned with the student over all of them in one vectorised pass
+    (:func:`~crosskd.alignment.align_texts`). Conversations are prepared one by one."""
     rows: list[dict | None] = [None] * len(records)
     texts = []
     for i, record in enumerate(records):
@@ -187,11 +187,18 @@ def prepare_rows(records: Sequence[Record], preparation: Preparation) -> list[di
             rows[i] = prepare_row(record, preparation)
         else:
             texts.append(i)
-    if texts:
-        prepared = _prepare_texts([records[i] for i in texts], preparation)
-        for i, row in zip(texts, prepared, strict=True):
+    for first in range(0, len(texts), _TEXT_BATCH):
+        group = texts[first : first + _TEXT_BATCH]
+        prepared = _prepare_texts([records[i] for i in group], preparation)
+        for i, row in zip(group, prepared, strict=True):
             rows[i] = row
     return rows
+
+
+_TEXT_BATCH = 256
+"""Plain-text rows prepared together: enough for the tokenizers' threads and the vectorised
+alignment, few enough that what they need on the way (every model's encoding of every full
+text, the clipping's probes) stays small beside the window's prepared rows."""
 
 
 def _prepare_texts(records: list[Record], preparation: Preparation) -> list[dict]:
