@@ -158,8 +158,9 @@ def _run_json(script: str, args: list[str], threads: bool = True) -> dict:
 
 
 def bench_prepare_speed(mb: float, work: Path, workers: int) -> None:
-    """Prepare's throughput against its tokenizers alone on the same text, 1 to 3 teachers,
-    one process and ``workers`` processes, and where one process spends its time."""
+    """Prepare's throughput against its tokenizers alone on the same text, 1 to 3 teachers:
+    one process with its tokenizers on one thread and on their own threads, and ``workers``
+    processes; and where one process spends its time."""
     data = work / f"speed-{mb:g}MB.jsonl"
     n_bytes = write_benchmark_jsonl(data, int(mb * 1e6), document_bytes=1536)
     print(
@@ -178,16 +179,20 @@ def bench_prepare_speed(mb: float, work: Path, workers: int) -> None:
             f"alone {base:.2f} MB/s (their threads; {n_bytes / alone_1['encode'] / 1e6:.2f} "
             f"MB/s on one thread; loading them {alone['load']:.1f} s)"
         )
-        first = None
-        for count in sorted({1, workers}):
-            out = work / f"out-{len(teachers)}-{count}"
-            result = _run_json(PREPARE_SPEED, [str(data), str(out), str(count), *models])
+        runs = [("1 process, tokenizers on one thread", 1, False)]
+        runs += [("1 process, the tokenizers' threads", 1, True)]
+        runs += [(f"{workers} worker processes", workers, True)] if workers > 1 else []
+        single = None
+        for label, count, threads in runs:
+            out = work / f"out-{len(teachers)}-{count}-{threads}"
+            args = [str(data), str(out), str(count), *models]
+            result = _run_json(PREPARE_SPEED, args, threads=threads)
             speed = n_bytes / result["seconds"] / 1e6
-            first = first or speed
+            single = single or speed
             steady = n_bytes / max(result["seconds"] - alone["load"], 1e-9) / 1e6
             print(
-                f"    prepare, {count} process(es): {result['seconds']:.1f} s, {speed:.2f} MB/s "
-                f"(x{speed / base:.2f} the tokenizers alone; x{speed / first:.2f} one process; "
+                f"    prepare, {label}: {result['seconds']:.1f} s, {speed:.2f} MB/s "
+                f"(x{speed / base:.2f} the tokenizers alone, x{speed / single:.2f} one thread; "
                 f"without loading the tokenizers {steady:.2f} MB/s, x{steady / base:.2f}); "
                 f"{result['clipped']} of {result['rows']} rows clipped"
             )
