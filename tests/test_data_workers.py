@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,3 +91,33 @@ def test_a_task_that_kills_every_worker_is_named(tmp_path: Path):
 def test_workers_must_be_at_least_one():
     with pytest.raises(ValueError, match="workers is 0; it must be at least 1"):
         list(ordered_map(abs, [1], 0))
+
+
+CTRL_C = """
+import sys, time
+from crosskd.data.workers import ordered_map
+def work(x):
+    time.sleep(30)
+    return x
+print("started", flush=True)
+list(ordered_map(work, range(4), 2))
+"""
+
+
+def test_ctrl_c_stops_the_workers_with_one_traceback():
+    """Ctrl-C reaches the whole process group: the parent stops with KeyboardInterrupt and takes
+    its workers down; the workers print nothing of their own."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert child.stdout.readline().strip() == "started"
+    time.sleep(1.0)  # the workers are forked and asleep in their tasks
+    os.killpg(child.pid, signal.SIGINT)
+    _, err = child.communicate(timeout=20)
+    assert child.returncode != 0
+    assert err.count("KeyboardInterrupt") == 1
+    assert "ForkProcess" not in err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import TypeVar
@@ -47,7 +48,10 @@ class _Worker:
 
 
 def _serve(conn: Connection, work: Callable) -> None:
-    """A worker's loop: run ``work`` on each task received until the pipe closes."""
+    """A worker's loop: run ``work`` on each task received until the pipe closes. Ctrl-C is the
+    parent's to handle (it stops the workers), so a worker ignores it rather than print a
+    traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     while True:
         try:
