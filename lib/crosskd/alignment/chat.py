@@ -265,12 +265,15 @@ def align_chat(
     sample_id: str,
     options: ChatOptions | None = None,
     student: Rendered | None = None,
+    teacher: Rendered | None = None,
     clipped_message: int | None = None,
 ) -> AlignedSample:
     """Align the assistant messages of a conversation (module docstring for the rules).
 
     ``student``: the student's rendering when already made (shared across teachers; render it
-    from :func:`harmonize_reasoning` output). ``clipped_message``: the index of an assistant
+    from :func:`harmonize_reasoning` output); ``teacher`` likewise the teacher's (data
+    preparation renders every model once to measure the conversation). ``clipped_message``: the
+    index of an assistant
     message whose answer was cut by clipping: its end-of-turn pair is left out (the model must
     not learn to stop there).
     """
@@ -288,7 +291,7 @@ def align_chat(
             f"distilled; drop the sample or add the assistant's answer."
         )
     s = student or render(student_tok, messages, sample_id=sample_id)
-    t = render(teacher_tok, messages, sample_id=sample_id)
+    t = teacher or render(teacher_tok, messages, sample_id=sample_id)
     t_regions = {(m, r): (a, b) for m, r, a, b in t.regions}
     included = {REGIONS.index(name) for name in options.included_regions}
     parts, regions, owners = [], [], []

@@ -146,8 +146,8 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
         messages, cut = None, None
         s_view = render_text(student, text)
     else:
-        messages, clipped, original, cut = _fit_chat(record, models, capacities)
-        s_view = render(student, messages, sample_id=record.sample_id)
+        messages, clipped, original, cut, views = _fit_chat(record, models, capacities)
+        s_view = views[0] if views else render(student, messages, sample_id=record.sample_id)
         text = None
     own = student_tokens(
         student, s_view, messages, options, sample_id=record.sample_id, clipped_message=cut
@@ -167,6 +167,7 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
                     sample_id=record.sample_id,
                     options=options,
                     student=s_view,
+                    teacher=views[k + 1] if views else None,
                     clipped_message=cut,
                 )
             )
@@ -277,16 +278,22 @@ def _row(
 
 
 def _chat_lengths(messages: list[dict], models: list[LoadedTokenizer], sample_id: str) -> list:
-    return [len(render(tok, messages, sample_id=sample_id).tokens) for tok in models]
+    return [len(view.tokens) for view in _renders(messages, models, sample_id)]
+
+
+def _renders(messages: list[dict], models: list[LoadedTokenizer], sample_id: str) -> list:
+    return [render(tok, messages, sample_id=sample_id) for tok in models]
 
 
 def _fit_chat(
     record: Record, models: list[LoadedTokenizer], capacities: list[int]
-) -> tuple[list[dict], bool, list[int], int | None]:
+) -> tuple[list[dict], bool, list[int], int | None, list | None]:
     """The longest conversation prefix (ending with an assistant message) every model holds.
     If even the first assistant turn is too long, its answer is clipped by bisection, and if an
     empty answer is still too long, its reasoning is. Returns the messages, whether they were
-    clipped, the original lengths, and the index of a message whose text was cut (or None)."""
+    clipped, the original lengths, the index of a message whose text was cut (or None), and
+    every model's rendering of the messages when measuring them made it (a conversation that
+    fits whole), else None."""
     messages = harmonize_reasoning(models, record.messages)
     sid = record.sample_id
     if not any(m.get("role") == "assistant" for m in messages):
@@ -294,13 +301,14 @@ def _fit_chat(
             f"sample {sid}: the conversation has no assistant message, so nothing would be "
             f"distilled; drop the sample or add the assistant's answer."
         )
-    original = _chat_lengths(messages, models, sid)
+    views = _renders(messages, models, sid)
+    original = [len(view.tokens) for view in views]
     if all(n <= c for n, c in zip(original, capacities, strict=True)):
-        return messages, False, original, None
+        return messages, False, original, None, views
     ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
     for end in reversed(ends):
         if _fits(messages[:end], models, capacities, sid):
-            return messages[:end], True, original, None
+            return messages[:end], True, original, None, None
     first = messages[: ends[0]]
     last = len(first) - 1
     for key in ("content", "reasoning_content"):
@@ -308,7 +316,7 @@ def _fit_chat(
             continue
         cut = _longest_prefix(first, key, models, capacities, sid)
         if cut is not None:
-            return cut, True, original, last
+            return cut, True, original, last, None
         first = [*first[:last], {**first[last], key: ""}]
     raise DataError(
         f"sample {sid} ({record.source}, row {record.row}): even with an empty first answer the "
