@@ -159,21 +159,17 @@ def test_splits_merge_to_what_one_process_writes(reference, tmp_path, zoo_env, c
 
 
 def test_workers_write_what_one_process_writes(reference, tmp_path, zoo_env):
-    """Two worker processes write the same shards and manifest as one process, and a run
-    stopped part way with one process resumes with two (the worker count is not a setting the
-    run records)."""
+    """A run stopped part way with one process resumes with two worker processes (the worker
+    count is not a setting the run records), and the windows the workers prepare are the same
+    bytes, the manifest the same, as one uninterrupted process writes."""
     data, whole, manifest = reference
-    assert _comparable(prepare(_config(data, tmp_path / "two", workers=2), progress=False)) == (
-        _comparable(manifest)
-    )
-    assert _files(tmp_path / "two") == _files(whole)
     out, seen = tmp_path / "resumed", []
     with pytest.raises(KeyboardInterrupt):  # in the second window
         prepare(_config(data, out), progress=False, on_row=_stop_at_row(4, seen))
     assert sorted(_files(out)) == ["part-000000.parquet"]
     seen.clear()
     resumed = prepare(_config(data, out, workers=2), progress=False, on_row=seen.append)
-    assert len(seen) == 7
+    assert len(seen) == 7  # windows 1, 2 and 3, by the workers
     assert _files(out) == _files(whole)
     assert _comparable(resumed) == _comparable(manifest)
 
