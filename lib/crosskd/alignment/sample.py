@@ -87,15 +87,11 @@ def align_texts(
 ) -> list[AlignedSample]:
     """:func:`align_text` of many plain texts (``students[i]`` and ``teachers[i]`` render the
     same text), aligned in one vectorised pass (:func:`~crosskd.alignment.align_many`)."""
-    chunks = []
-    for first in range(0, len(students), _ALIGN_BATCH):
-        part = slice(first, first + _ALIGN_BATCH)
-        chunks += align_many(
-            [s.tokens for s in students[part]],
-            [t.tokens for t in teachers[part]],
-            student_tok,
-            teacher_tok,
-        )
+    if not students:
+        return []
+    chunks = align_many(
+        [s.tokens for s in students], [t.tokens for t in teachers], student_tok, teacher_tok
+    )
     out = []
     for s, t, c in zip(students, teachers, chunks, strict=True):
         loss_mask = np.ones(len(s.tokens), dtype=bool)
@@ -112,11 +108,6 @@ def align_texts(
             )
         )
     return out
-
-
-_ALIGN_BATCH = 256
-"""Texts aligned in one vectorised pass: its arrays span every token of the batch, so a batch
-of a few hundred texts keeps them small beside the rows themselves."""
 
 
 def chunks_in_mask(chunks: Chunks, loss_mask: np.ndarray) -> np.ndarray:
