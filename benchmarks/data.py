@@ -177,7 +177,8 @@ def bench_prepare_speed(mb: float, work: Path, workers: int) -> None:
         print(
             f"  {len(teachers)} teacher(s) ({', '.join(t[4:] for t in teachers)}): tokenizers "
             f"alone {base:.2f} MB/s (their threads; {n_bytes / alone_1['encode'] / 1e6:.2f} "
-            f"MB/s on one thread; loading them {alone['load']:.1f} s)"
+            f"MB/s on one thread; loading them {alone_1['load']:.1f} s, {alone['load']:.1f} s in "
+            "the first process)"
         )
         runs = [("1 process, tokenizers on one thread", 1, False)]
         runs += [("1 process, the tokenizers' threads", 1, True)]
@@ -189,7 +190,7 @@ def bench_prepare_speed(mb: float, work: Path, workers: int) -> None:
             result = _run_json(PREPARE_SPEED, args, threads=threads)
             speed = n_bytes / result["seconds"] / 1e6
             single = single or speed
-            steady = n_bytes / max(result["seconds"] - alone["load"], 1e-9) / 1e6
+            steady = n_bytes / max(result["seconds"] - alone_1["load"], 1e-9) / 1e6
             print(
                 f"    prepare, {label}: {result['seconds']:.1f} s, {speed:.2f} MB/s "
                 f"(x{speed / base:.2f} the tokenizers alone, x{speed / single:.2f} one thread; "

@@ -1,26 +1,32 @@
 """Shared fixtures: the tokenizer zoo (built once per session) and tables built from it.
 
-The zoo is built into ``$CROSSKD_CACHE_DIR`` when that is set (so repeated local runs reuse
-it), else into a fresh session temporary folder.
+The zoo (and what loading a tokenizer derives) is kept in ``$CROSSKD_CACHE_DIR`` when that is
+set (so repeated local runs reuse it), else in a fresh temporary folder of this process, removed
+at its exit: the suite never writes to the user's own cache.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+if not os.environ.get("CROSSKD_CACHE_DIR"):
+    os.environ["CROSSKD_CACHE_DIR"] = tempfile.mkdtemp(prefix="crosskd-cache-")
+    atexit.register(shutil.rmtree, os.environ["CROSSKD_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
-def zoo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def zoo_cache() -> Path:
     """Where zoo tokenizers are built for this session."""
-    configured = os.environ.get("CROSSKD_CACHE_DIR")
-    return Path(configured) if configured else tmp_path_factory.mktemp("crosskd-cache")
+    return Path(os.environ["CROSSKD_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")

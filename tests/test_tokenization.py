@@ -343,3 +343,38 @@ def test_hub_id_is_read_from_the_local_hf_cache_only(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(load_tokenizer(snapshot).length), "512"]
+
+
+def test_what_loading_derives_is_kept_by_the_files_digest(tmp_path, caplog):
+    folder = _tiny(tmp_path / "t", specials=("<|im_end|>",), config={"eos_token": "<|im_end|>"})
+    cache = tmp_path / "cache"
+    fresh = load_tokenizer(folder, cache_dir=cache)
+    (entry,) = (cache / "tokenizers").iterdir()
+    again = load_tokenizer(folder, cache_dir=cache)
+    assert [*(cache / "tokenizers").iterdir()] == [entry]
+    assert again.fingerprint == fresh.fingerprint
+    for name in ("data", "offsets", "kind"):
+        np.testing.assert_array_equal(getattr(again.bytes, name), getattr(fresh.bytes, name))
+    assert again.roles == fresh.roles == {fresh.hf.eos_token_id: "eot"}
+    assert again.vocab == json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    # the entry is what a load reads: an edited one comes back as it was edited
+    meta = json.loads((entry / "derived.json").read_text())
+    (entry / "derived.json").write_text(json.dumps({**meta, "fingerprint": "edited"}))
+    assert load_tokenizer(folder, cache_dir=cache).fingerprint == "edited"
+    # a changed file is another key; an entry cut short is derived and written again
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "B"}))
+    changed = load_tokenizer(folder, cache_dir=cache)
+    assert changed.fingerprint not in (fresh.fingerprint, "edited")
+    assert len([*(cache / "tokenizers").iterdir()]) == 2
+    (entry / "bytes.npz").unlink()
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"})
+    )
+    assert load_tokenizer(folder, cache_dir=cache).fingerprint == fresh.fingerprint
+    assert (entry / "bytes.npz").is_file()
+    # a cache that cannot be written costs only the time
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level("INFO", logger="crosskd.tokenization.derived"):
+        assert load_tokenizer(folder, cache_dir=blocked).fingerprint == fresh.fingerprint
+    assert "cannot keep what loading it derives" in caplog.text

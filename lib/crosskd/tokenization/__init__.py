@@ -17,6 +17,10 @@ Ids and sizes:
 * **Roles** of specials: :mod:`crosskd.tokenization.roles`.
 * The **fingerprint** (sha256 of the canonical JSON of everything that decides ids and
   rendering) is what every artifact records and every consumer checks.
+
+The fingerprint, the byte view and the backend's JSON less its vocabulary and merges are derived
+once per set of tokenizer files and read from the cache after that
+(:mod:`crosskd.tokenization.derived`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from crosskd.tokenization.byte_level import (
     byte_level_to_bytes,
     bytes_to_byte_level,
 )
+from crosskd.tokenization.derived import Derived, derive, source_key
 from crosskd.tokenization.roles import ROLES, assign_roles
 from crosskd.tokenization.sources import load_hf
 
@@ -81,6 +86,8 @@ class LoadedTokenizer:
     """A supported tokenizer with everything CSD derives from it.
 
     ``hf`` is the ``transformers`` fast tokenizer (for encoding and chat templates).
+    ``skeleton``: the backend's JSON without the model's ``vocab`` and ``merges``
+    (:class:`~crosskd.tokenization.derived.Derived`).
     """
 
     name: str
@@ -90,8 +97,17 @@ class LoadedTokenizer:
     vocab_size: int
     bytes: ByteVocab
     roles: dict[int, str]
-    vocab: dict[str, int] = field(repr=False)
-    backend_json: dict = field(repr=False)
+    skeleton: dict = field(repr=False)
+
+    @cached_property
+    def vocab(self) -> dict[str, int]:
+        """The BPE model's vocabulary: ByteLevel string -> id (added tokens not included)."""
+        return self.hf.backend_tokenizer.get_vocab(with_added_tokens=False)
+
+    @cached_property
+    def backend_json(self) -> dict:
+        """The backend tokenizer's whole JSON form (parsed on first use: megabytes)."""
+        return json.loads(self.hf.backend_tokenizer.to_str())
 
     @cached_property
     def role_ids(self) -> dict[str, int]:
@@ -110,7 +126,7 @@ class LoadedTokenizer:
     def normalizes_nfc(self) -> bool:
         """Whether the tokenizer NFC-normalises text (Qwen): data preparation then NFC-normalises
         once, before any tokenizer sees the text, so no tokenizer changes bytes under offsets."""
-        return "NFC" in _components(self.backend_json.get("normalizer"), "normalizers")
+        return "NFC" in _components(self.skeleton.get("normalizer"), "normalizers")
 
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is an added/special token."""
@@ -121,7 +137,7 @@ class LoadedTokenizer:
         """A ``tokenizers.Tokenizer`` around this tokenizer's own BPE model (its merges and
         ``ignore_merges``; dropout off), with no normalizer, pre-tokenizer, added tokens or
         post-processor, so a ByteLevel string is encoded as one word."""
-        if self.backend_json["model"].get("dropout") is None:
+        if self.skeleton["model"].get("dropout") is None:
             return Tokenizer(self.hf.backend_tokenizer.model)
         spec = {"version": "1.0", "model": dict(self.backend_json["model"], dropout=None)}
         return Tokenizer.from_str(json.dumps(spec))
@@ -195,17 +211,17 @@ def load_tokenizer(
         cache_dir: where URIs are copied; default ``$CROSSKD_CACHE_DIR`` or ``~/.cache/crosskd``.
     """
     name = str(ref)
-    hf, folder = load_hf(name, trust_remote_code=trust_remote_code, cache_dir=cache_dir)
+    hf, folder, files = load_hf(name, trust_remote_code=trust_remote_code, cache_dir=cache_dir)
     if not getattr(hf, "is_fast", False):
         raise TokenizerError(
             f"tokenizer {name!r} is a slow (Python) tokenizer ({type(hf).__name__}); "
             f"supported: {SUPPORTED}. Pass a folder with a tokenizer.json."
         )
-    backend = json.loads(hf.backend_tokenizer.to_str())
-    check_supported(name, backend)
-    vocab = backend["model"]["vocab"]
-    added = {tok["id"]: tok["content"] for tok in backend.get("added_tokens", [])}
-    max_id = max(max(vocab.values(), default=-1), max(added, default=-1))
+    key = source_key(files) if files else None
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    derived = derive(key, cache, lambda: _derive(name, hf), name=name)
+    check_supported(name, derived.skeleton)
+    max_id = len(derived.kind) - 1
     if vocab_size is None:
         vocab_size = _config_vocab_size(folder)
     if vocab_size is None:
@@ -222,19 +238,43 @@ def load_tokenizer(
             f"tokenizer {name!r} has token id {max_id} but the model's output size was given as "
             f"{vocab_size}; pass the model's real vocab_size (config.json) or a larger value."
         )
-    byte_vocab = _byte_vocab(name, vocab, added, vocab_size)
+    padding = vocab_size - len(derived.kind)
+    byte_vocab = ByteVocab(
+        data=derived.data,
+        offsets=np.concatenate([derived.offsets, np.full(padding, derived.offsets[-1])]),
+        kind=np.concatenate([derived.kind, np.full(padding, KIND_NONE, dtype=np.uint8)]),
+    )
+    added = {tok["id"]: tok["content"] for tok in derived.skeleton.get("added_tokens", [])}
     roles = assign_roles(name, hf, added, role_overrides or {})
     return LoadedTokenizer(
         name=name,
         hf=hf,
-        fingerprint=fingerprint(hf, backend),
+        fingerprint=derived.fingerprint,
         length=len(hf),
         vocab_size=vocab_size,
         bytes=byte_vocab,
         roles=roles,
-        vocab=vocab,
-        backend_json=backend,
+        skeleton=derived.skeleton,
     )
+
+
+def _derive(name: str, hf: PreTrainedTokenizerBase) -> Derived:
+    """The fingerprint, the skeleton and the byte view of ids ``[0, max id]`` of ``hf``,
+    refused (:func:`check_supported`) before the byte view is built."""
+    backend = json.loads(hf.backend_tokenizer.to_str())
+    model = backend["model"]
+    skeleton = dict(backend, model={k: v for k, v in model.items() if k not in _MODEL_TABLES})
+    check_supported(name, skeleton)
+    added = {tok["id"]: tok["content"] for tok in backend.get("added_tokens", [])}
+    max_id = max(max(model["vocab"].values(), default=-1), max(added, default=-1))
+    byte_vocab = _byte_vocab(name, model["vocab"], added, max_id + 1)
+    return Derived(
+        fingerprint(hf, backend), skeleton, byte_vocab.data, byte_vocab.offsets, byte_vocab.kind
+    )
+
+
+_MODEL_TABLES = ("vocab", "merges")
+"""The backend model's keys the skeleton leaves out (the bulk of a tokenizer's JSON)."""
 
 
 def check_supported(name: str, backend: dict) -> None:

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 def load_hf(
     ref: str, *, trust_remote_code: bool, cache_dir: str | os.PathLike | None
-) -> tuple[PreTrainedTokenizerBase, Path | None]:
-    """Returns the transformers tokenizer and the local folder it came from (if any)."""
+) -> tuple[PreTrainedTokenizerBase, Path | None, list[Path] | None]:
+    """Returns the transformers tokenizer, the local folder it came from (if any) and the files
+    it was built from (None with ``trust_remote_code``: its code may read anything)."""
     # lazy: transformers costs ~1 s and imports torch; crosskd prepare's parser imports this module
     # (through crosskd.data.prepare) without torch, and every pipeline step imports it through
     # crosskd.steps; only loading a tokenizer needs it
@@ -49,7 +50,7 @@ def load_hf(
                 f"tokenizer {ref!r} is a file but not a tokenizer.json; pass the folder that "
                 f"holds tokenizer.json, or the tokenizer.json itself."
             )
-        return PreTrainedTokenizerFast(tokenizer_file=str(path)), path.parent
+        return PreTrainedTokenizerFast(tokenizer_file=str(path)), path.parent, [path]
     if not path.is_dir():
         path = _hub_folder(ref)
     if not (path / "tokenizer.json").is_file():
@@ -61,7 +62,13 @@ def load_hf(
     tok = AutoTokenizer.from_pretrained(
         str(path), local_files_only=True, trust_remote_code=trust_remote_code
     )
-    return tok, path
+    if trust_remote_code:
+        return tok, path, None
+    files = [path / name for name in sorted(TOKENIZER_FILES) if (path / name).is_file()]
+    templates = path / "additional_chat_templates"
+    if templates.is_dir():
+        files += sorted(p for p in templates.iterdir() if p.is_file())
+    return tok, path, files
 
 
 def _hub_folder(repo_id: str) -> Path:
@@ -93,7 +100,9 @@ TOKENIZER_FILES = frozenset(
         "config.json",
     }
 )
-"""The files copied from a remote folder (model weights next to them are not)."""
+"""The files of a folder that ``transformers`` builds a fast tokenizer from (``config.json`` can
+name its class): what is copied from a remote folder (model weights next to them are not), and,
+with every file of ``additional_chat_templates/``, what a loaded tokenizer's cache key covers."""
 
 _VERSION_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "md5Hash")
 
