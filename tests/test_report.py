@@ -94,3 +94,41 @@ def test_out_of_domain_column_and_the_distilled_student_against_ce_only(tmp_path
     ]
     plain = report_markdown({"bits_per_byte": {"student_kd": 3.0}, "runs": {}, "config": {}})
     assert "| model | bits/byte |" in plain and "against the CE-only" not in plain
+
+
+def test_a_run_that_shared_its_machine_is_marked_next_to_its_speed(tmp_path):
+    from crosskd.metrics.contention import contention, cpu_share
+    from crosskd.metrics.report import report_markdown
+
+    assert cpu_share(1.0, 2.0, threads=1) == 0.5 and cpu_share(4.0, 2.0, threads=2) == 1.0
+
+    def steps(seconds, share=None):
+        extra = {} if share is None else {"cpu_share": share}
+        return [
+            {"step": i + 1, "tokens": 10.0, "seconds": s, "ce": 1.0, "kd": 0.5, **extra}
+            for i, s in enumerate(seconds)
+        ]
+
+    even = [1.0] * 18
+    alone = steps([*even, 1.2, 1.4], share=0.95)
+    # 20 steps: the 95th percentile by nearest rank is the 19th smallest time
+    assert contention(alone) == []
+    crowded = steps([*even, 3.0, 3.0], share=0.45)
+    assert contention(crowded) == [
+        "median CPU share 0.45 of its threads (alone: about 1)",
+        "step time p95 3.0x its median",
+    ]
+    on_gpu = steps([*even, 1.0, 3.0])  # no CPU share: only the spread counts
+    assert contention(on_gpu) == []
+    assert contention(steps([*even, 2.0, 2.0])) == ["step time p95 2.0x its median"]
+    metrics = {"bits_per_byte": {"student_kd": 2.0}, "runs": {"kd": alone, "ce": crowded}}
+    write_report(str(tmp_path / "r"), {**metrics, "config": {}})
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "<td>kd</td><td>9.7</td><td>1.000</td><td>1.200</td><td>no</td>"  # 200 / 20.6 in page
+    assert (
+        "<td>ce</td><td>8.3</td><td>1.000</td><td>3.000</td><td>yes: median CPU share 0.45 of "
+        "its threads (alone: about 1); step time p95 3.0x its median</td>"
+    ) in page
+    assert "its speed is not the method&#x27;s cost" in page
+    markdown = report_markdown({**metrics, "config": {}})
+    assert "Run `ce`: 20 steps, last CE 1.0000, KD 0.5000; shared the machine: yes:" in markdown

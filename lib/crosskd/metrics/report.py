@@ -8,9 +8,10 @@ import base64
 import html
 import io
 import json
-import math
 
 import fsspec
+
+from crosskd.metrics.contention import SHARE_BELOW, SPREAD_ABOVE, contention, nearest_rank
 
 
 def write_report(folder: str, metrics: dict) -> str:
@@ -50,14 +51,10 @@ def speed(history: list[dict]) -> dict[str, float]:
     if not timed:
         return {}
     seconds = sorted(float(h["seconds"]) for h in timed)
-
-    def rank(q: float) -> float:
-        return seconds[max(0, math.ceil(q * len(seconds)) - 1)]
-
     return {
         "tokens_per_s": sum(float(h.get("tokens", 0)) for h in timed) / sum(seconds),
-        "step_seconds_p50": rank(0.5),
-        "step_seconds_p95": rank(0.95),
+        "step_seconds_p50": nearest_rank(seconds, 0.5),
+        "step_seconds_p95": nearest_rank(seconds, 0.95),
     }
 
 
@@ -101,7 +98,8 @@ def _two_plots(titles: tuple[str, str], lines: list[tuple[int, list, list, str]]
 
 def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
     """The report page: bits-per-byte table, the loss curves inline, each run's tokens/s and
-    step time (a table and a plot), the configuration."""
+    step time (a table, with the signs that the run shared its machine, and a plot), the
+    configuration."""
     header, table = bits_per_byte_rows(metrics)
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in table
@@ -110,9 +108,10 @@ def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
     comparison = "".join(f"<p>{html.escape(line)}</p>" for line in kd_against_ce(metrics))
     speeds = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{s['tokens_per_s']:.1f}</td>"
-        f"<td>{s['step_seconds_p50']:.3f}</td><td>{s['step_seconds_p95']:.3f}</td></tr>"
-        for name, s in ((n, speed(h)) for n, h in metrics["runs"].items())
-        if s
+        f"<td>{s['step_seconds_p50']:.3f}</td><td>{s['step_seconds_p95']:.3f}</td>"
+        f"<td>{html.escape(shared_machine(h))}</td></tr>"
+        for name, h in metrics["runs"].items()
+        if (s := speed(h))
     )
     image = base64.b64encode(png).decode("ascii")
     speed_image = base64.b64encode(speed_plot).decode("ascii")
@@ -124,13 +123,29 @@ def report_html(metrics: dict, png: bytes, speed_plot: bytes) -> str:
         "<h2>Loss curves</h2>"
         f"<img src='data:image/png;base64,{image}' alt='loss curves (loss_curves.png)'>"
         "<h2>Speed</h2><table border='1' cellpadding='4'><tr><th>run</th><th>tokens/s</th>"
-        f"<th>step seconds p50</th><th>step seconds p95</th></tr>{speeds}</table>"
+        "<th>step seconds p50</th><th>step seconds p95</th><th>shared the machine?</th></tr>"
+        f"{speeds}</table><p>{html.escape(SHARED_NOTE)}</p>"
         f"<img src='data:image/png;base64,{speed_image}' alt='tokens/s and step time "
         "(speed.png)'>"
         "<h2>Configuration</h2><pre>"
         f"{html.escape(json.dumps(metrics.get('config', {}), indent=1, default=str))}</pre>"
         "</body></html>"
     )
+
+
+SHARED_NOTE = (
+    "A run marked as sharing its machine ran beside other work (its CPU share: the CPU seconds "
+    f"of its steps over their wall time times its threads, below {SHARE_BELOW} on the CPU; or "
+    f"its 95th-percentile step time above {SPREAD_ABOVE} times the median): its speed is not "
+    "the method's cost. Compare speeds of runs that are not marked."
+)
+
+
+def shared_machine(history: list[dict]) -> str:
+    """The speed table's cell on whether a run shared its machine
+    (:func:`~crosskd.metrics.contention.contention`)."""
+    signs = contention(history)
+    return "yes: " + "; ".join(signs) if signs else "no"
 
 
 def bits_per_byte_rows(metrics: dict) -> tuple[list[str], list[list[str]]]:
@@ -192,6 +207,6 @@ def report_markdown(metrics: dict) -> str:
             lines += [
                 "",
                 f"Run `{name}`: {len(history)} steps, last CE {last['ce']:.4f}, "
-                f"KD {last['kd']:.4f}.",
+                f"KD {last['kd']:.4f}; shared the machine: {shared_machine(history)}.",
             ]
     return "\n".join(lines) + "\n"

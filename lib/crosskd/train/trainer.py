@@ -72,6 +72,7 @@ from crosskd.loss.metrics import add_sums, summarize
 from crosskd.loss.objective import ReportLayout, term_names
 from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
+from crosskd.metrics.contention import cpu_share
 from crosskd.output_layer import OutputHead, OutputLayer, head_output_unchanged, use_output_head
 from crosskd.parallel.attention import layer_windows, packed_inputs, refuse_state_mixers
 from crosskd.parallel.mesh import build_parallel_mesh
@@ -730,7 +731,7 @@ class Trainer:
         inputs = Prefetcher(self.step_inputs, range(first, last), cfg.prefetch_steps)
         with _sigterm_flag() as stop, contextlib.closing(inputs):
             for step in range(first, last):
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 try:
                     (planned, waited), failure = inputs.get(step), None
                 except Exception as exc:  # every rank raises it after the step's all-reduce
@@ -738,6 +739,8 @@ class Trainer:
                 metrics = self.train_step(step, planned, failure)
                 metrics["input_wait_s"] = waited
                 seconds = time.perf_counter() - started
+                if self.device.type == "cpu":  # on a GPU the process waits on the device
+                    metrics["cpu_share"] = cpu_share(time.process_time() - cpu_started, seconds)
                 done = self.done = step + 1
                 if self.eval_sequences is not None and (
                     done == cfg.steps or (eval_every and done % eval_every == 0)
