@@ -11,7 +11,7 @@ ON_POLICY_OUT ?= on-policy-demo-out
 CONVERSATIONS ?= 240
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv demo chat-demo on-policy-demo transfer-demo test bench lint
+.PHONY: venv demo chat-demo on-policy-demo transfer-demo test bench lint docs docs-serve
 
 venv: $(STAMP)
 
@@ -59,7 +59,7 @@ transfer-demo: venv
 	$(VENV)/bin/crosskd pipeline run-local --preset transfer output=$(TRANSFER_OUT)
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: venv
 	$(PY) benchmarks/tables.py
@@ -70,6 +70,14 @@ bench: venv
 	$(PY) benchmarks/metrics.py
 	$(PY) benchmarks/parallel_memory.py
 	$(PY) benchmarks/train_step.py
+
+# The docs site (docs/ with MkDocs Material) into build/docs-site; --strict fails on a broken link
+# or anchor and on a page left out of the nav. `make docs-serve` serves it on localhost:8000.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet -f docs/site/mkdocs.yml
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve -f docs/site/mkdocs.yml
 
 lint: venv
 	$(PY) -m ruff check $(SOURCES)

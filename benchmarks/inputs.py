@@ -155,12 +155,14 @@ def csd_plan(
     k: int,
     student_vocab: int,
     tau: float = 1.0,
-    projection: tuple[str, Projection] | None = None,
+    projection: tuple[str, Projection | None] | None = None,
 ) -> tuple[LossConfig, LossPlan]:
     """The default loss config (one cross-tokenizer teacher at top-K ``k``, temperature
-    ``tau``; with ``projection`` (an algorithm that reads one, and the projection) that
-    algorithm in place of CSD) and the plan of ``batch`` with teacher ``signal``."""
-    xtoken = {} if projection is None else {"algorithm": projection[0], "projection": "w"}
+    ``tau``; with ``projection`` (another algorithm, and its projection or None for ``uld``)
+    that algorithm in place of CSD) and the plan of ``batch`` with teacher ``signal``."""
+    xtoken = {} if projection is None else {"algorithm": projection[0]}
+    if projection is not None and projection[1] is not None:
+        xtoken["projection"] = "w"
     config = LossConfig(
         tau=tau,
         teachers=[

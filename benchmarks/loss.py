@@ -19,6 +19,8 @@ Timed, each forward + backward from the student logits to their gradient:
   (:mod:`crosskd.loss.xtoken`), gold loss and H-KL (:mod:`crosskd.loss.gold`), the projection
   built from the same tables, at K = 32: every loss-masked row's whole softmax times the
   columns of ``W`` the batch names, or each chunk's whole mean log-softmax;
+* ``ce+uld K``: CE plus ULD's sorted L1 (:mod:`crosskd.loss.uld`) at K = 32: each paired row's
+  whole softmax and its top K + 1;
 * ``ce+dense kl``: CE plus a full-vocabulary KL(T || S) against a teacher on the student's own
   vocabulary (what same-tokenizer KD with a dense teacher costs).
 
@@ -152,6 +154,7 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     projection = build_projection(pair)
     losses = [("csd", k, None) for k in KS]
     losses += [(algorithm, XTOKEN_K, (algorithm, projection)) for algorithm in PROJECTED]
+    losses += [("uld", XTOKEN_K, ("uld", None))]
     for algorithm, k, projected in losses:
         signal = signal_from_logits(t_logits, t_ids, k=k, tau=1.0)
         start = time.perf_counter()
@@ -171,7 +174,7 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
                 "peak": peak,
                 "plan_seconds": plan_s,
                 "chunks": plan.counts.chunks[0],
-                "events": len(plan.terms[0].events.teacher_lp),
+                "events": _events(plan.terms[0]),
             }
         )
     seconds, peak = measure(dense_step, args.repeat)
@@ -182,6 +185,13 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
         row["time_ratio"] = row["seconds"] / ce_s
         row["memory_ratio"] = row["peak"] / ce_mem
     return results
+
+
+def _events(term) -> int:
+    """A term's events (ULD's: its paired rows' compared probabilities)."""
+    if hasattr(term, "events"):
+        return len(term.events.teacher_lp)
+    return term.teacher_probs.numel()
 
 
 FUSED_STUDENTS = (("smollm2", "qwen3", 576), ("llama3", "qwen3", 2048), ("qwen3", "llama3", 896))

@@ -9,13 +9,12 @@ kube-config. ``kubectl`` and ``docker`` lines need a real API server or engine a
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import doc_commands as doc
 import yaml
 from k8s_fake import PYTORCHJOB, TRAINJOB, FakeKubernetesApi, JobResource
 
@@ -23,7 +22,6 @@ from crosskd.k8s.job import job_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "kubernetes.md"
-BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 
 def _section(title: str) -> str:
@@ -33,50 +31,20 @@ def _section(title: str) -> str:
     return text[start:end]
 
 
-def _blocks(section: str, lang: str) -> list[tuple[str, str]]:
-    """(the paragraph before, the block) for each ``lang`` block of ``section``."""
-    out = []
-    for match in BLOCK.finditer(section):
-        if match.group(1) == lang:
-            before = section[: match.start()].rstrip().rsplit("\n\n", 1)[-1]
-            out.append((before, match.group(2)))
-    return out
-
-
-def _commands(block: str) -> list[str]:
-    """The block's commands: continuation lines joined, comments dropped."""
-    joined = block.replace("\\\n", " ")
-    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip()]
-
-
-def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
-    return done
-
-
 def _crosskd_commands(title: str) -> list[str]:
     """The ``crosskd`` commands of the sh blocks of the section ``title``, in order."""
-    blocks = _blocks(_section(title), "sh")
-    return [c for _, b in blocks for c in _commands(b) if c.startswith("crosskd ")]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    return env
+    blocks = doc.blocks(_section(title), "sh")
+    return [c for _, b in blocks for c in doc.commands(b) if c.startswith("crosskd ")]
 
 
 def test_section_2_runs_as_written(tmp_path):
     section = _section("2. Try it on one machine")
-    for before, text in _blocks(section, "yaml"):
+    for before, text in doc.blocks(section, "yaml"):
         names = re.findall(r"`([\w.-]+\.yaml)`", before)
         assert names, before
         (tmp_path / names[-1]).write_text(text)
     assert {"job-local.yaml"} <= {p.name for p in tmp_path.iterdir()}
-    commands = [c for _, b in _blocks(section, "sh") for c in _commands(b)]
+    commands = [c for _, b in doc.blocks(section, "sh") for c in doc.commands(b)]
     assert [c.split()[:3] for c in commands] == [
         ["crosskd", "distill", "--preset"],
         ["crosskd", "job", "render"],
@@ -84,7 +52,7 @@ def test_section_2_runs_as_written(tmp_path):
         ["crosskd", "job", "submit"],
         ["crosskd", "job", "submit"],
     ]
-    outputs = [_run(c, tmp_path, _env()).stdout for c in commands]
+    outputs = [doc.run(c, tmp_path, doc.env()).stdout for c in commands]
     # The job trained the train config's steps, both replicas, and the final model is there.
     records = [
         json.loads(x)
@@ -108,7 +76,7 @@ def test_section_1_crosskd_commands_run_as_written(tmp_path):
     tree = tmp_path / "repo"
     shutil.copytree(ROOT / "manifests", tree / "manifests")
     before = {p: p.read_bytes() for p in (tree / "manifests").rglob("*") if p.is_file()}
-    _run(manifests, tree, _env())
+    doc.run(manifests, tree, doc.env())
     assert {p: p.read_bytes() for p in before} == before  # the committed files are fresh
 
     assert submit.startswith("crosskd job submit --config job.yaml --namespace ml")
@@ -150,7 +118,7 @@ def _submit_to_fake(
                 }
             )
         )
-        done = _run(command, tree, _env(KUBECONFIG=str(kubeconfig)))
+        done = doc.run(command, tree, doc.env(KUBECONFIG=str(kubeconfig)))
         assert fake.errors == []
         assert fake.count("POST", fake.job_path("ml")) == 1
     return done
@@ -162,7 +130,7 @@ STEP = "step 1/1000 loss 10.1"
 def test_section_8_crosskd_commands_run_as_written(tmp_path):
     render, submit = _crosskd_commands("8. Kubeflow Trainer v2: the same run as a TrainJob")
     assert render == "crosskd job render --config manifests/job.yaml --kind trainjob"
-    rendered = yaml.safe_load(_run(render, ROOT, _env()).stdout)
+    rendered = yaml.safe_load(doc.run(render, ROOT, doc.env()).stdout)
     assert rendered["kind"] == "TrainJob" and rendered["spec"]["runtimeRef"]["name"]
     assert submit.startswith("crosskd job submit --config job.yaml --namespace ml --kind trainjob")
     tree = tmp_path / "repo"
