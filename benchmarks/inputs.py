@@ -160,9 +160,9 @@ def csd_plan(
     """The default loss config (one cross-tokenizer teacher at top-K ``k``, temperature
     ``tau``; with ``projection`` (another algorithm, and its projection or None for ``uld``)
     that algorithm in place of CSD) and the plan of ``batch`` with teacher ``signal``."""
-    xtoken = {} if projection is None else {"algorithm": projection[0]}
+    algorithm = {} if projection is None else {"algorithm": projection[0]}
     if projection is not None and projection[1] is not None:
-        xtoken["projection"] = "w"
+        algorithm["projection"] = "w"
     config = LossConfig(
         tau=tau,
         teachers=[
@@ -170,7 +170,7 @@ def csd_plan(
                 k=k,
                 student_to_teacher="s2t",
                 teacher_to_student="t2s",
-                **xtoken,
+                **algorithm,
             )
         ],
     )

@@ -92,6 +92,7 @@ from crosskd.loss import (
     compute_loss,
 )
 from crosskd.loss.config import PROJECTED
+from crosskd.loss.uld import UldTerm
 from crosskd.output_layer import OutputLayer
 from crosskd.projection import build_projection
 from crosskd.teacher import signal_from_logits
@@ -187,11 +188,11 @@ def _run_student(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     return results
 
 
-def _events(term) -> int:
-    """A term's events (ULD's: its paired rows' compared probabilities)."""
-    if hasattr(term, "events"):
-        return len(term.events.teacher_lp)
-    return term.teacher_probs.numel()
+def _events(term: object) -> int:
+    """A term's events (ULD's: the teacher probabilities its paired rows compare)."""
+    if isinstance(term, UldTerm):
+        return term.teacher_probs.numel()
+    return len(term.events.teacher_lp)
 
 
 FUSED_STUDENTS = (("smollm2", "qwen3", 576), ("llama3", "qwen3", 2048), ("qwen3", "llama3", 896))

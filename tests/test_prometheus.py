@@ -14,6 +14,7 @@ as such, serving those exporters' metric and label names.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -507,22 +508,27 @@ def test_a_healthy_run_fires_no_alert(scraped):
     assert both[0] < both[1]
     for rule in alert_rules():
         if rule["alert"] == "CrosskdTargetDown":
-            fired = [
-                s
-                for s in prometheus.series(rule["expr"], *both)
+            selector = rule["expr"].removesuffix(" == 0")
+            assert selector != rule["expr"], rule["expr"]
+            window = f"{math.ceil(both[1] - both[0]) + 1}s"
+            raw = prometheus.api("query", query=f"{selector}[{window}]", time=f"{both[1]:.3f}")
+            scrapes = [
+                [v for t, v in s["values"] if both[0] <= float(t)]
+                for s in raw["result"]
                 if s["metric"]["app_kubernetes_io_component"] == "trainer"
-                and _longest_run([float(t) for t, _ in s["values"]]) >= 2
             ]
+            assert len(scrapes) == 2 and all(scrapes), scrapes
+            fired = [values for values in scrapes if _most_in_a_row(values, "0") >= 2]
         else:
             fired = prometheus.series(rule["expr"], start, end)
         assert not fired, (rule["alert"], fired)
 
 
-def _longest_run(times: list[float]) -> int:
-    """The most points of a range query (one per scrape interval) in a row without a gap."""
+def _most_in_a_row(values: list[str], value: str) -> int:
+    """The longest run of ``value`` in ``values`` (a series' raw samples, in time order)."""
     longest = run = 0
-    for i, t in enumerate(times):
-        run = run + 1 if i and t - times[i - 1] < 1.5 * SCRAPE_INTERVAL else 1
+    for v in values:
+        run = run + 1 if v == value else 0
         longest = max(longest, run)
     return longest
 

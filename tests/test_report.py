@@ -110,25 +110,53 @@ def test_a_run_that_shared_its_machine_is_marked_next_to_its_speed(tmp_path):
         ]
 
     even = [1.0] * 18
-    alone = steps([*even, 1.2, 1.4], share=0.95)
-    # 20 steps: the 95th percentile by nearest rank is the 19th smallest time
+    # the first step (5 s, warm-up) never counts; of the 20 after it, the 95th percentile by
+    # nearest rank is the 19th smallest time
+    alone = steps([5.0, *even, 1.2, 1.4], share=0.95)
     assert contention(alone) == []
-    crowded = steps([*even, 3.0, 3.0], share=0.45)
+    crowded = steps([5.0, *even, 3.0, 3.0], share=0.45)
     assert contention(crowded) == [
         "median CPU share 0.45 of its threads (alone: about 1)",
         "step time p95 3.0x its median",
     ]
-    on_gpu = steps([*even, 1.0, 3.0])  # no CPU share: only the spread counts
+    on_gpu = steps([5.0, *even, 1.0, 3.0])  # no CPU share: only the spread counts
     assert contention(on_gpu) == []
-    assert contention(steps([*even, 2.0, 2.0])) == ["step time p95 2.0x its median"]
-    metrics = {"bits_per_byte": {"student_kd": 2.0}, "runs": {"kd": alone, "ce": crowded}}
+    assert contention(steps([5.0, *even, 2.0, 2.0])) == ["step time p95 2.0x its median"]
+    assert contention(steps([5.0, *[1.0] * 5, 3.0])) == []  # too few steps for a spread
+    assert contention(steps([1.0])) is None and contention([]) is None
+    metrics = {
+        "bits_per_byte": {"student_kd": 2.0},
+        "runs": {"kd": alone, "ce": crowded, "one": steps([1.0])},
+    }
     write_report(str(tmp_path / "r"), {**metrics, "config": {}})
     page = (tmp_path / "r" / "index.html").read_text()
-    assert "<td>kd</td><td>9.7</td><td>1.000</td><td>1.200</td><td>no</td>"  # 200 / 20.6 in page
+    # 210 tokens over 25.6 s; of all 21 steps the median is 1.0 s and the 20th smallest 1.4 s
+    assert "<td>kd</td><td>8.2</td><td>1.000</td><td>1.400</td><td>no</td>" in page
     assert (
-        "<td>ce</td><td>8.3</td><td>1.000</td><td>3.000</td><td>yes: median CPU share 0.45 of "
+        "<td>ce</td><td>7.2</td><td>1.000</td><td>3.000</td><td>yes: median CPU share 0.45 of "
         "its threads (alone: about 1); step time p95 3.0x its median</td>"
     ) in page
+    assert "<td>one</td><td>10.0</td><td>1.000</td><td>1.000</td><td>unknown" in page
     assert "its speed is not the method&#x27;s cost" in page
     markdown = report_markdown({**metrics, "config": {}})
-    assert "Run `ce`: 20 steps, last CE 1.0000, KD 0.5000; shared the machine: yes:" in markdown
+    assert "Run `ce`: 21 steps, last CE 1.0000, KD 0.5000; shared the machine: yes:" in markdown
+
+
+def test_the_threads_a_step_can_use_count_the_container_cpu_quota(tmp_path):
+    import os
+
+    import torch
+
+    from crosskd.metrics.contention import usable_threads
+
+    cores = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    before = torch.get_num_threads()
+    torch.set_num_threads(64)
+    try:
+        for text, limit in (("max 100000\n", cores), ("150000 100000\n", 2), ("50000 100000", 1)):
+            cpu_max.write_text(text)
+            assert usable_threads(cpu_max) == min(cores, limit)
+        assert usable_threads(tmp_path / "absent") == cores
+    finally:
+        torch.set_num_threads(before)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -350,6 +351,7 @@ def test_what_loading_derives_is_kept_by_the_files_digest(tmp_path, caplog):
     cache = tmp_path / "cache"
     fresh = load_tokenizer(folder, cache_dir=cache)
     (entry,) = (cache / "tokenizers").iterdir()
+    whole = entry.read_bytes()
     again = load_tokenizer(folder, cache_dir=cache)
     assert [*(cache / "tokenizers").iterdir()] == [entry]
     assert again.fingerprint == fresh.fingerprint
@@ -358,23 +360,38 @@ def test_what_loading_derives_is_kept_by_the_files_digest(tmp_path, caplog):
     assert again.roles == fresh.roles == {fresh.hf.eos_token_id: "eot"}
     assert again.vocab == json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
     # the entry is what a load reads: an edited one comes back as it was edited
-    meta = json.loads((entry / "derived.json").read_text())
-    (entry / "derived.json").write_text(json.dumps({**meta, "fingerprint": "edited"}))
+    with np.load(entry) as arrays:
+        stored = dict(arrays)
+    meta = json.loads(stored["meta"].tobytes())
+    edited = json.dumps({**meta, "fingerprint": "edited"}).encode()
+    np.savez(entry, **{**stored, "meta": np.frombuffer(edited, dtype=np.uint8)})
     assert load_tokenizer(folder, cache_dir=cache).fingerprint == "edited"
-    # a changed file is another key; an entry cut short is derived and written again
+    # a changed file (a slow tokenizer's too) is another key
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "B"}))
     changed = load_tokenizer(folder, cache_dir=cache)
     assert changed.fingerprint not in (fresh.fingerprint, "edited")
-    assert len([*(cache / "tokenizers").iterdir()]) == 2
-    (entry / "bytes.npz").unlink()
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    load_tokenizer(folder, cache_dir=cache)
+    assert len([*(cache / "tokenizers").iterdir()]) == 3
+    (folder / "merges.txt").unlink()
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"})
     )
-    assert load_tokenizer(folder, cache_dir=cache).fingerprint == fresh.fingerprint
-    assert (entry / "bytes.npz").is_file()
+    # an entry cut short, damaged or inconsistent is derived and written again
+    wrong = {**stored, "offsets": stored["offsets"][:-1]}
+    for damaged in (whole[: len(whole) // 2], b"", b"not a zip file", _npz(wrong)):
+        entry.write_bytes(damaged)
+        assert load_tokenizer(folder, cache_dir=cache).fingerprint == fresh.fingerprint
+        assert entry.read_bytes() == whole
     # a cache that cannot be written costs only the time
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     with caplog.at_level("INFO", logger="crosskd.tokenization.derived"):
         assert load_tokenizer(folder, cache_dir=blocked).fingerprint == fresh.fingerprint
     assert "cannot keep what loading it derives" in caplog.text
+
+
+def _npz(arrays: dict) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()

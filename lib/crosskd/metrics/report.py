@@ -145,6 +145,8 @@ def shared_machine(history: list[dict]) -> str:
     """The speed table's cell on whether a run shared its machine
     (:func:`~crosskd.metrics.contention.contention`)."""
     signs = contention(history)
+    if signs is None:
+        return "unknown (no timed steps)"
     return "yes: " + "; ".join(signs) if signs else "no"
 
 

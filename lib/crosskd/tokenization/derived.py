@@ -4,43 +4,48 @@ Loading a tokenizer parses its backend JSON (megabytes: the vocabulary and the m
 the canonical JSON for the fingerprint and builds the byte view of every id: about a second a
 tokenizer, paid again by every process that loads it (each pipeline step, each data worker).
 :func:`derive` computes these once per set of tokenizer files and keeps them under
-``<cache>/tokenizers/<key>``, where the key is the sha256 of the files' contents together with
+``<cache>/tokenizers/<key>.npz``, where the key is the sha256 of the files' contents together with
 the versions of ``transformers`` and ``tokenizers`` (which build the tokenizer object from the
-files) and :data:`FORMAT`. A changed file, another library version or a tokenizer loaded with
-``trust_remote_code`` (whose code can change anything) is derived afresh. A cache that cannot be
-written (a read-only home in a pod) only costs the time.
+files) and the source of the code that derives it. A changed file, another library version,
+changed code or a tokenizer loaded with ``trust_remote_code`` (whose code can change anything)
+is derived afresh; an entry that is cut short or damaged is derived and written again. A cache
+that cannot be written (a read-only home in a pod) only costs the time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
-import shutil
-import tempfile
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+from crosskd.artifacts import write_whole
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-"""The layout of a cached entry; part of the key, so a new layout never reads an old entry."""
-_ARRAYS = ("data", "offsets", "kind")
+_CODE = ("__init__.py", "byte_level.py", "derived.py")
+"""The modules of :mod:`crosskd.tokenization` that compute and store an entry: their source is
+part of the key, so changed code never reads what older code derived."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Derived:
     """What :func:`~crosskd.tokenization.load_tokenizer` derives from a tokenizer's files.
 
     ``skeleton``: the backend's JSON with the model's ``vocab`` and ``merges`` left out (the
-    components the support check and the loaders read). ``data``, ``offsets``, ``kind``: the
-    byte view of ids ``[0, max id]`` (:class:`~crosskd.tokenization.byte_level.ByteVocab`'s
-    arrays before padding rows are added).
+    components the support check and the loaders read). ``data`` (uint8), ``offsets`` (int64,
+    one more than ``kind``), ``kind`` (uint8): the byte view of ids ``[0, max id]``
+    (:class:`~crosskd.tokenization.byte_level.ByteVocab`'s arrays before padding rows are
+    added).
     """
 
     fingerprint: str
@@ -51,12 +56,15 @@ class Derived:
 
 
 def source_key(files: Sequence[Path]) -> str:
-    """The cache key of a tokenizer built from ``files`` (hex sha256 over their names and
-    contents, the library versions and :data:`FORMAT`)."""
+    """The cache key of a tokenizer built from ``files``: hex sha256 over their names (relative
+    to their common folder) and contents, the ``transformers`` and ``tokenizers`` versions and
+    the source of the code that derives an entry (:data:`_CODE`)."""
     digest = hashlib.sha256(
-        f"crosskd-tokenizer-{FORMAT} transformers-{version('transformers')} "
-        f"tokenizers-{version('tokenizers')}".encode()
+        f"transformers-{version('transformers')} tokenizers-{version('tokenizers')}".encode()
     )
+    here = Path(__file__).parent
+    for name in _CODE:
+        digest.update(f"\0code/{name}\0".encode() + (here / name).read_bytes())
     root = Path(os.path.commonpath([path.parent for path in files])) if files else Path()
     for name, path in sorted((path.relative_to(root).as_posix(), path) for path in files):
         digest.update(f"\0{name}\0{path.stat().st_size}\0".encode())
@@ -69,45 +77,63 @@ def source_key(files: Sequence[Path]) -> str:
 def derive(
     key: str | None, cache_dir: Path, compute: Callable[[], Derived], *, name: str
 ) -> Derived:
-    """The entry ``key`` of ``cache_dir``, or ``compute()`` stored under it (``key`` None: no
-    cache, computed every time). ``name`` is the tokenizer's reference, for the log."""
+    """The entry ``key`` of ``cache_dir`` (``<cache_dir>/tokenizers/<key>.npz``), or
+    ``compute()``, stored there when the entry is missing or unreadable (``key`` None: no cache,
+    computed every time). ``name`` is the tokenizer's reference, for the log."""
     if key is None:
         return compute()
-    folder = cache_dir / "tokenizers" / key
-    cached = _read(folder)
+    path = cache_dir / "tokenizers" / f"{key}.npz"
+    cached = _read(path)
     if cached is not None:
         return cached
-    shutil.rmtree(folder, ignore_errors=True)  # an entry someone cut short is written again
     derived = compute()
     try:
-        _write(folder, derived)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(LocalFileSystem(), str(path), _encode(derived))
     except OSError as err:
-        log.info("tokenizer %s: cannot keep what loading it derives in %s (%s)", name, folder, err)
+        log.info("tokenizer %s: cannot keep what loading it derives in %s (%s)", name, path, err)
     return derived
 
 
-def _read(folder: Path) -> Derived | None:
-    """A complete entry, or None (absent, or unreadable: it is then written again)."""
+def _encode(derived: Derived) -> bytes:
+    """The entry's file: the three arrays and the JSON of the rest, as one ``.npz``."""
+    meta = json.dumps({"fingerprint": derived.fingerprint, "skeleton": derived.skeleton})
+    buffer = io.BytesIO()
+    np.savez(
+        buffer,
+        data=derived.data,
+        offsets=derived.offsets,
+        kind=derived.kind,
+        meta=np.frombuffer(meta.encode("utf-8"), dtype=np.uint8),
+    )
+    return buffer.getvalue()
+
+
+def _read(path: Path) -> Derived | None:
+    """The entry at ``path`` if it is there, whole and consistent; else None (it is then derived
+    and written again: a file cut short by a crash, or damaged, is never used)."""
     try:
-        meta = json.loads((folder / "derived.json").read_text(encoding="utf-8"))
-        with np.load(folder / "bytes.npz", allow_pickle=False) as arrays:
-            data, offsets, kind = (arrays[name] for name in _ARRAYS)
-    except (OSError, ValueError, KeyError):
+        with np.load(path, allow_pickle=False) as arrays:
+            data, offsets, kind, meta = (arrays[k] for k in ("data", "offsets", "kind", "meta"))
+        fields = json.loads(meta.tobytes().decode("utf-8"))
+        fingerprint, skeleton = fields["fingerprint"], fields["skeleton"]
+    except FileNotFoundError:
         return None
-    return Derived(meta["fingerprint"], meta["skeleton"], data, offsets, kind)
-
-
-def _write(folder: Path, derived: Derived) -> None:
-    """Write the entry whole or not at all: into a temporary folder beside it, then renamed (a
-    concurrent writer of the same key wrote the same content, so losing the rename is fine)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        meta = {"fingerprint": derived.fingerprint, "skeleton": derived.skeleton}
-        (staging / "derived.json").write_text(json.dumps(meta), encoding="utf-8")
-        np.savez(staging / "bytes.npz", **{name: getattr(derived, name) for name in _ARRAYS})
-        os.rename(staging, folder)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "derived.json").is_file():
-            raise
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
+        log.info("tokenizer cache entry %s is unreadable (%s); deriving it again", path, err)
+        return None
+    consistent = (
+        data.dtype == np.uint8
+        and kind.dtype == np.uint8
+        and offsets.dtype == np.int64
+        and offsets.shape == (len(kind) + 1,)
+        and offsets[0] == 0
+        and offsets[-1] == len(data)
+        and bool(np.all(np.diff(offsets) >= 0))
+        and isinstance(fingerprint, str)
+        and isinstance(skeleton, dict)
+    )
+    if not consistent:
+        log.info("tokenizer cache entry %s is inconsistent; deriving it again", path)
+        return None
+    return Derived(fingerprint, skeleton, data, offsets, kind)

@@ -64,7 +64,8 @@ def load_hf(
     )
     if trust_remote_code:
         return tok, path, None
-    files = [path / name for name in sorted(TOKENIZER_FILES) if (path / name).is_file()]
+    names = sorted(TOKENIZER_FILES | SLOW_TOKENIZER_FILES)
+    files = [path / name for name in names if (path / name).is_file()]
     templates = path / "additional_chat_templates"
     if templates.is_dir():
         files += sorted(p for p in templates.iterdir() if p.is_file())
@@ -103,6 +104,11 @@ TOKENIZER_FILES = frozenset(
 """The files of a folder that ``transformers`` builds a fast tokenizer from (``config.json`` can
 name its class): what is copied from a remote folder (model weights next to them are not), and,
 with every file of ``additional_chat_templates/``, what a loaded tokenizer's cache key covers."""
+
+SLOW_TOKENIZER_FILES = frozenset({"tokenizer.model", "vocab.json", "merges.txt"})
+"""A slow tokenizer's files, which ``transformers`` reads beside ``tokenizer.json`` when it
+converts one (``from_slow``, a Llama tokenizer's ``add_prefix_space``): part of the cache key of
+a folder that holds them."""
 
 _VERSION_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "md5Hash")
 

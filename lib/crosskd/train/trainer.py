@@ -72,7 +72,7 @@ from crosskd.loss.metrics import add_sums, summarize
 from crosskd.loss.objective import ReportLayout, term_names
 from crosskd.loss.parallel import sharded_loss
 from crosskd.metrics import JsonlLog, MetricsExporter
-from crosskd.metrics.contention import cpu_share
+from crosskd.metrics.contention import cpu_share, usable_threads
 from crosskd.output_layer import OutputHead, OutputLayer, head_output_unchanged, use_output_head
 from crosskd.parallel.attention import layer_windows, packed_inputs, refuse_state_mixers
 from crosskd.parallel.mesh import build_parallel_mesh
@@ -260,6 +260,7 @@ class Trainer:
         self.device = torch.device(
             f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
         )
+        self.cpu_threads = usable_threads()  # the denominator of a CPU step's cpu_share
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -740,7 +741,8 @@ class Trainer:
                 metrics["input_wait_s"] = waited
                 seconds = time.perf_counter() - started
                 if self.device.type == "cpu":  # on a GPU the process waits on the device
-                    metrics["cpu_share"] = cpu_share(time.process_time() - cpu_started, seconds)
+                    used = time.process_time() - cpu_started
+                    metrics["cpu_share"] = cpu_share(used, seconds, self.cpu_threads)
                 done = self.done = step + 1
                 if self.eval_sequences is not None and (
                     done == cfg.steps or (eval_every and done % eval_every == 0)
