@@ -82,7 +82,7 @@ with open(sys.argv[1], encoding="utf-8") as f:
     texts = [json.loads(line)["text"] for line in f]
 read = time.perf_counter()
 for tok in tokenizers:
-    backend = tok.hf.backend_tokenizer
+    backend = tok.backend
     for i in range(0, len(texts), 4096):
         backend.encode_batch(texts[i : i + 4096])
 print(json.dumps({"load": loaded - started, "read": read - loaded,

@@ -358,6 +358,9 @@ def test_what_loading_derives_is_kept_by_the_files_digest(tmp_path, caplog):
     for name in ("data", "offsets", "kind"):
         np.testing.assert_array_equal(getattr(again.bytes, name), getattr(fresh.bytes, name))
     assert again.roles == fresh.roles == {fresh.hf.eos_token_id: "eot"}
+    assert again.length == fresh.length == len(fresh.hf)
+    assert again.strips_content is fresh.strips_content is False
+    assert again.backend.to_str() == fresh.hf.backend_tokenizer.to_str()
     assert again.vocab == json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
     # the entry is what a load reads: an edited one comes back as it was edited
     with np.load(entry) as arrays:
@@ -379,7 +382,9 @@ def test_what_loading_derives_is_kept_by_the_files_digest(tmp_path, caplog):
     )
     # an entry cut short, damaged or inconsistent is derived and written again
     wrong = {**stored, "offsets": stored["offsets"][:-1]}
-    for damaged in (whole[: len(whole) // 2], b"", b"not a zip file", _npz(wrong)):
+    no_tokenizer = {**stored, "backend": np.frombuffer(b'{"model": 1}', dtype=np.uint8)}
+    damaged_files = (whole[: len(whole) // 2], b"", b"not a zip file", _npz(wrong))
+    for damaged in (*damaged_files, _npz(no_tokenizer)):
         entry.write_bytes(damaged)
         assert load_tokenizer(folder, cache_dir=cache).fingerprint == fresh.fingerprint
         assert entry.read_bytes() == whole
@@ -395,3 +400,57 @@ def _npz(arrays: dict) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
+
+
+_CACHED_LOAD = """
+import json, sys
+from crosskd.alignment import tokenize
+from crosskd.tokenization import load_tokenizer
+
+texts = json.loads(sys.argv[2])
+out = {}
+for name in ("llama3", "qwen3", "deepseek-v3"):
+    tok = load_tokenizer(f"zoo:{name}", cache_dir=sys.argv[1])
+    out[name] = {
+        str(special): [
+            [t.ids.tolist(), t.starts.tolist(), t.ends.tolist()]
+            for t in tokenize(tok, texts, add_special_tokens=special, with_starts=True)
+        ]
+        for special in (False, True)
+    }
+out["transformers imported"] = "transformers" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def test_a_cached_tokenizer_encodes_as_transformers_does_without_importing_it(zoo_cache, zoo):
+    """A load whose derived entry is in the cache builds the Rust tokenizer from the stored
+    JSON: the same ids and offsets as the ``transformers`` tokenizer, specials in the text kept
+    as text, and ``transformers`` never imported (a fresh process: the fixture's loads wrote
+    the entries)."""
+    texts = ["Hello  world<|eot_id|> 12345\n", "<|im_end|>é x\r\n\tüber", "", "  <think>"]
+    loaded = {name: zoo(name) for name in ("llama3", "qwen3", "deepseek-v3")}
+    result = subprocess.run(
+        [sys.executable, "-c", _CACHED_LOAD, str(zoo_cache), json.dumps(texts)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    assert got.pop("transformers imported") is False
+    for name, encoded in got.items():
+        hf = loaded[name].hf
+        for special in (False, True):
+            want = hf(
+                texts,
+                add_special_tokens=special,
+                split_special_tokens=True,
+                return_offsets_mapping=True,
+            )
+            expected = [
+                [ids, [s for s, _ in spans], [e for _, e in spans]]
+                for ids, spans in zip(want["input_ids"], want["offset_mapping"], strict=True)
+            ]
+            assert encoded[str(special)] == expected, (name, special)
+    assert got["llama3"]["True"][0][0][0] == zoo("llama3").role_ids["bos"]

@@ -117,7 +117,7 @@ def tokenize(
     transformers' per-text dictionaries: the encoding is most of what data preparation costs."""
     if not texts:
         return []
-    backend = tok.hf.backend_tokenizer
+    backend = tok.backend
     if backend.truncation is not None:
         backend.no_truncation()
     if backend.padding is not None:

@@ -80,7 +80,7 @@ class Preparation:
             options,
             shared,
             any(t.normalizes_nfc for t in models),
-            any(_template_strips(t) for t in models),
+            any(t.strips_content for t in models),
         )
 
     def normalized(self, record: Record) -> Record:
@@ -91,17 +91,6 @@ class Preparation:
         if self.strip and record.messages is not None:
             record = _stripped(record)
         return record
-
-
-def _template_strips(tok: LoadedTokenizer) -> bool:
-    """Whether ``tok``'s chat template strips whitespace around message content (Llama-3's
-    ``| trim``): then content is stripped once for every model, so all read what their own
-    template would show."""
-    if not tok.hf.chat_template:
-        return False
-    probe = [{"role": "user", "content": " \ue002 "}, {"role": "assistant", "content": " \ue003 "}]
-    rendered = tok.hf.apply_chat_template(probe, tokenize=False)
-    return " \ue003 " not in rendered
 
 
 def _stripped(record: Record) -> Record:

@@ -18,9 +18,11 @@ Ids and sizes:
 * The **fingerprint** (sha256 of the canonical JSON of everything that decides ids and
   rendering) is what every artifact records and every consumer checks.
 
-The fingerprint, the byte view and the backend's JSON less its vocabulary and merges are derived
-once per set of tokenizer files and read from the cache after that
-(:mod:`crosskd.tokenization.derived`).
+The fingerprint, the byte view, the backend's JSON and the few facts read from the
+``transformers`` tokenizer are derived once per set of tokenizer files and read from the cache
+after that (:mod:`crosskd.tokenization.derived`): a later load builds the Rust tokenizer alone,
+and ``transformers`` is imported only when something asks for :attr:`LoadedTokenizer.hf` (a
+chat template, saving the tokenizer).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +55,7 @@ from crosskd.tokenization.byte_level import (
 )
 from crosskd.tokenization.derived import Derived, derive, source_key
 from crosskd.tokenization.roles import ROLES, assign_roles
-from crosskd.tokenization.sources import load_hf
+from crosskd.tokenization.sources import Source, load_hf, locate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -85,29 +88,38 @@ SUPPORTED = (
 class LoadedTokenizer:
     """A supported tokenizer with everything CSD derives from it.
 
-    ``hf`` is the ``transformers`` fast tokenizer (for encoding and chat templates).
-    ``skeleton``: the backend's JSON without the model's ``vocab`` and ``merges``
-    (:class:`~crosskd.tokenization.derived.Derived`).
+    ``backend`` is the Rust tokenizer (what encodes); :attr:`hf`, the ``transformers`` fast
+    tokenizer (chat templates, saving), is built by ``open_hf`` on first use.
+    ``strips_content``: whether its chat template strips whitespace around message content
+    (Llama-3's ``| trim``). ``skeleton``: the backend's JSON without the model's ``vocab`` and
+    ``merges`` (:class:`~crosskd.tokenization.derived.Derived`).
     """
 
     name: str
-    hf: PreTrainedTokenizerBase
+    backend: Tokenizer = field(repr=False)
+    open_hf: Callable[[], PreTrainedTokenizerBase] = field(repr=False)
     fingerprint: str
     length: int
     vocab_size: int
     bytes: ByteVocab
     roles: dict[int, str]
+    strips_content: bool
     skeleton: dict = field(repr=False)
+
+    @cached_property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The ``transformers`` fast tokenizer (loaded on first use: seconds)."""
+        return self.open_hf()
 
     @cached_property
     def vocab(self) -> dict[str, int]:
         """The BPE model's vocabulary: ByteLevel string -> id (added tokens not included)."""
-        return self.hf.backend_tokenizer.get_vocab(with_added_tokens=False)
+        return self.backend.get_vocab(with_added_tokens=False)
 
     @cached_property
     def backend_json(self) -> dict:
         """The backend tokenizer's whole JSON form (parsed on first use: megabytes)."""
-        return json.loads(self.hf.backend_tokenizer.to_str())
+        return json.loads(self.backend.to_str())
 
     @cached_property
     def role_ids(self) -> dict[str, int]:
@@ -138,7 +150,7 @@ class LoadedTokenizer:
         ``ignore_merges``; dropout off), with no normalizer, pre-tokenizer, added tokens or
         post-processor, so a ByteLevel string is encoded as one word."""
         if self.skeleton["model"].get("dropout") is None:
-            return Tokenizer(self.hf.backend_tokenizer.model)
+            return Tokenizer(self.backend.model)
         spec = {"version": "1.0", "model": dict(self.backend_json["model"], dropout=None)}
         return Tokenizer.from_str(json.dumps(spec))
 
@@ -211,19 +223,15 @@ def load_tokenizer(
         cache_dir: where URIs are copied; default ``$CROSSKD_CACHE_DIR`` or ``~/.cache/crosskd``.
     """
     name = str(ref)
-    hf, folder, files = load_hf(name, trust_remote_code=trust_remote_code, cache_dir=cache_dir)
-    if not getattr(hf, "is_fast", False):
-        raise TokenizerError(
-            f"tokenizer {name!r} is a slow (Python) tokenizer ({type(hf).__name__}); "
-            f"supported: {SUPPORTED}. Pass a folder with a tokenizer.json."
-        )
-    key = source_key(files) if files else None
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    derived = derive(key, cache, lambda: _derive(name, hf), name=name)
+    source = locate(name, trust_remote_code=trust_remote_code, cache_dir=cache_dir)
+    open_hf = cache(partial(_load_fast, name, source, trust_remote_code))
+    key = source_key(source.files) if source.files else None
+    folder = Path(cache_dir) if cache_dir else default_cache_dir()
+    derived = derive(key, folder, lambda: _derive(name, open_hf()), name=name)
     check_supported(name, derived.skeleton)
     max_id = len(derived.kind) - 1
     if vocab_size is None:
-        vocab_size = _config_vocab_size(folder)
+        vocab_size = _config_vocab_size(source.folder)
     if vocab_size is None:
         vocab_size = max_id + 1
         log.warning(
@@ -245,22 +253,35 @@ def load_tokenizer(
         kind=np.concatenate([derived.kind, np.full(padding, KIND_NONE, dtype=np.uint8)]),
     )
     added = {tok["id"]: tok["content"] for tok in derived.skeleton.get("added_tokens", [])}
-    roles = assign_roles(name, hf, added, role_overrides or {})
+    roles = assign_roles(name, derived.special_ids, added, role_overrides or {})
     return LoadedTokenizer(
         name=name,
-        hf=hf,
+        backend=derived.backend,
+        open_hf=open_hf,
         fingerprint=derived.fingerprint,
-        length=len(hf),
+        length=derived.length,
         vocab_size=vocab_size,
         bytes=byte_vocab,
         roles=roles,
+        strips_content=derived.strips_content,
         skeleton=derived.skeleton,
     )
 
 
+def _load_fast(name: str, source: Source, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The ``transformers`` tokenizer of ``source``, refused unless it is a fast one."""
+    hf = load_hf(source, trust_remote_code=trust_remote_code)
+    if not getattr(hf, "is_fast", False):
+        raise TokenizerError(
+            f"tokenizer {name!r} is a slow (Python) tokenizer ({type(hf).__name__}); "
+            f"supported: {SUPPORTED}. Pass a folder with a tokenizer.json."
+        )
+    return hf
+
+
 def _derive(name: str, hf: PreTrainedTokenizerBase) -> Derived:
-    """The fingerprint, the skeleton and the byte view of ids ``[0, max id]`` of ``hf``,
-    refused (:func:`check_supported`) before the byte view is built."""
+    """Everything :class:`~crosskd.tokenization.derived.Derived` holds, from ``hf``, refused
+    (:func:`check_supported`) before the byte view is built."""
     backend = json.loads(hf.backend_tokenizer.to_str())
     model = backend["model"]
     skeleton = dict(backend, model={k: v for k, v in model.items() if k not in _MODEL_TABLES})
@@ -269,8 +290,31 @@ def _derive(name: str, hf: PreTrainedTokenizerBase) -> Derived:
     max_id = max(max(model["vocab"].values(), default=-1), max(added, default=-1))
     byte_vocab = _byte_vocab(name, model["vocab"], added, max_id + 1)
     return Derived(
-        fingerprint(hf, backend), skeleton, byte_vocab.data, byte_vocab.offsets, byte_vocab.kind
+        fingerprint=fingerprint(hf, backend),
+        skeleton=skeleton,
+        backend=hf.backend_tokenizer,
+        length=len(hf),
+        special_ids={role: getattr(hf, f"{role}_token_id", None) for role in _SPECIAL_ROLES},
+        strips_content=_template_strips(hf),
+        data=byte_vocab.data,
+        offsets=byte_vocab.offsets,
+        kind=byte_vocab.kind,
     )
+
+
+def _template_strips(hf: PreTrainedTokenizerBase) -> bool:
+    """Whether ``hf``'s chat template strips whitespace around message content (Llama-3's
+    ``| trim``); False without a template."""
+    if not hf.chat_template:
+        return False
+    probe = [{"role": "user", "content": " \ue002 "}, {"role": "assistant", "content": " \ue003 "}]
+    rendered = hf.apply_chat_template(probe, tokenize=False)
+    return " \ue003 " not in rendered
+
+
+_SPECIAL_ROLES = ("bos", "eos", "unk", "pad")
+"""The ``transformers`` tokenizer's special-token attributes the roles read, in their order of
+precedence (:mod:`crosskd.tokenization.roles`)."""
 
 
 _MODEL_TABLES = ("vocab", "merges")

@@ -1,9 +1,14 @@
 """What loading a tokenizer derives from its files, kept on disk by the files' digest.
 
-Loading a tokenizer parses its backend JSON (megabytes: the vocabulary and the merges), hashes
-the canonical JSON for the fingerprint and builds the byte view of every id: about a second a
-tokenizer, paid again by every process that loads it (each pipeline step, each data worker).
-:func:`derive` computes these once per set of tokenizer files and keeps them under
+Loading a tokenizer through ``transformers`` (its import, then ``from_pretrained``, which parses
+``tokenizer.json`` in Python before the Rust tokenizer parses it again), parsing its backend JSON
+(megabytes: the vocabulary and the merges), hashing the canonical JSON for the fingerprint and
+building the byte view of every id take a few seconds a tokenizer, paid again by every process
+that loads it (each pipeline step, each data worker). :func:`derive` computes these once per set
+of tokenizer files, together with the backend tokenizer's JSON as ``transformers`` configured it
+(its post-processor, its added tokens) and the few facts read from the ``transformers`` object,
+so a later load builds the Rust tokenizer from that JSON and needs ``transformers`` only for a
+chat template or saving. It keeps them under
 ``<cache>/tokenizers/<key>.npz``, where the key is the sha256 of the files' contents together with
 the versions of ``transformers`` and ``tokenizers`` (which build the tokenizer object from the
 files) and the source of the code that derives it. A changed file, another library version,
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
+from tokenizers import Tokenizer
 
 from crosskd.artifacts import write_whole
 
@@ -42,14 +48,22 @@ class Derived:
     """What :func:`~crosskd.tokenization.load_tokenizer` derives from a tokenizer's files.
 
     ``skeleton``: the backend's JSON with the model's ``vocab`` and ``merges`` left out (the
-    components the support check and the loaders read). ``data`` (uint8), ``offsets`` (int64,
-    one more than ``kind``), ``kind`` (uint8): the byte view of ids ``[0, max id]``
+    components the support check and the loaders read). ``backend``: the Rust tokenizer as
+    ``transformers`` configured it (stored as its JSON, from which a read builds it again).
+    ``length``: ``len()`` of the ``transformers`` tokenizer; ``special_ids``: its ``bos``,
+    ``eos``, ``unk`` and ``pad`` token ids (None where unset); ``strips_content``: whether its
+    chat template strips message content. ``data`` (uint8), ``offsets``
+    (int64, one more than ``kind``), ``kind`` (uint8): the byte view of ids ``[0, max id]``
     (:class:`~crosskd.tokenization.byte_level.ByteVocab`'s arrays before padding rows are
     added).
     """
 
     fingerprint: str
     skeleton: dict
+    backend: Tokenizer
+    length: int
+    special_ids: dict[str, int | None]
+    strips_content: bool
     data: np.ndarray
     offsets: np.ndarray
     kind: np.ndarray
@@ -96,14 +110,24 @@ def derive(
 
 
 def _encode(derived: Derived) -> bytes:
-    """The entry's file: the three arrays and the JSON of the rest, as one ``.npz``."""
-    meta = json.dumps({"fingerprint": derived.fingerprint, "skeleton": derived.skeleton})
+    """The entry's file: the three arrays, the backend's JSON (UTF-8 bytes) and the JSON of the
+    rest, as one ``.npz``."""
+    meta = json.dumps(
+        {
+            "fingerprint": derived.fingerprint,
+            "skeleton": derived.skeleton,
+            "length": derived.length,
+            "special_ids": derived.special_ids,
+            "strips_content": derived.strips_content,
+        }
+    )
     buffer = io.BytesIO()
     np.savez(
         buffer,
         data=derived.data,
         offsets=derived.offsets,
         kind=derived.kind,
+        backend=np.frombuffer(derived.backend.to_str().encode("utf-8"), dtype=np.uint8),
         meta=np.frombuffer(meta.encode("utf-8"), dtype=np.uint8),
     )
     return buffer.getvalue()
@@ -114,9 +138,14 @@ def _read(path: Path) -> Derived | None:
     and written again: a file cut short by a crash, or damaged, is never used)."""
     try:
         with np.load(path, allow_pickle=False) as arrays:
-            data, offsets, kind, meta = (arrays[k] for k in ("data", "offsets", "kind", "meta"))
+            data, offsets, kind, backend, meta = (
+                arrays[k] for k in ("data", "offsets", "kind", "backend", "meta")
+            )
         fields = json.loads(meta.tobytes().decode("utf-8"))
         fingerprint, skeleton = fields["fingerprint"], fields["skeleton"]
+        length, special_ids = fields["length"], fields["special_ids"]
+        strips_content = fields["strips_content"]
+        backend_json = backend.tobytes().decode("utf-8")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
@@ -132,8 +161,19 @@ def _read(path: Path) -> Derived | None:
         and bool(np.all(np.diff(offsets) >= 0))
         and isinstance(fingerprint, str)
         and isinstance(skeleton, dict)
+        and isinstance(length, int)
+        and isinstance(special_ids, dict)
+        and isinstance(strips_content, bool)
+        and all(v is None or isinstance(v, int) for v in special_ids.values())
     )
     if not consistent:
         log.info("tokenizer cache entry %s is inconsistent; deriving it again", path)
         return None
-    return Derived(fingerprint, skeleton, data, offsets, kind)
+    try:
+        tokenizer = Tokenizer.from_str(backend_json)
+    except Exception as err:  # tokenizers raises a bare Exception on JSON it cannot build
+        log.info("tokenizer cache entry %s holds no tokenizer (%s); deriving it again", path, err)
+        return None
+    return Derived(
+        fingerprint, skeleton, tokenizer, length, special_ids, strips_content, data, offsets, kind
+    )

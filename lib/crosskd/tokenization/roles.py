@@ -12,12 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from crosskd.errors import TokenizerError
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 ROLES = (
     "bos",
@@ -74,15 +70,20 @@ KNOWN_MARKERS: Mapping[str, str] = MappingProxyType(
 
 
 def assign_roles(
-    name: str, hf: PreTrainedTokenizerBase, added: dict[int, str], overrides: dict[str, str | None]
+    name: str,
+    special_ids: Mapping[str, int | None],
+    added: dict[int, str],
+    overrides: dict[str, str | None],
 ) -> dict[int, str]:
     """Role of each special (added token id -> role) by the rules in the module docstring.
 
-    ``added``: added-token id -> content; ``overrides``: content -> role (None clears it).
+    ``special_ids``: the tokenizer's ``bos``, ``eos``, ``unk`` and ``pad`` token ids (None or
+    absent where unset), taken in that order; ``added``: added-token id -> content;
+    ``overrides``: content -> role (None clears it).
     """
     roles = {i: KNOWN_MARKERS[c] for i, c in added.items() if c in KNOWN_MARKERS}
-    for attr, role in (("bos", "bos"), ("eos", "eos"), ("unk", "unk"), ("pad", "pad")):
-        token_id = getattr(hf, f"{attr}_token_id", None)
+    for role in ("bos", "eos", "unk", "pad"):
+        token_id = special_ids.get(role)
         if token_id is not None and token_id in added and token_id not in roles:
             roles[token_id] = role
     by_content = {c: i for i, c in added.items()}

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,16 +28,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def load_hf(
-    ref: str, *, trust_remote_code: bool, cache_dir: str | os.PathLike | None
-) -> tuple[PreTrainedTokenizerBase, Path | None, list[Path] | None]:
-    """Returns the transformers tokenizer, the local folder it came from (if any) and the files
-    it was built from (None with ``trust_remote_code``: its code may read anything)."""
-    # lazy: transformers costs ~1 s and imports torch; crosskd prepare's parser imports this module
-    # (through crosskd.data.prepare) without torch, and every pipeline step imports it through
-    # crosskd.steps; only loading a tokenizer needs it
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+@dataclass(frozen=True)
+class Source:
+    """A tokenizer's files on this machine: ``path`` is a folder with a ``tokenizer.json`` or a
+    ``tokenizer.json`` itself, ``folder`` the folder they are in (a ``config.json`` there gives
+    the model's vocabulary size), ``files`` the files the tokenizer is built from (None with
+    ``trust_remote_code``: its code may read anything)."""
 
+    path: Path
+    folder: Path
+    files: list[Path] | None
+
+
+def locate(ref: str, *, trust_remote_code: bool, cache_dir: str | os.PathLike | None) -> Source:
+    """Where the tokenizer ``ref`` (a folder, a ``tokenizer.json``, ``zoo:NAME``, an fsspec URI
+    or a Hugging Face id in the local cache) is on this machine, copying a URI into the cache
+    first; refused with a :class:`~crosskd.errors.TokenizerError` when it holds no
+    ``tokenizer.json``."""
     if ref.startswith("zoo:"):
         ref = str(zoo_tokenizer_dir(ref[len("zoo:") :], cache_dir=cache_dir))
     elif "://" in ref and not ref.startswith("file://"):
@@ -50,7 +58,7 @@ def load_hf(
                 f"tokenizer {ref!r} is a file but not a tokenizer.json; pass the folder that "
                 f"holds tokenizer.json, or the tokenizer.json itself."
             )
-        return PreTrainedTokenizerFast(tokenizer_file=str(path)), path.parent, [path]
+        return Source(path, path.parent, [path])
     if not path.is_dir():
         path = _hub_folder(ref)
     if not (path / "tokenizer.json").is_file():
@@ -59,17 +67,28 @@ def load_hf(
             f"only. Load it with transformers and `save_pretrained` it to get one, or pass a "
             f"folder that has it."
         )
-    tok = AutoTokenizer.from_pretrained(
-        str(path), local_files_only=True, trust_remote_code=trust_remote_code
-    )
     if trust_remote_code:
-        return tok, path, None
+        return Source(path, path, None)
     names = sorted(TOKENIZER_FILES | SLOW_TOKENIZER_FILES)
     files = [path / name for name in names if (path / name).is_file()]
     templates = path / "additional_chat_templates"
     if templates.is_dir():
         files += sorted(p for p in templates.iterdir() if p.is_file())
-    return tok, path, files
+    return Source(path, path, files)
+
+
+def load_hf(source: Source, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The ``transformers`` tokenizer of ``source`` (never downloads)."""
+    # lazy: transformers costs seconds and imports torch; a tokenizer whose derived entry is in
+    # the cache encodes without it (crosskd.tokenization), so only a first load, a chat template
+    # or saving a tokenizer pays for it
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if source.path.is_file():
+        return PreTrainedTokenizerFast(tokenizer_file=str(source.path))
+    return AutoTokenizer.from_pretrained(
+        str(source.path), local_files_only=True, trust_remote_code=trust_remote_code
+    )
 
 
 def _hub_folder(repo_id: str) -> Path:
