@@ -6,14 +6,16 @@ now, against packing every sample at once, as it did), the training step's wait 
 global permutation with 8 shards kept).
 
     python benchmarks/data.py [--sizes-mb 10 100] [--speed-mb 10] [--workers CORES]
-                              [--packing 10000 100000 1000000]
-                              [--skip prepare speed packing training]
+                              [--chat-mb 5] [--packing 10000 100000 1000000]
+                              [--skip prepare speed chat packing training]
 
 Prepare runs in a fresh process per size (peak RSS: its VmHWM) on text read from this machine
 (the standard library, docstrings and message catalogues; repeated with new ids to reach the
 size), for the Llama-3 student and Qwen3 teacher tokenizers. Packing uses document lengths drawn
 from a log-normal (median 300 tokens, clipped at 2048) with the teacher's about 1.1x the
-student's. Training uses the ``tiny`` preset's inputs with 24 shards of 2 rows.
+student's. Training uses the ``tiny`` preset's inputs with 24 shards of 2 rows. The chat
+measurement prepares conversations made of the same text (a user turn of a document's first 150
+characters, the next document as the answer) against the tokenizers alone on the messages.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ started = time.perf_counter()
 tokenizers = [load_tokenizer(name) for name in sys.argv[2:]]
 loaded = time.perf_counter()
 with open(sys.argv[1], encoding="utf-8") as f:
-    texts = [json.loads(line)["text"] for line in f]
+    rows = [json.loads(line) for line in f]
+texts = [m["content"] for r in rows for m in r["messages"]] if "messages" in rows[0] else [
+    r["text"] for r in rows]
 read = time.perf_counter()
 for tok in tokenizers:
     backend = tok.backend
@@ -208,6 +212,39 @@ def bench_prepare_speed(mb: float, work: Path, workers: int) -> None:
     )
 
 
+def bench_prepare_chat(mb: float, work: Path) -> None:
+    """Prepare's throughput on conversations against the tokenizers alone on their messages
+    (Llama-3 student, Qwen3 teacher, one process with its tokenizers' threads)."""
+    text = work / f"chat-source-{mb:g}MB.jsonl"
+    write_benchmark_jsonl(text, int(mb * 1e6), document_bytes=1536)
+    documents = [json.loads(line)["text"] for line in text.read_text(encoding="utf-8").splitlines()]
+    data = work / f"chat-{mb:g}MB.jsonl"
+    n_bytes = 0
+    with data.open("w", encoding="utf-8") as f:
+        for i in range(0, len(documents) - 1, 2):
+            question, answer = documents[i][:150], documents[i + 1]
+            n_bytes += len(question.encode("utf-8")) + len(answer.encode("utf-8"))
+            messages = [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+            ]
+            f.write(json.dumps({"id": f"c{i}", "messages": messages}, ensure_ascii=False) + "\n")
+    models = ["zoo:llama3", "zoo:qwen3"]
+    alone = _run_json(TOKENIZERS_ALONE, [str(data), *models])
+    base = n_bytes / alone["encode"] / 1e6
+    result = _run_json(PREPARE_SPEED, [str(data), str(work / "out-chat"), "1", *models])
+    speed = n_bytes / result["seconds"] / 1e6
+    steady = n_bytes / max(result["seconds"] - alone["load"], 1e-9) / 1e6
+    print(
+        f"prepare on conversations ({n_bytes / 1e6:.1f} MB of messages, {result['rows']} "
+        f"conversations, Llama-3 student, Qwen3 teacher, max_length 512): tokenizers alone on "
+        f"the messages {base:.2f} MB/s (their threads); prepare, 1 process, the tokenizers' "
+        f"threads: {result['seconds']:.1f} s, {speed:.2f} MB/s (x{speed / base:.2f}; without "
+        f"loading the tokenizers {steady:.2f} MB/s, x{steady / base:.2f}); "
+        f"{result['clipped']} conversations clipped"
+    )
+
+
 def lengths(n: int, seed: int = 0) -> np.ndarray:
     """``[n, 2]`` token counts (student, teacher) of a realistic mix of document lengths."""
     rng = np.random.default_rng(seed)
@@ -321,9 +358,10 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 100])
     parser.add_argument("--packing", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--speed-mb", type=float, default=10)
+    parser.add_argument("--chat-mb", type=float, default=5)
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["prepare", "speed", "packing", "training"]
+        "--skip", nargs="*", default=[], choices=["prepare", "speed", "chat", "packing", "training"]
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -335,6 +373,8 @@ def main() -> None:
             bench_training(work)
         if "speed" not in args.skip:
             bench_prepare_speed(args.speed_mb, work, args.workers)
+        if "chat" not in args.skip:
+            bench_prepare_chat(args.chat_mb, work)
         if "prepare" not in args.skip:
             bench_prepare(args.sizes_mb, work)
 

@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crosskd.alignment import ChatOptions
-from crosskd.data.preparation import Preparation, prepare_row, prepare_rows
+from crosskd.alignment import ChatOptions, harmonize_reasoning, render
+from crosskd.data.preparation import Preparation, _longest_prefix, prepare_row, prepare_rows
 from crosskd.data.records import Record
 
 TEXTS = [
@@ -101,5 +101,58 @@ def test_generated_windows_prepare_as_their_rows(zoo):
     def run(window: list[str], cap: int) -> None:
         preparation = Preparation.of(llama, [qwen], [cap, cap + 3], ChatOptions())
         _check(_records(window, chat_at=set()), preparation)
+
+    run()
+
+
+def _reference_longest_prefix(messages, key, models, capacities):
+    """The cut of the last message's ``key`` by rendering every probe whole: the plain
+    bisection :func:`_longest_prefix` must match."""
+    text = messages[-1][key]
+
+    def fits(cut: int) -> bool:
+        probe = [*messages[:-1], {**messages[-1], key: text[:cut]}]
+        views = [render(tok, probe, sample_id="s") for tok in models]
+        return all(len(v.tokens) <= c for v, c in zip(views, capacities, strict=True))
+
+    lo, hi = 0, len(text)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return None if lo == 0 else [*messages[:-1], {**messages[-1], key: text[:lo]}]
+
+
+def test_a_message_is_cut_where_rendering_every_probe_cuts_it(zoo):
+    """The answer's (or reasoning's) cut, probed by encoding the cut text alone against the
+    rest of the rendering measured once, is the cut that rendering each probe whole finds, on
+    real templates; a content that is not one piece of the rendering (a second think block,
+    split off again by rendering) falls back to whole renderings and still agrees; the same
+    with the whole conversation's renderings given."""
+    models = [zoo("llama3"), zoo("qwen3"), zoo("deepseek-v3")]
+    pieces = st.sampled_from(
+        ["Ice", "land", " ", "\n", "👍🏽", "e\u0301", "\r\n", "世界", "x = 1;", "<|eot_id|>", "42"]
+    )
+    texts = st.lists(pieces, min_size=2, max_size=40).map("".join)
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(texts, texts, st.booleans(), st.booleans(), st.booleans(), st.integers(0, 40))
+    def run(answer: str, reasoning: str, think: bool, twice: bool, given_views: bool, slack: int):
+        message = {"role": "assistant", "content": answer}
+        if think:
+            message["reasoning_content"] = reasoning
+        elif twice:
+            message["content"] = f"<think></think><think>{reasoning}</think>{answer}"
+        messages = harmonize_reasoning(models, [{"role": "user", "content": "Hi?"}, message])
+        for key in ("content", "reasoning_content"):
+            if not messages[-1].get(key):
+                continue
+            empty = [*messages[:-1], {**messages[-1], key: ""}]
+            base = [len(render(tok, empty, sample_id="s").tokens) for tok in models]
+            capacities = [n + slack // (m + 1) for m, n in enumerate(base)]
+            views = [render(tok, messages, sample_id="s") for tok in models]
+            got = _longest_prefix(
+                messages, key, models, capacities, "s", views if given_views else None
+            )
+            assert got == _reference_longest_prefix(messages, key, models, capacities)
 
     run()

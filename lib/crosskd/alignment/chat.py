@@ -31,12 +31,13 @@ message's content in each rendering, and align message by message (spec section 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from crosskd.alignment.core import SHAPE_SPECIAL, Chunks, Tokenized, align
+from crosskd.alignment.core import SHAPE_SPECIAL, Chunks, Tokenized, align, tokenize
 from crosskd.alignment.sample import (
     REGION_ANSWER,
     REGION_CLOSE,
@@ -101,13 +102,17 @@ def render(
     Reasoning the template drops even when written into the content (Qwen3's template drops it
     for turns before the last user message) is left out; :func:`harmonize_reasoning` leaves it
     out for every model first so that all models see the same text.
+
+    The template's rendering around sentinels and its pieces' tokens depend only on the
+    conversation's shape (roles, which messages have reasoning, any other keys), so they are
+    kept per tokenizer (:attr:`~crosskd.tokenization.LoadedTokenizer.renderings`) and a
+    conversation of a shape seen before costs the encoding of its contents alone.
     """
     messages = split_reasoning(messages)
     dropped = _dropped_reasoning(tok, messages)
     if dropped:
         messages = _without_reasoning(messages, dropped)
-    rendered, marks, template = _sentinel_rendering(tok, messages, add_generation_prompt)
-    return _tokenize_pieces(tok, rendered, messages, marks, sample_id, template)
+    return _fill(tok, _frame(tok, messages, add_generation_prompt, sample_id), messages)
 
 
 def harmonize_reasoning(toks: list[LoadedTokenizer], messages: list[dict]) -> list[dict]:
@@ -141,13 +146,9 @@ def _sentinel_rendering(
     tok: LoadedTokenizer, messages: list[dict], add_generation_prompt: bool = False
 ) -> tuple[str, dict[tuple[int, int], str], str]:
     """The rendering with every content (and reasoning) replaced by a unique sentinel; a
-    template that ignores ``reasoning_content`` gets it written into the content."""
+    template that ignores ``reasoning_content`` gets it written into the content. Kept per
+    conversation shape."""
     template = tok.hf.chat_template or CHATML_FALLBACK
-    options = {
-        "tokenize": False,
-        "chat_template": template,
-        "add_generation_prompt": add_generation_prompt,
-    }
     marks = {}
     stand_in = []
     for index, message in enumerate(messages):
@@ -158,6 +159,14 @@ def _sentinel_rendering(
                 (index, REGION_REASONING), _sentinel(index, "r")
             )
         stand_in.append(copy)
+    key = _shape_key("sentinels", stand_in, add_generation_prompt)
+    if key in tok.renderings:
+        return tok.renderings[key]
+    options = {
+        "tokenize": False,
+        "chat_template": template,
+        "add_generation_prompt": add_generation_prompt,
+    }
     rendered = tok.hf.apply_chat_template(stand_in, **options)
     ignored = [
         i
@@ -171,21 +180,35 @@ def _sentinel_rendering(
                 f"<think>\n{reasoning}\n</think>\n\n{marks[index, REGION_ANSWER]}"
             )
         rendered = tok.hf.apply_chat_template(stand_in, **options)
-    return rendered, marks, template
+    return _keep(tok, key, (rendered, marks, template))
 
 
 def _sentinel(index: int, kind: str) -> str:
     return f"\ue000{kind}{index}\ue001"
 
 
-def _tokenize_pieces(
-    tok: LoadedTokenizer,
-    rendered: str,
-    messages: list[dict],
-    marks: dict[tuple[int, int], str],
-    sample_id: str,
-    template: str,
-) -> Rendered:
+@dataclass(frozen=True, eq=False)
+class _Frame:
+    """A conversation shape as one template renders it: the located contents ``order``
+    ((message index, region) in text order), the template ``pieces`` around them (one more
+    than ``order``), each tokenized with its specials recognised (``tokens``, with starts), and
+    whether the template is the fallback."""
+
+    order: list[tuple[int, int]]
+    pieces: list[str]
+    tokens: list[Tokenized]
+    fallback_template: bool
+
+
+def _frame(
+    tok: LoadedTokenizer, messages: list[dict], add_generation_prompt: bool, sample_id: str
+) -> _Frame:
+    """The frame of ``messages``' shape (kept per shape once located; a shape whose content
+    cannot be located raises :class:`DataError` for every sample of it)."""
+    rendered, marks, template = _sentinel_rendering(tok, messages, add_generation_prompt)
+    key = ("frame", rendered)
+    if key in tok.renderings:
+        return tok.renderings[key]
     located = []
     for (index, region), mark in marks.items():
         where = rendered.find(mark)
@@ -198,50 +221,71 @@ def _tokenize_pieces(
             )
         located.append((where, index, region, mark))
     located.sort()
-    template_pieces, content_pieces, layout = [], [], []
-    text_parts: list[str] = []
-    cursor = length = 0
-    for where, index, region, mark in located:
-        template_pieces.append(rendered[cursor:where])
-        text_parts.append(template_pieces[-1])
-        length += len(template_pieces[-1])
-        content = messages[index]["reasoning_content" if region == REGION_REASONING else "content"]
-        content_pieces.append(content)
-        layout.append((index, region, length, length + len(content)))
-        text_parts.append(content)
-        length += len(content)
+    pieces = []
+    cursor = 0
+    for where, _, _, mark in located:
+        pieces.append(rendered[cursor:where])
         cursor = where + len(mark)
-    template_pieces.append(rendered[cursor:])
-    text_parts.append(template_pieces[-1])
-    common = {"add_special_tokens": False, "return_offsets_mapping": True}
-    tpl = tok.hf(template_pieces, split_special_tokens=False, **common)
-    cnt = tok.hf(content_pieces, split_special_tokens=True, **common) if content_pieces else None
-    ids, starts, ends = [], [], []
+    pieces.append(rendered[cursor:])
+    tokens = tokenize(tok, pieces, with_starts=True, split_special_tokens=False)
+    order = [(index, region) for _, index, region, _ in located]
+    return _keep(tok, key, _Frame(order, pieces, tokens, template is CHATML_FALLBACK))
+
+
+def _fill(tok: LoadedTokenizer, frame: _Frame, messages: list[dict]) -> Rendered:
+    """``messages`` rendered in ``frame``: their contents, each tokenized on its own with
+    specials kept as text, between the frame's template pieces."""
+    contents = [
+        messages[index]["reasoning_content" if region == REGION_REASONING else "content"]
+        for index, region in frame.order
+    ]
+    encoded = tokenize(tok, contents, with_starts=True) if contents else []
+    ids, starts, ends, text_parts, layout = [], [], [], [], []
     base = 0
-    for k, piece in enumerate(template_pieces):
-        _extend(ids, starts, ends, tpl, k, base)
-        base += len(piece)
-        if k < len(content_pieces):
-            _extend(ids, starts, ends, cnt, k, base)
-            base += len(content_pieces[k])
-    starts_array = np.asarray(starts, dtype=np.int64)
-    tokens = Tokenized(
-        np.asarray(ids, dtype=np.int64), np.asarray(ends, dtype=np.int64), starts_array
-    )
+    for k, piece in enumerate(frame.pieces):
+        parts = [(frame.tokens[k], piece)]
+        if k < len(contents):
+            index, region = frame.order[k]
+            layout.append((index, region, base + len(piece), base + len(piece) + len(contents[k])))
+            parts.append((encoded[k], contents[k]))
+        for tokens, text in parts:
+            ids.append(tokens.ids)
+            starts.append(tokens.starts + base)
+            ends.append(tokens.ends + base)
+            text_parts.append(text)
+            base += len(text)
+    starts_array = np.concatenate(starts)
     return Rendered(
         text="".join(text_parts),
-        tokens=tokens,
+        tokens=Tokenized(np.concatenate(ids), np.concatenate(ends), starts_array),
         starts=starts_array,
         regions=_with_close_regions(layout),
-        fallback_template=template is CHATML_FALLBACK,
+        fallback_template=frame.fallback_template,
     )
 
 
-def _extend(ids: list, starts: list, ends: list, encoded, k: int, base: int) -> None:
-    ids.extend(encoded["input_ids"][k])
-    for start, end in encoded["offset_mapping"][k]:
-        starts.append(base + start)
-        ends.append(base + end)
+def _shape_key(kind: str, stand_in: list[dict], add_generation_prompt: bool) -> tuple | None:
+    """The key of a conversation shape (its messages with sentinels for content), or None for
+    messages whose values JSON cannot write (then nothing is kept)."""
+    try:
+        return (kind, json.dumps([stand_in, add_generation_prompt], sort_keys=True))
+    except (TypeError, ValueError):
+        return None
+
+
+def _keep(tok: LoadedTokenizer, key: tuple | None, value: object):
+    """Keep ``value`` under ``key`` in ``tok``'s renderings (the oldest dropped beyond
+    :data:`_KEPT` shapes) and return it."""
+    if key is not None:
+        if len(tok.renderings) >= _KEPT:
+            del tok.renderings[next(iter(tok.renderings))]
+        tok.renderings[key] = value
+    return value
+
+
+_KEPT = 4096
+"""Renderings kept per tokenizer: conversations of a data set come in a few shapes; messages
+that carry per-sample values beside their content (tool calls) make a shape each."""
 
 
 def _with_close_regions(layout: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:

@@ -108,11 +108,13 @@ def tokenize(
     *,
     add_special_tokens: bool = False,
     with_starts: bool = False,
+    split_special_tokens: bool = True,
 ) -> list[Tokenized]:
     """Tokenize user text with character offsets; specials in the text stay text
-    (``split_special_tokens=True``), except added tokens the tokenizer matches anyway.
+    (``split_special_tokens``), except added tokens the tokenizer matches anyway; with
+    ``split_special_tokens`` false (template text) specials in the text are specials.
 
-    What ``tok.hf(texts, split_special_tokens=True, return_offsets_mapping=True)`` returns,
+    What ``tok.hf(texts, split_special_tokens=..., return_offsets_mapping=True)`` returns,
     read from the Rust tokenizer's encodings directly (no padding, no truncation), without
     transformers' per-text dictionaries: the encoding is most of what data preparation costs."""
     if not texts:
@@ -123,7 +125,7 @@ def tokenize(
     if backend.padding is not None:
         backend.no_padding()
     before = backend.encode_special_tokens
-    backend.encode_special_tokens = True
+    backend.encode_special_tokens = split_special_tokens
     out = []
     try:
         for first in range(0, len(texts), _ENCODE_BATCH):

@@ -27,6 +27,7 @@ from crosskd.alignment import (
     tokenize,
 )
 from crosskd.alignment.own import student_tokens
+from crosskd.alignment.sample import REGION_ANSWER, REGION_REASONING
 from crosskd.data.clipping import clip_text, clip_texts
 from crosskd.data.records import Record
 from crosskd.data.shards import SameTokenizerSample, same_tokenizer_sample
@@ -296,14 +297,15 @@ def _fit_chat(
         return messages, False, original, None, views
     ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
     for end in reversed(ends):
-        if _fits(messages[:end], models, capacities, sid):
+        if end < len(messages) and _fits(messages[:end], models, capacities, sid):
             return messages[:end], True, original, None, None
     first = messages[: ends[0]]
     last = len(first) - 1
     for key in ("content", "reasoning_content"):
         if not first[last].get(key):
             continue
-        cut = _longest_prefix(first, key, models, capacities, sid)
+        whole = views if first == messages else None  # the renderings of ``first``, made above
+        cut = _longest_prefix(first, key, models, capacities, sid, whole)
         if cut is not None:
             return cut, True, original, last, None
         first = [*first[:last], {**first[last], key: ""}]
@@ -315,21 +317,69 @@ def _fit_chat(
 
 
 def _longest_prefix(
-    messages: list[dict], key: str, models: list, capacities: list[int], sid: str
+    messages: list[dict],
+    key: str,
+    models: list,
+    capacities: list[int],
+    sid: str,
+    views: list[Rendered] | None = None,
 ) -> list[dict] | None:
     """``messages`` with the last message's ``key`` cut to its longest fitting prefix (at
-    least one character), or None."""
+    least one character), or None.
+
+    A bisection over the cut, in characters. A rendering is its pieces tokenized one by one
+    (:func:`~crosskd.alignment.render`: the template around sentinels, then each content on
+    its own), so a cut's length for a model is the length of every other piece, measured once
+    from the whole text's rendering, plus the cut text's own tokens: a probe encodes only the
+    cut text, model by model until one overflows. Where the whole text is not one piece of its
+    rendering (reasoning split off it again), every probe renders the conversation. ``views``:
+    the models' renderings of ``messages`` when the caller has them."""
     text = messages[-1][key]
+    others = _other_pieces(messages, key, models, sid, views)
+    if others is None:
+
+        def fits(cut: int) -> bool:
+            return _fits(
+                [*messages[:-1], {**messages[-1], key: text[:cut]}], models, capacities, sid
+            )
+
+    else:
+        room = [cap - n for cap, n in zip(capacities, others, strict=True)]
+
+        def fits(cut: int) -> bool:
+            return all(
+                len(tokenize(tok, [text[:cut]])[0]) <= free
+                for tok, free in zip(models, room, strict=True)
+            )
+
     lo, hi = 0, len(text)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _fits([*messages[:-1], {**messages[-1], key: text[:mid]}], models, capacities, sid):
+        if fits(mid):
             lo = mid
         else:
             hi = mid
     if lo == 0:
         return None
     return [*messages[:-1], {**messages[-1], key: text[:lo]}]
+
+
+def _other_pieces(
+    messages: list[dict], key: str, models: list, sid: str, views: list[Rendered] | None
+) -> list[int] | None:
+    """Per model, the tokens of ``messages``' rendering (``views``, else rendered here) outside
+    the last message's ``key``, or None where that text is not exactly one piece of a model's
+    rendering."""
+    index, text = len(messages) - 1, messages[-1][key]
+    region = REGION_REASONING if key == "reasoning_content" else REGION_ANSWER
+    out = []
+    for m, tok in enumerate(models):
+        view = views[m] if views is not None else render(tok, messages, sample_id=sid)
+        spans = [(a, b) for i, r, a, b in view.regions if (i, r) == (index, region)]
+        if len(spans) != 1 or view.text[spans[0][0] : spans[0][1]] != text:
+            return None
+        out.append(len(view.tokens) - len(tokenize(tok, [text])[0]))
+    return out
 
 
 def _fits(messages: list[dict], models: list, capacities: list[int], sample_id: str) -> bool:

@@ -92,7 +92,8 @@ class LoadedTokenizer:
     tokenizer (chat templates, saving), is built by ``open_hf`` on first use.
     ``strips_content``: whether its chat template strips whitespace around message content
     (Llama-3's ``| trim``). ``skeleton``: the backend's JSON without the model's ``vocab`` and
-    ``merges`` (:class:`~crosskd.tokenization.derived.Derived`).
+    ``merges`` (:class:`~crosskd.tokenization.derived.Derived`). ``renderings``: chat-template
+    renderings kept by conversation shape (:func:`crosskd.alignment.render`).
     """
 
     name: str
@@ -105,6 +106,7 @@ class LoadedTokenizer:
     roles: dict[int, str]
     strips_content: bool
     skeleton: dict = field(repr=False)
+    renderings: dict = field(default_factory=dict, repr=False)
 
     @cached_property
     def hf(self) -> PreTrainedTokenizerBase:
