@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crosskd.alignment import ChatOptions, harmonize_reasoning, render
-from crosskd.data.preparation import Preparation, _longest_prefix, prepare_row, prepare_rows
+from crosskd.data.preparation import Preparation, _longest_prefixes, prepare_row, prepare_rows
 from crosskd.data.records import Record
 
 TEXTS = [
@@ -52,9 +52,13 @@ def _same(a: object, b: object, where: str = "row") -> None:
 
 
 def _records(texts: list[str], chat_at: set[int]) -> list[Record]:
+    """The texts as text rows, with a conversation before each index of ``chat_at``: its
+    answer is the text there (cut when long), then :data:`CHAT` (whole)."""
     records = []
     for i, text in enumerate(texts):
         if i in chat_at:
+            long = [CHAT[0], {"role": "assistant", "content": text * 4}]
+            records.append(Record(f"l{i}", None, long, "data.jsonl", i + 1))
             records.append(Record(f"c{i}", None, CHAT, "data.jsonl", i + 1))
         records.append(Record(f"t{i}", text, None, "data.jsonl", i + 1))
     return records
@@ -70,11 +74,12 @@ def _check(records: list[Record], preparation: Preparation) -> list[dict]:
 
 def test_a_window_prepares_as_its_rows_one_by_one(zoo):
     llama, qwen = zoo("llama3"), zoo("qwen3")
-    preparation = Preparation.of(llama, [qwen, llama], [40, 36, 40], ChatOptions())
-    rows = _check(_records(TEXTS, chat_at={2, 5}), preparation)
+    preparation = Preparation.of(llama, [qwen, llama], [80, 76, 80], ChatOptions())
+    rows = _check(_records(TEXTS, chat_at={1, 2, 5}), preparation)
     reasons = [row["clip_reason"] for row in rows]
-    assert "text" in reasons and None in reasons  # both kinds of text rows were prepared
-    assert [row["messages"] is not None for row in rows].count(True) == 2
+    assert "text" in reasons and None in reasons  # text rows clipped and whole
+    chats = [reason for row, reason in zip(rows, reasons, strict=True) if row["messages"]]
+    assert chats.count("message") >= 2 and None in chats  # answers cut in lockstep, and whole
 
 
 def test_generated_windows_prepare_as_their_rows(zoo):
@@ -122,37 +127,39 @@ def _reference_longest_prefix(messages, key, models, capacities):
     return None if lo == 0 else [*messages[:-1], {**messages[-1], key: text[:lo]}]
 
 
-def test_a_message_is_cut_where_rendering_every_probe_cuts_it(zoo):
-    """The answer's (or reasoning's) cut, probed by encoding the cut text alone against the
-    rest of the rendering measured once, is the cut that rendering each probe whole finds, on
-    real templates; a content that is not one piece of the rendering (a second think block,
-    split off again by rendering) falls back to whole renderings and still agrees; the same
-    with the whole conversation's renderings given."""
+def test_messages_are_cut_where_rendering_every_probe_cuts_them(zoo):
+    """The answers' (or reasoning's) cuts, searched in lockstep by encoding each cut text alone
+    against the rest of its rendering measured once, are the cuts that rendering each probe
+    whole finds, one conversation at a time, on real templates; a content that is not one
+    piece of the rendering (a second think block, split off again by rendering) falls back to
+    whole renderings and still agrees; the same with the conversations' renderings given."""
     models = [zoo("llama3"), zoo("qwen3"), zoo("deepseek-v3")]
     pieces = st.sampled_from(
         ["Ice", "land", " ", "\n", "👍🏽", "e\u0301", "\r\n", "世界", "x = 1;", "<|eot_id|>", "42"]
     )
     texts = st.lists(pieces, min_size=2, max_size=40).map("".join)
+    user = {"role": "user", "content": "Hi?"}
+    bare = [user, {"role": "assistant", "content": ""}]
+    base = [len(render(tok, bare, sample_id="s").tokens) for tok in models]
+    conversation = st.tuples(texts, texts, st.booleans(), st.booleans(), st.booleans())
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(texts, texts, st.booleans(), st.booleans(), st.booleans(), st.integers(0, 40))
-    def run(answer: str, reasoning: str, think: bool, twice: bool, given_views: bool, slack: int):
-        message = {"role": "assistant", "content": answer}
-        if think:
-            message["reasoning_content"] = reasoning
-        elif twice:
-            message["content"] = f"<think></think><think>{reasoning}</think>{answer}"
-        messages = harmonize_reasoning(models, [{"role": "user", "content": "Hi?"}, message])
-        for key in ("content", "reasoning_content"):
-            if not messages[-1].get(key):
-                continue
-            empty = [*messages[:-1], {**messages[-1], key: ""}]
-            base = [len(render(tok, empty, sample_id="s").tokens) for tok in models]
-            capacities = [n + slack // (m + 1) for m, n in enumerate(base)]
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(conversation, min_size=1, max_size=4), st.integers(0, 40))
+    def run(conversations: list[tuple], slack: int) -> None:
+        capacities = [n + slack // (m + 1) for m, n in enumerate(base)]
+        jobs, expected = [], []
+        for answer, reasoning, think, twice, given_views in conversations:
+            message = {"role": "assistant", "content": answer}
+            if think:
+                message["reasoning_content"] = reasoning
+            elif twice:
+                message["content"] = f"<think></think><think>{reasoning}</think>{answer}"
+            messages = harmonize_reasoning(models, [user, message])
             views = [render(tok, messages, sample_id="s") for tok in models]
-            got = _longest_prefix(
-                messages, key, models, capacities, "s", views if given_views else None
-            )
-            assert got == _reference_longest_prefix(messages, key, models, capacities)
+            for key in ("content", "reasoning_content"):
+                if messages[-1].get(key):
+                    jobs.append((messages, key, views if given_views else None))
+                    expected.append(_reference_longest_prefix(messages, key, models, capacities))
+        assert _longest_prefixes(jobs, models, capacities, ["s"] * len(jobs)) == expected
 
     run()

@@ -126,42 +126,31 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
     ``[n_student]``, CE targets) and ``aligned`` (per teacher an
     :class:`~crosskd.alignment.AlignedSample`, or a
     :class:`~crosskd.data.shards.SameTokenizerSample` for a same-tokenizer teacher)."""
+    if record.text is None:
+        return _prepare_chats([record], preparation)[0]
     record = preparation.normalized(record)
-    models, capacities, options = preparation.models, preparation.capacities, preparation.options
-    same = preparation.same
+    models, capacities = preparation.models, preparation.capacities
     student, teachers = models[0], models[1:]
-    if record.text is not None:
-        clip = clip_text(record.text, models, capacities)
-        text, clipped, original = clip.text, clip.clipped, clip.original_lengths
-        messages, cut = None, None
-        s_view = render_text(student, text)
-    else:
-        messages, clipped, original, cut, views = _fit_chat(record, models, capacities)
-        s_view = views[0] if views else render(student, messages, sample_id=record.sample_id)
-        text = None
-    own = student_tokens(
-        student, s_view, messages, options, sample_id=record.sample_id, clipped_message=cut
+    clip = clip_text(record.text, models, capacities)
+    s_view = render_text(student, clip.text)
+    own = student_tokens(student, s_view, None, preparation.options, sample_id=record.sample_id)
+    aligned: list[AlignedSample | SameTokenizerSample] = [
+        same_tokenizer_sample(student, s_view, own)
+        if preparation.same[k]
+        else align_text(student, t, clip.text, student=s_view)
+        for k, t in enumerate(teachers)
+    ]
+    return _row(
+        record,
+        clip.text,
+        None,
+        clip.clipped,
+        None,
+        clip.original_lengths,
+        s_view,
+        own.loss_mask,
+        aligned,
     )
-    aligned: list[AlignedSample | SameTokenizerSample] = []
-    for k, t in enumerate(teachers):
-        if same[k]:
-            aligned.append(same_tokenizer_sample(student, s_view, own))
-        elif messages is None:
-            aligned.append(align_text(student, t, text, student=s_view))
-        else:
-            aligned.append(
-                align_chat(
-                    student,
-                    t,
-                    messages,
-                    sample_id=record.sample_id,
-                    options=options,
-                    student=s_view,
-                    teacher=views[k + 1] if views else None,
-                    clipped_message=cut,
-                )
-            )
-    return _row(record, text, messages, clipped, cut, original, s_view, own.loss_mask, aligned)
 
 
 def prepare_rows(records: Sequence[Record], preparation: Preparation) -> list[dict]:
@@ -170,19 +159,19 @@ def prepare_rows(records: Sequence[Record], preparation: Preparation) -> list[di
     clipping and rendering both; a text clipping cuts keeps the encoding of its cut), clipping
     searches them in lockstep (:func:`~crosskd.data.clipping.clip_texts`) and each teacher is
     aligned with the student over all of them in one vectorised pass
-    (:func:`~crosskd.alignment.align_texts`). Conversations are prepared one by one."""
+    (:func:`~crosskd.alignment.align_texts`). Conversations are prepared together too: their
+    contents encoded per model in one batch, the answers that must be cut searched in lockstep
+    (:func:`_longest_prefixes`)."""
     rows: list[dict | None] = [None] * len(records)
-    texts = []
-    for i, record in enumerate(records):
-        if record.text is None:
-            rows[i] = prepare_row(record, preparation)
-        else:
-            texts.append(i)
-    for first in range(0, len(texts), _TEXT_BATCH):
-        group = texts[first : first + _TEXT_BATCH]
-        prepared = _prepare_texts([records[i] for i in group], preparation)
-        for i, row in zip(group, prepared, strict=True):
-            rows[i] = row
+    for kind in (False, True):  # conversations first, as their errors came first before
+        group = [i for i, record in enumerate(records) if (record.text is not None) is kind]
+        for first in range(0, len(group), _TEXT_BATCH):
+            batch = group[first : first + _TEXT_BATCH]
+            prepare = _prepare_texts if kind else _prepare_chats
+            for i, row in zip(
+                batch, prepare([records[i] for i in batch], preparation), strict=True
+            ):
+                rows[i] = row
     return rows
 
 
@@ -267,6 +256,39 @@ def _row(
     }
 
 
+def _prepare_chats(records: list[Record], preparation: Preparation) -> list[dict]:
+    """The rows of conversation records, prepared together (:func:`prepare_rows`); the first
+    bad record, in order, raises its :class:`~crosskd.errors.DataError`."""
+    records = [preparation.normalized(r) for r in records]
+    models, options, same = preparation.models, preparation.options, preparation.same
+    student, teachers = models[0], models[1:]
+    fitted = _fit_chats(records, models, preparation.capacities)
+    rows = []
+    for record, (messages, clipped, original, cut, views) in zip(records, fitted, strict=True):
+        sid = record.sample_id
+        s_view = views[0] if views else render(student, messages, sample_id=sid)
+        own = student_tokens(student, s_view, messages, options, sample_id=sid, clipped_message=cut)
+        aligned: list[AlignedSample | SameTokenizerSample] = [
+            same_tokenizer_sample(student, s_view, own)
+            if same[k]
+            else align_chat(
+                student,
+                t,
+                messages,
+                sample_id=sid,
+                options=options,
+                student=s_view,
+                teacher=views[k + 1] if views else None,
+                clipped_message=cut,
+            )
+            for k, t in enumerate(teachers)
+        ]
+        rows.append(
+            _row(record, None, messages, clipped, cut, original, s_view, own.loss_mask, aligned)
+        )
+    return rows
+
+
 def _chat_lengths(messages: list[dict], models: list[LoadedTokenizer], sample_id: str) -> list:
     return [len(view.tokens) for view in _renders(messages, models, sample_id)]
 
@@ -275,15 +297,73 @@ def _renders(messages: list[dict], models: list[LoadedTokenizer], sample_id: str
     return [render(tok, messages, sample_id=sample_id) for tok in models]
 
 
-def _fit_chat(
+Fitted = tuple[list[dict], bool, list[int], int | None, list | None]
+"""A conversation as clipping keeps it: the messages, whether they were clipped, the original
+lengths, the index of a message whose text was cut (or None), and every model's rendering of
+the messages when measuring them made it (a conversation that fits whole), else None."""
+
+
+def _fit_chats(
+    records: list[Record], models: list[LoadedTokenizer], capacities: list[int]
+) -> list[Fitted]:
+    """Each conversation's longest prefix (ending with an assistant message) every model
+    holds. If even the first assistant turn is too long, its answer is clipped by bisection,
+    and if an empty answer is still too long, its reasoning is; the bisections of all records
+    run in lockstep (:func:`_longest_prefixes`). The first bad record, in order, raises."""
+    fitted: list[Fitted | None] = [None] * len(records)
+    errors: dict[int, DataError] = {}
+    pending: dict[int, _FirstTurn] = {}
+    for i, record in enumerate(records):
+        try:
+            turns = _fit_turns(record, models, capacities)
+        except DataError as err:
+            errors[i] = err
+            continue
+        if isinstance(turns, _FirstTurn):
+            pending[i] = turns
+        else:
+            fitted[i] = turns
+    for key in ("content", "reasoning_content"):
+        asked = [i for i, turn in pending.items() if turn.messages[-1].get(key)]
+        jobs = [(pending[i].messages, key, pending[i].views) for i in asked]
+        sids = [records[i].sample_id for i in asked]
+        for i, cut in zip(asked, _longest_prefixes(jobs, models, capacities, sids), strict=True):
+            turn = pending[i]
+            if cut is not None:
+                fitted[i] = (cut, True, turn.original, len(cut) - 1, None)
+                del pending[i]
+            else:
+                emptied = [*turn.messages[:-1], {**turn.messages[-1], key: ""}]
+                pending[i] = _FirstTurn(emptied, None, turn.original)
+    for i, turn in pending.items():
+        record = records[i]
+        errors[i] = DataError(
+            f"sample {record.sample_id} ({record.source}, row {record.row}): even with an empty "
+            f"first answer the conversation needs "
+            f"{_chat_lengths(turn.messages, models, record.sample_id)} tokens, over the "
+            f"capacities {capacities}; raise --max-length or drop the sample."
+        )
+    if errors:
+        raise errors[min(errors)]
+    return fitted
+
+
+@dataclass(frozen=True)
+class _FirstTurn:
+    """A conversation whose first assistant turn alone is too long: those ``messages``, every
+    model's rendering of them when the caller made it (else None) and the whole conversation's
+    ``original`` lengths."""
+
+    messages: list[dict]
+    views: list[Rendered] | None
+    original: list[int]
+
+
+def _fit_turns(
     record: Record, models: list[LoadedTokenizer], capacities: list[int]
-) -> tuple[list[dict], bool, list[int], int | None, list | None]:
-    """The longest conversation prefix (ending with an assistant message) every model holds.
-    If even the first assistant turn is too long, its answer is clipped by bisection, and if an
-    empty answer is still too long, its reasoning is. Returns the messages, whether they were
-    clipped, the original lengths, the index of a message whose text was cut (or None), and
-    every model's rendering of the messages when measuring them made it (a conversation that
-    fits whole), else None."""
+) -> Fitted | _FirstTurn:
+    """The conversation whole, or its longest prefix of whole turns every model holds, or
+    (when even the first turn is too long) that first turn, for its answer to be cut."""
     messages = harmonize_reasoning(models, record.messages)
     sid = record.sample_id
     if not any(m.get("role") == "assistant" for m in messages):
@@ -300,20 +380,7 @@ def _fit_chat(
         if end < len(messages) and _fits(messages[:end], models, capacities, sid):
             return messages[:end], True, original, None, None
     first = messages[: ends[0]]
-    last = len(first) - 1
-    for key in ("content", "reasoning_content"):
-        if not first[last].get(key):
-            continue
-        whole = views if first == messages else None  # the renderings of ``first``, made above
-        cut = _longest_prefix(first, key, models, capacities, sid, whole)
-        if cut is not None:
-            return cut, True, original, last, None
-        first = [*first[:last], {**first[last], key: ""}]
-    raise DataError(
-        f"sample {sid} ({record.source}, row {record.row}): even with an empty first answer the "
-        f"conversation needs {_chat_lengths(first, models, sid)} tokens, over the capacities "
-        f"{capacities}; raise --max-length or drop the sample."
-    )
+    return _FirstTurn(first, views if first == messages else None, original)
 
 
 def _longest_prefix(
@@ -325,43 +392,58 @@ def _longest_prefix(
     views: list[Rendered] | None = None,
 ) -> list[dict] | None:
     """``messages`` with the last message's ``key`` cut to its longest fitting prefix (at
-    least one character), or None.
+    least one character), or None; ``views``: the models' renderings of ``messages`` when the
+    caller has them (:func:`_longest_prefixes`)."""
+    return _longest_prefixes([(messages, key, views)], models, capacities, [sid])[0]
 
-    A bisection over the cut, in characters. A rendering is its pieces tokenized one by one
-    (:func:`~crosskd.alignment.render`: the template around sentinels, then each content on
-    its own), so a cut's length for a model is the length of every other piece, measured once
-    from the whole text's rendering, plus the cut text's own tokens: a probe encodes only the
-    cut text, model by model until one overflows. Where the whole text is not one piece of its
-    rendering (reasoning split off it again), every probe renders the conversation. ``views``:
-    the models' renderings of ``messages`` when the caller has them."""
-    text = messages[-1][key]
-    others = _other_pieces(messages, key, models, sid, views)
-    if others is None:
 
-        def fits(cut: int) -> bool:
-            return _fits(
-                [*messages[:-1], {**messages[-1], key: text[:cut]}], models, capacities, sid
-            )
+def _longest_prefixes(
+    jobs: list[tuple[list[dict], str, list[Rendered] | None]],
+    models: list,
+    capacities: list[int],
+    sids: list[str],
+) -> list[list[dict] | None]:
+    """:func:`_longest_prefix` of each job ``(messages, key, views)``: a bisection over the
+    cut, in characters, all jobs in lockstep.
 
-    else:
-        room = [cap - n for cap, n in zip(capacities, others, strict=True)]
-
-        def fits(cut: int) -> bool:
-            return all(
-                len(tokenize(tok, [text[:cut]])[0]) <= free
-                for tok, free in zip(models, room, strict=True)
-            )
-
-    lo, hi = 0, len(text)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    if lo == 0:
-        return None
-    return [*messages[:-1], {**messages[-1], key: text[:lo]}]
+    A rendering is its pieces tokenized one by one (:func:`~crosskd.alignment.render`: the
+    template around sentinels, then each content on its own), so a cut's length for a model is
+    the length of every other piece, measured once from the whole text's rendering, plus the
+    cut text's own tokens: a round of the bisections encodes the cut texts all unfinished jobs
+    ask for, in one batch per model, model by model while they fit. A job whose whole text is
+    not one piece of its rendering (reasoning split off it again) renders every probe."""
+    texts = [messages[-1][key] for messages, key, _ in jobs]
+    bounds = [[0, len(text)] for text in texts]
+    rooms: dict[int, list[int]] = {}
+    for j, (messages, key, views) in enumerate(jobs):
+        others = _other_pieces(messages, key, models, sids[j], views)
+        if others is not None:
+            rooms[j] = [cap - n for cap, n in zip(capacities, others, strict=True)]
+            continue
+        lo, hi = bounds[j]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            probe = [*messages[:-1], {**messages[-1], key: texts[j][:mid]}]
+            lo, hi = (mid, hi) if _fits(probe, models, capacities, sids[j]) else (lo, mid)
+        bounds[j] = [lo, hi]
+    active = [j for j in rooms if bounds[j][1] - bounds[j][0] > 1]
+    while active:
+        mids = {j: sum(bounds[j]) // 2 for j in active}
+        fits = dict.fromkeys(active, True)
+        for m, tok in enumerate(models):
+            asked = [j for j in active if fits[j]]
+            if not asked:
+                break
+            encoded = tokenize(tok, [texts[j][: mids[j]] for j in asked])
+            for j, tokens in zip(asked, encoded, strict=True):
+                fits[j] = len(tokens) <= rooms[j][m]
+        for j in active:
+            bounds[j][0 if fits[j] else 1] = mids[j]
+        active = [j for j in active if bounds[j][1] - bounds[j][0] > 1]
+    out: list[list[dict] | None] = []
+    for (messages, key, _), text, (lo, _) in zip(jobs, texts, bounds, strict=True):
+        out.append(None if lo == 0 else [*messages[:-1], {**messages[-1], key: text[:lo]}])
+    return out
 
 
 def _other_pieces(
