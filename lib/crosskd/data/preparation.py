@@ -28,7 +28,7 @@ from crosskd.alignment import (
 )
 from crosskd.alignment.own import student_tokens
 from crosskd.alignment.sample import REGION_ANSWER, REGION_REASONING
-from crosskd.data.clipping import clip_text, clip_texts
+from crosskd.data.clipping import ClipResult, clip_text, clip_texts
 from crosskd.data.records import Record
 from crosskd.data.shards import SameTokenizerSample, same_tokenizer_sample
 from crosskd.errors import ConfigError, DataError
@@ -140,17 +140,7 @@ def prepare_row(record: Record, preparation: Preparation) -> dict:
         else align_text(student, t, clip.text, student=s_view)
         for k, t in enumerate(teachers)
     ]
-    return _row(
-        record,
-        clip.text,
-        None,
-        clip.clipped,
-        None,
-        clip.original_lengths,
-        s_view,
-        own.loss_mask,
-        aligned,
-    )
+    return _text_row(record, clip, s_view, own.loss_mask, aligned)
 
 
 def prepare_rows(records: Sequence[Record], preparation: Preparation) -> list[dict]:
@@ -212,20 +202,29 @@ def _prepare_texts(records: list[Record], preparation: Preparation) -> list[dict
             same_tokenizer_sample(models[0], s_view, own) if same[k] else aligned[k][i]
             for k in range(len(aligned))
         ]
-        rows.append(
-            _row(
-                record,
-                clip.text,
-                None,
-                clip.clipped,
-                None,
-                clip.original_lengths,
-                s_view,
-                own.loss_mask,
-                per_teacher,
-            )
-        )
+        rows.append(_text_row(record, clip, s_view, own.loss_mask, per_teacher))
     return rows
+
+
+def _text_row(
+    record: Record,
+    clip: ClipResult,
+    s_view: Rendered,
+    loss_mask: np.ndarray,
+    aligned: list[AlignedSample | SameTokenizerSample],
+) -> dict:
+    """A prepared plain-text row (:func:`_row`) of the text ``clip`` kept."""
+    return _row(
+        record,
+        clip.text,
+        None,
+        clip.clipped,
+        None,
+        clip.original_lengths,
+        s_view,
+        loss_mask,
+        aligned,
+    )
 
 
 def _row(
