@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from crosskd.alignment import REGIONS, SHAPE_NAMES, ChatOptions, align_chat, render
+from crosskd.alignment import REGIONS, SHAPE_NAMES, ChatOptions, align_chat, render, render_many
+from crosskd.data.preparation import Preparation, prepare_rows
+from crosskd.data.records import Record
 from crosskd.errors import DataError
 from crosskd.tokenization import load_tokenizer
 from crosskd.zoo import train_tiny_bpe
@@ -115,6 +117,35 @@ def test_message_that_cannot_be_located_names_sample_and_message(tmp_path, zoo):
     tok = _custom_template(tmp_path, drops_users)
     with pytest.raises(DataError, match=r"sample s-7: message 1 \(user\) cannot be located"):
         align_chat(zoo("llama3"), tok, CONVERSATION, sample_id="s-7")
+
+
+def test_a_batch_names_its_first_conversation_that_cannot_be_rendered(tmp_path, zoo):
+    """render_many encodes a batch's contents together and names the first conversation, in
+    order, that its template cannot render; a prepared window renders in batches, and one
+    that fails is rendered conversation by conversation, so the error is still the first bad
+    record's, whichever check finds it."""
+    drops_users = (
+        "{% for m in messages %}{% if m['role'] != 'user' %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}"
+    )
+    tok = _custom_template(tmp_path, drops_users)
+    answer_only = [{"role": "assistant", "content": "hello world"}]
+    asked = [{"role": "user", "content": "how are you?"}, *answer_only]
+    ids = ["a-0", "a-1", "u-2", "u-3"]
+    with pytest.raises(DataError, match=r"sample u-2: message 0 \(user\) cannot be located"):
+        render_many(tok, [answer_only, answer_only, asked, asked], sample_ids=ids)
+    views = render_many(tok, [answer_only, answer_only], sample_ids=ids[:2])
+    single = render(tok, answer_only, sample_id="a-0")
+    assert [v.text for v in views] == [single.text] * 2
+    assert all(np.array_equal(v.tokens.ids, single.tokens.ids) for v in views)
+    preparation = Preparation.of(tok, [zoo("llama3")], [64, 64], ChatOptions())
+    fine = Record("fine", None, answer_only, "data.jsonl", 1)
+    user = Record("user", None, asked, "data.jsonl", 2)
+    no_answer = Record("no-answer", None, [asked[0]], "data.jsonl", 3)
+    with pytest.raises(DataError, match=r"sample user: message 0 \(user\) cannot be located"):
+        prepare_rows([fine, user, no_answer], preparation)
+    with pytest.raises(DataError, match="sample no-answer: the conversation has no assistant"):
+        prepare_rows([fine, no_answer, user], preparation)
 
 
 def test_tokenizer_without_template_gets_the_chatml_fallback(tmp_path, zoo):

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crosskd.alignment import ChatOptions, harmonize_reasoning, render
 from crosskd.data.preparation import Preparation, _longest_prefixes, prepare_row, prepare_rows
 from crosskd.data.records import Record
+from crosskd.errors import DataError
 
 TEXTS = [
     "Hello world, hello world.",
@@ -163,3 +165,23 @@ def test_messages_are_cut_where_rendering_every_probe_cuts_them(zoo):
         assert _longest_prefixes(jobs, models, capacities, ["s"] * len(jobs)) == expected
 
     run()
+
+
+def test_the_first_bad_conversation_of_a_window_is_the_one_named(zoo):
+    """Conversations are prepared in phases across the window (renderings, then the answers'
+    cuts), yet the error raised is the first bad record's, in order, as one by one: a prompt
+    too long for any answer (found while cutting) comes before a conversation with no
+    answer at all (found first)."""
+    llama, qwen = zoo("llama3"), zoo("qwen3")
+    preparation = Preparation.of(llama, [qwen], [60, 60], ChatOptions())
+    long_prompt = [{"role": "user", "content": "word " * 200}, CHAT[1]]
+    no_answer = [CHAT[0]]
+    records = [
+        Record("fine", None, CHAT, "data.jsonl", 1),
+        Record("too-long", None, long_prompt, "data.jsonl", 2),
+        Record("no-answer", None, no_answer, "data.jsonl", 3),
+    ]
+    with pytest.raises(DataError, match=r"sample too-long \(data\.jsonl, row 2\): even with an"):
+        prepare_rows(records, preparation)
+    with pytest.raises(DataError, match="sample no-answer: the conversation has no assistant"):
+        prepare_rows([records[0], records[2], records[1]], preparation)

@@ -8,6 +8,7 @@ from crosskd.alignment.chat import (
     align_chat,
     harmonize_reasoning,
     render,
+    render_many,
     split_reasoning,
 )
 from crosskd.alignment.core import (
@@ -55,6 +56,7 @@ __all__ = [
     "align_texts",
     "harmonize_reasoning",
     "render",
+    "render_many",
     "render_text",
     "render_texts",
     "rendered_text",

@@ -108,11 +108,40 @@ def render(
     kept per tokenizer (:attr:`~crosskd.tokenization.LoadedTokenizer.renderings`) and a
     conversation of a shape seen before costs the encoding of its contents alone.
     """
-    messages = split_reasoning(messages)
-    dropped = _dropped_reasoning(tok, messages)
-    if dropped:
-        messages = _without_reasoning(messages, dropped)
-    return _fill(tok, _frame(tok, messages, add_generation_prompt, sample_id), messages)
+    return render_many(
+        tok, [messages], sample_ids=[sample_id], add_generation_prompt=add_generation_prompt
+    )[0]
+
+
+def render_many(
+    tok: LoadedTokenizer,
+    conversations: list[list[dict]],
+    *,
+    sample_ids: list[str],
+    add_generation_prompt: bool = False,
+) -> list[Rendered]:
+    """:func:`render` of each conversation (``sample_ids[i]`` names ``conversations[i]`` in
+    errors), the contents of all of them encoded in one batch; the first conversation, in
+    order, that cannot be rendered raises."""
+    framed = []
+    for messages, sample_id in zip(conversations, sample_ids, strict=True):
+        messages = split_reasoning(messages)
+        dropped = _dropped_reasoning(tok, messages)
+        if dropped:
+            messages = _without_reasoning(messages, dropped)
+        frame = _frame(tok, messages, add_generation_prompt, sample_id)
+        contents = [
+            messages[index]["reasoning_content" if region == REGION_REASONING else "content"]
+            for index, region in frame.order
+        ]
+        framed.append((frame, contents))
+    flat = [content for _, contents in framed for content in contents]
+    encoded = tokenize(tok, flat, with_starts=True) if flat else []
+    out, at = [], 0
+    for frame, contents in framed:
+        out.append(_fill(frame, contents, encoded[at : at + len(contents)]))
+        at += len(contents)
+    return out
 
 
 def harmonize_reasoning(toks: list[LoadedTokenizer], messages: list[dict]) -> list[dict]:
@@ -232,14 +261,10 @@ def _frame(
     return _keep(tok, key, _Frame(order, pieces, tokens, template is CHATML_FALLBACK))
 
 
-def _fill(tok: LoadedTokenizer, frame: _Frame, messages: list[dict]) -> Rendered:
-    """``messages`` rendered in ``frame``: their contents, each tokenized on its own with
-    specials kept as text, between the frame's template pieces."""
-    contents = [
-        messages[index]["reasoning_content" if region == REGION_REASONING else "content"]
-        for index, region in frame.order
-    ]
-    encoded = tokenize(tok, contents, with_starts=True) if contents else []
+def _fill(frame: _Frame, contents: list[str], encoded: list[Tokenized]) -> Rendered:
+    """A conversation rendered in ``frame``: its ``contents`` (in the frame's order), each
+    tokenized on its own with specials kept as text (``encoded``, with starts), between the
+    frame's template pieces."""
     ids, starts, ends, text_parts, layout = [], [], [], [], []
     base = 0
     for k, piece in enumerate(frame.pieces):

@@ -22,6 +22,7 @@ from crosskd.alignment import (
     align_texts,
     harmonize_reasoning,
     render,
+    render_many,
     render_text,
     rendered_text,
     tokenize,
@@ -312,9 +313,16 @@ def _fit_chats(
     fitted: list[Fitted | None] = [None] * len(records)
     errors: dict[int, DataError] = {}
     pending: dict[int, _FirstTurn] = {}
+    conversations = {}
     for i, record in enumerate(records):
         try:
-            turns = _fit_turns(record, models, capacities)
+            conversations[i] = _conversation(record, models)
+        except DataError as err:
+            errors[i] = err
+    renderings = _renders_many(records, conversations, models, errors)
+    for i, views in renderings.items():
+        try:
+            turns = _fit_turns(records[i], conversations[i], views, models, capacities)
         except DataError as err:
             errors[i] = err
             continue
@@ -358,19 +366,56 @@ class _FirstTurn:
     original: list[int]
 
 
-def _fit_turns(
-    record: Record, models: list[LoadedTokenizer], capacities: list[int]
-) -> Fitted | _FirstTurn:
-    """The conversation whole, or its longest prefix of whole turns every model holds, or
-    (when even the first turn is too long) that first turn, for its answer to be cut."""
+def _conversation(record: Record, models: list[LoadedTokenizer]) -> list[dict]:
+    """``record``'s messages with the reasoning any model's template drops left out
+    (:func:`~crosskd.alignment.harmonize_reasoning`); refused without an assistant message."""
     messages = harmonize_reasoning(models, record.messages)
-    sid = record.sample_id
     if not any(m.get("role") == "assistant" for m in messages):
         raise DataError(
-            f"sample {sid}: the conversation has no assistant message, so nothing would be "
-            f"distilled; drop the sample or add the assistant's answer."
+            f"sample {record.sample_id}: the conversation has no assistant message, so nothing "
+            f"would be distilled; drop the sample or add the assistant's answer."
         )
-    views = _renders(messages, models, sid)
+    return messages
+
+
+def _renders_many(
+    records: list[Record],
+    conversations: dict[int, list[dict]],
+    models: list[LoadedTokenizer],
+    errors: dict[int, DataError],
+) -> dict[int, list[Rendered]]:
+    """Every model's rendering of each conversation (record index -> one per model), each
+    model's in one batch (:func:`~crosskd.alignment.render_many`); a batch that cannot be
+    rendered is rendered conversation by conversation, and each one that fails goes to
+    ``errors``."""
+    order = list(conversations)
+    sids = [records[i].sample_id for i in order]
+    try:
+        per_model = [
+            render_many(tok, [conversations[i] for i in order], sample_ids=sids) for tok in models
+        ]
+    except DataError:
+        out = {}
+        for i, sid in zip(order, sids, strict=True):
+            try:
+                out[i] = _renders(conversations[i], models, sid)
+            except DataError as err:
+                errors[i] = err
+        return out
+    return {i: [views[n] for views in per_model] for n, i in enumerate(order)}
+
+
+def _fit_turns(
+    record: Record,
+    messages: list[dict],
+    views: list[Rendered],
+    models: list[LoadedTokenizer],
+    capacities: list[int],
+) -> Fitted | _FirstTurn:
+    """The conversation ``messages`` (every model's rendering: ``views``) whole, or its
+    longest prefix of whole turns every model holds, or (when even the first turn is too long)
+    that first turn, for its answer to be cut."""
+    sid = record.sample_id
     original = [len(view.tokens) for view in views]
     if all(n <= c for n, c in zip(original, capacities, strict=True)):
         return messages, False, original, None, views
