@@ -51,6 +51,13 @@ class Preparation:
     nfc: bool
     strip: bool
 
+    def open_templates(self) -> None:
+        """Load every model's ``transformers`` tokenizer (what renders its chat template) in
+        this process, once: conversations need them, and worker processes forked afterwards
+        share them instead of each importing ``transformers`` again."""
+        for tok in self.models:
+            _ = tok.hf
+
     @classmethod
     def of(
         cls,

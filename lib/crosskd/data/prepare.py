@@ -257,7 +257,9 @@ def prepare_split(
     counted = {"windows": 0}
 
     def todo() -> Iterator[tuple[int, tuple[Record, ...], str]]:
-        """This split's windows still to prepare: ``(index, rows, input digest)``."""
+        """This split's windows still to prepare: ``(index, rows, input digest)``. The chat
+        templates are loaded here, before the first window with a conversation goes to a
+        worker, so that workers forked after it share them."""
         for w, window in enumerate(batched(records, config.shard_rows)):
             counted["windows"] = w + 1
             if w % config.split_count != config.split_index:
@@ -265,6 +267,8 @@ def prepare_split(
             digest = _input_digest(window)
             done = read_shard_record(fs, root, w)
             if done is None:
+                if any(r.messages is not None for r in window):
+                    preparation.open_templates()
                 yield w, window, digest
                 continue
             if done["input_sha256"] != digest:
