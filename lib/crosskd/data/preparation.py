@@ -174,9 +174,10 @@ def prepare_rows(records: Sequence[Record], preparation: Preparation) -> list[di
 
 
 _TEXT_BATCH = 256
-"""Plain-text rows prepared together: enough for the tokenizers' threads and the vectorised
-alignment, few enough that what they need on the way (every model's encoding of every full
-text, the clipping's probes) stays small beside the window's prepared rows."""
+"""Rows prepared together (plain texts, and apart from them conversations): enough for the
+tokenizers' threads and the vectorised alignment, few enough that what they need on the way
+(every model's encoding of every full text, the clipping's probes) stays small beside the
+window's prepared rows."""
 
 
 def _prepare_texts(records: list[Record], preparation: Preparation) -> list[dict]:
@@ -511,7 +512,9 @@ def _other_pieces(
         spans = [(a, b) for i, r, a, b in view.regions if (i, r) == (index, region)]
         if len(spans) != 1 or view.text[spans[0][0] : spans[0][1]] != text:
             return None
-        out.append(len(view.tokens) - len(tokenize(tok, [text])[0]))
+        # the piece's own tokens are those starting in its span (every token covers a byte)
+        inside = np.searchsorted(view.starts, spans[0], side="left")
+        out.append(len(view.tokens) - int(inside[1] - inside[0]))
     return out
 
 
