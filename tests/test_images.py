@@ -311,6 +311,55 @@ def copy_problems(text: str) -> list[str]:
     return problems
 
 
+APT_C = {"gcc", "clang", "build-essential"}
+APT_CXX = {"g++", "clang", "build-essential"}
+APT_LIBC_HEADERS = {"libc6-dev", "build-essential"}
+
+
+def apt_packages(stage: Stage) -> tuple[set[str], bool]:
+    """The package names a stage's ``apt-get install`` commands name (versions and a ``-N``
+    compiler suffix dropped: ``gcc-13`` is ``gcc``), and whether every such command has
+    ``--no-install-recommends``."""
+    names: set[str] = set()
+    no_recommends = True
+    for ins in stage.instructions:
+        if ins.keyword != "RUN":
+            continue
+        for words in run_commands(ins):
+            if words[:2] != ["apt-get", "install"]:
+                continue
+            no_recommends &= "--no-install-recommends" in words
+            for word in words[2:]:
+                if not word.startswith("-"):
+                    name = word.split("=", 1)[0]
+                    names.add(re.sub(r"^(gcc|g\+\+|clang)-\d+$", r"\1", name))
+    return names, no_recommends
+
+
+def compiler_problems(text: str) -> list[str]:
+    """The runtime stage must install what ``torch.compile`` on a GPU compiles with: a C
+    compiler (Triton builds each kernel's launcher), a C++ compiler (inductor's host code), the
+    C library's headers (not a dependency of gcc under ``--no-install-recommends``) and the
+    headers of every ``pythonX.Y`` it installs (``pythonX.Y-dev``: the launcher is a Python
+    extension module)."""
+    _, stages = split_stages(parse(text))
+    names, no_recommends = apt_packages(stages[-1])
+    problems = []
+    if not names & APT_C:
+        problems.append("the runtime stage installs no C compiler (gcc): Triton cannot build")
+    if not names & APT_CXX:
+        problems.append("the runtime stage installs no C++ compiler (g++): inductor cannot build")
+    if no_recommends and not names & APT_LIBC_HEADERS:
+        problems.append("the runtime stage installs no C library headers (libc6-dev)")
+    pythons = {n for n in names if re.fullmatch(r"python3(\.\d+)?", n)}
+    for python in sorted(pythons):
+        if f"{python}-dev" not in names and f"lib{python}-dev" not in names:
+            problems.append(f"the runtime stage installs {python} without {python}-dev")
+    if not pythons:
+        problems.append("the runtime stage installs no python3.X from apt; check its headers")
+    return problems
+
+
 def image_extras(text: str) -> list[str]:
     """The extras the image installs: ``ARG CROSSKD_EXTRAS``'s default in the runtime stage, which
     the RUN that installs the project's wheel must use."""
@@ -500,6 +549,10 @@ def test_the_context_filter_lets_in_only_what_is_copied(variant: str) -> None:
     assert copied == let_in
 
 
+def test_the_cuda_image_can_compile_kernels() -> None:
+    assert compiler_problems(DOCKERFILES["cuda"].read_text()) == []
+
+
 def test_both_images_install_the_same_extras() -> None:
     assert image_extras(DOCKERFILES["cpu"].read_text()) == image_extras(
         DOCKERFILES["cuda"].read_text()
@@ -642,3 +695,26 @@ def test_extras_follow_pyproject() -> None:
         assert any("does not install the extra" in p for p in problems), problems
     # the test tools never go in
     assert any("test tools" in p for p in extras_problems([*installed, "test"], project))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (" 'python3.12-dev=3.12.3-*'", "", "python3.12 without python3.12-dev"),
+        ("'python3.12-dev=3.12.3-*'", "'python3.11-dev=3.11.*'", "python3.12 without"),
+        (" 'gcc=4:13.2.*'", "", "no C compiler"),
+        (" 'g++=4:13.2.*'", "", "no C++ compiler"),
+        (" 'libc6-dev=2.39-*'", "", "no C library headers"),
+    ],
+)
+def test_missing_compilers_or_headers_are_caught(old: str, new: str, expected: str) -> None:
+    problems = compiler_problems(broken(CUDA, old, new))
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_compilers_under_other_names_pass() -> None:
+    text = broken(CUDA, "'gcc=4:13.2.*' 'g++=4:13.2.*' 'libc6-dev=2.39-*'", "build-essential")
+    assert compiler_problems(text) == []
+    versioned = broken(CUDA, "'gcc=4:13.2.*' 'g++=4:13.2.*'", "gcc-13 g++-13")
+    assert compiler_problems(versioned) == []
+    assert compiler_problems(CPU)  # the CPU image has no compiler: the checker sees it

@@ -140,9 +140,9 @@ class LossConfig:
     """How the per-block elementwise work over the student's logits runs (the log-normalisers
     and the logits' gradient; :mod:`crosskd.loss.kernels`): ``eager`` (torch operations, each a
     pass over the block) or ``compiled`` (``torch.compile``: one pass over each block; compiled
-    on the first step, tens of seconds on a CPU; needs a C compiler where the loss runs, and
-    on a GPU Triton and the Python headers, which the CUDA image lacks). The values agree to
-    float rounding."""
+    on the first step, tens of seconds on a CPU; needs a C/C++ compiler where the loss runs,
+    and on a GPU Triton and the Python headers: the CUDA image has them, the CPU image has no
+    compiler). The values agree to float rounding."""
 
     def __post_init__(self) -> None:
         self.teachers = [_teacher(t, f"teachers[{i}]") for i, t in enumerate(self.teachers)]
