@@ -93,6 +93,7 @@ def real_batch(student: str, teacher: str, rows: int, length: int, work: Path) -
     """The ``rows`` longest packed rows of benchmark text (:func:`benchmark_corpus`, 200 kB)
     prepared by :func:`prepare` for zoo tokenizers ``student`` and one ``teacher`` (rows of at
     most ``length`` student tokens), collated."""
+    work.mkdir(parents=True, exist_ok=True)
     data = work / f"{student}.jsonl"
     with data.open("w") as fh:
         for i, text in enumerate(benchmark_corpus(200_000)):

@@ -56,6 +56,10 @@ Peak memory is measured as above: on top of the inputs, so it includes the weigh
 
     python benchmarks/loss.py --fused [--repeat 3] [--rows 4] [--length 512] [--device cuda]
         [--bf16] [--kernels eager compiled] [--students smollm2 ...]
+        [--dtypes bf16 fp32] [--shapes 2x8192 4x512] [--steps unfused fused tau2]
+
+``--dtypes`` and ``--shapes`` run every combination in this one process (each student's tables
+and batches built once, torch.compile's caches shared); ``--steps`` picks the CSD rows.
 
 With ``--device cuda`` the hidden states and the weight live on the GPU (float32), times are
 synchronised and peak memory is the CUDA allocator's peak above what was allocated before the
@@ -87,6 +91,7 @@ from inputs import (
     zoo_pair,
 )
 
+from crosskd.data.collate import Batch
 from crosskd.loss import (
     LocalLogProbs,
     compute_loss,
@@ -95,7 +100,9 @@ from crosskd.loss.config import PROJECTED
 from crosskd.loss.uld import UldTerm
 from crosskd.output_layer import OutputLayer
 from crosskd.projection import build_projection
+from crosskd.tables import TablePair
 from crosskd.teacher import signal_from_logits
+from crosskd.tokenization import LoadedTokenizer
 
 GOAL_TIME, GOAL_MEMORY = 1.5, 1.3
 STUDENTS = ("smollm2", "llama3")
@@ -200,11 +207,22 @@ FUSED_K = 32
 GOAL_FUSED_TIME, GOAL_FUSED_MEMORY = 1.2, 0.2
 
 
+FUSED_STEPS = ("unfused", "fused", "tau2")
+"""The CSD rows ``--steps`` can choose: ``linear+csd``, ``fused csd`` and ``fused csd tau=2``."""
+
+
 def _run_fused(
-    name: str, teacher: str, hidden_size: int, args: argparse.Namespace, work: Path
+    name: str,
+    hidden_size: int,
+    tokenizers: tuple[LoadedTokenizer, LoadedTokenizer, TablePair],
+    batch: Batch,
+    bf16: bool,
+    args: argparse.Namespace,
 ) -> list[dict]:
-    student, teacher_tok, pair = zoo_pair(name, teacher)
-    batch = real_batch(name, teacher, args.rows, args.length, work)
+    """The fused rows (module docstring) of student ``name`` on ``batch`` (its
+    :func:`inputs.zoo_pair` ``tokenizers``), under bfloat16 autocast when ``bf16`` (else
+    float32)."""
+    student, teacher_tok, pair = tokenizers
     s_ids = batch.models["student"].input_ids
     gen = torch.Generator().manual_seed(0)
     vocab = student.vocab_size
@@ -219,7 +237,7 @@ def _run_fused(
     hot_signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, gen, tau=2.0)
     hot, hot_plan = csd_plan(batch, hot_signal, pair, FUSED_K, vocab, tau=2.0)
 
-    compute_dtype = torch.bfloat16 if args.bf16 else None
+    compute_dtype = torch.bfloat16 if bf16 else None
 
     def amp() -> contextlib.AbstractContextManager:
         if compute_dtype is None:
@@ -254,11 +272,12 @@ def _run_fused(
     steps = [("linear+ce", "-", ce_step)]
     for kernels in args.kernels:
         eager_or_not, hot_too = replace(config, kernels=kernels), replace(hot, kernels=kernels)
-        steps += [
-            ("linear+csd", kernels, partial(csd_step, eager_or_not)),
-            ("fused csd", kernels, partial(fused_step, plan, eager_or_not)),
-            ("fused csd tau=2", kernels, partial(fused_step, hot_plan, hot_too)),
-        ]
+        chosen = {
+            "unfused": ("linear+csd", partial(csd_step, eager_or_not)),
+            "fused": ("fused csd", partial(fused_step, plan, eager_or_not)),
+            "tau2": ("fused csd tau=2", partial(fused_step, hot_plan, hot_too)),
+        }
+        steps += [(*chosen[s][:1], kernels, chosen[s][1]) for s in FUSED_STEPS if s in args.steps]
     results = []
     for loss, kernels, step in steps:
         seconds, peak = measure(step, args.repeat, device.type)
@@ -268,37 +287,61 @@ def _run_fused(
     shape = f"{tuple(s_ids.shape)} V={vocab} H={hidden_size}"
     for row in results:
         row["shape"] = shape
+        row["dtype"] = "bf16" if bf16 else "fp32"
         row["weight_grad"] = vocab * hidden_size * 4
         row["time_ratio"] = row["seconds"] / results[0]["seconds"]
         row["memory_ratio"] = row["peak"] / results[0]["peak"]
     return results
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``ROWSxLENGTH`` as ``(rows, length)``."""
+    rows, sep, length = text.partition("x")
+    if not (sep and rows.isdigit() and length.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxLENGTH (e.g. 2x8192)")
+    return int(rows), int(length)
+
+
 def _fused_main(args: argparse.Namespace) -> None:
+    """Every ``--dtypes`` x ``--shapes`` x student in this one process (torch.compile's caches
+    shared); a table, then the goals per dtype, shape and kernels."""
     results = []
+    shapes = args.shapes or [(args.rows, args.length)]
+    dtypes = args.dtypes or (["bf16"] if args.bf16 else ["fp32"])
     with tempfile.TemporaryDirectory() as tmp:
         for name, teacher, hidden_size in FUSED_STUDENTS:
             if args.students and name not in args.students:
                 continue
-            results += _run_fused(name, teacher, hidden_size, args, Path(tmp))
+            tokenizers = zoo_pair(name, teacher)
+            for rows, length in shapes:
+                batch = real_batch(name, teacher, rows, length, Path(tmp) / f"{rows}x{length}")
+                for dtype in dtypes:
+                    results += _run_fused(
+                        name, hidden_size, tokenizers, batch, dtype == "bf16", args
+                    )
+                    if args.device.startswith("cuda"):  # the last student's weight goes back
+                        torch.cuda.empty_cache()
+    results.sort(key=lambda r: (r["dtype"] != "bf16", r["shape"].split(" V=")[0]))
     print(
-        f"{'student':8} {'shape':34} {'loss':16} {'kernels':9} {'s':>8} {'x CE':>6} {'peak MB':>8} "
-        f"{'x CE':>6} {'dW MB':>6}"
+        f"{'student':8} {'dtype':5} {'shape':34} {'loss':16} {'kernels':9} {'s':>8} {'x CE':>6} "
+        f"{'peak MB':>8} {'x CE':>6} {'dW MB':>6}"
     )
-    met = dict.fromkeys(args.kernels, True)
+    met: dict[tuple[str, str, str], bool] = {}
     for r in results:
-        if r["loss"].startswith("fused"):
+        if r["loss"] == "fused csd":
             ok = r["time_ratio"] <= GOAL_FUSED_TIME and r["memory_ratio"] <= GOAL_FUSED_MEMORY
-            met[r["kernels"]] &= ok
+            key = (r["dtype"], r["shape"].split(" V=")[0], r["kernels"])
+            met[key] = met.get(key, True) and ok
         print(
-            f"{r['student']:8} {r['shape']:34} {r['loss']:16} {r['kernels']:9} {r['seconds']:8.3f} "
-            f"{r['time_ratio']:6.2f} {r['peak'] / 2**20:8.0f} {r['memory_ratio']:6.2f} "
-            f"{r['weight_grad'] / 2**20:6.0f}"
+            f"{r['student']:8} {r['dtype']:5} {r['shape']:34} {r['loss']:16} {r['kernels']:9} "
+            f"{r['seconds']:8.3f} {r['time_ratio']:6.2f} {r['peak'] / 2**20:8.0f} "
+            f"{r['memory_ratio']:6.2f} {r['weight_grad'] / 2**20:6.0f}"
         )
-    for kernels, ok in met.items():
+    for (dtype, shape, kernels), ok in met.items():
         print(
-            f"goal: fused csd ({kernels}) <= {GOAL_FUSED_TIME}x the time and <= "
-            f"{GOAL_FUSED_MEMORY}x the peak memory of linear+ce: {'met' if ok else 'NOT met'}"
+            f"goal: fused csd ({kernels}, {dtype}, {shape}) <= {GOAL_FUSED_TIME}x the time and "
+            f"<= {GOAL_FUSED_MEMORY}x the peak memory of linear+ce, every student: "
+            f"{'met' if ok else 'NOT met'}"
         )
 
 
@@ -313,6 +356,29 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="--fused: cpu or cuda")
     parser.add_argument("--bf16", action="store_true", help="--fused: under bfloat16 autocast")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="--fused: each of these in turn, in this process (default: --bf16's choice)",
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=_shape,
+        default=None,
+        metavar="ROWSxLENGTH",
+        help="--fused: each of these batch shapes in turn (default: --rows x --length)",
+    )
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        choices=FUSED_STEPS,
+        default=list(FUSED_STEPS),
+        help="--fused: the CSD rows beside linear+ce: linear+csd (unfused), fused csd (fused), "
+        "fused csd at tau 2 (tau2)",
+    )
     parser.add_argument(
         "--kernels",
         nargs="+",

@@ -41,25 +41,29 @@ data, cache and tables; ``kd_weight`` 0) and then, after ``setup()``, given no t
 ``train_step`` runs the same forward, :func:`crosskd.loss.compute_loss` (CE alone), backward and
 AdamW. Its CE at the first step equals the KD trainer's (printed as a check).
 
-**GPU mode** (``--gpu``, under ``torchrun``; one process works too): every rank builds the
-trainer with ``parallel: {dp_shard: WORLD}`` (FSDP2 over all ranks, bf16 parameters, float32
-gradient reduction, bf16 autocast), default shape Llama-3.2-1B-like (hidden 2048, 16 layers, 32
-heads, 8 KV heads, intermediate 8192, tied embeddings, Llama-3 tokenizer), rows of
-``--length`` (2048 by default) tokens, ``--rows`` rows per micro-batch, optional
-``--activation-checkpointing``. Rank 0 builds the inputs (in ``--workdir``: storage every rank
-sees, or a temporary folder on a single node), then each rank times ``--repeats`` steps after
-``--warmup`` with its inputs prepared ahead (as the prefetch thread does). Reported per rank and
-in total: tokens/s (the student positions of the rank's step, padding included, over the median
-step time; real tokens too), MFU = ``(6 N + 12 layers hidden length) * tokens/s / peak``
-(``N``: every parameter once, the tied embedding included as the head's matmul; the second term
-is attention's FLOPs per token over the whole packed row; ``6 N`` also under activation
-checkpointing, whose recompute is not counted as useful work; peak = ``--peak-tflops``, 989:
-H100/H200 dense bf16), ``torch.cuda.max_memory_allocated()`` over the measured steps, the
-parameter + gradient + AdamW bytes the rank holds, and the most gradient bytes it held after any
-micro-batch's backward pass (``ParallelStudent.gradient_peak``) over the whole model's float32
-gradients: with ``--grad-accum`` > 1, about ``1 / WORLD`` (every micro-batch reduce-scatters),
-where accumulating unreduced gradients held 1. Without CUDA the same code runs on CPU (gloo,
-float32) with the sizes given, a smoke check of the path, e.g.
+**GPU mode** (``--gpu``, under ``torchrun``; one process works too): every rank builds the trainer
+with ``parallel: {dp_shard: WORLD}`` (FSDP2 over all ranks, bf16 parameters, float32 gradient
+reduction, bf16 autocast), default shape Llama-3.2-1B-like (hidden 2048, 16 layers, 32 heads, 8 KV
+heads, intermediate 8192, tied embeddings, Llama-3 tokenizer), rows of ``--length`` (2048 by
+default) tokens, ``--rows`` rows per micro-batch, optional ``--activation-checkpointing``. Rank 0
+builds the inputs (in ``--workdir``: storage every rank sees, or a temporary folder on a single
+node), then each rank times ``--repeats`` steps after ``--warmup`` with its inputs prepared ahead
+(as the prefetch thread does), first of the KD trainer (CE + CSD), then, that trainer closed, of the
+CE-only trainer built the same way as in the CPU mode (one at a time, so one GPU holds one model and
+its optimizer). Reported per rank and in total, for each: tokens/s (the student positions of the
+rank's step, padding included, over the median step time; real tokens too), MFU = ``(6 N + 12 layers
+hidden length) * tokens/s / peak`` (``N``: every parameter once, the tied embedding included as the
+head's matmul; the second term is attention's FLOPs per token over the whole packed row; ``6 N``
+also under activation checkpointing, whose recompute is not counted as useful work; peak =
+``--peak-tflops``, 989: H100/H200 dense bf16), ``torch.cuda.max_memory_allocated()`` over the
+measured steps, the parameter + gradient + AdamW bytes the rank holds, and the most gradient bytes
+it held after any micro-batch's backward pass (``ParallelStudent.gradient_peak``) over the whole
+model's float32 gradients: with ``--grad-accum`` > 1, about ``1 / WORLD`` (every micro-batch
+reduce-scatters), where accumulating unreduced gradients held 1, and the share of the step in the
+output head and the loss (:func:`head_loss_seconds`: head + loss alone, forward and backward, on one
+micro-batch's plan, times the micro-batches, over the step). Goals: the KD step's MFU at least 40%
+of the card's dense bf16 peak, and its time at most 1.15x the CE-only step's. Without CUDA the same
+code runs on CPU (gloo, float32) with the sizes given, a smoke check of the path, e.g.
 
     torchrun --nproc-per-node 2 benchmarks/train_step.py --gpu --hidden-size 64 --layers 2 \\
         --heads 4 --kv-heads 2 --intermediate-size 128 --length 128 --rows 2 --repeats 2
@@ -93,6 +97,8 @@ log = logging.getLogger("benchmarks.train_step")
 STUDENT, TEACHER = "zoo:llama3", "zoo:qwen3"
 GOAL = 1.2
 """The goal of the KD step's time over the CE-only step's (train_step, inputs prepared ahead)."""
+GPU_MFU_GOAL, GPU_STEP_GOAL = 0.40, 1.15
+"""GPU mode's goals: MFU of the KD step, and its time over the CE-only step's."""
 TEACHER_SHAPE = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -233,7 +239,7 @@ def drop_teachers(trainer) -> None:
     loss = LossConfig(kd_weight=0.0)
     loss.teachers = []
     trainer.config.loss = loss
-    trainer.teachers = TrainingTeachers(pairs=[], sources=[], token_bytes=None)
+    trainer.teachers = TrainingTeachers(pairs=[], sources=[], token_bytes=None, projections=[])
 
 
 def timed_step(trainer, step: int) -> tuple[float, float, dict, list]:
@@ -415,31 +421,47 @@ def _share(value, rank: int, world: int):
     return box[0]
 
 
-def bench_gpu(args: argparse.Namespace) -> dict | None:
-    """Tokens/s, MFU and peak memory of the FSDP2 student (module docstring); returns the
-    results on rank 0 (None elsewhere)."""
-    from crosskd.train import TrainConfig, Trainer
+def head_loss_seconds(trainer, step: int, repeats: int) -> float:
+    """Median seconds of the output head + loss alone, forward and backward, on the first
+    micro-batch's plan of ``step`` (``trainer.step_inputs``) and the student's head weight (the
+    whole weight, gathered), with random hidden states ``[rows, length, H]`` in the step's
+    compute dtype: what the head and the loss cost inside a step (their time does not depend on
+    the values). Fused with the head unless the trainer runs on the logits."""
+    from crosskd.loss import compute_loss
+    from crosskd.output_layer import OutputLayer
 
-    rank, world, device = _distributed()
-    temporary = None
-    if rank == 0:
-        temporary = None if args.workdir else tempfile.mkdtemp(prefix="crosskd-train-step-")
-        root = Path(args.workdir or temporary)
-        needed = (args.warmup + args.repeats) * args.rows * args.grad_accum * world
-        n_bytes = args.text_bytes or max(needed * args.length * BYTES_PER_TOKEN, 64_000)
-        inputs = build_inputs(root / "inputs", args.length, args.k, n_bytes, device.type)
-        run = tempfile.mkdtemp(prefix="run-", dir=root)
-        shared = {"inputs": inputs, "run": run}
-    else:
-        shared = None
-    shared = _share(shared, rank, world)
-    config = TrainConfig(
-        **train_values(
-            args, shared["inputs"], Path(shared["run"]), 1.0, parallel={"dp_shard": world}
-        )
+    batch, plan = trainer.step_inputs(step)[0]
+    weight = trainer.model.get_output_embeddings().weight
+    weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    dtype = trainer.compute_dtype or torch.float32
+    weight = weight.detach().to(dtype).clone().requires_grad_()
+    rows, length = batch.models["student"].input_ids.shape
+    hidden = torch.randn(rows, length, weight.shape[1], device=weight.device, dtype=dtype)
+    hidden.requires_grad_()
+    autocast = torch.autocast(
+        trainer.device.type, dtype=trainer.compute_dtype, enabled=trainer.compute_dtype is not None
     )
-    trainer = Trainer(config, progress=False)
-    trainer.setup()
+    seconds = []
+    for i in range(repeats + 1):  # the first untimed
+        _sync(trainer.device)
+        started = time.perf_counter()
+        with autocast:
+            if trainer.head is None:
+                logits = torch.nn.functional.linear(hidden, weight)
+                loss = compute_loss(logits, plan, trainer.config.loss).loss
+            else:
+                layer = OutputLayer(hidden, weight, None, trainer.compute_dtype)
+                loss = compute_loss(layer, plan, trainer.config.loss).loss
+        torch.autograd.grad(loss, (hidden, weight))
+        _sync(trainer.device)
+        if i:
+            seconds.append(time.perf_counter() - started)
+    return _median(seconds)
+
+
+def measure_gpu(trainer, args: argparse.Namespace, rank: int, device: torch.device) -> dict:
+    """One rank's figures for ``trainer`` (module docstring): ``--repeats`` steps after
+    ``--warmup``, then the head + loss alone (:func:`head_loss_seconds`)."""
     params = sum(p.numel() for p in trainer.model.parameters())
     flops_per_token = 6 * params + 12 * args.layers * args.hidden_size * args.length
     step_s, inputs_s, positions, tokens = [], [], [], []
@@ -461,10 +483,13 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
             log.info("step %d: train_step %.3f s, loss %.4f", step, seconds, metrics["loss"])
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss()[1]
     median, per_step = _median(step_s), statistics.mean(positions)
-    mine = {
+    head_loss = head_loss_seconds(trainer, args.warmup + args.repeats, args.repeats)
+    return {
         "rank": rank,
         "step_s": median,
         "inputs_s": _median(inputs_s),
+        "head_loss_s": head_loss,
+        "head_loss_share": head_loss * args.grad_accum / median,
         "positions_per_step": per_step,
         "tokens_per_step": statistics.mean(tokens),
         "tokens_per_s": per_step / median,
@@ -475,24 +500,84 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
         "gradient_peak": trainer.student.gradient_peak,
         "whole_gradient_bytes": sum(p.numel() * 4 for p in trainer.model.parameters()),
     }
-    trainer.close()
-    ranks = [mine]
-    if world > 1:
-        ranks = [None] * world
-        dist.all_gather_object(ranks, mine)
-        dist.barrier()
+
+
+def bench_gpu(args: argparse.Namespace) -> dict | None:
+    """Tokens/s, MFU and peak memory of the FSDP2 student with KD (CE + CSD) and then with CE
+    only (module docstring), one trainer at a time; returns the results on rank 0 (None
+    elsewhere)."""
+    from crosskd.train import TrainConfig, Trainer
+
+    rank, world, device = _distributed()
+    temporary = None
     if rank == 0:
-        shutil.rmtree(temporary or shared["run"], ignore_errors=True)
+        temporary = None if args.workdir else tempfile.mkdtemp(prefix="crosskd-train-step-")
+        root = Path(args.workdir or temporary)
+        needed = (args.warmup + args.repeats + 1) * args.rows * args.grad_accum * world
+        n_bytes = args.text_bytes or max(needed * args.length * BYTES_PER_TOKEN, 64_000)
+        inputs = build_inputs(root / "inputs", args.length, args.k, n_bytes, device.type)
+        runs = {name: tempfile.mkdtemp(prefix=f"run-{name}-", dir=root) for name in ("kd", "ce")}
+        shared = {"inputs": inputs, "runs": runs}
+    else:
+        shared = None
+    shared = _share(shared, rank, world)
+    measured, vocab, attention, params = {}, None, None, None
+    for name, kd_weight in (("kd", 1.0), ("ce", 0.0)):
+        config = TrainConfig(
+            **train_values(
+                args,
+                shared["inputs"],
+                Path(shared["runs"][name]),
+                kd_weight,
+                parallel={"dp_shard": world},
+            )
+        )
+        trainer = Trainer(config, progress=False)
+        trainer.setup()
+        if name == "ce":
+            drop_teachers(trainer)
+        vocab, attention = trainer.vocab, trainer.attention
+        params = sum(p.numel() for p in trainer.model.parameters())
+        mine = measure_gpu(trainer, args, rank, device)
+        trainer.close()
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        ranks = [mine]
+        if world > 1:
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+            dist.barrier()
+        measured[name] = ranks
+    if rank == 0:
+        for folder in (temporary, *shared["runs"].values()):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     if rank != 0:
         return None
-    total_tps = sum(r["tokens_per_s"] for r in ranks)
+    flops_per_token = 6 * params + 12 * args.layers * args.hidden_size * args.length
+
+    def total(ranks: list[dict]) -> dict:
+        tps = sum(r["tokens_per_s"] for r in ranks)
+        return {
+            "tokens_per_s": tps,
+            "real_tokens_per_s": sum(r["real_tokens_per_s"] for r in ranks),
+            "mfu": flops_per_token * tps / (world * args.peak_tflops * 1e12),
+            "step_s": max(r["step_s"] for r in ranks),
+            "head_loss_share": max(r["head_loss_share"] for r in ranks),
+            "peak_memory": max(r["peak_memory"] for r in ranks),
+        }
+
     result = {
         "benchmark": "train_step",
         "mode": "gpu",
         "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "world": world,
         "parallel": {"dp_shard": world},
         "student_params": params,
@@ -501,67 +586,79 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
         "heads": args.heads,
         "kv_heads": args.kv_heads,
         "intermediate_size": args.intermediate_size,
-        "vocab": trainer.vocab,
+        "vocab": vocab,
         "length": args.length,
         "rows": args.rows,
         "grad_accum": args.grad_accum,
         "k": args.k,
-        "attention": trainer.attention,
+        "attention": attention,
         "activation_checkpointing": args.activation_checkpointing,
         "logits": args.logits,
         "peak_tflops": args.peak_tflops,
         "flops_per_token": flops_per_token,
         "warmup": args.warmup,
         "repeats": args.repeats,
-        "ranks": ranks,
-        "total": {
-            "tokens_per_s": total_tps,
-            "real_tokens_per_s": sum(r["real_tokens_per_s"] for r in ranks),
-            "mfu": flops_per_token * total_tps / (world * args.peak_tflops * 1e12),
-            "step_s": max(r["step_s"] for r in ranks),
-            "peak_memory": max(r["peak_memory"] for r in ranks),
-        },
+        "ranks": measured["kd"],
+        "total": total(measured["kd"]),
+        "ce_ranks": measured["ce"],
+        "ce_total": total(measured["ce"]),
+        "goals": {"mfu": GPU_MFU_GOAL, "kd_over_ce": GPU_STEP_GOAL},
     }
+    result["kd_over_ce"] = result["total"]["step_s"] / result["ce_total"]["step_s"]
     print_gpu(result)
     return result
 
 
 def print_gpu(r: dict) -> None:
-    """The GPU mode's table."""
+    """The GPU mode's table: the KD step's ranks, then the CE-only step's, then the goals."""
     memory = "max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
     print(
         f"training step of a {r['student_params'] / 1e9:.3f}B Llama student (hidden "
         f"{r['hidden_size']}, {r['layers']} layers, {r['heads']}/{r['kv_heads']} heads, "
         f"intermediate {r['intermediate_size']}, V {r['vocab']:,}), FSDP2 over {r['world']} "
-        f"rank(s) on {r['device_name']}, {r['attention']} attention, activation checkpointing "
+        f"rank(s) on {r['device_name']} (torch {r['torch']}, CUDA {r['cuda']}), "
+        f"{r['attention']} attention, activation checkpointing "
         f"{'on' if r['activation_checkpointing'] else 'off'}, loss on the "
         f"{'logits' if r['logits'] else 'fused head'}; {r['rows']} rows x "
-        f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per rank and step, KD "
-        f"against a top-{r['k']} cache; median of {r['repeats']} steps after {r['warmup']} "
-        f"warm-up, inputs prepared ahead; MFU against {r['peak_tflops']:g} TFLOP/s per rank, "
-        f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token:"
+        f"{r['length']} tokens x {r['grad_accum']} micro-batch(es) per rank and step; KD "
+        f"(CE + CSD against a top-{r['k']} cache) and CE only; median of {r['repeats']} steps "
+        f"after {r['warmup']} warm-up, inputs prepared ahead; MFU against "
+        f"{r['peak_tflops']:g} TFLOP/s per rank, {r['flops_per_token'] / 1e9:.2f} GFLOP per "
+        f"token:"
     )
     print(
-        f"  {'rank':<6}{'step s':>9}{'inputs s':>10}{'tokens/s':>12}{'real tok/s':>12}{'MFU':>8}"
-        f"{memory:>22}{'state':>11}{'grad peak':>11}{'/ whole':>9}"
+        f"  {'step':<5}{'rank':<6}{'step s':>9}{'inputs s':>10}{'tokens/s':>12}"
+        f"{'real tok/s':>12}{'MFU':>8}{'head+loss':>11}{memory:>22}{'state':>11}"
+        f"{'grad peak':>11}{'/ whole':>9}"
     )
-    for x in r["ranks"]:
+    for name, ranks, t in (("KD", r["ranks"], r["total"]), ("CE", r["ce_ranks"], r["ce_total"])):
+        for x in ranks:
+            print(
+                f"  {name:<5}{x['rank']:<6}{x['step_s']:>9.3f}{x['inputs_s']:>10.3f}"
+                f"{x['tokens_per_s']:>12,.0f}{x['real_tokens_per_s']:>12,.0f}{x['mfu']:>8.1%}"
+                f"{x['head_loss_share']:>11.1%}"
+                f"{x['peak_memory'] / 2**30:>18.2f} GiB{x['state_bytes'] / 2**30:>7.2f} GiB"
+                f"{x['gradient_peak'] / 2**30:>7.2f} GiB"
+                f"{x['gradient_peak'] / x['whole_gradient_bytes']:>9.3f}"
+            )
         print(
-            f"  {x['rank']:<6}{x['step_s']:>9.3f}{x['inputs_s']:>10.3f}"
-            f"{x['tokens_per_s']:>12,.0f}{x['real_tokens_per_s']:>12,.0f}{x['mfu']:>8.1%}"
-            f"{x['peak_memory'] / 2**30:>18.2f} GiB{x['state_bytes'] / 2**30:>7.2f} GiB"
-            f"{x['gradient_peak'] / 2**30:>7.2f} GiB"
-            f"{x['gradient_peak'] / x['whole_gradient_bytes']:>9.3f}"
+            f"  {name:<5}{'all':<6}{t['step_s']:>9.3f}{'':>10}{t['tokens_per_s']:>12,.0f}"
+            f"{t['real_tokens_per_s']:>12,.0f}{t['mfu']:>8.1%}{t['head_loss_share']:>11.1%}"
+            f"{t['peak_memory'] / 2**30:>18.2f} GiB"
         )
     print(
-        "  grad peak: the most gradient bytes a rank held after any micro-batch's backward "
-        "pass; / whole: over the float32 gradients of the whole model (what accumulating "
-        "without reduce-scatter held on every rank)"
+        "  head+loss: the output head and the loss alone, forward and backward, on a "
+        "micro-batch's plan, over the step (per micro-batch times micro-batches); grad peak: "
+        "the most gradient bytes a rank held after any micro-batch's backward pass; / whole: "
+        "over the float32 gradients of the whole model (what accumulating without "
+        "reduce-scatter held on every rank)"
     )
-    t = r["total"]
+    goals = r["goals"]
+    mfu, ratio = r["total"]["mfu"], r["kd_over_ce"]
     print(
-        f"  {'all':<6}{t['step_s']:>9.3f}{'':>10}{t['tokens_per_s']:>12,.0f}"
-        f"{t['real_tokens_per_s']:>12,.0f}{t['mfu']:>8.1%}{t['peak_memory'] / 2**30:>18.2f} GiB"
+        f"  goals: KD step MFU {mfu:.1%} (>= {goals['mfu']:.0%}: "
+        f"{'met' if mfu >= goals['mfu'] else 'NOT met'}); KD / CE step x{ratio:.2f} "
+        f"(<= x{goals['kd_over_ce']}: {'met' if ratio <= goals['kd_over_ce'] else 'NOT met'})"
     )
 
 
