@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -22,6 +23,7 @@ from crosskd.tables import TablePair, build_table
 from crosskd.teacher import TeacherSignal, signal_from_logits
 from crosskd.teacher.storage import batch_signal, signal_samples
 from crosskd.tokenization import LoadedTokenizer, load_tokenizer
+from crosskd.zoo.models import init_llama
 
 BIAS = 8.0
 """Added to the teacher's logit of each realized token, so the top K holds realized tokens and
@@ -87,6 +89,58 @@ def measure(step: Callable[[], None], repeat: int, device: str = "cpu") -> tuple
         times.append(time.perf_counter() - start)
         peaks.append((torch.cuda.max_memory_allocated() if cuda else rss()[1]) - before)
     return statistics.median(times), max(peaks)
+
+
+INIT_SHAPE = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "intermediate_size": 3072,
+}
+"""``--init``'s default teacher shape: Qwen3-0.6B's (tied embeddings, as that model has)."""
+
+
+def add_init_options(parser: argparse.ArgumentParser) -> None:
+    """``--init TOKENIZER`` and ``--init-shape JSON``: a random-init teacher (scoring's and
+    serving's cost does not depend on the weights' values; nothing to download, so a GPU machine
+    without the SmolLM2 weights can run the benchmark)."""
+    parser.add_argument(
+        "--init", default=None, metavar="TOKENIZER", help="a random-init teacher on this tokenizer"
+    )
+    parser.add_argument(
+        "--init-shape",
+        type=json.loads,
+        default=INIT_SHAPE,
+        metavar="JSON",
+        help="--init: the model's shape, keys of crosskd.zoo.models.SHAPE_KEYS (default: "
+        "Qwen3-0.6B's)",
+    )
+    parser.add_argument(
+        "--init-dir",
+        default=None,
+        metavar="DIR",
+        help="--init: keep the model here, and reuse the one already there (default: a "
+        "temporary folder)",
+    )
+
+
+def init_teacher(args: argparse.Namespace, work: Path) -> str | None:
+    """With ``--init``, the folder of a random-init Llama of ``--init-shape`` on that tokenizer
+    (:func:`crosskd.zoo.models.init_llama`, seed 0, saved into ``--init-dir`` or else
+    ``work``; a folder that holds one already is reused as it is); else None."""
+    if not args.init:
+        return None
+    folder = Path(args.init_dir) if args.init_dir else work
+    return str(init_llama(folder, args.init, args.init_shape, seed=0))
+
+
+def device_name(device: str) -> str:
+    """The card's name with torch's and CUDA's versions for a ``cuda`` device, else ``device``."""
+    if torch.device(device).type != "cuda":
+        return device
+    name = torch.cuda.get_device_name(device)
+    return f"{name} (torch {torch.__version__}, CUDA {torch.version.cuda})"
 
 
 def real_batch(student: str, teacher: str, rows: int, length: int, work: Path) -> Batch:

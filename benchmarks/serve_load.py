@@ -4,10 +4,13 @@ queue bound and 429s under overload, with every request answered or refused exac
     python benchmarks/serve_load.py [--teacher zoo:smollm2] [--clients 4] [--requests 48]
         [--overload-clients 32] [--overload-requests 256] [--length 128] [--sequences 2]
         [--max-batch-tokens 2048] [--max-queue-tokens 4096] [--deadline-s 900]
+        [--device cuda] [--dtype bfloat16] [--init zoo:qwen3 [--init-shape JSON] [--init-dir DIR]]
 
-It starts one ``crosskd serve`` process (``127.0.0.1``, a free port, a random bearer token,
-K = 128, float32 on CPU) and, over a pool of benchmark-corpus texts tokenized by the teacher's
-tokenizer (``--length`` tokens each; a request holds ``--sequences`` of them):
+It starts one ``crosskd serve`` process (``127.0.0.1``, a free port, a random bearer token, K = 128,
+``--device`` and ``--dtype``: float32 on CPU by default; ``--init``: a random-init teacher on that
+tokenizer instead of ``--teacher``, as in ``benchmarks/teacher.py``) and, over a pool of
+benchmark-corpus texts tokenized by the teacher's tokenizer (``--length`` tokens each; a request
+holds ``--sequences`` of them):
 
 1. **Capacity**: ``--clients`` threads, each with one request outstanding (a closed loop),
    send ``--requests`` requests in all. Reported: tokens/s over the phase's wall time, the
@@ -49,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from inputs import add_init_options, device_name, init_teacher
 
 from crosskd.alignment.corpus import benchmark_corpus
 from crosskd.serve.protocol import JSON, ScoreRequest
@@ -84,8 +88,8 @@ class Server:
             "serve",
             f"teacher={args.teacher}",
             f"k={K}",
-            "device=cpu",
-            "dtype=float32",
+            f"device={args.device}",
+            f"dtype={args.dtype}",
             "host=127.0.0.1",
             "port=0",
             f"port_file={port_file}",
@@ -212,9 +216,13 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--max-queue-tokens", type=int, default=4096)
     parser.add_argument("--deadline-s", type=float, default=900.0)
+    parser.add_argument("--device", default="cpu", help="the server's device: cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="the server's dtype")
+    add_init_options(parser)
     args = parser.parse_args()
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="crosskd-serve-load-") as tmp:
+        args.teacher = init_teacher(args, Path(tmp) / "teacher") or args.teacher
         server = Server(args, Path(tmp))
         try:
             failures = load_test(server, args)
@@ -248,7 +256,8 @@ def load_test(server: Server, args: argparse.Namespace) -> list[str]:
         sys.exit(f"the corpus gave {len(pool)} texts of {args.length} tokens; {n_seq} needed")
     pool = pool[:n_seq]
     print(
-        f"teacher {info['teacher']} (V = {info['vocab_size']}), K = {K}, requests of {size} x "
+        f"teacher {info['teacher']} (V = {info['vocab_size']}) in {args.dtype} on "
+        f"{device_name(args.device)}, K = {K}, requests of {size} x "
         f"{args.length} tokens; batches of at most {args.max_batch_tokens} tokens, queue bound "
         f"{args.max_queue_tokens} tokens"
     )

@@ -2,10 +2,13 @@
 fused with the output head and from the logits, with peak memory, and the bytes per token of
 each storage option, in one run.
 
-The teacher is SmolLM2-135M-Instruct (``zoo:smollm2``, float32 on CPU; V = 49,152, H = 576); the
-data is :func:`crosskd.alignment.corpus.benchmark_corpus` text (``--bytes``) prepared for a
-Llama-3 student and this teacher (samples of at most ``--length`` tokens), batched by a token
-budget as ``crosskd score`` batches it. Timed on the same batches:
+The teacher is SmolLM2-135M-Instruct (``zoo:smollm2``; V = 49,152, H = 576), or with
+``--init TOKENIZER`` a random-init Llama of ``--init-shape`` on that zoo tokenizer (default
+Qwen3-0.6B's shape: hidden 1024, 28 layers, 16 / 8 heads, intermediate 3072; scoring's cost does not
+depend on the weights' values; nothing to download, for a GPU machine without the SmolLM2 weights),
+on ``--device`` in ``--dtype``; the data is :func:`crosskd.alignment.corpus.benchmark_corpus` text
+(``--bytes``) prepared for a Llama-3 student and this teacher (samples of at most ``--length``
+tokens), batched by a token budget as ``crosskd score`` batches it. Timed on the same batches:
 
 * ``forward``: ``model(input_ids, attention_mask).logits`` (the baseline);
 * ``score``: :func:`crosskd.teacher.scoring.score_sequences` from the logits (the forward, then
@@ -29,6 +32,10 @@ encoded Parquet bytes of all samples over their tokens, for ``lossless`` and ``l
 128 (goals: at most 700 and 300).
 
     python benchmarks/teacher.py [--repeat 3] [--bytes 60000] [--length 512] [--budget 2048]
+        [--device cuda] [--dtype bfloat16] [--init zoo:qwen3 [--init-shape JSON] [--init-dir DIR]]
+
+On ``cuda`` times are synchronised and peak memory is the CUDA allocator's peak above what was
+allocated before the pass (:func:`inputs.measure`).
 
 Zoo tokenizers and the model are built into ``$CROSSKD_CACHE_DIR`` (default
 ``~/.cache/crosskd``).
@@ -46,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from inputs import measure
+from inputs import add_init_options, device_name, init_teacher, measure
 
 from crosskd.alignment.corpus import benchmark_corpus
 from crosskd.data.collate import load_prepared
@@ -65,10 +72,15 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, default=60_000)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    add_init_options(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    teacher = load_teacher("zoo:smollm2", device="cpu", dtype="float32")
     with tempfile.TemporaryDirectory() as tmp:
+        reference = init_teacher(args, Path(tmp) / "teacher") or "zoo:smollm2"
+        teacher = load_teacher(reference, device=args.device, dtype=args.dtype)
+        tokenizer = args.init or reference
         data = Path(tmp) / "data.jsonl"
         data.write_text(
             "".join(
@@ -79,7 +91,7 @@ def main() -> None:
         config = PrepareConfig(
             data=str(data),
             student_tokenizer="zoo:llama3",
-            teacher_tokenizers=["zoo:smollm2"],
+            teacher_tokenizers=[tokenizer],
             output=str(Path(tmp) / "p"),
             max_length=args.length,
             teacher_max_length=args.length,
@@ -108,6 +120,7 @@ def main() -> None:
             for b, seq in enumerate(batch):
                 ids[b, : len(seq)] = torch.from_numpy(seq)
                 mask[b, : len(seq)] = 1
+            ids, mask = ids.to(teacher.device), mask.to(teacher.device)
             teacher.model(input_ids=ids, attention_mask=mask).logits.sum()
 
     def scoring(scored) -> list:
@@ -126,14 +139,16 @@ def main() -> None:
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name in steps}
     for _ in range(args.repeat):  # rounds over the three, so a drift of the machine hits all
         for name, step in steps.items():
-            runs[name].append(measure(step, 1))
+            runs[name].append(measure(step, 1, args.device))
     seconds = {name: statistics.median(s for s, _ in got) for name, got in runs.items()}
     peaks = {name: max(p for _, p in got) for name, got in runs.items()}
     signals = scoring(teacher)
     print(
         f"{len(sequences)} samples, {tokens} tokens in {len(batches)} batches "
-        f"(budget {args.budget} tokens), SmolLM2-135M float32 on CPU, "
-        f"{torch.get_num_threads()} threads"
+        f"(budget {args.budget} tokens), teacher {args.init or reference} "
+        f"({sum(p.numel() for p in teacher.model.parameters()) / 1e6:.0f}M parameters"
+        f"{', random init' if args.init else ''}) in {args.dtype} on {device_name(args.device)}, "
+        f"{torch.get_num_threads()} CPU threads"
     )
     print(f"{'':14} {'seconds':>8} {'tokens/s':>9} {'time':>6} {'peak MB':>8} {'memory':>7}")
     goals = {"score": GOAL_OVERHEAD, "score (fused)": GOAL_FUSED}
