@@ -6,6 +6,7 @@ import argparse
 import ctypes
 import gc
 import json
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -98,7 +99,9 @@ INIT_SHAPE = {
     "num_key_value_heads": 8,
     "intermediate_size": 3072,
 }
-"""``--init``'s default teacher shape: Qwen3-0.6B's (tied embeddings, as that model has)."""
+"""``--init``'s default teacher shape: Qwen3-0.6B's width and depth (tied embeddings, as that
+model has); a Llama, so its heads are 64 wide (Qwen3's 128) and it has no q/k norms: about 0.5B
+parameters on Qwen3's vocabulary."""
 
 
 def add_init_options(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +135,13 @@ def init_teacher(args: argparse.Namespace, work: Path) -> str | None:
     if not args.init:
         return None
     folder = Path(args.init_dir) if args.init_dir else work
-    return str(init_llama(folder, args.init, args.init_shape, seed=0))
+    if not (folder / "model.safetensors").exists():  # built aside, so a killed run leaves none
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        init_llama(partial, args.init, args.init_shape, seed=0)
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+    return str(folder)
 
 
 def device_name(device: str) -> str:
@@ -167,10 +176,13 @@ def real_batch(student: str, teacher: str, rows: int, length: int, work: Path) -
 
 
 def teacher_logits(teacher_ids: torch.Tensor, vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """Random float32 teacher logits ``[B, L_t, vocab]`` biased towards the realized tokens."""
-    logits = torch.randn(*teacher_ids.shape, vocab, generator=gen)
-    realized = teacher_ids[:, 1:, None]
-    logits[:, :-1].scatter_add_(-1, realized, torch.full(realized.shape, BIAS))
+    """Random float32 teacher logits ``[B, L_t, vocab]`` biased towards the realized tokens, on
+    the generator's device (a CUDA generator makes them on the GPU, many times faster than the
+    CPU's one-thread generator at long rows and wide vocabularies)."""
+    logits = torch.randn(*teacher_ids.shape, vocab, generator=gen, device=gen.device)
+    realized = teacher_ids[:, 1:, None].to(gen.device)
+    bias = torch.full(realized.shape, BIAS, device=gen.device)
+    logits[:, :-1].scatter_add_(-1, realized, bias)
     return logits
 
 
@@ -179,14 +191,15 @@ def sample_signal(
 ) -> TeacherSignal:
     """A top-K teacher signal at ``tau`` of the batch's teacher rows from :func:`teacher_logits`,
     computed sample by sample as the scorer does, so that only one sample's logits exist at a
-    time (long rows: ``rows x L_t x V_T`` logits would not fit), laid out as the batch's rows."""
+    time (long rows: ``rows x L_t x V_T`` logits would not fit), laid out as the batch's rows;
+    on the generator's device, the signal itself on the CPU."""
     side = batch.models["teacher0"]
     ids, segments = side.input_ids.numpy(), side.segment_ids.numpy()
     rows = []
     for b in range(len(ids)):
         row = []
         for segment in np.unique(segments[b][segments[b] >= 0]).tolist():
-            sequence = torch.from_numpy(ids[b][segments[b] == segment])[None]
+            sequence = torch.from_numpy(ids[b][segments[b] == segment])[None].to(gen.device)
             logits = teacher_logits(sequence, vocab, gen)
             signal = signal_from_logits(logits, sequence, k=k, tau=tau)
             row += signal_samples(signal, [sequence.shape[1]])

@@ -57,9 +57,12 @@ Peak memory is measured as above: on top of the inputs, so it includes the weigh
     python benchmarks/loss.py --fused [--repeat 3] [--rows 4] [--length 512] [--device cuda]
         [--bf16] [--kernels eager compiled] [--students smollm2 ...]
         [--dtypes bf16 fp32] [--shapes 2x8192 4x512] [--steps unfused fused tau2]
+        [--fp32-steps fused]
 
 ``--dtypes`` and ``--shapes`` run every combination in this one process (each student's tables
-and batches built once, torch.compile's caches shared); ``--steps`` picks the CSD rows.
+built once, its batch, head and plans once per shape, torch.compile's caches shared; the random
+teacher signals drawn on ``--device``); ``--steps`` picks the CSD rows (``--fp32-steps`` in
+float32). A compiled row that fails is reported and the compiled kernels skipped from there.
 
 With ``--device cuda`` the hidden states and the weight live on the GPU (float32), times are
 synchronised and peak memory is the CUDA allocator's peak above what was allocated before the
@@ -77,7 +80,7 @@ import contextlib
 import logging
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -94,6 +97,8 @@ from inputs import (
 from crosskd.data.collate import Batch
 from crosskd.loss import (
     LocalLogProbs,
+    LossConfig,
+    LossPlan,
     compute_loss,
 )
 from crosskd.loss.config import PROJECTED
@@ -211,32 +216,53 @@ FUSED_STEPS = ("unfused", "fused", "tau2")
 """The CSD rows ``--steps`` can choose: ``linear+csd``, ``fused csd`` and ``fused csd tau=2``."""
 
 
-def _run_fused(
+@dataclass
+class FusedInputs:
+    """One student's batch at one shape and everything its fused rows need but the dtype."""
+
+    name: str
+    vocab: int
+    hidden: torch.Tensor  # [B, L, H] float32, on the device, a leaf that needs a gradient
+    weight: torch.Tensor  # [V, H] float32, likewise
+    targets: torch.Tensor  # [B, L - 1] the CE targets, -100 off the loss mask
+    config: LossConfig
+    plan: LossPlan
+    hot: LossConfig  # tau 2
+    hot_plan: LossPlan
+
+
+def _fused_inputs(
     name: str,
     hidden_size: int,
     tokenizers: tuple[LoadedTokenizer, LoadedTokenizer, TablePair],
     batch: Batch,
-    bf16: bool,
-    args: argparse.Namespace,
-) -> list[dict]:
-    """The fused rows (module docstring) of student ``name`` on ``batch`` (its
-    :func:`inputs.zoo_pair` ``tokenizers``), under bfloat16 autocast when ``bf16`` (else
-    float32)."""
+    device: torch.device,
+) -> FusedInputs:
+    """The head, hidden states and CSD plans (tau 1 and 2) of student ``name`` on ``batch``
+    (its :func:`inputs.zoo_pair` ``tokenizers``); the teacher signals drawn on ``device``."""
     student, teacher_tok, pair = tokenizers
     s_ids = batch.models["student"].input_ids
     gen = torch.Generator().manual_seed(0)
+    drawn = torch.Generator(device=device).manual_seed(0)
     vocab = student.vocab_size
-    device = torch.device(args.device)
     hidden = torch.randn(*s_ids.shape, hidden_size, generator=gen).to(device).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(device)
     weight.requires_grad_()
-    mask = batch.loss_mask
-    targets = torch.where(mask[:, 1:], s_ids[:, 1:], -100).to(device)
-    signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, gen)
+    targets = torch.where(batch.loss_mask[:, 1:], s_ids[:, 1:], -100).to(device)
+    signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, drawn)
     config, plan = csd_plan(batch, signal, pair, FUSED_K, vocab)
-    hot_signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, gen, tau=2.0)
+    hot_signal = sample_signal(batch, teacher_tok.vocab_size, FUSED_K, drawn, tau=2.0)
     hot, hot_plan = csd_plan(batch, hot_signal, pair, FUSED_K, vocab, tau=2.0)
+    return FusedInputs(name, vocab, hidden, weight, targets, config, plan, hot, hot_plan)
 
+
+def _run_fused(inputs: FusedInputs, bf16: bool, args: argparse.Namespace) -> list[dict]:
+    """The fused rows (module docstring) of one student's ``inputs``, under bfloat16 autocast
+    when ``bf16`` (else float32): ``linear+ce`` and the ``--steps`` rows (``--fp32-steps`` in
+    float32) per ``--kernels``. A compiled row that fails (no compiler, Triton cannot build) is
+    a row with its error, and ``compiled`` is dropped from ``args.kernels`` for the rest."""
+    hidden, weight, plan, hot_plan = inputs.hidden, inputs.weight, inputs.plan, inputs.hot_plan
+    device = hidden.device
     compute_dtype = torch.bfloat16 if bf16 else None
 
     def amp() -> contextlib.AbstractContextManager:
@@ -251,44 +277,55 @@ def _run_fused(
         with amp():
             logits = torch.nn.functional.linear(hidden, weight)
             loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100
+                logits[:, :-1].flatten(0, 1), inputs.targets.flatten(), ignore_index=-100
             )
         loss.backward()
         clear()
 
-    def csd_step(config=config) -> None:
+    def csd_step(config: LossConfig) -> None:
         with amp():
             loss = compute_loss(torch.nn.functional.linear(hidden, weight), plan, config).loss
         loss.backward()
         clear()
 
-    def fused_step(plan=plan, config=config) -> None:
+    def fused_step(plan: LossPlan, config: LossConfig) -> None:
         with amp():
             layer = OutputLayer(hidden, weight, None, compute_dtype)
             loss = compute_loss(layer, plan, config).loss
         loss.backward()
         clear()
 
+    chosen = args.steps if bf16 else args.fp32_steps
     steps = [("linear+ce", "-", ce_step)]
     for kernels in args.kernels:
-        eager_or_not, hot_too = replace(config, kernels=kernels), replace(hot, kernels=kernels)
-        chosen = {
-            "unfused": ("linear+csd", partial(csd_step, eager_or_not)),
-            "fused": ("fused csd", partial(fused_step, plan, eager_or_not)),
-            "tau2": ("fused csd tau=2", partial(fused_step, hot_plan, hot_too)),
+        config, hot = replace(inputs.config, kernels=kernels), replace(inputs.hot, kernels=kernels)
+        rows = {
+            "unfused": ("linear+csd", partial(csd_step, config)),
+            "fused": ("fused csd", partial(fused_step, plan, config)),
+            "tau2": ("fused csd tau=2", partial(fused_step, hot_plan, hot)),
         }
-        steps += [(*chosen[s][:1], kernels, chosen[s][1]) for s in FUSED_STEPS if s in args.steps]
+        steps += [(rows[s][0], kernels, rows[s][1]) for s in FUSED_STEPS if s in chosen]
     results = []
     for loss, kernels, step in steps:
-        seconds, peak = measure(step, args.repeat, device.type)
-        results.append(
-            {"student": name, "loss": loss, "kernels": kernels, "seconds": seconds, "peak": peak}
-        )
-    shape = f"{tuple(s_ids.shape)} V={vocab} H={hidden_size}"
+        if kernels not in ("-", *args.kernels):
+            continue  # compiled kernels failed in an earlier row
+        row = {"student": inputs.name, "loss": loss, "kernels": kernels}
+        try:
+            row["seconds"], row["peak"] = measure(step, args.repeat, device.type)
+        except Exception as exc:
+            if kernels != "compiled":
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            print(f"compiled kernels failed ({type(exc).__name__}: {first}); skipped from here")
+            args.kernels.remove("compiled")
+            clear()
+            continue
+        results.append(row)
+    shape = f"{tuple(hidden.shape[:2])} V={inputs.vocab} H={hidden.shape[-1]}"
     for row in results:
         row["shape"] = shape
         row["dtype"] = "bf16" if bf16 else "fp32"
-        row["weight_grad"] = vocab * hidden_size * 4
+        row["weight_grad"] = inputs.vocab * hidden.shape[-1] * 4
         row["time_ratio"] = row["seconds"] / results[0]["seconds"]
         row["memory_ratio"] = row["peak"] / results[0]["peak"]
     return results
@@ -303,35 +340,34 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def _fused_main(args: argparse.Namespace) -> None:
-    """Every student x ``--shapes`` x ``--dtypes`` in this one process (tables built once per
-    student, batches once per shape, torch.compile's caches shared); each row printed as soon
-    as it is measured (a run stopped early keeps what it printed), then the goals per dtype,
-    shape and kernels."""
+    """Every ``--shapes`` x ``--dtypes`` x student in this one process (tables built once per
+    student, inputs once per student and shape, torch.compile's caches shared); each row
+    printed as soon as it is measured, and each shape and dtype's goal as soon as every student
+    has it (a run stopped early keeps what it printed)."""
     shapes = args.shapes or [(args.rows, args.length)]
     dtypes = args.dtypes or (["bf16"] if args.bf16 else ["fp32"])
+    args.fp32_steps = args.fp32_steps or args.steps
+    device = torch.device(args.device)
+    students = [s for s in FUSED_STUDENTS if not args.students or s[0] in args.students]
     print(
         f"{'student':8} {'dtype':5} {'shape':34} {'loss':16} {'kernels':9} {'s':>8} {'x CE':>6} "
         f"{'peak MB':>8} {'x CE':>6} {'dW MB':>6}",
         flush=True,
     )
-    met: dict[tuple[str, str, str], bool] = {}
+    tokenizers = {name: zoo_pair(name, teacher) for name, teacher, _ in students}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, teacher, hidden_size in FUSED_STUDENTS:
-            if args.students and name not in args.students:
-                continue
-            tokenizers = zoo_pair(name, teacher)
-            for rows, length in shapes:
-                batch = real_batch(name, teacher, rows, length, Path(tmp) / f"{rows}x{length}")
-                for dtype in dtypes:
-                    results = _run_fused(
-                        name, hidden_size, tokenizers, batch, dtype == "bf16", args
-                    )
-                    if args.device.startswith("cuda"):  # this student's weight goes back
-                        torch.cuda.empty_cache()
-                    for r in results:
+        for rows, length in shapes:
+            inputs = {}
+            for name, teacher, hidden_size in students:
+                work = Path(tmp) / f"{rows}x{length}"
+                batch = real_batch(name, teacher, rows, length, work)
+                inputs[name] = _fused_inputs(name, hidden_size, tokenizers[name], batch, device)
+            for dtype in dtypes:
+                met: dict[str, bool] = {}
+                for name, _, _ in students:
+                    for r in _run_fused(inputs[name], dtype == "bf16", args):
                         if r["loss"] == "fused csd":
-                            key = (r["dtype"], f"{rows}x{length}", r["kernels"])
-                            met[key] = met.get(key, True) and (
+                            met[r["kernels"]] = met.get(r["kernels"], True) and (
                                 r["time_ratio"] <= GOAL_FUSED_TIME
                                 and r["memory_ratio"] <= GOAL_FUSED_MEMORY
                             )
@@ -342,12 +378,16 @@ def _fused_main(args: argparse.Namespace) -> None:
                             f"{r['weight_grad'] / 2**20:6.0f}",
                             flush=True,
                         )
-    for (dtype, shape, kernels), ok in sorted(met.items()):
-        print(
-            f"goal: fused csd ({kernels}, {dtype}, {shape}) <= {GOAL_FUSED_TIME}x the time and "
-            f"<= {GOAL_FUSED_MEMORY}x the peak memory of linear+ce, every student: "
-            f"{'met' if ok else 'NOT met'}"
-        )
+                for kernels, ok in met.items():
+                    print(
+                        f"goal: fused csd ({kernels}, {dtype}, {rows}x{length}) <= "
+                        f"{GOAL_FUSED_TIME}x the time and <= {GOAL_FUSED_MEMORY}x the peak memory "
+                        f"of linear+ce, every student: {'met' if ok else 'NOT met'}",
+                        flush=True,
+                    )
+            del inputs
+            if device.type == "cuda":  # the shape's heads and plans go back
+                torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -383,6 +423,13 @@ def main() -> None:
         default=list(FUSED_STEPS),
         help="--fused: the CSD rows beside linear+ce: linear+csd (unfused), fused csd (fused), "
         "fused csd at tau 2 (tau2)",
+    )
+    parser.add_argument(
+        "--fp32-steps",
+        nargs="+",
+        choices=FUSED_STEPS,
+        default=None,
+        help="--fused: the CSD rows in float32 (default: --steps)",
     )
     parser.add_argument(
         "--kernels",

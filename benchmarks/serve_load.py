@@ -24,7 +24,10 @@ holds ``--sequences`` of them):
    ``--max-queue-tokens``, and the checks: every request got exactly one answer or refusal
    (none lost, no other status), and every answer holds exactly its request's sequences (row
    count, lengths, and the same values as the capacity phase's answer for those sequences:
-   top-K ids equal, log probs within 1e-4 nats; other batch shapes may move the last bits).
+   in float32 top-K ids equal and log probs within 1e-4 nats, since other batch shapes may move
+   the last bits; in a 16-bit ``--dtype``, where another batch shape can move a log prob by
+   1e-2 and swap near-tied ids, the same top-1 id at 90% of the positions and log probs within
+   0.05 nats on average: another sequence's answer is far from both).
 3. **Drain**: SIGTERM; the server must exit 0.
 
 The run stops by itself: a bounded number of requests, every wait bounded by
@@ -61,6 +64,10 @@ from crosskd.tokenization import load_tokenizer
 
 K = 128
 TOLERANCE = 1e-4
+"""float32: the largest difference of a log prob between two answers for one sequence, nats."""
+LOOSE_MEAN, LOOSE_TOP1 = 0.05, 0.9
+"""16-bit dtypes: the largest mean difference of the log probs, nats, and the least share of
+positions with the same top-1 id."""
 
 
 @dataclass
@@ -194,14 +201,24 @@ def run_clients(
     return answers
 
 
-def same_signal(got: SampleSignal, want: SampleSignal) -> bool:
-    """Equal ids and log probs within :data:`TOLERANCE`."""
-    return (
-        got.length == want.length
-        and bool((got.ids == want.ids).all())
-        and float(np.abs(got.log_probs - want.log_probs).max()) <= TOLERANCE
-        and float(np.abs(got.realized - want.realized).max(initial=0.0)) <= TOLERANCE
-    )
+def same_signal(got: SampleSignal, want: SampleSignal, strict: bool) -> bool:
+    """``strict`` (float32): equal ids and log probs within :data:`TOLERANCE`; else the same
+    top-1 id at :data:`LOOSE_TOP1` of the positions and log probs within :data:`LOOSE_MEAN` on
+    average (the top K's sorted values and the realized ones)."""
+    if got.length != want.length:
+        return False
+    if strict:
+        return (
+            bool((got.ids == want.ids).all())
+            and float(np.abs(got.log_probs - want.log_probs).max()) <= TOLERANCE
+            and float(np.abs(got.realized - want.realized).max(initial=0.0)) <= TOLERANCE
+        )
+    rows = np.arange(got.length)
+    best = [s.ids[rows, s.log_probs.argmax(axis=1)] for s in (got, want)]  # ids ascend per row
+    top1 = float((best[0] == best[1]).mean()) if got.length else 1.0
+    values = np.abs(np.sort(got.log_probs, axis=1) - np.sort(want.log_probs, axis=1)).mean()
+    realized = np.abs(got.realized - want.realized).mean() if got.length > 1 else 0.0
+    return top1 >= LOOSE_TOP1 and float(values) <= LOOSE_MEAN and float(realized) <= LOOSE_MEAN
 
 
 def main() -> None:
@@ -320,11 +337,13 @@ def load_test(server: Server, args: argparse.Namespace) -> list[str]:
     statuses = Counter(None if a is None else a.status for a in answers)
     refused = [a for a in answers if a is not None and a.status in (429, 503)]
     wrong = 0
+    strict = args.dtype == "float32"
     for request, answer in zip(overload, answers, strict=True):
         if answer is None or answer.status != 200:
             continue
         if len(answer.signals) != len(request) or not all(
-            same_signal(got, reference[i]) for i, got in zip(request, answer.signals, strict=True)
+            same_signal(got, reference[i], strict)
+            for i, got in zip(request, answer.signals, strict=True)
         ):
             wrong += 1
     print(

@@ -2,13 +2,14 @@
 fused with the output head and from the logits, with peak memory, and the bytes per token of
 each storage option, in one run.
 
-The teacher is SmolLM2-135M-Instruct (``zoo:smollm2``; V = 49,152, H = 576), or with
-``--init TOKENIZER`` a random-init Llama of ``--init-shape`` on that zoo tokenizer (default
-Qwen3-0.6B's shape: hidden 1024, 28 layers, 16 / 8 heads, intermediate 3072; scoring's cost does not
-depend on the weights' values; nothing to download, for a GPU machine without the SmolLM2 weights),
-on ``--device`` in ``--dtype``; the data is :func:`crosskd.alignment.corpus.benchmark_corpus` text
-(``--bytes``) prepared for a Llama-3 student and this teacher (samples of at most ``--length``
-tokens), batched by a token budget as ``crosskd score`` batches it. Timed on the same batches:
+The teacher is SmolLM2-135M-Instruct (``zoo:smollm2``; V = 49,152, H = 576), or with ``--init
+TOKENIZER`` a random-init Llama of ``--init-shape`` on that zoo tokenizer (default Qwen3-0.6B's
+width and depth: hidden 1024, 28 layers, 16 / 8 heads of 64, intermediate 3072, about 0.5B
+parameters; scoring's cost does not depend on the weights' values; nothing to download, for a GPU
+machine without the SmolLM2 weights), on ``--device`` in ``--dtype``; the data is
+:func:`crosskd.alignment.corpus.benchmark_corpus` text (``--bytes``) prepared for a Llama-3 student
+and this teacher (samples of at most ``--length`` tokens), batched by a token budget as ``crosskd
+score`` batches it. Timed on the same batches:
 
 * ``forward``: ``model(input_ids, attention_mask).logits`` (the baseline);
 * ``score``: :func:`crosskd.teacher.scoring.score_sequences` from the logits (the forward, then
@@ -18,10 +19,12 @@ tokens), batched by a token budget as ``crosskd score`` batches it. Timed on the
 * ``score (fused)``: the same with the teacher's head fused
   (:func:`crosskd.teacher.signal.signal_from_output_layer`: the forward hands over its last
   hidden states, the signal is computed a block of rows and of the vocabulary at a time, and
-  the ``tokens x V`` logits never exist), as ``crosskd score`` runs it, plus the same encoding.
+  the ``tokens x V`` logits never exist), as ``crosskd score`` runs it, plus the same encoding;
+* ``encode only``: that encoding alone, of signals scored before the rounds: on a GPU the part
+  of ``score`` the card does not do (``crosskd score`` encodes each shard after scoring it).
 
-Each of ``--repeat`` rounds measures the three in turn (so a drift of the machine's speed hits
-all three), each with :func:`inputs.measure`: one untimed pass over all batches, then one
+Each of ``--repeat`` rounds measures the four in turn (so a drift of the machine's speed hits
+all four), each with :func:`inputs.measure`: one untimed pass over all batches, then one
 timed pass and its peak memory, the largest rise of the process's peak resident set over the
 pass (``VmHWM``, reset through ``/proc/self/clear_refs`` before it), on top of the model and
 the inputs. Seconds are the median over the rounds, peak memory the largest; ratios are against
@@ -131,13 +134,20 @@ def main() -> None:
             out += signals
         return out
 
+    per_batch = [score_sequences(teacher, batch, k=K, tau=1.0) for batch in batches]
+
+    def encoding() -> None:
+        for signals in per_batch:
+            encode([str(i) for i in range(len(signals))], signals, "lossless")
+
     steps = {
         "forward": forward,
         "score": lambda: scoring(unfused),
         "score (fused)": lambda: scoring(teacher),
+        "encode only": encoding,
     }
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name in steps}
-    for _ in range(args.repeat):  # rounds over the three, so a drift of the machine hits all
+    for _ in range(args.repeat):  # rounds over the four, so a drift of the machine hits all
         for name, step in steps.items():
             runs[name].append(measure(step, 1, args.device))
     seconds = {name: statistics.median(s for s, _ in got) for name, got in runs.items()}

@@ -43,27 +43,29 @@ AdamW. Its CE at the first step equals the KD trainer's (printed as a check).
 
 **GPU mode** (``--gpu``, under ``torchrun``; one process works too): every rank builds the trainer
 with ``parallel: {dp_shard: WORLD}`` (FSDP2 over all ranks, bf16 parameters, float32 gradient
-reduction, bf16 autocast), default shape Llama-3.2-1B-like (hidden 2048, 16 layers, 32 heads, 8 KV
-heads, intermediate 8192, tied embeddings, Llama-3 tokenizer), rows of ``--length`` (2048 by
-default) tokens, ``--rows`` rows per micro-batch, optional ``--activation-checkpointing``. Rank 0
-builds the inputs (in ``--workdir``: storage every rank sees, or a temporary folder on a single
-node), then each rank times ``--repeats`` steps after ``--warmup`` with its inputs prepared ahead
-(as the prefetch thread does), first of the KD trainer (CE + CSD), then, that trainer closed, of the
-CE-only trainer built the same way as in the CPU mode (one at a time, so one GPU holds one model and
-its optimizer). Reported per rank and in total, for each: tokens/s (the student positions of the
-rank's step, padding included, over the median step time; real tokens too), MFU = ``(6 N + 12 layers
-hidden length) * tokens/s / peak`` (``N``: every parameter once, the tied embedding included as the
-head's matmul; the second term is attention's FLOPs per token over the whole packed row; ``6 N``
-also under activation checkpointing, whose recompute is not counted as useful work; peak =
-``--peak-tflops``, 989: H100/H200 dense bf16), ``torch.cuda.max_memory_allocated()`` over the
-measured steps, the parameter + gradient + AdamW bytes the rank holds, and the most gradient bytes
-it held after any micro-batch's backward pass (``ParallelStudent.gradient_peak``) over the whole
-model's float32 gradients: with ``--grad-accum`` > 1, about ``1 / WORLD`` (every micro-batch
-reduce-scatters), where accumulating unreduced gradients held 1, and the share of the step in the
-output head and the loss (:func:`head_loss_seconds`: head + loss alone, forward and backward, on one
-micro-batch's plan, times the micro-batches, over the step). Goals: the KD step's MFU at least 40%
-of the card's dense bf16 peak, and its time at most 1.15x the CE-only step's. Without CUDA the same
-code runs on CPU (gloo, float32) with the sizes given, a smoke check of the path, e.g.
+reduction, bf16 autocast; one rank is not sharded: float32 weights under bf16 autocast), default
+shape Llama-3.2-1B-like (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, tied
+embeddings, Llama-3 tokenizer), rows of ``--length`` (2048 by default) tokens, ``--rows`` rows per
+micro-batch, optional ``--activation-checkpointing``. Rank 0 builds the inputs (in ``--workdir``:
+storage every rank sees, or a temporary folder on a single node), then each rank times ``--repeats``
+steps after ``--warmup`` with its inputs prepared ahead (as the prefetch thread does), first of the
+KD trainer (CE + CSD), then, that trainer closed, of the CE-only trainer built the same way as in
+the CPU mode (one at a time, so one GPU holds one model and its optimizer). Reported per rank and in
+total, for each: tokens/s (the student positions of the rank's step, padding included, over the
+median step time; real tokens too), MFU = useful FLOPs of the step over its median time over the
+peak (:func:`step_flops`: ``6 N`` per real token, ``N`` every parameter once, the tied embedding
+included as the head's matmul, plus ``12 layers hidden s^2`` per packed sample of ``s`` tokens,
+attention within the sample only; ``6 N`` also under activation checkpointing, whose recompute is
+not counted as useful work; peak = ``--peak-tflops``, 989: H100/H200 dense bf16),
+``torch.cuda.max_memory_allocated()`` over the measured steps, the parameter + gradient + AdamW
+bytes the rank holds, and the most gradient bytes it held after any micro-batch's backward pass
+(``ParallelStudent.gradient_peak``) over the whole model's float32 gradients: with ``--grad-accum``
+> 1, about ``1 / WORLD`` (every micro-batch reduce-scatters), where accumulating unreduced gradients
+held 1, and the share of the step in the output head and the loss (:func:`head_loss_seconds`: head +
+loss alone, forward and backward, on one micro-batch's plan, times the micro-batches, over the
+step). Goals: the KD step's MFU at least 40% of the card's dense bf16 peak, and its time at most
+1.15x the CE-only step's. Without CUDA the same code runs on CPU (gloo, float32) with the sizes
+given, a smoke check of the path, e.g.
 
     torchrun --nproc-per-node 2 benchmarks/train_step.py --gpu --hidden-size 64 --layers 2 \\
         --heads 4 --kv-heads 2 --intermediate-size 128 --length 128 --rows 2 --repeats 2
@@ -423,20 +425,23 @@ def _share(value, rank: int, world: int):
 
 def head_loss_seconds(trainer, step: int, repeats: int) -> float:
     """Median seconds of the output head + loss alone, forward and backward, on the first
-    micro-batch's plan of ``step`` (``trainer.step_inputs``) and the student's head weight (the
-    whole weight, gathered), with random hidden states ``[rows, length, H]`` in the step's
-    compute dtype: what the head and the loss cost inside a step (their time does not depend on
-    the values). Fused with the head unless the trainer runs on the logits."""
+    micro-batch's plan of ``step`` (``trainer.step_inputs``), with random hidden states
+    ``[rows, length, H]`` (their values do not change the time): what the head and the loss cost
+    inside a step. As the step runs them: the head's own weight in the dtype the forward pass
+    sees it (unsharded: the float32 parameter, with float32 hidden states, cast under autocast;
+    FSDP2: the whole weight gathered in the compute dtype, as the forward pass gets it), fused
+    with the loss unless the trainer runs on the logits; the gradients of both are computed
+    (``torch.autograd.grad``: nothing is added to the parameter's ``.grad``)."""
     from crosskd.loss import compute_loss
     from crosskd.output_layer import OutputLayer
 
     batch, plan = trainer.step_inputs(step)[0]
     weight = trainer.model.get_output_embeddings().weight
-    weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-    dtype = trainer.compute_dtype or torch.float32
-    weight = weight.detach().to(dtype).clone().requires_grad_()
+    if hasattr(weight, "full_tensor"):  # FSDP2: the forward pass gathers it in param_dtype
+        dtype = trainer.compute_dtype or weight.dtype
+        weight = weight.full_tensor().detach().to(dtype).requires_grad_()
     rows, length = batch.models["student"].input_ids.shape
-    hidden = torch.randn(rows, length, weight.shape[1], device=weight.device, dtype=dtype)
+    hidden = torch.randn(rows, length, weight.shape[1], device=weight.device, dtype=weight.dtype)
     hidden.requires_grad_()
     autocast = torch.autocast(
         trainer.device.type, dtype=trainer.compute_dtype, enabled=trainer.compute_dtype is not None
@@ -459,12 +464,27 @@ def head_loss_seconds(trainer, step: int, repeats: int) -> float:
     return _median(seconds)
 
 
+def step_flops(planned: list, params: int, layers: int, hidden: int) -> tuple[float, int]:
+    """The useful FLOPs of one step's micro-batches ``planned`` and their real tokens: ``6 N``
+    per real token (forward and backward through every parameter once, the tied embedding
+    counted as the head's matmul) plus ``12 layers hidden s^2`` per packed sample of ``s``
+    tokens (attention's two products within the sample, forward and backward, causality not
+    discounted; positions of other samples in the row and padding are masked, not work)."""
+    tokens, squares = 0, 0
+    for batch, _ in planned:
+        segments = batch.models["student"].segment_ids
+        for row in segments:
+            lengths = torch.bincount(row[row >= 0])
+            tokens += int(lengths.sum())
+            squares += int((lengths.long() ** 2).sum())
+    return 6 * params * tokens + 12 * layers * hidden * squares, tokens
+
+
 def measure_gpu(trainer, args: argparse.Namespace, rank: int, device: torch.device) -> dict:
     """One rank's figures for ``trainer`` (module docstring): ``--repeats`` steps after
     ``--warmup``, then the head + loss alone (:func:`head_loss_seconds`)."""
     params = sum(p.numel() for p in trainer.model.parameters())
-    flops_per_token = 6 * params + 12 * args.layers * args.hidden_size * args.length
-    step_s, inputs_s, positions, tokens = [], [], [], []
+    step_s, inputs_s, positions, tokens, flops = [], [], [], [], []
     for step in range(args.warmup + args.repeats):
         if step == args.warmup:
             if device.type == "cuda":
@@ -476,9 +496,9 @@ def measure_gpu(trainer, args: argparse.Namespace, rank: int, device: torch.devi
             step_s.append(seconds)
             inputs_s.append(prepare_s)
             positions.append(sum(b.models["student"].input_ids.numel() for b, _ in planned))
-            tokens.append(
-                sum(int((b.models["student"].segment_ids >= 0).sum()) for b, _ in planned)
-            )
+            work, real = step_flops(planned, params, args.layers, args.hidden_size)
+            flops.append(work)
+            tokens.append(real)
         if rank == 0:
             log.info("step %d: train_step %.3f s, loss %.4f", step, seconds, metrics["loss"])
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss()[1]
@@ -492,9 +512,10 @@ def measure_gpu(trainer, args: argparse.Namespace, rank: int, device: torch.devi
         "head_loss_share": head_loss * args.grad_accum / median,
         "positions_per_step": per_step,
         "tokens_per_step": statistics.mean(tokens),
+        "flops_per_step": statistics.mean(flops),
         "tokens_per_s": per_step / median,
         "real_tokens_per_s": statistics.mean(tokens) / median,
-        "mfu": flops_per_token * per_step / median / (args.peak_tflops * 1e12),
+        "mfu": statistics.mean(flops) / median / (args.peak_tflops * 1e12),
         "peak_memory": peak,
         "state_bytes": sum((trainer.state_bytes or {}).values()),
         "gradient_peak": trainer.student.gradient_peak,
@@ -539,6 +560,13 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
         vocab, attention = trainer.vocab, trainer.attention
         params = sum(p.numel() for p in trainer.model.parameters())
         mine = measure_gpu(trainer, args, rank, device)
+        if rank == 0:  # at once: a run stopped in the next trainer keeps these
+            print(
+                f"{name} step, rank 0: {mine['step_s']:.3f} s, {mine['tokens_per_s']:,.0f} "
+                f"tokens/s, MFU {mine['mfu']:.1%}, head+loss {mine['head_loss_share']:.1%}, "
+                f"peak {mine['peak_memory'] / 2**30:.2f} GiB",
+                flush=True,
+            )
         trainer.close()
         del trainer
         gc.collect()
@@ -558,15 +586,21 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
         dist.destroy_process_group()
     if rank != 0:
         return None
-    flops_per_token = 6 * params + 12 * args.layers * args.hidden_size * args.length
+    kd_ranks = measured["kd"]
+    flops_per_token = sum(r["flops_per_step"] for r in kd_ranks) / sum(
+        r["tokens_per_step"] for r in kd_ranks
+    )
 
     def total(ranks: list[dict]) -> dict:
         tps = sum(r["tokens_per_s"] for r in ranks)
+        step_s = max(r["step_s"] for r in ranks)
         return {
             "tokens_per_s": tps,
             "real_tokens_per_s": sum(r["real_tokens_per_s"] for r in ranks),
-            "mfu": flops_per_token * tps / (world * args.peak_tflops * 1e12),
-            "step_s": max(r["step_s"] for r in ranks),
+            "mfu": sum(r["flops_per_step"] for r in ranks)
+            / step_s
+            / (world * args.peak_tflops * 1e12),
+            "step_s": step_s,
             "head_loss_share": max(r["head_loss_share"] for r in ranks),
             "peak_memory": max(r["peak_memory"] for r in ranks),
         }
@@ -612,11 +646,17 @@ def bench_gpu(args: argparse.Namespace) -> dict | None:
 def print_gpu(r: dict) -> None:
     """The GPU mode's table: the KD step's ranks, then the CE-only step's, then the goals."""
     memory = "max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
+    sharding = (
+        f"FSDP2 over {r['world']} ranks (parameters in the compute dtype, float32 reduction)"
+        if r["world"] > 1
+        else "one rank, unsharded (dp_shard 1 applies no FSDP2: float32 weights and gradients, "
+        "compute under autocast)"
+    )
     print(
         f"training step of a {r['student_params'] / 1e9:.3f}B Llama student (hidden "
         f"{r['hidden_size']}, {r['layers']} layers, {r['heads']}/{r['kv_heads']} heads, "
-        f"intermediate {r['intermediate_size']}, V {r['vocab']:,}), FSDP2 over {r['world']} "
-        f"rank(s) on {r['device_name']} (torch {r['torch']}, CUDA {r['cuda']}), "
+        f"intermediate {r['intermediate_size']}, V {r['vocab']:,}), {sharding}, "
+        f"on {r['device_name']} (torch {r['torch']}, CUDA {r['cuda']}), "
         f"{r['attention']} attention, activation checkpointing "
         f"{'on' if r['activation_checkpointing'] else 'off'}, loss on the "
         f"{'logits' if r['logits'] else 'fused head'}; {r['rows']} rows x "
@@ -624,7 +664,7 @@ def print_gpu(r: dict) -> None:
         f"(CE + CSD against a top-{r['k']} cache) and CE only; median of {r['repeats']} steps "
         f"after {r['warmup']} warm-up, inputs prepared ahead; MFU against "
         f"{r['peak_tflops']:g} TFLOP/s per rank, {r['flops_per_token'] / 1e9:.2f} GFLOP per "
-        f"token:"
+        f"real token (6 N + attention within each packed sample):"
     )
     print(
         f"  {'step':<5}{'rank':<6}{'step s':>9}{'inputs s':>10}{'tokens/s':>12}"
