@@ -152,7 +152,7 @@ def main() -> None:
             runs[name].append(measure(step, 1, args.device))
     seconds = {name: statistics.median(s for s, _ in got) for name, got in runs.items()}
     peaks = {name: max(p for _, p in got) for name, got in runs.items()}
-    signals = scoring(teacher)
+    signals = [signal for batch in per_batch for signal in batch]
     print(
         f"{len(sequences)} samples, {tokens} tokens in {len(batches)} batches "
         f"(budget {args.budget} tokens), teacher {args.init or reference} "
